@@ -1,0 +1,34 @@
+"""Local etcd v3 servers and clusters for tests, demos and single-node jobs.
+
+Standard library only at import time (no torch, grpc or etcd_store)::
+
+    from etcd_server import EtcdServer
+
+    with EtcdServer() as server:          # blocks until etcd serves v3
+        print(server.get_endpoint())      # "127.0.0.1:PORT"
+"""
+
+from .binary import ENV_VAR, EtcdBinaryNotFoundError, etcd_version, find_etcd_binary
+from .server import (
+    AuthConfig,
+    EtcdGatewayError,
+    EtcdServer,
+    EtcdStartError,
+    EtcdStartTimeoutError,
+    TLSConfig,
+    prefix_range_end,
+)
+
+__all__ = [
+    "ENV_VAR",
+    "AuthConfig",
+    "EtcdBinaryNotFoundError",
+    "EtcdGatewayError",
+    "EtcdServer",
+    "EtcdStartError",
+    "EtcdStartTimeoutError",
+    "TLSConfig",
+    "etcd_version",
+    "find_etcd_binary",
+    "prefix_range_end",
+]

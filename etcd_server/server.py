@@ -1,0 +1,1046 @@
+"""A local etcd v3 server process for tests, demos and single-node jobs.
+
+:class:`EtcdServer` is a drop-in for
+``torch.distributed.elastic.rendezvous.etcd_server.EtcdServer`` (same
+``start``/``stop``/``get_host``/``get_port``/``get_endpoint``/``get_client``
+methods) with these differences:
+
+* it talks the etcd **v3** API; the v2 API is off unless ``enable_v2=True``;
+* readiness is a real v3 request (``/v3/maintenance/status`` then a
+  linearizable ``/v3/kv/range``) through etcd's JSON gateway, polled against a
+  deadline; a process that exits during start-up is noticed at once and
+  reported with its exit code and the tail of its log (:class:`EtcdStartError`);
+* it listens on ``127.0.0.1`` only, on free ports; when a port is taken
+  between probing and binding the start is retried on new ports;
+* ``start()`` may be called again after ``stop()`` (and :meth:`EtcdServer.restart`
+  exists): the client and peer ports stay the same, so connected clients can
+  reconnect;
+* no etcd outlives the Python process that started it: ``stop()`` sends SIGTERM
+  then SIGKILL, an ``atexit`` hook stops whatever is still running, and on
+  Linux the child is started with ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` so the
+  kernel kills it even when Python itself is SIGKILLed;
+* optional TLS serving (:class:`TLSConfig`) and auth (:class:`AuthConfig`,
+  set up through the JSON gateway; passwords travel in request bodies only).
+
+.. warning:: ``PR_SET_PDEATHSIG`` fires when the *thread* that forked the
+   child exits, not only when the process does. Start servers from a thread
+   that lives as long as the server (the main thread, a pytest fixture, ...);
+   a server started from a short-lived worker thread is SIGKILLed when that
+   thread ends. Pass ``die_with_parent=False`` to opt out.
+
+This module imports only the standard library (no torch, grpc or etcd_store).
+"""
+
+from __future__ import annotations
+
+import atexit
+import base64
+import contextlib
+import ctypes
+import ctypes.util
+import dataclasses
+import http.client
+import importlib
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import IO, Any, TextIO
+
+from .binary import etcd_version, find_etcd_binary
+
+__all__ = [
+    "AuthConfig",
+    "EtcdGatewayError",
+    "EtcdServer",
+    "EtcdStartError",
+    "EtcdStartTimeoutError",
+    "TLSConfig",
+]
+
+logger = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"
+_LOG_TAIL_LINES = 20
+_PR_SET_PDEATHSIG = 1
+
+
+# --------------------------------------------------------------------------
+# configuration and errors
+# --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TLSConfig:
+    """Serve the client API over https.
+
+    Attributes:
+        cert_file, key_file: the server certificate and key (PEM). The
+            certificate should name ``IP:127.0.0.1`` in its subjectAltName.
+            etcd's JSON gateway dials the server with this same certificate,
+            so when ``client_cert_auth`` is on it must also allow
+            ``clientAuth`` (extendedKeyUsage serverAuth + clientAuth).
+        ca_file: CA bundle that signed the server (and client) certificates;
+            passed as ``--trusted-ca-file`` and used by our probes/clients.
+        client_cert_auth: require clients to present a certificate signed by
+            ``ca_file`` (``--client-cert-auth``).
+        client_cert_file, client_key_file: the certificate our readiness
+            probes and :meth:`EtcdServer.get_client` present; default to the
+            server certificate and key.
+    """
+
+    cert_file: str
+    key_file: str
+    ca_file: str
+    client_cert_auth: bool = True
+    client_cert_file: str | None = None
+    client_key_file: str | None = None
+
+    @property
+    def client_cert(self) -> str:
+        """Certificate presented by our own clients."""
+        return self.client_cert_file or self.cert_file
+
+    @property
+    def client_key(self) -> str:
+        """Key of :attr:`client_cert`."""
+        return self.client_key_file or self.key_file
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """A client-side context trusting ``ca_file`` and presenting the client cert."""
+        ctx = ssl.create_default_context(cafile=self.ca_file)
+        ctx.load_cert_chain(self.client_cert, self.client_key)
+        return ctx
+
+
+@dataclasses.dataclass(frozen=True)
+class AuthConfig:
+    """Turn on etcd authentication once the server is first ready.
+
+    A ``root`` user with ``root_password`` and the ``root`` role is created and
+    ``auth enable`` is issued. When ``user`` is set, that user is created with
+    ``password`` and a role (``role``, default ``"<user>-rw"``) granting
+    READWRITE on the keys starting with ``prefix`` only (all keys when
+    ``prefix`` is empty).
+
+    Passwords are excluded from ``repr`` and are only ever sent in request
+    bodies to the server's JSON gateway.
+    """
+
+    root_password: str = dataclasses.field(repr=False)
+    user: str | None = None
+    password: str | None = dataclasses.field(default=None, repr=False)
+    prefix: bytes | str = b""
+    role: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.root_password:
+            raise ValueError("AuthConfig.root_password must not be empty")
+        if self.user is not None and not self.password:
+            raise ValueError("AuthConfig.user needs a password")
+        if self.user == "root":
+            raise ValueError("AuthConfig.user must not be 'root'")
+
+    @property
+    def prefix_bytes(self) -> bytes:
+        """``prefix`` as bytes (UTF-8 if given as str)."""
+        p = self.prefix
+        return p.encode() if isinstance(p, str) else bytes(p)
+
+    @property
+    def role_name(self) -> str | None:
+        """Name of the limited user's role, or None without a limited user."""
+        if self.user is None:
+            return None
+        return self.role or f"{self.user}-rw"
+
+
+class EtcdStartError(RuntimeError):
+    """etcd did not come up.
+
+    Attributes:
+        returncode: exit status of the etcd process (negative: killed by that
+            signal), or None if it was still running (a time-out).
+        log_tail: the last lines etcd wrote to its stderr log ("" when the
+            caller redirected stderr elsewhere).
+        cmd: the command line that was run.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        returncode: int | None = None,
+        log_tail: str = "",
+        cmd: Sequence[str] = (),
+    ) -> None:
+        self.returncode = returncode
+        self.log_tail = log_tail
+        self.cmd = list(cmd)
+        full = message
+        if log_tail:
+            full += "\n--- last lines of the etcd log ---\n" + log_tail
+        super().__init__(full)
+
+    @property
+    def address_in_use(self) -> bool:
+        """True if the log says a listen port was already taken."""
+        return "address already in use" in self.log_tail
+
+
+class EtcdStartTimeoutError(EtcdStartError, TimeoutError):
+    """etcd was still running but not ready when the start-up deadline passed."""
+
+
+class EtcdGatewayError(RuntimeError):
+    """An error answer from etcd's JSON gateway (``/v3/...``).
+
+    Attributes:
+        path: the gateway path requested.
+        http_status: HTTP status code of the answer.
+        code: the gRPC status code etcd reported (e.g. 7 PERMISSION_DENIED).
+        etcd_message: etcd's error message, e.g.
+            ``"etcdserver: authentication failed, invalid user ID or password"``.
+    """
+
+    def __init__(self, path: str, http_status: int, code: int, etcd_message: str):
+        self.path = path
+        self.http_status = http_status
+        self.code = code
+        self.etcd_message = etcd_message
+        super().__init__(
+            f"etcd {path} failed: {etcd_message} (grpc code {code}, HTTP {http_status})"
+        )
+
+    @property
+    def is_auth_error(self) -> bool:
+        """True for authentication/permission failures."""
+        msg = self.etcd_message.lower()
+        return self.code in (7, 16) or "user name is empty" in msg or "auth" in msg
+
+
+# --------------------------------------------------------------------------
+# JSON gateway (stdlib only)
+# --------------------------------------------------------------------------
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def prefix_range_end(prefix: bytes) -> bytes:
+    """The etcd ``range_end`` covering every key that starts with ``prefix``.
+
+    An empty prefix gives ``b"\\0"`` (all keys), as ``etcdctl --prefix`` does.
+    """
+    p = bytearray(prefix)
+    while p:
+        if p[-1] < 0xFF:
+            p[-1] += 1
+            return bytes(p)
+        p.pop()
+    return b"\0"
+
+
+class _Gateway:
+    """Minimal client for etcd's v3 JSON gateway (POST + JSON, no proxies)."""
+
+    def __init__(self, base_url: str, ssl_context: ssl.SSLContext | None = None):
+        self.base_url = base_url.rstrip("/")
+        handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]
+        if ssl_context is not None:
+            handlers.append(urllib.request.HTTPSHandler(context=ssl_context))
+        self._opener = urllib.request.build_opener(*handlers)
+
+    def call(
+        self,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        timeout: float = 5.0,
+        token: str | None = None,
+    ) -> dict[str, Any]:
+        """POST ``body`` to ``path`` and return the decoded JSON answer.
+
+        Blocks up to ``timeout`` seconds.
+
+        Raises:
+            EtcdGatewayError: etcd answered with an error.
+            OSError: (incl. ``urllib.error.URLError``, ``ssl.SSLError``,
+                ``TimeoutError``) the request did not get an answer.
+        """
+        req = urllib.request.Request(
+            self.base_url + path,
+            data=json.dumps(body or {}).encode(),
+            method="POST",
+            headers={"Content-Type": "application/json"},
+        )
+        if token:
+            req.add_header("Authorization", token)
+        try:
+            with self._opener.open(req, timeout=timeout) as resp:
+                raw = resp.read()
+                status = int(resp.status)
+        except urllib.error.HTTPError as e:
+            raw = e.read()
+            status = e.code
+        try:
+            data = json.loads(raw or b"{}")
+        except ValueError as e:
+            raise EtcdGatewayError(path, status, -1, f"non-JSON answer {raw[:200]!r}") from e
+        if not isinstance(data, dict):
+            raise EtcdGatewayError(path, status, -1, f"unexpected answer {raw[:200]!r}")
+        if status >= 400 or "error" in data:
+            msg = str(data.get("message") or data.get("error") or f"HTTP {status}")
+            raise EtcdGatewayError(path, status, int(data.get("code", -1)), msg)
+        return data
+
+
+def setup_auth(gateway: _Gateway, auth: AuthConfig, *, timeout: float = 10.0) -> None:
+    """Create the root user/role (and the limited user) and enable auth.
+
+    Idempotent: if auth is already enabled (the root password authenticates),
+    nothing is changed. Blocks for a handful of gateway round trips.
+
+    Raises:
+        EtcdGatewayError: etcd refused a step (e.g. auth is already enabled
+            with a different root password).
+    """
+    try:
+        gateway.call(
+            "/v3/auth/authenticate",
+            {"name": "root", "password": auth.root_password},
+            timeout=timeout,
+        )
+        logger.info("etcd auth is already enabled; leaving users and roles as they are")
+        return
+    except EtcdGatewayError as e:
+        if "not enabled" not in e.etcd_message:
+            raise
+
+    def call_ignoring_exists(path: str, body: dict[str, Any]) -> None:
+        try:
+            gateway.call(path, body, timeout=timeout)
+        except EtcdGatewayError as e:
+            if "already exists" not in e.etcd_message:
+                raise
+
+    call_ignoring_exists(
+        "/v3/auth/user/add", {"name": "root", "password": auth.root_password}
+    )
+    call_ignoring_exists("/v3/auth/role/add", {"name": "root"})
+    gateway.call("/v3/auth/user/grant", {"user": "root", "role": "root"}, timeout=timeout)
+    if auth.user is not None and auth.role_name is not None:
+        prefix = auth.prefix_bytes
+        call_ignoring_exists(
+            "/v3/auth/user/add", {"name": auth.user, "password": auth.password}
+        )
+        call_ignoring_exists("/v3/auth/role/add", {"name": auth.role_name})
+        gateway.call(
+            "/v3/auth/role/grant",
+            {
+                "name": auth.role_name,
+                "perm": {
+                    "permType": "READWRITE",
+                    "key": _b64(prefix or b"\0"),
+                    "range_end": _b64(prefix_range_end(prefix)),
+                },
+            },
+            timeout=timeout,
+        )
+        gateway.call(
+            "/v3/auth/user/grant",
+            {"user": auth.user, "role": auth.role_name},
+            timeout=timeout,
+        )
+    gateway.call("/v3/auth/enable", {}, timeout=timeout)
+    logger.info(
+        "etcd auth enabled (root%s)",
+        f", user {auth.user!r} limited to prefix {auth.prefix_bytes!r}" if auth.user else "",
+    )
+
+
+# --------------------------------------------------------------------------
+# ports, process start and cleanup
+# --------------------------------------------------------------------------
+
+
+def _free_ports(n: int) -> list[int]:
+    """Return ``n`` distinct ports that were free on 127.0.0.1 a moment ago.
+
+    Binds port 0 ``n`` times (holding all sockets until all are chosen, so the
+    ports differ) and closes them. Another process may still take a port
+    before etcd binds it; callers retry on "address already in use".
+    """
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(s)
+            s.bind((HOST, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _make_preexec(die_with_parent: bool) -> Callable[[], None] | None:
+    """A ``preexec_fn`` setting ``PR_SET_PDEATHSIG=SIGKILL`` (Linux), else None.
+
+    libc and ``prctl`` are resolved here, before the fork, so the child only
+    makes the system call. If the parent already died between ``fork`` and
+    ``prctl`` the child kills itself.
+    """
+    if not die_with_parent or not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        logger.warning("prctl unavailable; etcd will not die with its parent")
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    parent = os.getpid()
+    sigkill = int(signal.SIGKILL)
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, sigkill, 0, 0, 0)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), sigkill)
+
+    return preexec
+
+
+_live_lock = threading.Lock()
+_live: set[_EtcdMember] = set()
+_temp_dirs: set[str] = set()
+_atexit_registered = False
+
+
+def _ensure_atexit() -> None:
+    global _atexit_registered
+    if not _atexit_registered:
+        atexit.register(_stop_all_at_exit)
+        _atexit_registered = True
+
+
+def make_temp_dir(prefix: str) -> str:
+    """``mkdtemp`` that the atexit hook removes if the owner never does."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    with _live_lock:
+        _temp_dirs.add(path)
+        _ensure_atexit()
+    return path
+
+
+def remove_temp_dir(path: str) -> None:
+    """Remove a directory made by :func:`make_temp_dir`."""
+    shutil.rmtree(path, ignore_errors=True)
+    with _live_lock:
+        _temp_dirs.discard(path)
+
+
+def _register_live(member: _EtcdMember) -> None:
+    with _live_lock:
+        _live.add(member)
+        _ensure_atexit()
+
+
+def _unregister_live(member: _EtcdMember) -> None:
+    with _live_lock:
+        _live.discard(member)
+
+
+def _stop_all_at_exit() -> None:
+    """atexit hook: stop every etcd this process started and still runs."""
+    with _live_lock:
+        members = list(_live)
+        dirs = list(_temp_dirs)
+    for m in members:
+        with contextlib.suppress(Exception):
+            m.terminate(grace=5.0)
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------
+# one etcd process (shared by EtcdServer and EtcdCluster)
+# --------------------------------------------------------------------------
+
+
+class _EtcdMember:
+    """One etcd process: command line, launch, readiness, stop, log.
+
+    Not thread-safe; owned by an :class:`EtcdServer` or ``EtcdCluster``.
+    """
+
+    def __init__(
+        self,
+        *,
+        binary: str,
+        name: str,
+        data_dir: str,
+        work_dir: str,
+        client_port: int,
+        peer_port: int,
+        tls: TLSConfig | None,
+        enable_v2: bool,
+        extra_args: Sequence[str],
+        die_with_parent: bool,
+    ) -> None:
+        self.binary = binary
+        self.name = name
+        self.data_dir = data_dir
+        self.work_dir = work_dir
+        self.client_port = client_port
+        self.peer_port = peer_port
+        self.tls = tls
+        self.enable_v2 = enable_v2
+        self.extra_args = list(extra_args)
+        self.die_with_parent = die_with_parent
+        self.initial_cluster = ""
+        self.cluster_token = "etcd-server-" + uuid.uuid4().hex[:12]
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.cmd: list[str] = []
+        self.log_path: str | None = None
+        self._log_offset = 0
+        self._gateway: _Gateway | None = None
+
+    # -- addresses --------------------------------------------------------
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls else "http"
+
+    @property
+    def endpoint(self) -> str:
+        return f"{HOST}:{self.client_port}"
+
+    @property
+    def client_url(self) -> str:
+        return f"{self.scheme}://{HOST}:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://{HOST}:{self.peer_port}"
+
+    @property
+    def gateway(self) -> _Gateway:
+        if self._gateway is None or self._gateway.base_url != self.client_url:
+            ctx = self.tls.ssl_context() if self.tls else None
+            self._gateway = _Gateway(self.client_url, ctx)
+        return self._gateway
+
+    # -- process ----------------------------------------------------------
+
+    def command(self) -> list[str]:
+        """The etcd command line (contains no secrets)."""
+        cmd = [
+            self.binary,
+            "--name", self.name,
+            "--data-dir", self.data_dir,
+            "--listen-client-urls", self.client_url,
+            "--advertise-client-urls", self.client_url,
+            "--listen-peer-urls", self.peer_url,
+            "--initial-advertise-peer-urls", self.peer_url,
+            "--initial-cluster", self.initial_cluster or f"{self.name}={self.peer_url}",
+            "--initial-cluster-state", "new",
+            "--initial-cluster-token", self.cluster_token,
+        ]  # fmt: skip
+        if self.enable_v2:
+            cmd.append("--enable-v2=true")
+        if self.tls:
+            cmd += [
+                "--cert-file", self.tls.cert_file,
+                "--key-file", self.tls.key_file,
+                "--trusted-ca-file", self.tls.ca_file,
+            ]  # fmt: skip
+            if self.tls.client_cert_auth:
+                cmd.append("--client-cert-auth=true")
+        cmd += self.extra_args
+        return cmd
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.running() and self.proc else None
+
+    def launch(self, stderr: int | IO[Any] | None = None) -> None:
+        """Start the process (does not wait for readiness).
+
+        etcd's stdout and stderr go to ``<work_dir>/<name>.log`` (appended)
+        unless ``stderr`` is given, in which case both go there.
+        """
+        if self.running():
+            raise RuntimeError(f"etcd member {self.name} is already running")
+        os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
+        self.cmd = self.command()
+        preexec = _make_preexec(self.die_with_parent)
+        logger.info("starting etcd: %s", " ".join(self.cmd))
+        with contextlib.ExitStack() as stack:
+            out: int | IO[Any]
+            if stderr is None:
+                self.log_path = os.path.join(self.work_dir, f"{self.name}.log")
+                log = stack.enter_context(open(self.log_path, "ab"))
+                self._log_offset = log.tell()
+                out = log
+            else:
+                self.log_path = None
+                out = stderr
+            # preexec_fn only makes the prctl system call (see _make_preexec).
+            self.proc = subprocess.Popen(
+                self.cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                close_fds=True,
+                start_new_session=True,
+                preexec_fn=preexec,
+            )
+        _register_live(self)
+
+    def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
+        """The last ``lines`` lines etcd logged since the latest launch."""
+        if not self.log_path:
+            return ""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_offset)
+                data = f.read()
+        except OSError:
+            return ""
+        text = data.decode("utf-8", "replace").rstrip("\n")
+        return "\n".join(text.splitlines()[-lines:])
+
+    def terminate(self, *, grace: float = 10.0, graceful: bool = True) -> int | None:
+        """Stop the process: SIGTERM, then SIGKILL after ``grace`` seconds.
+
+        With ``graceful=False`` sends SIGKILL at once. Blocks until the
+        process has exited (and is reaped). Returns its exit status, or None
+        if no process was started. Idempotent.
+        """
+        proc = self.proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            sig = signal.SIGTERM if graceful else signal.SIGKILL
+            logger.info("stopping etcd %s (pid %d) with %s", self.name, proc.pid, sig.name)
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(sig)
+            try:
+                proc.wait(timeout=grace if graceful else 30.0)
+            except subprocess.TimeoutExpired:
+                logger.warning(
+                    "etcd %s (pid %d) ignored SIGTERM for %.1fs; sending SIGKILL",
+                    self.name, proc.pid, grace,
+                )  # fmt: skip
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                proc.wait()
+        _unregister_live(self)
+        return proc.returncode
+
+    # -- readiness --------------------------------------------------------
+
+    def status(self, timeout: float = 2.0) -> dict[str, Any]:
+        """``/v3/maintenance/status`` of this member (no auth needed)."""
+        return self.gateway.call("/v3/maintenance/status", {}, timeout=timeout)
+
+    def _probe(self, timeout: float) -> bool:
+        """One readiness probe: status has a leader and a linearizable read works."""
+        try:
+            st = self.status(timeout)
+            if str(st.get("leader", "0")) in ("", "0"):
+                return False
+            self.gateway.call(
+                "/v3/kv/range",
+                {"key": _b64(b"\0etcd-server-readiness-probe"), "count_only": True},
+                timeout=timeout,
+            )
+            return True
+        except EtcdGatewayError as e:
+            # Auth errors come after the linearizable read barrier: serving.
+            return e.is_auth_error
+        except (OSError, ValueError, http.client.HTTPException):
+            return False
+
+    def wait_ready(self, deadline: float) -> None:
+        """Poll until the member serves v3 requests or ``deadline`` (monotonic).
+
+        Between probes it waits on the process (``proc.wait(timeout=...)``) so
+        an exit is noticed at once.
+
+        Raises:
+            EtcdStartError: the process exited (exit code and log tail).
+            EtcdStartTimeoutError: still not ready at ``deadline``.
+        """
+        proc = self.proc
+        if proc is None:
+            raise RuntimeError("wait_ready() before launch()")
+        delay = 0.02
+        while True:
+            rc = proc.poll()
+            if rc is not None:
+                _unregister_live(self)
+                raise EtcdStartError(
+                    f"etcd {self.name} exited during start-up with code {rc} "
+                    f"(command: {' '.join(self.cmd)})",
+                    returncode=rc,
+                    log_tail=self.log_tail(),
+                    cmd=self.cmd,
+                )
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                tail = self.log_tail()
+                raise EtcdStartTimeoutError(
+                    f"etcd {self.name} (pid {proc.pid}) not ready at {self.client_url} "
+                    "before the start-up deadline",
+                    returncode=None,
+                    log_tail=tail,
+                    cmd=self.cmd,
+                )
+            if self._probe(min(remaining, 1.0)):
+                return
+            remaining = deadline - time.monotonic()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.0, min(delay, remaining)))
+            delay = min(delay * 2, 0.2)
+
+
+# --------------------------------------------------------------------------
+# EtcdServer
+# --------------------------------------------------------------------------
+
+
+class EtcdServer:
+    """A single-member etcd v3 server on ``127.0.0.1`` (drop-in for torch's).
+
+    Args:
+        data_dir: etcd data directory. When None a temporary directory is
+            created at ``start()`` and removed by ``stop()``; a directory given
+            by the caller is kept.
+        binary: etcd binary; see :func:`etcd_server.binary.find_etcd_binary`
+            for the search order when None.
+        enable_v2: also serve the v2 API (``--enable-v2=true``); only for
+            side-by-side benchmarks with torch's built-in ``etcd`` backend.
+        extra_args: extra etcd command-line flags, appended last.
+        tls: serve https with these certificates (see :class:`TLSConfig`).
+        auth: enable authentication after the first start (:class:`AuthConfig`).
+        port, peer_port: fixed client/peer ports; free ports when None.
+        die_with_parent: (Linux) have the kernel SIGKILL etcd when the thread
+            that started it dies (see the module docstring).
+        stop_grace: seconds ``stop()`` waits after SIGTERM before SIGKILL.
+
+    Raises:
+        EtcdBinaryNotFoundError: (at construction) no etcd binary was found.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | None = None,
+        *,
+        binary: str | None = None,
+        enable_v2: bool = False,
+        extra_args: Sequence[str] = (),
+        tls: TLSConfig | None = None,
+        auth: AuthConfig | None = None,
+        port: int | None = None,
+        peer_port: int | None = None,
+        die_with_parent: bool = True,
+        stop_grace: float = 10.0,
+        name: str = "default",
+    ) -> None:
+        self.binary = find_etcd_binary(binary)
+        self.enable_v2 = enable_v2
+        self.extra_args = tuple(extra_args)
+        self.tls = tls
+        self.auth = auth
+        self.die_with_parent = die_with_parent
+        self.stop_grace = stop_grace
+        self.name = name
+        self._given_data_dir = os.path.abspath(data_dir) if data_dir else None
+        self._given_port = port
+        self._given_peer_port = peer_port
+        self._ports: tuple[int, int] | None = None
+        self._work_dir: str | None = None
+        self._member: _EtcdMember | None = None
+        self._auth_done = False
+        self._lock = threading.RLock()
+
+    # -- torch-compatible accessors ----------------------------------------
+
+    @property
+    def version(self) -> str:
+        """etcd version, e.g. ``"3.5.1"`` (from ``etcd --version``, cached)."""
+        return etcd_version(self.binary)
+
+    @property
+    def data_dir(self) -> str | None:
+        """The data directory in use (None before the first start of a temp one)."""
+        if self._given_data_dir:
+            return self._given_data_dir
+        if self._work_dir:
+            return os.path.join(self._work_dir, "data")
+        return None
+
+    @property
+    def pid(self) -> int | None:
+        """PID of the running etcd, or None."""
+        return self._member.pid if self._member else None
+
+    @property
+    def log_path(self) -> str | None:
+        """File etcd logs to (removed by ``stop()``), None if redirected."""
+        return self._member.log_path if self._member else None
+
+    def is_running(self) -> bool:
+        """True while the etcd process is alive."""
+        return self._member is not None and self._member.running()
+
+    def get_host(self) -> str:
+        """Host the server listens on: always ``"127.0.0.1"``."""
+        return HOST
+
+    def get_port(self) -> int:
+        """Client port; -1 before the first ``start()`` (as in torch)."""
+        if self._ports:
+            return self._ports[0]
+        return self._given_port if self._given_port else -1
+
+    def get_peer_port(self) -> int:
+        """Peer port; -1 before the first ``start()``."""
+        if self._ports:
+            return self._ports[1]
+        return self._given_peer_port if self._given_peer_port else -1
+
+    def get_endpoint(self) -> str:
+        """``"127.0.0.1:PORT"`` (no scheme, also with TLS)."""
+        return f"{HOST}:{self.get_port()}"
+
+    def get_client_url(self) -> str:
+        """``"http://127.0.0.1:PORT"`` or ``"https://..."`` with TLS."""
+        return f"{'https' if self.tls else 'http'}://{HOST}:{self.get_port()}"
+
+    # -- lifecycle ---------------------------------------------------------
+
+    def start(
+        self,
+        timeout: float = 60,
+        num_retries: int = 3,
+        stderr: int | TextIO | None = None,
+    ) -> None:
+        """Start etcd and block until it serves v3 requests.
+
+        On the first start, ports not fixed by the caller are chosen free; if
+        etcd then reports "address already in use" the start is retried (up to
+        ``num_retries`` attempts in all) on new ports. Later starts (after
+        ``stop()``) reuse the same ports. When ``auth`` is set it is set up
+        after the first readiness.
+
+        Args:
+            timeout: seconds to wait for readiness, per attempt.
+            num_retries: attempts in all when a port collision happens.
+            stderr: where etcd's stdout/stderr go; default a log file (whose
+                tail goes into errors).
+
+        Raises:
+            RuntimeError: already running.
+            EtcdStartError: etcd exited during start-up (``returncode``,
+                ``log_tail``).
+            EtcdStartTimeoutError: not ready within ``timeout`` (also a
+                ``TimeoutError``); the process is killed.
+            EtcdGatewayError: the auth setup was refused.
+        """
+        with self._lock:
+            if self.is_running():
+                raise RuntimeError("etcd server already running; call stop() first")
+            if self._work_dir is None:
+                self._work_dir = make_temp_dir("etcd-server-")
+            data_dir = self.data_dir
+            assert data_dir is not None
+            attempts = max(1, num_retries)
+            for attempt in range(1, attempts + 1):
+                had_data = os.path.isdir(os.path.join(data_dir, "member"))
+                repick = self._ports is None
+                if repick:
+                    self._ports = self._pick_ports()
+                member = self._new_member(data_dir)
+                try:
+                    member.launch(stderr)
+                    member.wait_ready(time.monotonic() + timeout)
+                except EtcdStartError as e:
+                    member.terminate(grace=2.0)
+                    collision = e.address_in_use or (stderr is not None and e.returncode is not None)
+                    if repick and collision and attempt < attempts:
+                        logger.warning(
+                            "etcd could not bind its ports %s (attempt %d/%d); retrying on new ports",
+                            self._ports, attempt, attempts,
+                        )  # fmt: skip
+                        self._ports = None
+                        if not had_data:
+                            shutil.rmtree(os.path.join(data_dir, "member"), ignore_errors=True)
+                        continue
+                    self._fail_cleanup(repick)
+                    raise
+                except BaseException:
+                    member.terminate(grace=2.0)
+                    self._fail_cleanup(repick)
+                    raise
+                break
+            self._member = member
+            logger.info(
+                "etcd %s ready at %s (pid %d, data dir %s)",
+                self.version, member.client_url, member.proc.pid if member.proc else -1, data_dir,
+            )  # fmt: skip
+            if self.auth is not None and not self._auth_done:
+                try:
+                    setup_auth(member.gateway, self.auth)
+                except BaseException:
+                    self.stop()
+                    raise
+                self._auth_done = True
+
+    def _pick_ports(self) -> tuple[int, int]:
+        need = [p is None for p in (self._given_port, self._given_peer_port)]
+        free = iter(_free_ports(sum(need)))
+        client = self._given_port if self._given_port is not None else next(free)
+        peer = self._given_peer_port if self._given_peer_port is not None else next(free)
+        return client, peer
+
+    def _new_member(self, data_dir: str) -> _EtcdMember:
+        assert self._ports is not None and self._work_dir is not None
+        member = _EtcdMember(
+            binary=self.binary,
+            name=self.name,
+            data_dir=data_dir,
+            work_dir=self._work_dir,
+            client_port=self._ports[0],
+            peer_port=self._ports[1],
+            tls=self.tls,
+            enable_v2=self.enable_v2,
+            extra_args=self.extra_args,
+            die_with_parent=self.die_with_parent,
+        )
+        if self._member is not None:  # keep the cluster token across restarts
+            member.cluster_token = self._member.cluster_token
+        return member
+
+    def _fail_cleanup(self, first_start: bool) -> None:
+        """After a failed first start, forget the ports and drop the temp dir."""
+        if first_start:
+            self._ports = None
+        if self._member is None and self._work_dir:
+            remove_temp_dir(self._work_dir)
+            self._work_dir = None
+
+    def stop(self, *, keep_data: bool = False, graceful: bool = True) -> None:
+        """Stop etcd and block until it has exited.
+
+        Sends SIGTERM and, after ``stop_grace`` seconds, SIGKILL
+        (``graceful=False``: SIGKILL at once). Then removes the temporary
+        data dir and log unless ``keep_data`` (a caller-given ``data_dir`` is
+        never removed). Idempotent; a later ``start()`` reuses the ports (and
+        the data when kept or caller-given).
+        """
+        with self._lock:
+            member = self._member
+            if member is not None:
+                member.terminate(grace=self.stop_grace, graceful=graceful)
+            if not keep_data and self._work_dir:
+                logger.info("removing etcd work dir %s", self._work_dir)
+                remove_temp_dir(self._work_dir)
+                self._work_dir = None
+                self._member = None
+                if not self._given_data_dir:
+                    self._auth_done = False
+
+    def restart(self, timeout: float = 60, *, graceful: bool = True) -> None:
+        """Stop etcd keeping its data, and start it again on the same ports.
+
+        Blocks until the new process is ready (see :meth:`start`).
+        """
+        self.stop(keep_data=True, graceful=graceful)
+        self.start(timeout=timeout, num_retries=1)
+
+    def __enter__(self) -> EtcdServer:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = f"pid={self.pid}" if self.is_running() else "stopped"
+        return f"EtcdServer({self.get_client_url()}, {state}, binary={self.binary!r})"
+
+    # -- clients -----------------------------------------------------------
+
+    def get_client(self, **overrides: Any) -> Any:
+        """Return an ``etcd_store.client.EtcdClient`` connected to this server.
+
+        (Typed ``Any`` so that type-checking etcd_server does not pull in
+        etcd_store.)
+
+        TLS files and (with auth) the root credentials are filled in;
+        ``overrides`` (e.g. ``user=..., password=..., timeout=...``) replace
+        them. Imports ``etcd_store`` (and grpc) only when called.
+        """
+        return _make_client([self.get_client_url()], self.tls, self.auth, overrides)
+
+    def gateway_call(
+        self, path: str, body: dict[str, Any] | None = None, *, timeout: float = 5.0,
+        token: str | None = None,
+    ) -> dict[str, Any]:
+        """POST to this server's JSON gateway (``/v3/...``); see ``_Gateway.call``."""
+        if self._member is None:
+            raise RuntimeError("etcd server not started")
+        return self._member.gateway.call(path, body, timeout=timeout, token=token)
+
+
+def _client_target(urls: list[str], tls: TLSConfig | None) -> str | list[str]:
+    """Endpoints for EtcdClient: "host:port" without TLS, https URLs with it."""
+    if tls is None:
+        urls = [u.split("://", 1)[1] for u in urls]
+    return urls[0] if len(urls) == 1 else urls
+
+
+def _make_client(
+    urls: list[str],
+    tls: TLSConfig | None,
+    auth: AuthConfig | None,
+    overrides: dict[str, Any],
+) -> Any:
+    """``etcd_store.client.EtcdClient`` for ``urls`` with TLS/auth filled in.
+
+    Imported with importlib at call time: etcd_server itself must not import
+    etcd_store (or grpc), nor make type checkers follow it.
+    """
+    kwargs: dict[str, Any] = {}
+    if tls is not None:
+        kwargs.update(ca_cert=tls.ca_file, cert=tls.client_cert, key=tls.client_key)
+    if auth is not None:
+        kwargs.update(user="root", password=auth.root_password)
+    kwargs.update(overrides)
+    client_cls = importlib.import_module("etcd_store.client").EtcdClient
+    return client_cls(_client_target(urls, tls), **kwargs)
