@@ -669,6 +669,10 @@ class EtcdClient:
             return EtcdAuthError(f"{where} requires authentication{op}: {text}")
         if "authentication failed" in text:
             return EtcdAuthError(f"{where} rejected the user name or password{op}: {text}")
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED or "too large" in text:
+            return EtcdRequestError(
+                f"{where} refused the request as too large{op} (etcd's --max-request-bytes): {text}"
+            )
         if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
             return EtcdRequestError(f"{where} rejected the request{op}: {text}")
         if code == grpc.StatusCode.OUT_OF_RANGE and "compacted" in text:

@@ -1,0 +1,257 @@
+"""The etcd v3 client layer against real etcd 3.4 and 3.5 servers."""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from etcd_server import EtcdServer
+from etcd_store.client import (
+    EtcdClient,
+    RpcCounter,
+    compare_create,
+    compare_mod,
+    compare_value,
+    compare_version,
+    op_delete,
+    op_get,
+    op_put,
+    parse_endpoints,
+    prefix_range_end,
+)
+from etcd_store.errors import EtcdConnectionError, EtcdError, EtcdRequestError, EtcdTimeoutError
+
+_ids = itertools.count()
+
+
+@pytest.fixture
+def prefix() -> bytes:
+    """A key prefix of its own for each test on the shared module server."""
+    return f"/test-client/{next(_ids)}/".encode()
+
+
+@pytest.fixture(scope="module")
+def client(etcd_endpoint: str) -> Iterator[EtcdClient]:
+    c = EtcdClient(etcd_endpoint, timeout=5)
+    yield c
+    c.close()
+
+
+def _closed_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return int(port)
+
+
+# ------------------------------------------------------------------ endpoints
+
+
+def test_parse_endpoints_forms() -> None:
+    eps = parse_endpoints("h1:1,http://h2:2, https://h3:3/ ,h4,[::1]:5")
+    assert [(e.host, e.port, e.secure) for e in eps] == [
+        ("h1", 1, False),
+        ("h2", 2, False),
+        ("h3", 3, True),
+        ("h4", 2379, False),
+        ("::1", 5, False),
+    ]
+    assert eps[4].target == "[::1]:5"
+    assert [e.secure for e in parse_endpoints("a:1,b:2", secure=True)] == [True, True]
+
+
+@pytest.mark.parametrize(
+    "spec, needle",
+    [("", "No etcd endpoint"), ("h:port", "'port'"), ("ftp://h:1", "scheme"), ("h:70000", "range")],
+)
+def test_parse_endpoints_names_the_bad_part(spec: str, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        parse_endpoints(spec)
+
+
+def test_bad_options_are_refused() -> None:
+    with pytest.raises(ValueError, match="cert"):
+        EtcdClient("h:1", cert="c.pem")
+    with pytest.raises(ValueError, match="protocol"):
+        EtcdClient("h:1", protocol="ftp")
+    with pytest.raises(ValueError, match="timeout"):
+        EtcdClient("h:1", timeout=0)
+
+
+def test_prefix_range_end() -> None:
+    assert prefix_range_end(b"/a/") == b"/a0"
+    assert prefix_range_end(b"a\xff") == b"b"
+    assert prefix_range_end(b"\xff\xff") == b"\0"
+
+
+# ------------------------------------------------------------------ KV and txn
+
+
+def test_put_get_delete_range(client: EtcdClient, prefix: bytes) -> None:
+    assert client.get(prefix + b"missing") is None
+    r1 = client.put(prefix + b"a", b"1")
+    client.put(prefix + b"b", b"\x00\xff binary")
+    kv = client.get(prefix + b"a")
+    assert kv is not None and kv.value == b"1" and kv.mod_revision == r1.revision and kv.version == 1
+    got = client.range(prefix, prefix=True)
+    assert [k.key for k in got.kvs] == [prefix + b"a", prefix + b"b"]
+    assert got.kvs[1].value == b"\x00\xff binary"
+    assert client.range(prefix, prefix=True, count_only=True).count == 2
+    assert client.delete(prefix, prefix=True).deleted == 2
+    assert client.range(prefix, prefix=True).kvs == []
+
+
+def test_txn_compare_and_branches(client: EtcdClient, prefix: bytes) -> None:
+    key = prefix + b"k"
+    first = client.txn([compare_version(key, "==", 0)], [op_put(key, b"v1")], [op_get(key)])
+    assert first.succeeded
+    again = client.txn([compare_version(key, "==", 0)], [op_put(key, b"v2")], [op_get(key)])
+    assert not again.succeeded
+    current = again.responses[0]
+    assert hasattr(current, "kvs") and current.kvs[0].value == b"v1"  # type: ignore[union-attr]
+    mod = current.kvs[0].mod_revision  # type: ignore[union-attr]
+    assert client.txn([compare_mod(key, "==", mod)], [op_put(key, b"v2")]).succeeded
+    assert not client.txn([compare_mod(key, "==", mod)], [op_put(key, b"v3")]).succeeded
+    assert client.txn([compare_value(key, "==", b"v2")], [op_delete(key)]).succeeded
+    assert client.get(key) is None
+    assert client.txn([compare_create(key, "==", 0)]).succeeded
+
+
+def test_range_compare_sees_new_keys(client: EtcdClient, prefix: bytes) -> None:
+    """A Compare with range_end covers every key of the range (used by the v3 seal)."""
+    client.put(prefix + b"j/1", b"")
+    rev = client.range(prefix + b"j/", prefix=True).revision
+    cmp = compare_create(prefix + b"j/", "<", rev + 1)
+    cmp.range_end = prefix_range_end(prefix + b"j/")
+    assert client.txn([cmp]).succeeded
+    client.put(prefix + b"j/2", b"")
+    assert not client.txn([cmp]).succeeded
+
+
+def test_request_too_large_is_a_clear_error(client: EtcdClient, prefix: bytes) -> None:
+    with pytest.raises(EtcdRequestError, match="too large|request"):
+        client.put(prefix + b"big", b"x" * (3 * 1024 * 1024))
+
+
+# ------------------------------------------------------------------ watches
+
+
+def test_watch_from_read_revision_loses_nothing(client: EtcdClient, prefix: bytes) -> None:
+    key = prefix + b"w"
+    read = client.range(key)
+    assert read.kvs == []
+    client.put(key, b"written between read and watch")
+    with client.watch(key, start_revision=read.revision + 1) as w:
+        events = w.get(timeout=5)
+    assert [(e.type, e.value) for e in events] == [("PUT", b"written between read and watch")]
+
+
+def test_watch_prefix_put_and_delete(client: EtcdClient, prefix: bytes) -> None:
+    with client.watch(prefix, prefix=True, prev_kv=True) as w:
+        assert w.wait_created(5) and w.created_revision > 0
+        client.put(prefix + b"x", b"1")
+        client.delete(prefix + b"x")
+        seen: list[tuple[str, bytes]] = []
+        deadline = time.monotonic() + 5
+        while len(seen) < 2 and time.monotonic() < deadline:
+            seen += [(e.type, e.key) for e in w.get(timeout=1)]
+    assert seen == [("PUT", prefix + b"x"), ("DELETE", prefix + b"x")]
+
+
+def test_watch_get_times_out_empty(client: EtcdClient, prefix: bytes) -> None:
+    with client.watch(prefix + b"never") as w:
+        t0 = time.monotonic()
+        assert w.get(timeout=0.3) == []
+        assert time.monotonic() - t0 >= 0.25
+    with pytest.raises(EtcdError, match="cancelled"):
+        w.get(timeout=0.1)
+
+
+def test_watch_survives_etcd_restart(fresh_etcd: EtcdServer) -> None:
+    """A watch resumes after etcd restarts on the same data dir and port."""
+    client = EtcdClient(fresh_etcd.get_endpoint(), timeout=5)
+    try:
+        w = client.watch(b"/restart/key")
+        assert w.wait_created(5)
+        fresh_etcd.stop()
+        fresh_etcd.start(timeout=30)
+        client.put(b"/restart/key", b"after")
+        events = w.get(timeout=10)
+        assert [e.value for e in events] == [b"after"]
+        w.cancel()
+    finally:
+        client.close()
+
+
+# ------------------------------------------------------------------ leases
+
+
+def test_keeper_keeps_lease_and_revoke_deletes_keys(client: EtcdClient, prefix: bytes) -> None:
+    keeper = client.keeper(1)
+    try:
+        client.put(prefix + b"leased", b"x", lease=keeper.id)
+        with client.watch(prefix + b"leased") as w:
+            # Two full TTLs pass with no event: the keep-alive stream holds the lease.
+            assert w.get(timeout=2.2) == []
+        assert client.lease_time_to_live(keeper.id) >= 0
+    finally:
+        keeper.close()
+    assert client.get(prefix + b"leased") is None
+    assert client.lease_time_to_live(keeper.id) == -1
+
+
+def test_lease_expires_without_keepalive(client: EtcdClient, prefix: bytes) -> None:
+    lease = client.lease_grant(1)
+    client.put(prefix + b"ephemeral", b"x", lease=lease)
+    with client.watch(prefix + b"ephemeral") as w:
+        events = w.get(timeout=10)
+    assert [e.type for e in events] == ["DELETE"]
+
+
+def test_keeper_reports_expiry(client: EtcdClient) -> None:
+    fired = threading.Event()
+    keeper = client.keeper(2, on_expired=fired.set)
+    try:
+        client.lease_revoke(keeper.id)
+        assert fired.wait(5) and keeper.expired.is_set()
+    finally:
+        keeper.close()
+
+
+# ------------------------------------------------------------------ failover, errors, counting
+
+
+def test_failover_skips_a_dead_endpoint(etcd_endpoint: str, prefix: bytes) -> None:
+    dead = f"127.0.0.1:{_closed_port()}"
+    with EtcdClient(f"{dead},{etcd_endpoint}", timeout=5) as c:
+        c.put(prefix + b"f", b"1")
+        kv = c.get(prefix + b"f")
+    assert kv is not None and kv.value == b"1"
+
+
+def test_unreachable_etcd_fails_within_timeout_naming_endpoints() -> None:
+    dead = f"127.0.0.1:{_closed_port()}"
+    with EtcdClient(dead, timeout=1.0) as c:
+        t0 = time.monotonic()
+        with pytest.raises(EtcdTimeoutError) as info:
+            c.get(b"/x")
+        elapsed = time.monotonic() - t0
+    assert dead in str(info.value)
+    assert isinstance(info.value, EtcdConnectionError)
+    assert elapsed < 5
+
+
+def test_rpc_counter_counts_one_rpc_per_call(etcd_endpoint: str, prefix: bytes) -> None:
+    counter = RpcCounter()
+    with EtcdClient(etcd_endpoint, interceptors=[counter]) as c:
+        c.put(prefix + b"a", b"1")
+        c.get(prefix + b"a")
+        c.txn([compare_version(prefix + b"a", ">", 0)], [op_get(prefix + b"a")])
+    assert counter.snapshot() == {"KV/Put": 1, "KV/Range": 1, "KV/Txn": 1}
+    assert counter.total() == 3
