@@ -245,25 +245,34 @@ def prefix_range_end(prefix: bytes) -> bytes:
     return b"\0"
 
 
-def _compare(key: bytes, op: str, target: int, **value: Any) -> Any:
+def _compare(
+    key: bytes, op: str, target: int, range_end: bytes | None = None, **value: Any
+) -> Any:
     if op not in _CMP_RESULT:
         raise ValueError(f"Unknown compare operator {op!r}; use one of {sorted(_CMP_RESULT)}.")
-    return rpc_pb2.Compare(key=key, result=_CMP_RESULT[op], target=target, **value)
+    return rpc_pb2.Compare(
+        key=key, range_end=range_end or b"", result=_CMP_RESULT[op], target=target, **value
+    )
 
 
-def compare_version(key: bytes, op: str, version: int) -> Any:
-    """Compare the key's version (0 = the key does not exist)."""
-    return _compare(key, op, rpc_pb2.Compare.VERSION, version=version)
+def compare_version(key: bytes, op: str, version: int, *, range_end: bytes | None = None) -> Any:
+    """Compare the key's version (0 = the key does not exist).
+
+    With ``range_end`` (e.g. :func:`prefix_range_end`) the compare holds only if it
+    holds for every key in ``[key, range_end)``; an empty range compares as one
+    missing key, so ``version == 0`` over a range means "no key in the range".
+    """
+    return _compare(key, op, rpc_pb2.Compare.VERSION, range_end, version=version)
 
 
-def compare_create(key: bytes, op: str, revision: int) -> Any:
-    """Compare the key's create revision (0 = the key does not exist)."""
-    return _compare(key, op, rpc_pb2.Compare.CREATE, create_revision=revision)
+def compare_create(key: bytes, op: str, revision: int, *, range_end: bytes | None = None) -> Any:
+    """Compare the key's create revision (0 = the key does not exist); ``range_end`` as above."""
+    return _compare(key, op, rpc_pb2.Compare.CREATE, range_end, create_revision=revision)
 
 
-def compare_mod(key: bytes, op: str, revision: int) -> Any:
-    """Compare the key's mod revision (0 = the key does not exist)."""
-    return _compare(key, op, rpc_pb2.Compare.MOD, mod_revision=revision)
+def compare_mod(key: bytes, op: str, revision: int, *, range_end: bytes | None = None) -> Any:
+    """Compare the key's mod revision (0 = the key does not exist); ``range_end`` as above."""
+    return _compare(key, op, rpc_pb2.Compare.MOD, range_end, mod_revision=revision)
 
 
 def compare_value(key: bytes, op: str, value: bytes) -> Any:
@@ -1070,6 +1079,10 @@ class LeaseKeeper:
     stream is reopened on the next endpoint. If etcd reports the lease gone
     (TTL 0), :attr:`expired` is set and ``on_expired`` runs once.
     :meth:`close` stops the thread and, by default, revokes the lease.
+
+    :meth:`keep_also` adds another, already granted lease to the same stream (for
+    instance a lease shared by several processes); it is refreshed at the same
+    pace, is never revoked by :meth:`close`, and is dropped when etcd reports it gone.
     """
 
     def __init__(
@@ -1089,14 +1102,26 @@ class LeaseKeeper:
         self._on_expired = on_expired
         self._stop = threading.Event()
         self._call: Any = None
+        self._also: frozenset[int] = frozenset()
         self._thread = threading.Thread(target=self._run, name=f"etcd-lease-{self.id:x}", daemon=True)
         self._thread.start()
+
+    def keep_also(self, lease_id: int) -> None:
+        """Refresh ``lease_id`` too, on this stream, from the next keep-alive on."""
+        if lease_id != self.id:
+            self._also = self._also | {lease_id}
+
+    def also_kept(self) -> frozenset[int]:
+        """The extra leases still being refreshed (see :meth:`keep_also`)."""
+        return self._also
 
     def _requests(self) -> Iterator[Any]:
         interval = max(self.ttl / 3.0, 0.2)
         request = rpc_pb2.LeaseKeepAliveRequest(ID=self.id)
         while True:
             yield request
+            for extra in self._also:
+                yield rpc_pb2.LeaseKeepAliveRequest(ID=extra)
             if self._stop.wait(interval):
                 return
 
@@ -1108,6 +1133,11 @@ class LeaseKeeper:
                 metadata = client._metadata(member, time.monotonic() + client.timeout)
                 self._call = member.stub("Lease").LeaseKeepAlive(self._requests(), metadata=metadata)
                 for resp in self._call:
+                    if resp.ID != self.id:
+                        if resp.TTL <= 0 and resp.ID in self._also:
+                            log.info("extra lease %x kept by lease %x is gone", resp.ID, self.id)
+                            self._also = self._also - {resp.ID}
+                        continue
                     if resp.TTL <= 0:
                         self._expire()
                         return
