@@ -1,0 +1,60 @@
+"""PyTorch elastic rendezvous (torchrun) over the etcd v3 API.
+
+``torchrun --rdzv-backend=etcd-v2 --rdzv-endpoint=HOST:2379 ...`` uses this
+package through its ``torchrun.handlers`` entry points (:mod:`etcd_rdzv.handlers`).
+
+``import etcd_rdzv`` is light (no torch, no gRPC): torch loads the entry points
+while it is itself being imported, so the public names below are imported on
+first access.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .backend import EtcdRendezvousBackend, create_backend
+    from .handlers import (
+        create_etcd_legacy_handler,
+        create_etcd_legacy_rdzv_handler,
+        create_etcd_v2_handler,
+        create_etcd_v2_rdzv_handler,
+    )
+    from .params import EtcdClientOptions, RdzvConfig, parse_client_options, parse_rdzv_config
+    from .rdzv_handler import EtcdRendezvousHandler
+
+__all__ = [
+    "EtcdClientOptions",
+    "EtcdRendezvousBackend",
+    "EtcdRendezvousHandler",
+    "RdzvConfig",
+    "create_backend",
+    "create_etcd_legacy_handler",
+    "create_etcd_legacy_rdzv_handler",
+    "create_etcd_v2_handler",
+    "create_etcd_v2_rdzv_handler",
+    "parse_client_options",
+    "parse_rdzv_config",
+]
+
+_HOMES = {
+    "EtcdRendezvousBackend": "backend",
+    "create_backend": "backend",
+    "EtcdRendezvousHandler": "rdzv_handler",
+    "EtcdClientOptions": "params",
+    "RdzvConfig": "params",
+    "parse_client_options": "params",
+    "parse_rdzv_config": "params",
+    "create_etcd_legacy_handler": "handlers",
+    "create_etcd_legacy_rdzv_handler": "handlers",
+    "create_etcd_v2_handler": "handlers",
+    "create_etcd_v2_rdzv_handler": "handlers",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'etcd_rdzv' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{home}", __name__), name)

@@ -1,0 +1,134 @@
+"""torchrun entry points and rendezvous handler creators for ``etcd-v2`` and ``etcd``.
+
+Two kinds of callables live here:
+
+* **Factories** (the ``torchrun.handlers`` entry points): :func:`create_etcd_v2_handler`
+  and :func:`create_etcd_legacy_handler`. torch's registry
+  (``registry._register_out_of_tree_handlers``) calls each with no argument and
+  registers the returned *creator* under the entry-point name. torch has already
+  registered its built-in ``etcd-v2``/``etcd`` creators by then and refuses a
+  second, different creator for a name, so a factory first removes torch's
+  registration for its name. With ``ETCD_RDZV_DISABLE_OVERRIDE=1`` a factory
+  instead returns torch's current creator, leaving the built-in in place.
+* **Creators** (``RendezvousParameters -> RendezvousHandler``):
+  :func:`create_etcd_v2_rdzv_handler` and :func:`create_etcd_legacy_rdzv_handler`.
+
+This module imports only the standard library at import time: torch loads it
+while ``torch.distributed.elastic.rendezvous`` is still being imported, and a
+failing import here would only be logged by torch as a warning followed by an
+"unknown backend" error. The heavy modules (gRPC, the etcd client, torch's
+rendezvous) are imported when a handler is created; if that fails the creator
+raises :class:`EtcdRdzvPluginError` naming the cause and the fix.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "DISABLE_OVERRIDE_ENV",
+    "EtcdRdzvPluginError",
+    "create_etcd_legacy_handler",
+    "create_etcd_legacy_rdzv_handler",
+    "create_etcd_v2_handler",
+    "create_etcd_v2_rdzv_handler",
+]
+
+DISABLE_OVERRIDE_ENV = "ETCD_RDZV_DISABLE_OVERRIDE"
+"""Set to ``1`` (``true``/``yes``) to keep torch's built-in ``etcd-v2``/``etcd`` handlers."""
+
+Creator = Callable[["RendezvousParameters"], "RendezvousHandler"]
+
+
+class EtcdRdzvPluginError(ImportError):
+    """The plugin's dependencies could not be imported when a handler was created."""
+
+
+def _override_disabled() -> bool:
+    return os.environ.get(DISABLE_OVERRIDE_ENV, "").strip().lower() in ("1", "true", "yes", "y", "on")
+
+
+def _registration(name: str, ours: Creator) -> Creator:
+    """Return the creator torch should register under ``name`` (see the module docstring)."""
+    try:
+        from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry
+    except Exception as e:  # torch itself is broken: nothing to override
+        log.warning("etcd-rdzv: cannot reach torch's rendezvous registry (%s)", e)
+        return ours
+    table: dict[str, Any] | None = getattr(rendezvous_handler_registry, "_registry", None)
+    if table is None:
+        log.warning(
+            "etcd-rdzv: torch's rendezvous registry has no '_registry' table; "
+            "cannot replace the built-in %r handler",
+            name,
+        )
+        return ours
+    current = table.get(name)
+    if _override_disabled():
+        if current is not None:
+            log.info("etcd-rdzv: %s is set; keeping torch's built-in %r handler", DISABLE_OVERRIDE_ENV, name)
+            return current  # type: ignore[no-any-return]
+        return ours
+    if current is not None and current is not ours:
+        del table[name]
+        log.debug("etcd-rdzv: replaced torch's %r rendezvous handler", name)
+    return ours
+
+
+def _load_creator(name: str) -> Callable[..., RendezvousHandler]:
+    """Import the heavy part of the plugin; raise a clear error if it cannot load."""
+    try:
+        from .rdzv_handler import create_handler_from_params
+    except Exception as e:
+        raise EtcdRdzvPluginError(
+            f"The rendezvous backend {name!r} of etcd-rdzv cannot be used: importing its "
+            f"dependencies failed with {type(e).__name__}: {e}. Fix: reinstall the plugin with "
+            "its dependencies (`pip install --force-reinstall etcd-rdzv`, which needs "
+            "grpcio>=1.60, protobuf>=5 and python3-etcd3), or set "
+            f"{DISABLE_OVERRIDE_ENV}=1 to use torch's built-in {name!r} backend instead "
+            "(that one needs an etcd serving the v2 API)."
+        ) from e
+    return create_handler_from_params
+
+
+def create_etcd_v2_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """Create the ``etcd-v2`` handler: torch's dynamic rendezvous over etcd v3.
+
+    Accepts torch's ``etcd-v2`` rdzv-conf keys plus ours (see :mod:`etcd_rdzv.params`).
+    Raises ``ValueError`` naming a bad key, :class:`EtcdRdzvPluginError` when the
+    plugin's dependencies cannot be imported. Contacts etcd only on first use.
+    """
+    return _load_creator(params.backend)(params, legacy=False)
+
+
+def create_etcd_legacy_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """Create the ``etcd`` handler: the same dynamic rendezvous, fed torch's legacy
+    ``etcd`` conf keys (``timeout``, ``etcd_prefix``, ``cacert``, ``cert``, ``key``)."""
+    return _load_creator(params.backend)(params, legacy=True)
+
+
+def create_etcd_v2_handler(params: RendezvousParameters | None = None) -> Any:
+    """``torchrun.handlers`` entry point for ``etcd-v2``.
+
+    Called with no argument (as torch does), returns the creator to register
+    under ``etcd-v2``. Called with ``params``, creates the handler directly, so
+    the function can also be registered as a creator by hand.
+    """
+    if params is not None:
+        return create_etcd_v2_rdzv_handler(params)
+    return _registration("etcd-v2", create_etcd_v2_rdzv_handler)
+
+
+def create_etcd_legacy_handler(params: RendezvousParameters | None = None) -> Any:
+    """``torchrun.handlers`` entry point for ``etcd`` (see :func:`create_etcd_v2_handler`)."""
+    if params is not None:
+        return create_etcd_legacy_rdzv_handler(params)
+    return _registration("etcd", create_etcd_legacy_rdzv_handler)

@@ -1,0 +1,325 @@
+"""rdzv-conf parsing: ``RendezvousParameters`` -> etcd client options and backend settings.
+
+Shared by every handler of the package (``etcd-v2``, ``etcd``, ``etcd-v3``). Nothing
+here contacts etcd; every invalid value raises ``ValueError`` naming the
+rdzv-conf key (or ``--rdzv-endpoint``) and the value that was wrong.
+
+Keys read here (torch's ``etcd-v2`` keys keep their meaning):
+
+============== ========================== ==============================================
+key            default                    meaning
+============== ========================== ==============================================
+read_timeout   60                         seconds; deadline of every etcd call
+protocol       ``http`` (``https`` when a scheme of endpoints written without one
+               certificate is given)
+ssl_cert       none                       client certificate (PEM); alone it must also
+                                          hold the private key
+ssl_cert_key   none                       private key of ``ssl_cert``
+ca_cert        none                       CA bundle that signed etcd's certificate
+user           ``$ETCD_RDZV_USER``        etcd user name
+password       ``$ETCD_RDZV_PASSWORD``    etcd password
+key_prefix     ``/torch/elastic/          etcd key prefix; the state key is
+               rendezvous``               ``<key_prefix>/<run_id>``
+state_ttl      7200                       seconds the state outlives its last write
+============== ========================== ==============================================
+
+The endpoint comes from ``--rdzv-endpoint``: ``host[:port]`` or ``http(s)://host:port``,
+several separated by commas; empty means ``localhost:2379``.
+
+The legacy ``etcd`` backend's keys are translated by :func:`translate_legacy_params`
+(``cacert``, ``cert``, ``key``, ``etcd_prefix``, ``timeout``).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from etcd_store.client import EtcdClient
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "DEFAULT_ENDPOINT",
+    "DEFAULT_KEY_PREFIX",
+    "DEFAULT_READ_TIMEOUT",
+    "DEFAULT_STATE_TTL",
+    "LEGACY_ALIASES",
+    "LEGACY_KEY_PREFIX",
+    "PASSWORD_ENV",
+    "USER_ENV",
+    "EtcdClientOptions",
+    "RdzvConfig",
+    "get_seconds",
+    "parse_client_options",
+    "parse_rdzv_config",
+    "translate_legacy_params",
+]
+
+DEFAULT_ENDPOINT = "localhost:2379"
+DEFAULT_READ_TIMEOUT = 60.0
+DEFAULT_KEY_PREFIX = "/torch/elastic/rendezvous"
+LEGACY_KEY_PREFIX = "/torchelastic/p2p"
+DEFAULT_STATE_TTL = 7200
+USER_ENV = "ETCD_RDZV_USER"
+PASSWORD_ENV = "ETCD_RDZV_PASSWORD"
+
+LEGACY_ALIASES: Mapping[str, str] = {
+    "cacert": "ca_cert",
+    "cert": "ssl_cert",
+    "key": "ssl_cert_key",
+    "etcd_prefix": "key_prefix",
+    "timeout": "join_timeout",
+}
+"""Legacy ``etcd`` conf key -> the key it means here. The new name wins when both are given."""
+
+
+class _Params(Protocol):
+    """The part of ``RendezvousParameters`` read here."""
+
+    endpoint: str
+    config: dict[str, Any]
+
+    def get(self, key: str, default: Any = None) -> Any: ...
+
+
+@dataclass(frozen=True)
+class EtcdClientOptions:
+    """Everything needed to build an :class:`etcd_store.client.EtcdClient`."""
+
+    endpoints: str
+    read_timeout: float = DEFAULT_READ_TIMEOUT
+    protocol: str | None = None
+    ca_cert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+
+    def client_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``EtcdClient`` (endpoints excluded)."""
+        return {
+            "timeout": self.read_timeout,
+            "protocol": self.protocol,
+            "ca_cert": self.ca_cert,
+            "cert": self.cert,
+            "key": self.key,
+            "user": self.user,
+            "password": self.password,
+        }
+
+    def create_client(self, **extra: Any) -> EtcdClient:
+        """A new client (no RPC yet). ``extra`` overrides keyword arguments (e.g. interceptors)."""
+        from etcd_store.client import EtcdClient
+
+        return EtcdClient(self.endpoints, **{**self.client_kwargs(), **extra})
+
+
+@dataclass(frozen=True)
+class RdzvConfig:
+    """Client options plus the backend settings of one rendezvous."""
+
+    client: EtcdClientOptions
+    key_prefix: str = DEFAULT_KEY_PREFIX
+    state_ttl: int = DEFAULT_STATE_TTL
+
+    def state_key(self, run_id: str) -> str:
+        """``<key_prefix>/<run_id>`` (just ``run_id`` with an empty prefix)."""
+        return f"{self.key_prefix}/{run_id}" if self.key_prefix else run_id
+
+    def store_prefix(self, run_id: str) -> str:
+        """Prefix of the run's ``EtcdStore`` keys: ``<state key>/store``."""
+        return f"{self.state_key(run_id)}/store"
+
+
+# --------------------------------------------------------------------------- value parsing
+
+
+def _text(params: _Params, key: str) -> str | None:
+    value = params.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ValueError(
+            f"The rendezvous configuration option {key!r} must be a string, got {value!r}."
+        )
+    value = value.strip()
+    return value or None
+
+
+def _positive_seconds(params: _Params, key: str, default: float) -> float:
+    value = params.get(key)
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return default
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if isinstance(value, bool) or not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(
+            f"The rendezvous configuration option {key!r} must be a positive number of "
+            f"seconds, got {value!r}."
+        )
+    return seconds
+
+
+def get_seconds(params: _Params, key: str) -> float | None:
+    """The positive number of seconds ``key`` holds, or None when absent. ``ValueError`` if bad."""
+    seconds = _positive_seconds(params, key, math.nan)
+    return None if math.isnan(seconds) else seconds
+
+
+def _positive_int(params: _Params, key: str, default: int) -> int:
+    value = params.get(key)
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return default
+    try:
+        number = int(str(value).strip()) if not isinstance(value, bool) else 0
+    except ValueError:
+        number = 0
+    if number <= 0:
+        raise ValueError(
+            f"The rendezvous configuration option {key!r} must be a positive integer "
+            f"(seconds), got {value!r}."
+        )
+    return number
+
+
+def _readable_file(params: _Params, key: str) -> str | None:
+    path = _text(params, key)
+    if path is not None and not os.path.isfile(path):
+        raise ValueError(
+            f"The rendezvous configuration option {key!r} names {path!r}, which is not a "
+            "readable file."
+        )
+    return path
+
+
+def _holds_private_key(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return b"PRIVATE KEY-----" in f.read()
+    except OSError:
+        return False
+
+
+# --------------------------------------------------------------------------- public
+
+
+def parse_client_options(params: _Params) -> EtcdClientOptions:
+    """Read the endpoint(s), ``read_timeout``, TLS and auth keys. See the module docstring.
+
+    ``user``/``password`` fall back to ``$ETCD_RDZV_USER``/``$ETCD_RDZV_PASSWORD`` so
+    secrets can stay off command lines. Raises ``ValueError`` naming the bad key.
+    """
+    from etcd_store.client import parse_endpoints
+
+    spec = (params.endpoint or "").strip() or DEFAULT_ENDPOINT
+    try:
+        parse_endpoints(spec)
+    except ValueError as e:
+        raise ValueError(f"Invalid --rdzv-endpoint {spec!r}: {e}") from None
+
+    read_timeout = _positive_seconds(params, "read_timeout", DEFAULT_READ_TIMEOUT)
+
+    protocol = _text(params, "protocol")
+    if protocol is not None:
+        protocol = protocol.lower()
+        if protocol not in ("http", "https"):
+            raise ValueError(
+                f"The rendezvous configuration option 'protocol' must be 'http' or 'https', "
+                f"got {params.get('protocol')!r}."
+            )
+
+    ca_cert = _readable_file(params, "ca_cert")
+    cert = _readable_file(params, "ssl_cert")
+    key = _readable_file(params, "ssl_cert_key")
+    if key is not None and cert is None:
+        raise ValueError(
+            "The rendezvous configuration option 'ssl_cert_key' was given without 'ssl_cert'."
+        )
+    if cert is not None and key is None:
+        # torch's etcd-v2 accepts a single PEM file holding certificate and key.
+        if not _holds_private_key(cert):
+            raise ValueError(
+                f"The rendezvous configuration option 'ssl_cert' ({cert!r}) holds no private "
+                "key: give the key file as 'ssl_cert_key'."
+            )
+        key = cert
+
+    user = _text(params, "user") or (os.environ.get(USER_ENV) or None)
+    password = params.get("password")
+    if password is None:
+        password = os.environ.get(PASSWORD_ENV)
+    if password is not None and not isinstance(password, str):
+        raise ValueError("The rendezvous configuration option 'password' must be a string.")
+    if user is None and password:
+        raise ValueError(
+            f"An etcd password was given (option 'password' or ${PASSWORD_ENV}) but no "
+            f"user: set the option 'user' or ${USER_ENV}."
+        )
+    if user is not None and password is None:
+        raise ValueError(
+            f"The etcd user {user!r} was given without a password: set the option "
+            f"'password' or ${PASSWORD_ENV}."
+        )
+    if user is None:
+        password = None
+
+    return EtcdClientOptions(
+        endpoints=spec,
+        read_timeout=read_timeout,
+        protocol=protocol,
+        ca_cert=ca_cert,
+        cert=cert,
+        key=key,
+        user=user,
+        password=password,
+    )
+
+
+def parse_rdzv_config(
+    params: _Params, *, default_key_prefix: str = DEFAULT_KEY_PREFIX
+) -> RdzvConfig:
+    """Client options plus ``key_prefix`` and ``state_ttl``. Raises ``ValueError`` naming the key."""
+    client = parse_client_options(params)
+    raw_prefix = params.get("key_prefix")
+    if raw_prefix is None:
+        key_prefix = default_key_prefix
+    elif not isinstance(raw_prefix, str):
+        raise ValueError(
+            f"The rendezvous configuration option 'key_prefix' must be a string, got {raw_prefix!r}."
+        )
+    else:
+        key_prefix = raw_prefix.strip()
+        if any(c.isspace() for c in key_prefix):
+            raise ValueError(
+                f"The rendezvous configuration option 'key_prefix' must not contain blanks, "
+                f"got {raw_prefix!r}."
+            )
+    key_prefix = key_prefix.rstrip("/")
+    state_ttl = _positive_int(params, "state_ttl", DEFAULT_STATE_TTL)
+    return RdzvConfig(client=client, key_prefix=key_prefix, state_ttl=state_ttl)
+
+
+def translate_legacy_params(params: Any) -> Any:
+    """A copy of ``params`` with the legacy ``etcd`` keys renamed (:data:`LEGACY_ALIASES`).
+
+    The new name wins when both are given (torchrun always adds ``timeout``), and
+    ``key_prefix`` defaults to the legacy ``/torchelastic/p2p``.
+    """
+    config = dict(params.config)
+    for old, new in LEGACY_ALIASES.items():
+        if old in config:
+            value = config.pop(old)
+            config.setdefault(new, value)
+    config.setdefault("key_prefix", LEGACY_KEY_PREFIX)
+    translated = copy.copy(params)
+    translated.config = config
+    return translated
