@@ -9,6 +9,7 @@ Standard library only at import time (no torch, grpc or etcd_store)::
 """
 
 from .binary import ENV_VAR, EtcdBinaryNotFoundError, etcd_version, find_etcd_binary
+from .cluster import EtcdCluster
 from .server import (
     AuthConfig,
     EtcdGatewayError,
@@ -22,6 +23,7 @@ from .server import (
 __all__ = [
     "ENV_VAR",
     "AuthConfig",
+    "EtcdCluster",
     "EtcdBinaryNotFoundError",
     "EtcdGatewayError",
     "EtcdServer",

@@ -231,6 +231,16 @@ class EtcdGatewayError(RuntimeError):
         msg = self.etcd_message.lower()
         return self.code in (7, 16) or "user name is empty" in msg or "auth" in msg
 
+    @property
+    def gateway_refused_cn(self) -> bool:
+        """True when the gateway refused a client certificate with a CommonName.
+
+        With auth enabled, etcd's JSON gateway answers HTTP 400 ("CommonName of
+        client sending a request against gateway will be ignored ...") to any
+        TLS client whose certificate has a CN, instead of serving the request.
+        """
+        return "CommonName of client" in self.etcd_message
+
 
 # --------------------------------------------------------------------------
 # JSON gateway (stdlib only)
@@ -299,14 +309,29 @@ class _Gateway:
             status = e.code
         try:
             data = json.loads(raw or b"{}")
-        except ValueError as e:
-            raise EtcdGatewayError(path, status, -1, f"non-JSON answer {raw[:200]!r}") from e
+        except ValueError:
+            text = raw[:500].decode("utf-8", "replace").strip() or f"empty answer, HTTP {status}"
+            raise EtcdGatewayError(path, status, -1, text) from None
         if not isinstance(data, dict):
             raise EtcdGatewayError(path, status, -1, f"unexpected answer {raw[:200]!r}")
         if status >= 400 or "error" in data:
             msg = str(data.get("message") or data.get("error") or f"HTTP {status}")
             raise EtcdGatewayError(path, status, int(data.get("code", -1)), msg)
         return data
+
+    def health(self, *, timeout: float = 5.0) -> bool:
+        """``GET /health``: True when etcd reports ``"health": "true"``.
+
+        Not part of the gRPC gateway, so it works where the gateway refuses a
+        client certificate (see ``EtcdGatewayError.gateway_refused_cn``). etcd
+        answers healthy only with a leader and a successful read through raft.
+        """
+        try:
+            with self._opener.open(self.base_url + "/health", timeout=timeout) as resp:
+                data = json.loads(resp.read() or b"{}")
+        except urllib.error.HTTPError:
+            return False
+        return isinstance(data, dict) and str(data.get("health")) == "true"
 
 
 def setup_auth(gateway: _Gateway, auth: AuthConfig, *, timeout: float = 10.0) -> None:
@@ -328,6 +353,9 @@ def setup_auth(gateway: _Gateway, auth: AuthConfig, *, timeout: float = 10.0) ->
         logger.info("etcd auth is already enabled; leaving users and roles as they are")
         return
     except EtcdGatewayError as e:
+        if e.gateway_refused_cn:  # only happens when auth is enabled
+            logger.info("etcd auth is already enabled (gateway refuses CN client certificates)")
+            return
         if "not enabled" not in e.etcd_message:
             raise
 
@@ -663,7 +691,12 @@ class _EtcdMember:
         return self.gateway.call("/v3/maintenance/status", {}, timeout=timeout)
 
     def _probe(self, timeout: float) -> bool:
-        """One readiness probe: status has a leader and a linearizable read works."""
+        """One readiness probe: status has a leader and a linearizable read works.
+
+        An auth error from the read counts as ready (etcd checks permissions
+        after the linearizable read barrier). See ``_Gateway.health`` for the
+        TLS + auth case.
+        """
         try:
             st = self.status(timeout)
             if str(st.get("leader", "0")) in ("", "0"):
@@ -675,6 +708,13 @@ class _EtcdMember:
             )
             return True
         except EtcdGatewayError as e:
+            if e.gateway_refused_cn:
+                # TLS + auth enabled: the gateway serves nobody whose cert has a
+                # CN; fall back to /health (leader + a read through raft).
+                try:
+                    return self.gateway.health(timeout=timeout)
+                except (OSError, ValueError, http.client.HTTPException):
+                    return False
             # Auth errors come after the linearizable read barrier: serving.
             return e.is_auth_error
         except (OSError, ValueError, http.client.HTTPException):

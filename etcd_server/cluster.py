@@ -1,0 +1,323 @@
+"""A real multi-member etcd cluster on loopback, for failover tests.
+
+Members are bootstrapped statically (``--initial-cluster``) on free
+``127.0.0.1`` ports and share :class:`~etcd_server.server.EtcdServer`'s
+process handling: readiness by real v3 requests, exit detection with log
+tails, port-collision retries, SIGTERM-then-SIGKILL stop, ``atexit`` cleanup
+and ``PR_SET_PDEATHSIG`` (see :mod:`etcd_server.server` for the thread caveat).
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+from .binary import etcd_version, find_etcd_binary
+from .server import (
+    AuthConfig,
+    EtcdGatewayError,
+    EtcdStartError,
+    TLSConfig,
+    _EtcdMember,
+    _free_ports,
+    _make_client,
+    make_temp_dir,
+    remove_temp_dir,
+    setup_auth,
+)
+
+__all__ = ["EtcdCluster"]
+
+logger = logging.getLogger(__name__)
+
+
+class EtcdCluster:
+    """``size`` etcd members on ``127.0.0.1`` forming one cluster.
+
+    Args:
+        size: number of members (>= 1).
+        binary: etcd binary (see :func:`etcd_server.binary.find_etcd_binary`).
+        data_dir: parent directory of the members' data dirs
+            (``<data_dir>/member-<i>``); a temporary one, removed by
+            ``stop()``, when None. A caller-given directory is kept.
+        enable_v2, extra_args, tls, auth, die_with_parent, stop_grace: as for
+            :class:`~etcd_server.server.EtcdServer` (``extra_args`` go to
+            every member; auth is set up once through member 0).
+
+    Raises:
+        EtcdBinaryNotFoundError: (at construction) no etcd binary found.
+        ValueError: ``size`` < 1.
+    """
+
+    def __init__(
+        self,
+        size: int = 3,
+        binary: str | None = None,
+        *,
+        data_dir: str | None = None,
+        enable_v2: bool = False,
+        extra_args: Sequence[str] = (),
+        tls: TLSConfig | None = None,
+        auth: AuthConfig | None = None,
+        die_with_parent: bool = True,
+        stop_grace: float = 10.0,
+    ) -> None:
+        if size < 1:
+            raise ValueError(f"cluster size must be >= 1, got {size}")
+        self.size = size
+        self.binary = find_etcd_binary(binary)
+        self.enable_v2 = enable_v2
+        self.extra_args = tuple(extra_args)
+        self.tls = tls
+        self.auth = auth
+        self.die_with_parent = die_with_parent
+        self.stop_grace = stop_grace
+        self._given_data_dir = os.path.abspath(data_dir) if data_dir else None
+        self._work_dir: str | None = None
+        self._members: list[_EtcdMember] = []
+        self._auth_done = False
+        self._lock = threading.RLock()
+
+    # -- accessors ---------------------------------------------------------
+
+    @property
+    def version(self) -> str:
+        """etcd version of the binary, e.g. ``"3.5.1"``."""
+        return etcd_version(self.binary)
+
+    @property
+    def endpoints(self) -> list[str]:
+        """``["127.0.0.1:PORT", ...]`` of all members (also stopped ones)."""
+        return [m.endpoint for m in self._members]
+
+    @property
+    def endpoint_string(self) -> str:
+        """:attr:`endpoints` joined with commas (``--rdzv-endpoint`` format)."""
+        return ",".join(self.endpoints)
+
+    @property
+    def client_urls(self) -> list[str]:
+        """``http(s)://127.0.0.1:PORT`` of all members."""
+        return [m.client_url for m in self._members]
+
+    @property
+    def pids(self) -> list[int | None]:
+        """PID per member, None for a stopped one."""
+        return [m.pid for m in self._members]
+
+    @property
+    def data_dirs(self) -> list[str]:
+        """Data directory per member."""
+        return [m.data_dir for m in self._members]
+
+    def is_running(self, i: int) -> bool:
+        """True while member ``i``'s process is alive."""
+        return self._members[i].running()
+
+    # -- lifecycle ---------------------------------------------------------
+
+    def start(self, timeout: float = 60, num_retries: int = 3) -> None:
+        """Start all members and block until every one serves v3 requests.
+
+        Members are launched together, then each is polled (status with a
+        known leader, then a linearizable range). If a port was taken between
+        probing and binding, all members are stopped, their fresh data wiped,
+        and the start retried on new ports (``num_retries`` attempts in all).
+
+        Raises:
+            RuntimeError: already started.
+            EtcdStartError: a member exited during start-up (its exit code
+                and log tail); all members are stopped.
+            EtcdStartTimeoutError: not ready within ``timeout``.
+        """
+        with self._lock:
+            if any(m.running() for m in self._members):
+                raise RuntimeError("etcd cluster already running; call stop() first")
+            if self._work_dir is None:
+                self._work_dir = make_temp_dir("etcd-cluster-")
+            first = not self._members
+            attempts = max(1, num_retries)
+            for attempt in range(1, attempts + 1):
+                if first:
+                    self._members = self._new_members()
+                fresh = [not os.path.isdir(os.path.join(m.data_dir, "member")) for m in self._members]
+                try:
+                    for m in self._members:
+                        m.launch()
+                    deadline = time.monotonic() + timeout
+                    for m in self._members:
+                        m.wait_ready(deadline)
+                except EtcdStartError as e:
+                    self._terminate_all(graceful=False)
+                    if first and e.address_in_use and attempt < attempts:
+                        logger.warning(
+                            "etcd cluster ports taken (attempt %d/%d); retrying on new ports",
+                            attempt,
+                            attempts,
+                        )
+                        for m, was_fresh in zip(self._members, fresh, strict=True):
+                            if was_fresh:
+                                shutil.rmtree(m.data_dir, ignore_errors=True)
+                        continue
+                    self._fail_cleanup(first)
+                    raise
+                except BaseException:
+                    self._terminate_all(graceful=False)
+                    self._fail_cleanup(first)
+                    raise
+                break
+            logger.info("etcd %s cluster ready at %s", self.version, self.endpoint_string)
+            if self.auth is not None and not self._auth_done:
+                try:
+                    setup_auth(self._members[0].gateway, self.auth)
+                except BaseException:
+                    self.stop()
+                    raise
+                self._auth_done = True
+
+    def _new_members(self) -> list[_EtcdMember]:
+        assert self._work_dir is not None
+        base = self._given_data_dir or os.path.join(self._work_dir, "data")
+        ports = _free_ports(2 * self.size)
+        token = "etcd-cluster-" + uuid.uuid4().hex[:12]
+        members = [
+            _EtcdMember(
+                binary=self.binary,
+                name=f"member-{i}",
+                data_dir=os.path.join(base, f"member-{i}"),
+                work_dir=self._work_dir,
+                client_port=ports[2 * i],
+                peer_port=ports[2 * i + 1],
+                tls=self.tls,
+                enable_v2=self.enable_v2,
+                extra_args=self.extra_args,
+                die_with_parent=self.die_with_parent,
+            )
+            for i in range(self.size)
+        ]
+        initial = ",".join(f"{m.name}={m.peer_url}" for m in members)
+        for m in members:
+            m.initial_cluster = initial
+            m.cluster_token = token
+        return members
+
+    def _terminate_all(self, *, graceful: bool) -> None:
+        # One at a time: a leader that gets SIGTERM while its followers are
+        # shutting down too waits ~7 s for a leadership transfer that fails.
+        for m in self._members:
+            m.terminate(grace=self.stop_grace, graceful=graceful)
+
+    def _fail_cleanup(self, first: bool) -> None:
+        if first:
+            self._members = []
+            if self._work_dir:
+                remove_temp_dir(self._work_dir)
+                self._work_dir = None
+
+    def stop(self, *, keep_data: bool = False, graceful: bool = True) -> None:
+        """Stop every member (SIGTERM, SIGKILL after ``stop_grace``; blocks).
+
+        Removes the temporary data unless ``keep_data``. Idempotent; a later
+        ``start()`` reuses the ports (and data, when kept or caller-given).
+        """
+        with self._lock:
+            self._terminate_all(graceful=graceful)
+            if not keep_data and self._work_dir:
+                remove_temp_dir(self._work_dir)
+                self._work_dir = None
+                if not self._given_data_dir:
+                    self._members = []
+                    self._auth_done = False
+
+    def stop_member(self, i: int, *, graceful: bool = False) -> None:
+        """Stop member ``i`` (SIGKILL by default: a crash; SIGTERM if ``graceful``).
+
+        Blocks until it has exited. Its data dir and ports are kept for
+        :meth:`start_member`.
+        """
+        with self._lock:
+            self._members[i].terminate(grace=self.stop_grace, graceful=graceful)
+
+    def start_member(self, i: int, timeout: float = 60) -> None:
+        """Start member ``i`` again with its ports and data dir; block until ready.
+
+        Needs a quorum of live members to become ready.
+
+        Raises:
+            RuntimeError: the member is running.
+            EtcdStartError / EtcdStartTimeoutError: as for :meth:`start`.
+        """
+        with self._lock:
+            m = self._members[i]
+            m.launch()
+            try:
+                m.wait_ready(time.monotonic() + timeout)
+            except BaseException:
+                m.terminate(grace=2.0)
+                raise
+
+    def leader(self, timeout: float = 10.0) -> int:
+        """Index of the current leader, asking live members' maintenance/status.
+
+        A member is the leader when its status' ``leader`` equals its own
+        ``header.member_id``. Polls (blocking) until one is found.
+
+        Raises:
+            TimeoutError: no leader within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            ids: dict[str, int] = {}
+            leader_ids: set[str] = set()
+            for i, m in enumerate(self._members):
+                if not m.running():
+                    continue
+                try:
+                    st = m.status(timeout=1.0)
+                except (OSError, ValueError, EtcdGatewayError):
+                    continue
+                member_id = str(st.get("header", {}).get("member_id", ""))
+                leader_id = str(st.get("leader", "0"))
+                if member_id and member_id == leader_id:
+                    return i
+                ids[member_id] = i
+                if leader_id not in ("", "0"):
+                    leader_ids.add(leader_id)
+            for lid in leader_ids:  # a follower knows the leader, which did not answer
+                if lid in ids and self._members[ids[lid]].running():
+                    return ids[lid]
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no etcd leader among {self.endpoint_string} within {timeout}s")
+            time.sleep(0.05)
+
+    def get_client(self, **overrides: Any) -> Any:
+        """An ``etcd_store.client.EtcdClient`` over all members' endpoints.
+
+        TLS files and root credentials (with auth) are filled in; ``overrides``
+        replace them. Imports etcd_store only when called.
+        """
+        return _make_client(self.client_urls, self.tls, self.auth, overrides)
+
+    def __enter__(self) -> EtcdCluster:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"EtcdCluster({self.endpoint_string or self.size}, pids={self.pids})"
+
