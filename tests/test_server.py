@@ -4,16 +4,29 @@ from __future__ import annotations
 
 import base64
 import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
 
 import pytest
+from certs import CertPaths, have_openssl, make_certs
 from conftest import ETCD_BINARIES, etcd_pids, pid_alive
 
 from etcd_server import (
+    AuthConfig,
     EtcdBinaryNotFoundError,
+    EtcdGatewayError,
     EtcdServer,
     EtcdStartError,
+    TLSConfig,
     find_etcd_binary,
 )
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _b64(b: bytes) -> str:
@@ -59,9 +72,6 @@ def test_shared_fixture_serves_v3(etcd_server: EtcdServer, etcd_endpoint: str) -
 
 
 def test_v2_off_by_default_and_on_when_asked(etcd_binary: str) -> None:
-    import urllib.error
-    import urllib.request
-
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     for enable in (False, True):
         with EtcdServer(binary=etcd_binary, enable_v2=enable) as server:
@@ -147,3 +157,255 @@ def test_exit_at_start_reports_code_and_log(etcd_binary: str) -> None:
     assert "no-such-flag-xyz" in err.log_tail
     assert "no-such-flag-xyz" in str(err) and f"code {err.returncode}" in str(err)
     assert server.pid is None and not server.is_running()
+
+
+def test_port_collision_is_retried(etcd_binary: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    import etcd_server.server as server_mod
+
+    blocker = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    blocker.bind(("127.0.0.1", 0))
+    blocker.listen(1)
+    taken = blocker.getsockname()[1]
+    real = server_mod._free_ports
+    calls: list[list[int]] = []
+
+    def picker(n: int) -> list[int]:
+        ports = real(n)
+        if not calls:
+            ports[0] = taken  # the client port is taken between probing and binding
+        calls.append(ports)
+        return ports
+
+    monkeypatch.setattr(server_mod, "_free_ports", picker)
+    server = EtcdServer(binary=etcd_binary)
+    try:
+        server.start(timeout=30, num_retries=3)
+        assert len(calls) == 2
+        assert server.get_port() == calls[1][0] != taken
+        _put(server, b"k", b"v")
+        assert _get(server, b"k") == b"v"
+    finally:
+        server.stop()
+        blocker.close()
+
+
+def test_port_collision_gives_up_after_num_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    import etcd_server.server as server_mod
+
+    blocker = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    blocker.bind(("127.0.0.1", 0))
+    blocker.listen(1)
+    taken = blocker.getsockname()[1]
+    real = server_mod._free_ports
+    monkeypatch.setattr(server_mod, "_free_ports", lambda n: [taken, *real(n)[1:]])
+    server = EtcdServer()
+    try:
+        with pytest.raises(EtcdStartError, match="address already in use") as ei:
+            server.start(timeout=30, num_retries=2)
+        assert ei.value.address_in_use
+        assert server.pid is None
+    finally:
+        server.stop()
+        blocker.close()
+
+
+_CHILD = """
+import sys, time
+from etcd_server import EtcdServer
+server = EtcdServer(binary=sys.argv[1])
+server.start(timeout=30)
+print(server.pid, server.data_dir, flush=True)
+if sys.argv[2] == "sleep":
+    time.sleep(120)
+# "exit": leave without stop(); the atexit hook must stop etcd
+"""
+
+
+def _run_child(binary: str, mode: str) -> tuple[subprocess.Popen[str], int, str]:
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, binary, mode],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=_REPO,
+    )
+    assert child.stdout is not None
+    line = child.stdout.readline().split()
+    assert line, "child did not start etcd"
+    return child, int(line[0]), line[1]
+
+
+def _wait_gone(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while pid_alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_etcd_dies_when_parent_python_is_sigkilled(etcd_binary: str) -> None:
+    child, pid, data_dir = _run_child(etcd_binary, "sleep")
+    try:
+        assert pid_alive(pid)
+        child.kill()  # SIGKILL: no atexit, no finally; only PR_SET_PDEATHSIG helps
+        child.wait(timeout=10)
+        assert _wait_gone(pid), f"etcd {pid} outlived its SIGKILLed parent"
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        if pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(os.path.dirname(data_dir), ignore_errors=True)
+
+
+def test_atexit_stops_etcd_when_stop_is_not_called(etcd_binary: str) -> None:
+    child, pid, data_dir = _run_child(etcd_binary, "exit")
+    try:
+        assert child.wait(timeout=30) == 0
+        assert _wait_gone(pid, 1.0), "atexit hook did not stop etcd"
+        assert not os.path.exists(data_dir), "atexit hook did not remove the temp dir"
+    finally:
+        if pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> CertPaths:
+    if not have_openssl():
+        pytest.skip("openssl command not available")
+    return make_certs(tmp_path_factory.mktemp("certs"))
+
+
+def test_tls_requires_the_ca(etcd_binary: str, certs: CertPaths) -> None:
+    from etcd_store.client import EtcdClient
+    from etcd_store.errors import EtcdTLSError
+
+    tls = TLSConfig(
+        certs.server_cert,
+        certs.server_key,
+        certs.ca,
+        client_cert_file=certs.client_cert,
+        client_key_file=certs.client_key,
+    )
+    with EtcdServer(binary=etcd_binary, tls=tls) as server:
+        url = server.get_client_url()
+        assert url.startswith("https://")
+        with server.get_client(timeout=10) as client:
+            client.put(b"tls/key", b"ok")
+            kv = client.get(b"tls/key")
+            assert kv is not None and kv.value == b"ok"
+        for ca in (None, certs.other_ca):  # no CA (system roots), or the wrong CA
+            with (
+                EtcdClient(url, ca_cert=ca, cert=certs.client_cert, key=certs.client_key, timeout=5) as bad,
+                pytest.raises(EtcdTLSError, match="TLS") as ei,
+            ):
+                bad.get(b"tls/key")
+            assert "certificate" in str(ei.value).lower()
+        # plain http against the https port is not served either
+        plain = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with pytest.raises((urllib.error.URLError, OSError)):
+            plain.open(url.replace("https://", "http://") + "/health", timeout=5).read()
+
+
+def test_auth_wrong_password_and_prefix_limits(etcd_binary: str) -> None:
+    from etcd_store.errors import EtcdAuthError, EtcdPermissionDenied
+
+    root_pw, alice_pw = "r00t-s3cret-pw", "al1ce-s3cret-pw"
+    auth = AuthConfig(root_pw, user="alice", password=alice_pw, prefix=b"/jobs/alice/")
+    assert root_pw not in repr(auth) and alice_pw not in repr(auth)
+    with EtcdServer(binary=etcd_binary, auth=auth) as server:
+        with server.get_client(timeout=10) as root:
+            root.put(b"/jobs/bob/x", b"bob")
+        with server.get_client(user="alice", password=alice_pw, timeout=10) as alice:
+            alice.put(b"/jobs/alice/x", b"1")
+            kv = alice.get(b"/jobs/alice/x")
+            assert kv is not None and kv.value == b"1"
+            with pytest.raises(EtcdPermissionDenied):
+                alice.get(b"/jobs/bob/x")
+            with pytest.raises(EtcdPermissionDenied):
+                alice.put(b"/jobs/alicex", b"no")  # outside the prefix, same leading bytes
+        with (
+            server.get_client(user="alice", password="not-" + alice_pw, timeout=10) as bad,
+            pytest.raises(EtcdAuthError, match="(?i)password") as ei,
+        ):
+            bad.get(b"/jobs/alice/x")
+        assert alice_pw not in str(ei.value)
+        # without a token, the gateway refuses reads too
+        with pytest.raises(EtcdGatewayError) as gi:
+            server.gateway_call("/v3/kv/range", {"key": _b64(b"/jobs/bob/x")})
+        assert gi.value.is_auth_error
+        # readiness still works with auth on (restart keeps data, auth stays on)
+        server.restart(timeout=30)
+        with server.get_client(user="alice", password=alice_pw, timeout=10) as alice:
+            kv = alice.get(b"/jobs/alice/x")
+            assert kv is not None and kv.value == b"1"
+        # passwords never reach the command line or etcd's log
+        assert server.pid is not None
+        with open(f"/proc/{server.pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+        assert server.log_path is not None
+        with open(server.log_path, "rb") as f:
+            log = f.read()
+        for secret in (root_pw, alice_pw):
+            assert secret.encode() not in cmdline and secret.encode() not in log
+
+
+def test_cli_help() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "etcd_server", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=_REPO,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "--data-dir" in out.stdout and "--cluster" in out.stdout and "--binary" in out.stdout
+
+
+def test_cli_missing_binary_is_a_clear_error(tmp_path: os.PathLike[str]) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "etcd_server", "--binary", os.path.join(tmp_path, "etcd")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=_REPO,
+        check=False,
+    )
+    assert out.returncode != 0
+    assert "No etcd server binary found" in out.stderr and "etcd-rdzv[server]" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_cli_runs_until_sigint(etcd_binary: str) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "etcd_server", "--binary", etcd_binary],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=_REPO,
+    )
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("Press Ctrl-C"):
+                break
+        text = "".join(lines)
+        endpoint = next(ln.split("=", 1)[1].strip() for ln in lines if ln.startswith("ETCD_ENDPOINTS="))
+        assert f"--rdzv-endpoint={endpoint}" in text and "torchrun --rdzv-backend=etcd-v2" in text
+        pids = etcd_pids(proc.pid)
+        assert len(pids) == 1
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        assert all(_wait_gone(pid, 1.0) for pid in pids)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
