@@ -1,0 +1,44 @@
+"""``etcd-v3``: a rendezvous handler built on etcd v3 leases, transactions and watches.
+
+``torchrun --rdzv-backend=etcd-v3 --rdzv-endpoint=HOST:2379 ...`` reaches it through
+the ``torchrun.handlers`` entry point :func:`etcd_rdzv.v3.handler.create_etcd_v3_handler`.
+
+Modules: :mod:`.settings` (rdzv-conf), :mod:`.keys` (key layout), :mod:`.protocol`
+(one function per transition), :mod:`.rendezvous` (the handler), :mod:`.handler`
+(entry point). Importing this package is light; names load on first access.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .handler import create_etcd_v3_handler, create_etcd_v3_rdzv_handler
+    from .rendezvous import EtcdV3RendezvousHandler, RoundResult
+    from .settings import V3Settings, parse_settings
+
+__all__ = [
+    "EtcdV3RendezvousHandler",
+    "RoundResult",
+    "V3Settings",
+    "create_etcd_v3_handler",
+    "create_etcd_v3_rdzv_handler",
+    "parse_settings",
+]
+
+_HOMES = {
+    "EtcdV3RendezvousHandler": "rendezvous",
+    "RoundResult": "rendezvous",
+    "V3Settings": "settings",
+    "parse_settings": "settings",
+    "create_etcd_v3_handler": "handler",
+    "create_etcd_v3_rdzv_handler": "handler",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'etcd_rdzv.v3' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{home}", __name__), name)

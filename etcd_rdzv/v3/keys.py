@@ -1,0 +1,118 @@
+"""The etcd key layout of one ``etcd-v3`` rendezvous run.
+
+Every key lives under ``<key_prefix>/<run_id>/v3/``::
+
+    ctl/closed                    "1" once the run is closed            (run lease)
+    ctl/join/<round>/<node_id>    JSON {addr, pid}: node_id waits for or (node lease)
+                                  belongs to <round>; create_revision orders joins
+    ctl/run                       hex id of the run lease               (run lease)
+    ctl/sealed                    JSON {"round": R}: last sealed round; (run lease)
+                                  its mod_revision is the fencing token
+    rounds/<round>/members        JSON list of node ids, rank order     (run lease)
+    rounds/<round>/store/...      the round's EtcdStore
+
+``<round>`` is zero-padded to 10 digits so that byte order is round order and a
+whole range of rounds is one ``[start, end)`` interval. ``ctl/`` holds exactly what
+a waiting node must watch; store traffic of a running round lives outside it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from etcd_store.client import prefix_range_end
+
+log = logging.getLogger(__name__)
+
+__all__ = ["RunKeys"]
+
+_ROUND_DIGITS = 10
+
+
+def _round(number: int) -> str:
+    if not 0 <= number < 10**_ROUND_DIGITS:
+        raise ValueError(f"round number out of range: {number}")
+    return f"{number:0{_ROUND_DIGITS}d}"
+
+
+@dataclass(frozen=True)
+class RunKeys:
+    """Key names (bytes) of one run; ``root`` is ``<key_prefix>/<run_id>/v3``."""
+
+    root: str
+
+    @classmethod
+    def for_run(cls, key_prefix: str, run_id: str) -> RunKeys:
+        if "/" in run_id:
+            raise ValueError(f"The rendezvous run id must not contain '/', got {run_id!r}.")
+        base = f"{key_prefix.rstrip('/')}/{run_id}" if key_prefix else run_id
+        return cls(f"{base}/v3")
+
+    # ------------------------------------------------------------------ ctl/
+
+    @property
+    def ctl(self) -> bytes:
+        """Prefix of everything a waiting node watches."""
+        return f"{self.root}/ctl/".encode()
+
+    @property
+    def ctl_end(self) -> bytes:
+        return prefix_range_end(self.ctl)
+
+    @property
+    def closed(self) -> bytes:
+        return f"{self.root}/ctl/closed".encode()
+
+    @property
+    def run(self) -> bytes:
+        return f"{self.root}/ctl/run".encode()
+
+    @property
+    def sealed(self) -> bytes:
+        return f"{self.root}/ctl/sealed".encode()
+
+    @property
+    def join_root(self) -> bytes:
+        return f"{self.root}/ctl/join/".encode()
+
+    def join_prefix(self, round_: int) -> bytes:
+        return f"{self.root}/ctl/join/{_round(round_)}/".encode()
+
+    def join_key(self, round_: int, node_id: str) -> bytes:
+        return self.join_prefix(round_) + node_id.encode()
+
+    def parse_join_key(self, key: bytes) -> tuple[int, str] | None:
+        """``(round, node_id)`` of a join key, None for any other key."""
+        root = self.join_root
+        if not key.startswith(root):
+            return None
+        rest = key[len(root) :].decode(errors="replace")
+        number, sep, node_id = rest.partition("/")
+        if not sep or not number.isdigit() or not node_id:
+            return None
+        return int(number), node_id
+
+    # ------------------------------------------------------------------ rounds/
+
+    @property
+    def rounds(self) -> bytes:
+        return f"{self.root}/rounds/".encode()
+
+    def round_prefix(self, round_: int) -> bytes:
+        return f"{self.root}/rounds/{_round(round_)}/".encode()
+
+    def members(self, round_: int) -> bytes:
+        return self.round_prefix(round_) + b"members"
+
+    def store_prefix(self, round_: int) -> str:
+        """The ``EtcdStore`` prefix of a round (a str, as the store takes it)."""
+        return f"{self.root}/rounds/{_round(round_)}/store/"
+
+    def rounds_before(self, round_: int) -> tuple[bytes, bytes]:
+        """``[start, end)`` of every ``rounds/`` key of rounds older than ``round_``."""
+        return self.rounds, self.round_prefix(max(round_, 0))
+
+    def joins_before(self, round_: int) -> tuple[bytes, bytes]:
+        """``[start, end)`` of every join key of rounds older than ``round_``."""
+        return self.join_root, self.join_prefix(max(round_, 0))

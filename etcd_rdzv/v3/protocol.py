@@ -1,0 +1,567 @@
+"""The ``etcd-v3`` rendezvous protocol: one function per transition, plus the round view.
+
+Each function below is one etcd RPC (a transaction unless said otherwise) and
+returns plain data; none of them sleeps or loops. The handler
+(:mod:`etcd_rdzv.v3.rendezvous`) strings them together and waits on watches.
+Key names come from :class:`~etcd_rdzv.v3.keys.RunKeys`; see the design note
+in the README for why each compare makes its transition safe.
+
+Membership rule (the single source of truth): round ``T`` is sealed at the
+revision ``S`` of the transaction that wrote ``ctl/sealed = T``. Its members are
+the keys under ``ctl/join/T/`` that exist at ``S``, ordered by create revision,
+first ``max_nodes`` of them; rank = position. If fewer than ``min_nodes`` keys
+exist at ``S`` (a joiner died in the instant before sealing) the round is
+*void*: it forms no group and its joiners move on to ``T + 1``. Every waiting
+node rebuilds the join set at ``S`` from its own gap-free watch
+(:class:`RoundView`), so no node needs to read the member list.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+from dataclasses import dataclass, field
+
+from etcd_store.client import (
+    DeleteResult,
+    EtcdClient,
+    Event,
+    KeyValue,
+    RangeResult,
+    compare_mod,
+    compare_version,
+    op_delete,
+    op_get,
+    op_put,
+    prefix_range_end,
+)
+
+from .keys import RunKeys
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "JoinOutcome",
+    "Meta",
+    "RoundView",
+    "SealOutcome",
+    "Sealed",
+    "Signal",
+    "SignalKind",
+    "close",
+    "count_waiting",
+    "decode_members",
+    "ensure_run_lease",
+    "is_closed",
+    "join",
+    "leave_if_unsealed",
+    "read_meta",
+    "read_members",
+    "remove_round_records_if_idle",
+    "seal",
+    "snapshot_members",
+    "write_members",
+]
+
+
+class ProtocolStateError(Exception):
+    """A record of the run holds something this protocol never writes."""
+
+
+# --------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True)
+class Sealed:
+    """The ``ctl/sealed`` record: the last sealed round and its fencing revision.
+
+    ``round == 0`` and ``revision == 0`` when no round was sealed yet.
+    """
+
+    round: int = 0
+    revision: int = 0
+
+    @classmethod
+    def from_kv(cls, kv: KeyValue | None) -> Sealed:
+        if kv is None:
+            return cls()
+        return cls(_decode_round(kv.value), kv.mod_revision)
+
+
+def _decode_round(value: bytes) -> int:
+    try:
+        number = json.loads(value)["round"]
+    except (ValueError, KeyError, TypeError):
+        raise ProtocolStateError(f"ctl/sealed holds {value[:80]!r}, not {{'round': N}}") from None
+    if not isinstance(number, int) or number < 1:
+        raise ProtocolStateError(f"ctl/sealed holds round {number!r}, not a positive integer")
+    return number
+
+
+def _encode_round(number: int) -> bytes:
+    return json.dumps({"round": number}).encode()
+
+
+def decode_members(value: bytes) -> list[str]:
+    """The node ids of a ``rounds/<T>/members`` record, in rank order."""
+    try:
+        members = json.loads(value)
+    except ValueError:
+        members = None
+    if not isinstance(members, list) or not all(isinstance(m, str) for m in members):
+        raise ProtocolStateError(f"a members record holds {value[:80]!r}, not a list of node ids")
+    return members
+
+
+@dataclass(frozen=True)
+class Meta:
+    """The run's control records, read at one revision."""
+
+    closed: bool
+    sealed: Sealed
+    run_lease: int | None
+    revision: int
+
+
+def _first(result: object) -> KeyValue | None:
+    assert isinstance(result, RangeResult)
+    return result.kvs[0] if result.kvs else None
+
+
+def _count(result: object) -> int:
+    assert isinstance(result, RangeResult)
+    return result.count
+
+
+# --------------------------------------------------------------------------- reads
+
+
+def read_meta(client: EtcdClient, keys: RunKeys, *, timeout: float | None = None) -> Meta:
+    """``closed``, ``run`` and ``sealed`` at one revision. One read-only Txn."""
+    res = client.txn([], [op_get(keys.closed), op_get(keys.run), op_get(keys.sealed)], timeout=timeout,
+                     idempotent=True)
+    closed_kv, run_kv, sealed_kv = (_first(r) for r in res.responses)
+    return Meta(closed_kv is not None, Sealed.from_kv(sealed_kv), _lease_of(run_kv), res.revision)
+
+
+def _lease_of(kv: KeyValue | None) -> int | None:
+    if kv is None:
+        return None
+    try:
+        return int(kv.value, 16)
+    except ValueError:
+        raise ProtocolStateError(f"ctl/run holds {kv.value[:40]!r}, not a lease id") from None
+
+
+def is_closed(client: EtcdClient, keys: RunKeys, *, timeout: float | None = None) -> bool:
+    """Whether ``ctl/closed`` exists. One Range."""
+    return client.range(keys.closed, count_only=True, timeout=timeout).count > 0
+
+
+def count_waiting(
+    client: EtcdClient, keys: RunKeys, round_: int, *, timeout: float | None = None
+) -> tuple[int, int]:
+    """``(joined round_ + 1, still in round_)``: two count-only ranges in one read-only Txn."""
+    res = client.txn(
+        [],
+        [
+            op_get(keys.join_prefix(round_ + 1), prefix=True, count_only=True),
+            op_get(keys.join_prefix(round_), prefix=True, count_only=True),
+        ],
+        timeout=timeout,
+        idempotent=True,
+    )
+    return _count(res.responses[0]), _count(res.responses[1])
+
+
+def read_members(
+    client: EtcdClient, keys: RunKeys, round_: int, *, timeout: float | None = None
+) -> tuple[list[str] | None, int]:
+    """The members record of ``round_`` (None if absent) and the read revision. One Range."""
+    res = client.range(keys.members(round_), timeout=timeout)
+    return (decode_members(res.kvs[0].value) if res.kvs else None), res.revision
+
+
+def snapshot_members(
+    client: EtcdClient,
+    keys: RunKeys,
+    round_: int,
+    seal_revision: int,
+    max_nodes: int,
+    *,
+    timeout: float | None = None,
+) -> list[str]:
+    """The members of ``round_`` from the join keys at ``seal_revision``. One historical Range.
+
+    Raises :class:`~etcd_store.errors.EtcdCompactedError` if that revision was compacted.
+    """
+    res = client.range(
+        keys.join_prefix(round_), prefix=True, keys_only=True, revision=seal_revision, timeout=timeout
+    )
+    joins = sorted(res.kvs, key=lambda kv: kv.create_revision)[:max_nodes]
+    names = [keys.parse_join_key(kv.key) for kv in joins]
+    return [parsed[1] for parsed in names if parsed is not None]
+
+
+# --------------------------------------------------------------------------- run lease
+
+
+def ensure_run_lease(
+    client: EtcdClient, keys: RunKeys, state_ttl: int, *, timeout: float | None = None
+) -> int:
+    """Create the run lease and ``ctl/run`` unless another node did; return the lease id.
+
+    LeaseGrant + one Txn ``[version(run) == 0] -> put run (bound to the lease)``;
+    the loser revokes its own lease and returns the winner's. Callers read
+    ``ctl/run`` first (:func:`read_meta`) and call this only when it is absent.
+    """
+    lease = client.lease_grant(state_ttl, timeout=timeout)
+    res = client.txn(
+        [compare_version(keys.run, "==", 0)],
+        [op_put(keys.run, f"{lease:x}".encode(), lease=lease)],
+        [op_get(keys.run)],
+        timeout=timeout,
+    )
+    if res.succeeded:
+        log.debug("created run lease %x for %s", lease, keys.root)
+        return lease
+    client.lease_revoke(lease, timeout=timeout)
+    winner = _lease_of(_first(res.responses[0]))
+    if winner is None:  # the winner's lease expired in between: try again from scratch
+        return ensure_run_lease(client, keys, state_ttl, timeout=timeout)
+    return winner
+
+
+# --------------------------------------------------------------------------- transitions
+
+
+@dataclass(frozen=True)
+class JoinOutcome:
+    """The answer of :func:`join`.
+
+    On success: ``revision`` is the join's revision (= this node's create
+    revision unless the key already existed), ``before`` the number of other join
+    keys of the round created earlier, ``prev_count`` the number of join keys of
+    the previous round. On failure: the current ``sealed`` and ``closed``.
+    """
+
+    ok: bool
+    revision: int
+    create_revision: int = 0
+    before: int = 0
+    prev_count: int = 0
+    sealed: Sealed = field(default_factory=Sealed)
+    closed: bool = False
+    after: dict[str, int] = field(default_factory=dict)
+
+
+def join(
+    client: EtcdClient,
+    keys: RunKeys,
+    node_id: str,
+    value: bytes,
+    lease: int,
+    sealed: Sealed,
+    *,
+    previous_key: bytes | None = None,
+    timeout: float | None = None,
+) -> JoinOutcome:
+    """Join round ``sealed.round + 1`` if it is still open. One Txn::
+
+        if   mod(sealed) == sealed.revision and version(closed) == 0
+        then put join/T/<node> (node lease); delete previous_key;
+             count join/T/ created before me; count join/(T-1)/
+        else get sealed; get closed
+    """
+    target = sealed.round + 1
+    key = keys.join_key(target, node_id)
+    success = [op_put(key, value, lease=lease, prev_kv=True)]
+    if previous_key is not None and previous_key != key:
+        success.append(op_delete(previous_key))
+    success += [
+        op_get(keys.join_prefix(target), prefix=True, count_only=True),
+        op_get(keys.join_prefix(target - 1), prefix=True, count_only=True),
+    ]
+    res = client.txn(
+        [compare_mod(keys.sealed, "==", sealed.revision), compare_version(keys.closed, "==", 0)],
+        success,
+        [op_get(keys.sealed), op_get(keys.closed, count_only=True)],
+        timeout=timeout,
+    )
+    if not res.succeeded:
+        return JoinOutcome(
+            False,
+            res.revision,
+            sealed=Sealed.from_kv(_first(res.responses[0])),
+            closed=_count(res.responses[1]) > 0,
+        )
+    put = res.responses[0]
+    prev_kv = getattr(put, "prev_kv", None)
+    total = _count(res.responses[-2])
+    after: dict[str, int] = {}
+    if prev_kv is None:
+        create_revision, before = res.revision, total - 1
+    else:
+        # A re-put of our own key (resync) keeps its create revision, hence its place;
+        # keys created after it are in ``total`` too, so split the set (rare path).
+        create_revision = prev_kv.create_revision
+        before, after = _split_around(client, keys, target, create_revision, res.revision, timeout)
+    return JoinOutcome(
+        True,
+        res.revision,
+        create_revision=create_revision,
+        before=before,
+        prev_count=_count(res.responses[-1]),
+        after=after,
+    )
+
+
+def _split_around(
+    client: EtcdClient,
+    keys: RunKeys,
+    round_: int,
+    create_revision: int,
+    revision: int,
+    timeout: float | None,
+) -> tuple[int, dict[str, int]]:
+    """(join keys created before ``create_revision``, {node: create revision} of later ones)."""
+    res = client.range(
+        keys.join_prefix(round_), prefix=True, keys_only=True, revision=revision, timeout=timeout
+    )
+    before, after = 0, {}
+    for kv in res.kvs:
+        parsed = keys.parse_join_key(kv.key)
+        if kv.create_revision < create_revision:
+            before += 1
+        elif kv.create_revision > create_revision and parsed is not None:
+            after[parsed[1]] = kv.create_revision
+    return before, after
+
+
+@dataclass(frozen=True)
+class SealOutcome:
+    """The answer of :func:`seal`: on failure the current ``sealed``/``closed``/previous count."""
+
+    ok: bool
+    revision: int
+    sealed: Sealed = field(default_factory=Sealed)
+    closed: bool = False
+    prev_count: int = 0
+
+
+def seal(
+    client: EtcdClient,
+    keys: RunKeys,
+    round_: int,
+    previous: Sealed,
+    run_lease: int,
+    *,
+    timeout: float | None = None,
+) -> SealOutcome:
+    """Seal ``round_`` (= ``previous.round + 1``). One Txn::
+
+        if   mod(sealed) == previous.revision           (nobody sealed since)
+             and version(closed) == 0
+             and version(join/(T-1)/ ...) == 0           (previous round vacated)
+        then put sealed = T (run lease); delete rounds/ older than T-1
+        else get sealed; get closed; count join/(T-1)/
+
+    The members are the join keys that exist at the returned revision.
+    """
+    if round_ != previous.round + 1:
+        raise ValueError(f"cannot seal round {round_} after round {previous.round}")
+    prev_prefix = keys.join_prefix(round_ - 1)
+    start, end = keys.rounds_before(round_ - 1)
+    res = client.txn(
+        [
+            compare_mod(keys.sealed, "==", previous.revision),
+            compare_version(keys.closed, "==", 0),
+            compare_version(prev_prefix, "==", 0, range_end=prefix_range_end(prev_prefix)),
+        ],
+        [op_put(keys.sealed, _encode_round(round_), lease=run_lease), op_delete(start, end)],
+        [
+            op_get(keys.sealed),
+            op_get(keys.closed, count_only=True),
+            op_get(prev_prefix, prefix=True, count_only=True),
+        ],
+        timeout=timeout,
+    )
+    if res.succeeded:
+        return SealOutcome(True, res.revision)
+    return SealOutcome(
+        False,
+        res.revision,
+        sealed=Sealed.from_kv(_first(res.responses[0])),
+        closed=_count(res.responses[1]) > 0,
+        prev_count=_count(res.responses[2]),
+    )
+
+
+def write_members(
+    client: EtcdClient,
+    keys: RunKeys,
+    round_: int,
+    members: list[str],
+    run_lease: int,
+    *,
+    timeout: float | None = None,
+) -> bool:
+    """Record the members of a sealed round once: ``[version(members) == 0] -> put``. One Txn."""
+    key = keys.members(round_)
+    res = client.txn(
+        [compare_version(key, "==", 0)],
+        [op_put(key, json.dumps(members).encode(), lease=run_lease)],
+        timeout=timeout,
+    )
+    return res.succeeded
+
+
+def leave_if_unsealed(
+    client: EtcdClient, keys: RunKeys, join_key: bytes, sealed: Sealed, *, timeout: float | None = None
+) -> bool:
+    """Withdraw a join unless its round got sealed meanwhile. One Txn::
+
+        if mod(sealed) == sealed.revision then delete join_key
+    """
+    res = client.txn(
+        [compare_mod(keys.sealed, "==", sealed.revision)], [op_delete(join_key)], timeout=timeout
+    )
+    return res.succeeded
+
+
+def close(client: EtcdClient, keys: RunKeys, run_lease: int, *, timeout: float | None = None) -> bool:
+    """Mark the run closed once: ``[version(closed) == 0] -> put closed``. One Txn.
+
+    Returns whether this call closed it (False: it was closed already).
+    """
+    res = client.txn(
+        [compare_version(keys.closed, "==", 0)],
+        [op_put(keys.closed, b"1", lease=run_lease)],
+        timeout=timeout,
+    )
+    return res.succeeded
+
+
+def remove_round_records_if_idle(
+    client: EtcdClient, keys: RunKeys, *, timeout: float | None = None
+) -> bool:
+    """Delete every ``rounds/`` key (members, stores) if no node holds a join key. One Txn.
+
+    Called by a node that leaves for good: the last one to go removes what the
+    run-lease TTL does not cover (the stores of the last rounds).
+    """
+    root = keys.join_root
+    start, end = keys.rounds, prefix_range_end(keys.rounds)
+    res = client.txn(
+        [compare_version(root, "==", 0, range_end=prefix_range_end(root))],
+        [op_delete(start, end)],
+        timeout=timeout,
+    )
+    if res.succeeded:
+        deleted = res.responses[0]
+        assert isinstance(deleted, DeleteResult)
+        log.debug("removed %d round records of %s", deleted.deleted, keys.root)
+    return res.succeeded
+
+
+# --------------------------------------------------------------------------- the round view
+
+
+class SignalKind(enum.Enum):
+    SEALED = "sealed"  # ctl/sealed changed: see Signal.round / Signal.revision
+    CLOSED = "closed"  # ctl/closed appeared
+    LOST = "lost"  # our own join key vanished (our lease expired)
+    RESET = "reset"  # ctl/sealed or ctl/run vanished (the run lease expired)
+
+
+@dataclass(frozen=True)
+class Signal:
+    kind: SignalKind
+    round: int = 0
+    revision: int = 0
+
+
+class RoundView:
+    """What a node waiting in round ``T`` knows, rebuilt from its gap-free watch on ``ctl/``.
+
+    Starts from the counts of :func:`join` (``before``: join keys of ``T`` created
+    before ours; ``prev_count``: join keys of ``T - 1``) and applies every event
+    after the join revision in order. At the revision ``S`` of the ``sealed``
+    event for ``T`` the view equals the join set at ``S``: our rank is
+    ``before``, the round's size ``min(count, max_nodes)``. Keys created after
+    ours are tracked by name (their deletion must not lower ``before``).
+    """
+
+    def __init__(
+        self,
+        keys: RunKeys,
+        round_: int,
+        node_id: str,
+        create_revision: int,
+        before: int,
+        prev_count: int,
+        revision: int,
+    ) -> None:
+        self.keys = keys
+        self.round = round_
+        self.node_id = node_id
+        self.create_revision = create_revision
+        self.before = before
+        self.after: dict[str, int] = {}
+        self.prev_count = prev_count
+        self.revision = revision
+        self.changes = 0
+
+    @property
+    def count(self) -> int:
+        """Join keys of this round, ours included."""
+        return self.before + 1 + len(self.after)
+
+    @property
+    def vacated(self) -> bool:
+        """Whether no node remains in the previous round (so this one may be sealed)."""
+        return self.prev_count <= 0
+
+    def members_after_us(self) -> list[str]:
+        """Node ids that joined after us, in join order."""
+        return [name for name, _ in sorted(self.after.items(), key=lambda item: item[1])]
+
+    def apply(self, event: Event) -> Signal | None:
+        """Fold one watch event into the view; a :class:`Signal` when it ends the wait."""
+        kv = event.kv
+        self.revision = max(self.revision, kv.mod_revision)
+        key = kv.key
+        if key == self.keys.sealed:
+            if event.type == "DELETE":
+                return Signal(SignalKind.RESET, revision=kv.mod_revision)
+            return Signal(SignalKind.SEALED, _decode_round(kv.value), kv.mod_revision)
+        if key == self.keys.closed:
+            return Signal(SignalKind.CLOSED, revision=kv.mod_revision) if event.type == "PUT" else None
+        if key == self.keys.run:
+            return Signal(SignalKind.RESET, revision=kv.mod_revision) if event.type == "DELETE" else None
+        parsed = self.keys.parse_join_key(key)
+        if parsed is None:
+            return None
+        round_, name = parsed
+        if round_ == self.round - 1:
+            self.changes += 1
+            self.prev_count += -1 if event.type == "DELETE" else (1 if kv.version == 1 else 0)
+            return None
+        if round_ != self.round:
+            return None
+        if name == self.node_id:
+            if event.type == "DELETE":
+                return Signal(SignalKind.LOST, revision=kv.mod_revision)
+            return None
+        self.changes += 1
+        if event.type == "PUT":
+            if kv.create_revision > self.create_revision:
+                self.after[name] = kv.create_revision
+        elif self.after.pop(name, None) is None:
+            self.before -= 1
+            if self.before < 0:
+                raise ProtocolStateError(
+                    f"round {self.round}: more earlier joiners left than had joined"
+                )
+        return None

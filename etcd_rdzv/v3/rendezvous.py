@@ -1,0 +1,601 @@
+"""``EtcdV3RendezvousHandler``: torch's ``RendezvousHandler`` contract on etcd v3 primitives.
+
+One node = one handler = one lease (TTL ``lease_ttl``) refreshed over one
+keep-alive stream. Joining a round is one transaction that puts a join key
+bound to that lease; waiting is a watch on the run's ``ctl/`` keys that starts
+right after the join's revision; sealing a round is one transaction fenced by
+the ``sealed`` record's mod revision and by "the previous round is empty".
+No node rewrites anything while a job runs: liveness is the lease alone.
+See :mod:`etcd_rdzv.v3.protocol` and the README's design note.
+
+Cost of an uncontended ``next_rendezvous`` (node already holding its lease): one
+read-only Txn, one join Txn, one watch; one seal Txn for one node per round;
+plus the store bootstrap (``RendezvousStoreInfo.build``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousGracefulExitError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousStateError,
+    RendezvousStoreInfo,
+    RendezvousTimeoutError,
+)
+
+from etcd_store.client import EtcdClient, LeaseKeeper, Watch
+from etcd_store.errors import EtcdCompactedError, EtcdError, EtcdTimeoutError
+
+from . import protocol
+from .keys import RunKeys
+from .protocol import ProtocolStateError, RoundView, Sealed, Signal, SignalKind
+from .settings import V3Settings
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
+
+log = logging.getLogger(__name__)
+
+__all__ = ["BACKEND_NAME", "SEAL_BACKUP_DELAY", "EtcdV3RendezvousHandler", "RoundResult"]
+
+BACKEND_NAME = "etcd-v3"
+
+SEAL_BACKUP_DELAY = 1.0
+"""Seconds a node that is not first in join order waits, once the round is
+ready, before it tries to seal in place of the first (which may be dead or slow).
+This keeps a round at about one seal transaction instead of one per node."""
+
+_local_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """The outcome of the barrier for one node: its place in a sealed round.
+
+    ``seal_revision`` is the revision at which the round was sealed (the same
+    for every member; 0 when it was learnt from the members record).
+    """
+
+    round: int
+    rank: int
+    world_size: int
+    seal_revision: int
+    node_id: str
+
+
+@dataclass(frozen=True)
+class _Joined:
+    """The join key this node holds: waiting in (or, with ``member``, member of) ``round``."""
+
+    round: int
+    key: bytes
+    member: bool = False
+
+
+@dataclass(frozen=True)
+class _Retry:
+    """Join again: from ``sealed`` when known, else after re-reading the run's records."""
+
+    sealed: Sealed | None = None
+
+
+class _JoinDeadline:
+    """The ``join_timeout`` deadline; suspended while a full group runs (torch's redundancy list)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.at = time.monotonic() + seconds
+        self.suspended = False
+
+    def suspend(self, flag: bool) -> None:
+        if flag != self.suspended:
+            self.suspended = flag
+            if not flag:
+                self.at = time.monotonic() + self.seconds
+
+    def expired(self, now: float) -> bool:
+        return not self.suspended and now >= self.at
+
+
+def _lease_gone(err: EtcdError) -> bool:
+    return "lease not found" in str(err)
+
+
+class EtcdV3RendezvousHandler(RendezvousHandler):
+    """A rendezvous over etcd v3 leases, transactions and watches (``--rdzv-backend=etcd-v3``).
+
+    Args:
+        settings: the rendezvous settings (:func:`~etcd_rdzv.v3.settings.parse_settings`).
+        client: the etcd client. Several handlers may share one; each keeps its own
+            lease, watch and keep-alive stream on it.
+        owns_client: close ``client`` in :meth:`shutdown`.
+
+    Thread safety: one ``next_rendezvous`` runs at a time per handler; the other
+    methods may be called from any thread, also while it blocks.
+    """
+
+    def __init__(self, settings: V3Settings, client: EtcdClient, *, owns_client: bool = False) -> None:
+        self._settings = settings
+        self._client = client
+        self._owns_client = owns_client
+        self._keys = RunKeys.for_run(settings.key_prefix, settings.run_id)
+        addr = settings.node_addr.replace("/", "_")
+        self._node_id = f"{addr}_{os.getpid()}_{next(_local_ids)}_{uuid.uuid4().hex[:6]}"
+        self._node_value = json.dumps({"addr": settings.node_addr, "pid": os.getpid()}).encode()
+        self._rdzv_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._keeper: LeaseKeeper | None = None
+        self._run_lease: int | None = None
+        self._joined: _Joined | None = None
+        self._member_round: int | None = None
+        self._watch: Watch | None = None
+        self._shut_down = False
+        self.last_round: RoundResult | None = None
+
+    # ------------------------------------------------------------------ torch API
+
+    def get_backend(self) -> str:
+        """``"etcd-v3"``."""
+        return BACKEND_NAME
+
+    @property
+    def use_agent_store(self) -> bool:
+        """False: workers bootstrap from ``MASTER_ADDR``/``MASTER_PORT`` published per round."""
+        return False
+
+    @property
+    def settings(self) -> V3Settings:
+        return self._settings
+
+    @property
+    def node_id(self) -> str:
+        """This handler's node id (the last part of its join keys)."""
+        return self._node_id
+
+    @property
+    def keys(self) -> RunKeys:
+        return self._keys
+
+    def get_run_id(self) -> str:
+        return self._settings.run_id
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        """Block until this node is a member of a sealed round; see :meth:`next_round`.
+
+        Then returns the round's ``EtcdStore`` (prefix ``rounds/<T>/store/``) and
+        ``bootstrap_store_info`` built in that store (rank 0 publishes
+        ``MASTER_ADDR`` and a free port of its own host, every round).
+        """
+        result = self.next_round()
+        store = self._round_store(result.round)
+        try:
+            bootstrap = RendezvousStoreInfo.build(
+                result.rank, store, local_addr=self._settings.node_addr
+            )
+        except Exception as e:
+            raise RendezvousConnectionError(
+                f"Round {result.round} of the rendezvous {self._settings.run_id!r} was sealed, "
+                f"but exchanging MASTER_ADDR/MASTER_PORT through its store failed: {e}"
+            ) from e
+        return RendezvousInfo(store, result.rank, result.world_size, bootstrap)
+
+    def next_round(self) -> RoundResult:
+        """The barrier of :meth:`next_rendezvous`, without the store (tests, benchmarks).
+
+        Leaves the node's current round (if any) and blocks until a round that
+        includes it is sealed. Raises ``RendezvousClosedError`` (run closed),
+        ``RendezvousTimeoutError`` (``join_timeout``), ``RendezvousConnectionError``
+        (etcd unreachable within ``read_timeout``), ``RendezvousStateError``
+        (records this protocol never writes), ``RendezvousGracefulExitError``
+        (closed while kept out by a full group).
+        """
+        with self._rdzv_lock:
+            self._check_not_shut_down()
+            deadline = _JoinDeadline(self._settings.join_timeout)
+            try:
+                result = self._rendezvous(deadline)
+            except EtcdTimeoutError as e:
+                raise RendezvousConnectionError(f"etcd did not answer in time: {e}") from e
+            except EtcdError as e:
+                if self._shut_down:
+                    raise RendezvousClosedError("the handler was shut down") from e
+                raise RendezvousConnectionError(str(e)) from e
+            except ProtocolStateError as e:
+                raise RendezvousStateError(f"rendezvous {self._settings.run_id!r}: {e}") from e
+            self.last_round = result
+            log.info(
+                "node %s joined round %d of %r as rank %d of %d",
+                self._node_id, result.round, self._settings.run_id, result.rank, result.world_size,
+            )
+            return result
+
+    def is_closed(self) -> bool:
+        """Whether the run is closed. One Range."""
+        try:
+            return protocol.is_closed(self._client, self._keys)
+        except EtcdError as e:
+            raise RendezvousConnectionError(str(e)) from e
+
+    def set_closed(self) -> None:
+        """Close the run for every node: a one-time put of ``ctl/closed``. One or two Txns.
+
+        Raises ``RendezvousTimeoutError`` if etcd does not confirm within ``close_timeout``.
+        """
+        timeout = self._settings.close_timeout
+        try:
+            for attempt in (1, 2):
+                lease = self._run_lease
+                if lease is None:
+                    lease = self._adopt_run_lease(protocol.read_meta(self._client, self._keys,
+                                                                     timeout=timeout).run_lease)
+                try:
+                    if protocol.close(self._client, self._keys, lease, timeout=timeout):
+                        log.info("node %s closed the rendezvous %r", self._node_id, self._settings.run_id)
+                    return
+                except EtcdError as e:
+                    if not _lease_gone(e) or attempt == 2:
+                        raise
+                    self._run_lease = None
+        except EtcdTimeoutError as e:
+            raise RendezvousTimeoutError(f"closing the rendezvous timed out: {e}") from e
+        except EtcdError as e:
+            raise RendezvousConnectionError(str(e)) from e
+
+    def num_nodes_waiting(self) -> int:
+        """Nodes waiting to join the round after ours. One read-only Txn.
+
+        Counts the join keys of the next round, unless our round is full (then
+        newcomers cannot be admitted and 0 is returned, like torch's redundancy
+        list). If this node's lease expired while it was a member (it may have
+        been dropped), at least 1, so the agent re-rendezvous.
+        """
+        if self._shut_down:
+            return 0
+        member_round = self._member_round
+        try:
+            round_ = member_round
+            if round_ is None:
+                round_ = protocol.read_meta(self._client, self._keys).sealed.round
+            waiting, active = protocol.count_waiting(self._client, self._keys, round_)
+        except EtcdError as e:
+            raise RendezvousConnectionError(str(e)) from e
+        keeper = self._keeper
+        if member_round is not None and (keeper is None or keeper.expired.is_set()):
+            return max(waiting, 1)
+        return waiting if active < self._settings.max_nodes else 0
+
+    def shutdown(self) -> bool:
+        """Close the run (as torch's handlers do), revoke this node's lease, release resources.
+
+        Revoking the lease deletes this node's join keys at once. The last node to
+        leave also deletes the rounds' stores. Returns False if closing failed.
+        """
+        if self._shut_down:
+            return True
+        ok = True
+        try:
+            self.set_closed()
+        except RendezvousError as e:
+            log.warning("node %s could not close the rendezvous %r: %s", self._node_id,
+                        self._settings.run_id, e)
+            ok = False
+        with self._lock:
+            self._shut_down = True
+            watch, self._watch = self._watch, None
+            keeper, self._keeper = self._keeper, None
+        if watch is not None:
+            watch.cancel()
+        if keeper is not None:
+            keeper.close(revoke=True, timeout=self._settings.close_timeout)
+        self._joined = None
+        self._member_round = None
+        try:
+            protocol.remove_round_records_if_idle(
+                self._client, self._keys, timeout=self._settings.close_timeout
+            )
+        except EtcdError as e:
+            log.info("could not remove the round records of %r: %s", self._settings.run_id, e)
+        if self._owns_client:
+            self._client.close()
+        return ok
+
+    # ------------------------------------------------------------------ leases
+
+    def _check_not_shut_down(self) -> None:
+        if self._shut_down:
+            raise RendezvousClosedError(f"the handler of node {self._node_id} was shut down")
+
+    def _ensure_lease(self) -> int:
+        """This node's lease, granted anew if there is none or it expired. 0-1 LeaseGrant."""
+        with self._lock:
+            self._check_not_shut_down()
+            keeper = self._keeper
+            if keeper is not None and not keeper.expired.is_set():
+                return keeper.id
+            if keeper is not None:
+                keeper.close(revoke=False)
+                log.warning("node %s lost its lease; joining with a new one", self._node_id)
+            keeper = self._client.keeper(self._settings.lease_ttl)
+            self._keeper = keeper
+            self._joined = None  # keys bound to the old lease are gone
+            if self._run_lease is not None:
+                keeper.keep_also(self._run_lease)
+            return keeper.id
+
+    def _drop_lease(self) -> None:
+        """Forget a lease etcd no longer knows, so the next join grants a new one."""
+        keeper = self._keeper
+        if keeper is not None:
+            keeper.expired.set()
+
+    def _adopt_run_lease(self, known: int | None) -> int:
+        """The run lease (created if ``ctl/run`` is absent), refreshed on our keep-alive stream."""
+        lease = known
+        if lease is None:
+            lease = protocol.ensure_run_lease(self._client, self._keys, self._settings.state_ttl)
+        if lease != self._run_lease:
+            self._run_lease = lease
+            keeper = self._keeper
+            if keeper is not None:
+                keeper.keep_also(lease)
+        return lease
+
+    # ------------------------------------------------------------------ the barrier
+
+    def _rendezvous(self, deadline: _JoinDeadline) -> RoundResult:
+        keys, client = self._keys, self._client
+        self._member_round = None
+        sealed: Sealed | None = None
+        run_lease: int | None = None
+        while True:
+            if sealed is None or run_lease is None:
+                meta = protocol.read_meta(client, keys)
+                if meta.closed:
+                    self._withdraw()
+                    raise RendezvousClosedError(f"the rendezvous {self._settings.run_id!r} is closed")
+                sealed = meta.sealed
+                lease = self._ensure_lease()
+                run_lease = self._adopt_run_lease(meta.run_lease)
+                joined = self._joined
+                if joined is not None and not joined.member and joined.round <= sealed.round:
+                    # Our round was sealed while we were not watching (watch lost).
+                    resolved = self._resolve(joined.round, sealed)
+                    if resolved is not None:
+                        return resolved
+            lease = self._ensure_lease()
+            previous = self._joined.key if self._joined is not None else None
+            try:
+                outcome = protocol.join(
+                    client, keys, self._node_id, self._node_value, lease, sealed,
+                    previous_key=previous,
+                )
+            except EtcdError as e:
+                if not _lease_gone(e):
+                    raise
+                self._drop_lease()
+                continue
+            if not outcome.ok:
+                if outcome.closed:
+                    self._withdraw()
+                    raise RendezvousClosedError(f"the rendezvous {self._settings.run_id!r} is closed")
+                sealed = outcome.sealed
+                continue
+            target = sealed.round + 1
+            self._joined = _Joined(target, keys.join_key(target, self._node_id))
+            log.debug("node %s joined round %d at revision %d", self._node_id, target, outcome.revision)
+            waited = self._wait(target, outcome, sealed, run_lease, deadline)
+            if isinstance(waited, RoundResult):
+                self._joined = _Joined(target, keys.join_key(target, self._node_id), member=True)
+                return waited
+            sealed = waited.sealed
+
+    def _wait(
+        self,
+        round_: int,
+        outcome: protocol.JoinOutcome,
+        previous: Sealed,
+        run_lease: int,
+        deadline: _JoinDeadline,
+    ) -> RoundResult | _Retry:
+        """Wait on the ``ctl/`` watch until round ``round_`` is sealed; seal it when due."""
+        s = self._settings
+        view = RoundView(
+            self._keys, round_, self._node_id, outcome.create_revision, outcome.before,
+            outcome.prev_count, outcome.revision,
+        )
+        view.after.update(outcome.after)
+        watch = self._client.watch(self._keys.ctl, self._keys.ctl_end, start_revision=outcome.revision + 1)
+        with self._lock:
+            if self._shut_down:
+                watch.cancel()
+                raise RendezvousClosedError(f"the handler of node {self._node_id} was shut down")
+            self._watch = watch
+        last_call_at: float | None = None
+        ready_since: float | None = None
+        tried_at_change = -1
+        i_sealed = False
+        timing_out = False
+        try:
+            while True:
+                now = time.monotonic()
+                barrier = view.vacated and view.count >= s.min_nodes
+                if barrier and last_call_at is None:
+                    last_call_at = now + s.last_call_timeout
+                elif not barrier:
+                    last_call_at = None
+                ready = barrier and (
+                    view.count >= s.max_nodes or (last_call_at is not None and now >= last_call_at)
+                )
+                ready_since = (ready_since or now) if ready else None
+                attempt_at = None
+                if ready_since is not None and not i_sealed and tried_at_change != view.changes:
+                    attempt_at = ready_since + (0.0 if view.before == 0 else SEAL_BACKUP_DELAY)
+                if attempt_at is not None and now >= attempt_at:
+                    tried_at_change = view.changes
+                    run_lease, i_sealed = self._try_seal(round_, previous, run_lease)
+                    continue
+                deadline.suspend(view.prev_count >= s.max_nodes)
+                if deadline.expired(now) and not timing_out:
+                    if self._withdraw_if_unsealed(previous):
+                        raise RendezvousTimeoutError(
+                            f"node {self._node_id}: round {round_} of the rendezvous "
+                            f"{s.run_id!r} was not sealed within join_timeout={s.join_timeout:g} s "
+                            f"({view.count} of min_nodes={s.min_nodes} joined"
+                            f"{'' if view.vacated else ', previous round still running'})"
+                        )
+                    timing_out = True  # sealed meanwhile: its event is on the way
+                wake = [t for t in (last_call_at if not ready else None, attempt_at) if t is not None]
+                if not deadline.suspended and not timing_out:
+                    wake.append(deadline.at)
+                timeout = max(min(wake) - now, 0.0) if wake else None
+                for event in watch.get(timeout=timeout):
+                    signal = view.apply(event)
+                    if signal is not None:
+                        return self._on_signal(signal, view, previous, run_lease, i_sealed, timing_out)
+        except EtcdCompactedError:
+            log.warning("node %s: watch history compacted; re-reading the rendezvous", self._node_id)
+            return _Retry(None)
+        except EtcdError:
+            if self._shut_down:
+                raise RendezvousClosedError(f"the handler of node {self._node_id} was shut down") from None
+            raise
+        finally:
+            with self._lock:
+                if self._watch is watch:
+                    self._watch = None
+            watch.cancel()
+
+    def _try_seal(self, round_: int, previous: Sealed, run_lease: int) -> tuple[int, bool]:
+        """One seal attempt; returns the (possibly renewed) run lease and whether we sealed."""
+        try:
+            res = protocol.seal(self._client, self._keys, round_, previous, run_lease)
+        except EtcdError as e:
+            if not _lease_gone(e):
+                raise
+            run_lease = self._adopt_run_lease(None)
+            res = protocol.seal(self._client, self._keys, round_, previous, run_lease)
+        if res.ok:
+            log.debug("node %s sealed round %d at revision %d", self._node_id, round_, res.revision)
+        return run_lease, res.ok
+
+    def _on_signal(
+        self,
+        signal: Signal,
+        view: RoundView,
+        previous: Sealed,
+        run_lease: int,
+        i_sealed: bool,
+        timing_out: bool,
+    ) -> RoundResult | _Retry:
+        s = self._settings
+        if signal.kind is SignalKind.CLOSED:
+            self._withdraw()
+            if view.prev_count >= s.max_nodes:
+                raise RendezvousGracefulExitError(
+                    f"the rendezvous {s.run_id!r} was closed while node {self._node_id} waited "
+                    "for room in a full group"
+                )
+            raise RendezvousClosedError(f"the rendezvous {s.run_id!r} was closed")
+        if signal.kind is SignalKind.LOST:
+            self._joined = None
+            self._drop_lease()
+            return _Retry(previous)
+        if signal.kind is SignalKind.RESET or signal.round != view.round:
+            return _Retry(None)
+        sealed = Sealed(signal.round, signal.revision)
+        world_size = min(view.count, s.max_nodes)
+        if i_sealed:
+            self._record_members(view, sealed, run_lease)
+        if world_size < s.min_nodes:
+            log.warning(
+                "round %d of %r sealed with %d joiners (< min_nodes=%d): void, joining the next",
+                view.round, s.run_id, world_size, s.min_nodes,
+            )
+        elif view.before < s.max_nodes:
+            self._member_round = view.round
+            return RoundResult(view.round, view.before, world_size, signal.revision, self._node_id)
+        if timing_out:
+            self._withdraw()
+            raise RendezvousTimeoutError(
+                f"node {self._node_id} was not admitted to a round of {s.run_id!r} within "
+                f"join_timeout={s.join_timeout:g} s"
+            )
+        return _Retry(sealed)
+
+    def _record_members(self, view: RoundView, sealed: Sealed, run_lease: int) -> None:
+        """Write the members record of a round we sealed (for resync and inspection)."""
+        s = self._settings
+        try:
+            if view.before == 0:
+                members = [self._node_id, *view.members_after_us()][: s.max_nodes]
+            else:
+                members = protocol.snapshot_members(
+                    self._client, self._keys, view.round, sealed.revision, s.max_nodes
+                )
+            protocol.write_members(self._client, self._keys, view.round, members, run_lease)
+        except EtcdError as e:
+            log.warning("could not record the members of round %d: %s", view.round, e)
+
+    def _resolve(self, round_: int, sealed: Sealed) -> RoundResult | None:
+        """Our place in ``round_``, sealed while we were not watching; None if not a member."""
+        s = self._settings
+        members, _ = protocol.read_members(self._client, self._keys, round_)
+        if members is None:
+            if sealed.round != round_:
+                raise ProtocolStateError(
+                    f"round {round_} was sealed but its members were never recorded"
+                )
+            members = protocol.snapshot_members(
+                self._client, self._keys, round_, sealed.revision, s.max_nodes
+            )
+        if len(members) < s.min_nodes or self._node_id not in members:
+            return None
+        self._member_round = round_
+        self._joined = _Joined(round_, self._keys.join_key(round_, self._node_id), member=True)
+        revision = sealed.revision if sealed.round == round_ else 0
+        return RoundResult(round_, members.index(self._node_id), len(members), revision, self._node_id)
+
+    def _withdraw(self) -> None:
+        """Delete our join key (not a member of anything any more). One DeleteRange."""
+        joined, self._joined = self._joined, None
+        self._member_round = None
+        if joined is not None:
+            self._client.delete(joined.key)
+
+    def _withdraw_if_unsealed(self, previous: Sealed) -> bool:
+        joined = self._joined
+        if joined is None:
+            return True
+        if protocol.leave_if_unsealed(self._client, self._keys, joined.key, previous):
+            self._joined = None
+            return True
+        return False
+
+    # ------------------------------------------------------------------ the store
+
+    def _round_store(self, round_: int) -> Store:
+        from etcd_store import EtcdStore
+
+        return EtcdStore(
+            self._client,
+            prefix=self._keys.store_prefix(round_),
+            timeout=timedelta(seconds=self._client.timeout),
+        )
+
+    def __repr__(self) -> str:
+        return f"EtcdV3RendezvousHandler(run_id={self._settings.run_id!r}, node={self._node_id!r})"

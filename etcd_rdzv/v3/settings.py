@@ -1,0 +1,165 @@
+"""The settings of one ``etcd-v3`` rendezvous, read from ``RendezvousParameters``.
+
+Client options (endpoints, TLS, auth, ``read_timeout``), ``key_prefix`` and
+``state_ttl`` are parsed by :mod:`etcd_rdzv.params`, shared with ``etcd-v2``, so
+both backends accept the same ``--rdzv-conf`` keys. The rendezvous timeouts
+keep the names and defaults of torch's ``DynamicRendezvousHandler``:
+
+===================== ======= =====================================================
+key                   default meaning
+===================== ======= =====================================================
+join_timeout          600     seconds ``next_rendezvous`` may take (a node kept out
+                              by a full, running group does not count it down)
+last_call_timeout     30      seconds to wait for more nodes once ``min_nodes`` joined
+close_timeout         30      deadline of ``set_closed``/``shutdown``
+heartbeat             see below TTL in seconds of each node's lease
+keep_alive_interval   5       with ``keep_alive_max_attempt`` (3): the lease TTL
+keep_alive_max_attempt 3      when ``heartbeat`` is not given (5 x 3 = 15 s, the
+                              time torch's handlers take to declare a node dead)
+state_ttl             7200    seconds the run's records outlive the last live node
+===================== ======= =====================================================
+
+Every invalid value raises ``ValueError`` naming the key. Nothing here contacts etcd.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import socket
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ..params import DEFAULT_KEY_PREFIX, DEFAULT_STATE_TTL, EtcdClientOptions, parse_rdzv_config
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DEFAULT_LEASE_TTL", "V3Settings", "parse_settings"]
+
+DEFAULT_JOIN_TIMEOUT = 600.0
+DEFAULT_LAST_CALL_TIMEOUT = 30.0
+DEFAULT_CLOSE_TIMEOUT = 30.0
+DEFAULT_KEEP_ALIVE_INTERVAL = 5
+DEFAULT_KEEP_ALIVE_MAX_ATTEMPT = 3
+DEFAULT_LEASE_TTL = DEFAULT_KEEP_ALIVE_INTERVAL * DEFAULT_KEEP_ALIVE_MAX_ATTEMPT
+
+
+class _Params(Protocol):
+    """The part of torch's ``RendezvousParameters`` read here."""
+
+    backend: str
+    endpoint: str
+    run_id: str
+    min_nodes: int
+    max_nodes: int
+    local_addr: str | None
+    config: dict[str, Any]
+
+    def get(self, key: str, default: Any = None) -> Any: ...
+
+
+@dataclass(frozen=True)
+class V3Settings:
+    """Everything the ``etcd-v3`` handler needs besides the etcd client.
+
+    Durations are seconds. ``lease_ttl`` is the TTL of each node's lease (a node
+    that stops refreshing it is gone after at most that long); ``state_ttl`` is
+    the TTL of the run lease that holds the round records.
+    """
+
+    run_id: str
+    min_nodes: int
+    max_nodes: int
+    local_addr: str | None = None
+    join_timeout: float = DEFAULT_JOIN_TIMEOUT
+    last_call_timeout: float = DEFAULT_LAST_CALL_TIMEOUT
+    close_timeout: float = DEFAULT_CLOSE_TIMEOUT
+    lease_ttl: int = DEFAULT_LEASE_TTL
+    state_ttl: int = DEFAULT_STATE_TTL
+    key_prefix: str = DEFAULT_KEY_PREFIX
+
+    def __post_init__(self) -> None:
+        if not self.run_id:
+            raise ValueError("The rendezvous run id (--rdzv-id) must be a non-empty string.")
+        if self.min_nodes < 1:
+            raise ValueError(f"min_nodes must be at least 1, got {self.min_nodes}.")
+        if self.max_nodes < self.min_nodes:
+            raise ValueError(
+                f"max_nodes ({self.max_nodes}) must be at least min_nodes ({self.min_nodes})."
+            )
+        for name in ("join_timeout", "last_call_timeout", "close_timeout"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}.")
+        if self.lease_ttl < 1:
+            raise ValueError(f"The lease TTL (heartbeat) must be at least 1 s, got {self.lease_ttl}.")
+        if self.state_ttl < self.lease_ttl:
+            raise ValueError(
+                f"state_ttl ({self.state_ttl} s) must be at least the lease TTL "
+                f"({self.lease_ttl} s, option 'heartbeat')."
+            )
+
+    @property
+    def node_addr(self) -> str:
+        """The address this node advertises (``local_addr`` or the FQDN, as torch does)."""
+        return self.local_addr or socket.getfqdn()
+
+
+def _seconds(params: _Params, key: str, default: float) -> float:
+    value = params.get(key)
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return default
+    try:
+        seconds = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(
+            f"The rendezvous configuration option {key!r} must be a positive number of "
+            f"seconds, got {value!r}."
+        )
+    return seconds
+
+
+def _count(params: _Params, key: str, default: int) -> int:
+    value = params.get(key)
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return default
+    try:
+        number = int(str(value).strip()) if not isinstance(value, bool) else 0
+    except ValueError:
+        number = 0
+    if number <= 0:
+        raise ValueError(
+            f"The rendezvous configuration option {key!r} must be a positive integer, got {value!r}."
+        )
+    return number
+
+
+def parse_settings(params: _Params) -> tuple[V3Settings, EtcdClientOptions]:
+    """Read the settings and the client options of an ``etcd-v3`` rendezvous.
+
+    Raises ``ValueError`` naming the rdzv-conf key whose value is invalid. The
+    lease TTL is ``heartbeat`` (rounded up to whole seconds) when given, else
+    ``keep_alive_interval * keep_alive_max_attempt``.
+    """
+    config = parse_rdzv_config(params)
+    if "heartbeat" in params.config and params.get("heartbeat") is not None:
+        lease_ttl = math.ceil(_seconds(params, "heartbeat", DEFAULT_LEASE_TTL))
+    else:
+        interval = _count(params, "keep_alive_interval", DEFAULT_KEEP_ALIVE_INTERVAL)
+        attempts = _count(params, "keep_alive_max_attempt", DEFAULT_KEEP_ALIVE_MAX_ATTEMPT)
+        lease_ttl = interval * attempts
+    settings = V3Settings(
+        run_id=params.run_id,
+        min_nodes=params.min_nodes,
+        max_nodes=params.max_nodes,
+        local_addr=params.local_addr,
+        join_timeout=_seconds(params, "join_timeout", DEFAULT_JOIN_TIMEOUT),
+        last_call_timeout=_seconds(params, "last_call_timeout", DEFAULT_LAST_CALL_TIMEOUT),
+        close_timeout=_seconds(params, "close_timeout", DEFAULT_CLOSE_TIMEOUT),
+        lease_ttl=lease_ttl,
+        state_ttl=config.state_ttl,
+        key_prefix=config.key_prefix,
+    )
+    return settings, config.client
