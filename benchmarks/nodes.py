@@ -1,0 +1,216 @@
+"""The simulated nodes a worker process hosts (one thread each).
+
+Every node has ``rendezvous()`` (the timed action) and ``close()``; a node is
+built by :func:`make_node` from a picklable spec sent by the coordinator.
+
+* ``handler``: a rendezvous handler of one contender (c10d, torch's etcd-v2,
+  our etcd-v2, our etcd-v3), built the way torchrun builds it.
+* ``floor``: the least etcd work a rendezvous can do: one Put of its own key,
+  then a watch until N keys exist.
+* ``pg``: one rank of ``init_process_group("gloo")`` over a store.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from datetime import timedelta
+from typing import Any
+
+from .common import (
+    C10D,
+    FLOOR,
+    OURS_ETCD_V2,
+    OURS_ETCD_V3,
+    OURS_STORE,
+    TCP_STORE,
+    TORCH_ETCD_V2,
+    TORCH_V2_STORE,
+)
+
+log = logging.getLogger(__name__)
+
+_OURS_BACKEND = {OURS_ETCD_V2: "etcd-v2", OURS_ETCD_V3: "etcd-v3"}
+
+
+def ours_creator(backend: str) -> tuple[Any, str]:
+    """This package's handler creator for ``backend``, and how it was found.
+
+    Prefers torch's registry (what torchrun uses); when the registry does not map
+    the name to ``etcd_rdzv`` (for instance torch refused to replace its own
+    ``etcd-v2``), loads the ``torchrun.handlers`` entry point exactly as torch's
+    registry would. Raises ``LookupError`` when neither exists.
+    """
+    from importlib.metadata import entry_points
+
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as reg
+
+    creator = getattr(reg, "_registry", {}).get(backend)
+    if creator is not None and (getattr(creator, "__module__", "") or "").startswith("etcd_rdzv"):
+        return creator, "torch registry"
+    for ep in entry_points(group="torchrun.handlers"):
+        if ep.name == backend and ep.value.startswith("etcd_rdzv"):
+            return ep.load()(), f"entry point {ep.value}"
+    raise LookupError(f"no etcd_rdzv handler named {backend!r} is installed")
+
+
+class HandlerNode:
+    """One node: a ``RendezvousHandler`` of the contender named in ``spec["contender"]``."""
+
+    def __init__(self, spec: dict[str, Any], node_id: int) -> None:
+        from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+        contender = spec["contender"]
+        conf = dict(spec.get("conf", {}))
+        backend = {C10D: "c10d", TORCH_ETCD_V2: "etcd-v2"}.get(contender) or _OURS_BACKEND[contender]
+        params = RendezvousParameters(
+            backend=backend,
+            endpoint=spec["endpoint"],
+            run_id=spec["run_id"],
+            min_nodes=spec["min_nodes"],
+            max_nodes=spec["max_nodes"],
+            local_addr=spec.get("local_addr", "127.0.0.1"),
+            **conf,
+        )
+        if contender == C10D:
+            from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
+            from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+            backend_obj, store = c10d_rendezvous_backend.create_backend(params)
+            self.handler = create_handler(store, backend_obj, params)
+        elif contender == TORCH_ETCD_V2:
+            # torch's own creator functions: our package's entry point takes the
+            # "etcd-v2" name in the registry.
+            from torch.distributed.elastic.rendezvous import etcd_rendezvous_backend
+            from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+            backend_obj, store = etcd_rendezvous_backend.create_backend(params)
+            self.handler = create_handler(store, backend_obj, params)
+        else:
+            creator, _how = ours_creator(backend)
+            self.handler = creator(params)
+        self.node_id = node_id
+
+    def rendezvous(self) -> tuple[int, int]:
+        info = self.handler.next_rendezvous()
+        rank = getattr(info, "rank", None)
+        world = getattr(info, "world_size", None)
+        if rank is None:  # older torch returned a tuple
+            _store, rank, world = info
+        return int(rank), int(world)
+
+    def num_nodes_waiting(self) -> int:
+        return int(self.handler.num_nodes_waiting())
+
+    def close(self) -> None:
+        try:
+            self.handler.shutdown()
+        finally:
+            for attr in ("_backend", "backend"):
+                client = getattr(getattr(self.handler, attr, None), "_client", None)
+                close = getattr(client, "close", None)
+                if callable(close):
+                    try:
+                        close()
+                    except Exception:
+                        pass
+
+
+class FloorNode:
+    """The floor: one Put of this node's key, then a watch until ``n`` keys exist."""
+
+    def __init__(self, spec: dict[str, Any], node_id: int) -> None:
+        from etcd_store.client import EtcdClient
+
+        self.client = EtcdClient(spec["endpoint"], timeout=spec.get("timeout", 60.0))
+        self.prefix = spec["prefix"].encode()
+        self.key = self.prefix + f"{node_id:06d}".encode()
+        self.n = int(spec["n"])
+        self.timeout = float(spec.get("timeout", 60.0))
+
+    def rendezvous(self) -> tuple[int, int]:
+        deadline = time.monotonic() + self.timeout
+        self.client.put(self.key, b"127.0.0.1")
+        res = self.client.range(self.prefix, prefix=True, keys_only=True)
+        seen = {kv.key for kv in res.kvs}
+        if len(seen) < self.n:
+            with self.client.watch(self.prefix, prefix=True, start_revision=res.revision + 1) as w:
+                while len(seen) < self.n:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(f"floor: {len(seen)} of {self.n} keys after {self.timeout:g} s")
+                    for ev in w.get(timeout=left):
+                        if ev.type == "PUT":
+                            seen.add(ev.key)
+        return sorted(seen).index(self.key), len(seen)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class PgNode:
+    """One rank of ``init_process_group("gloo")`` over a store; one per worker process."""
+
+    def __init__(self, spec: dict[str, Any], rank: int) -> None:
+        import torch.distributed as dist
+
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        self.rank = rank
+        self.world_size = int(spec["world_size"])
+        self.timeout = timedelta(seconds=float(spec.get("timeout", 60.0)))
+        kind = spec["store"]
+        self._closers: list[Any] = []
+        if kind == OURS_STORE:
+            from etcd_store.store import EtcdStore
+
+            store = EtcdStore(spec["endpoint"], prefix=spec["prefix"], timeout=self.timeout)
+            self._closers.append(getattr(store, "close", None))
+            self.store: Any = store
+        elif kind == TCP_STORE:
+            host, port = spec["endpoint"].rsplit(":", 1)
+            base = dist.TCPStore(host, int(port), is_master=False, timeout=self.timeout)
+            self.store = dist.PrefixStore(spec["prefix"], base)
+        elif kind == TORCH_V2_STORE:
+            import etcd
+            from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore as TorchEtcdStore
+
+            host, port = spec["endpoint"].rsplit(":", 1)
+            self.store = TorchEtcdStore(etcd.Client(host=host, port=int(port)), spec["prefix"], self.timeout)
+        else:
+            raise ValueError(f"unknown store {kind!r}")
+
+    def rendezvous(self) -> int:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", store=self.store, rank=self.rank, world_size=self.world_size,
+                                timeout=self.timeout)
+        return self.rank
+
+    def check(self) -> float:
+        """An all-reduce of ones: returns the world size when the group works."""
+        import torch
+        import torch.distributed as dist
+
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        return float(t.item())
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for close in self._closers:
+            if callable(close):
+                close()
+
+
+def make_node(kind: str, spec: dict[str, Any], node_id: int) -> Any:
+    if kind == "handler":
+        return HandlerNode(spec, node_id)
+    if kind == FLOOR:
+        return FloorNode(spec, node_id)
+    if kind == "pg":
+        return PgNode(spec, node_id)
+    raise ValueError(f"unknown node kind {kind!r}")
