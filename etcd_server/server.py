@@ -656,10 +656,11 @@ class _EtcdMember:
         text = data.decode("utf-8", "replace").rstrip("\n")
         return "\n".join(text.splitlines()[-lines:])
 
-    def terminate(self, *, grace: float = 10.0, graceful: bool = True) -> int | None:
+    def terminate(self, *, grace: float = 10.0, graceful: bool = True, quiet: bool = False) -> int | None:
         """Stop the process: SIGTERM, then SIGKILL after ``grace`` seconds.
 
-        With ``graceful=False`` sends SIGKILL at once. Blocks until the
+        With ``graceful=False`` sends SIGKILL at once; ``quiet`` logs the
+        escalation to SIGKILL at INFO instead of WARNING. Blocks until the
         process has exited (and is reaped). Returns its exit status, or None
         if no process was started. Idempotent.
         """
@@ -674,7 +675,8 @@ class _EtcdMember:
             try:
                 proc.wait(timeout=grace if graceful else 30.0)
             except subprocess.TimeoutExpired:
-                logger.warning(
+                logger.log(
+                    logging.INFO if quiet else logging.WARNING,
                     "etcd %s (pid %d) ignored SIGTERM for %.1fs; sending SIGKILL",
                     self.name, proc.pid, grace,
                 )  # fmt: skip
