@@ -49,6 +49,8 @@ from .settings import V3Settings
 if TYPE_CHECKING:
     from torch.distributed import Store
 
+    from etcd_store import EtcdStore
+
 log = logging.getLogger(__name__)
 
 __all__ = ["BACKEND_NAME", "SEAL_BACKUP_DELAY", "EtcdV3RendezvousHandler", "RoundResult"]
@@ -145,6 +147,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._member_round: int | None = None
         self._watch: Watch | None = None
         self._shut_down = False
+        self._store: EtcdStore | None = None
         self.last_round: RoundResult | None = None
 
     # ------------------------------------------------------------------ torch API
@@ -300,6 +303,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             keeper, self._keeper = self._keeper, None
         if watch is not None:
             watch.cancel()
+        self._close_store()
         if keeper is not None:
             keeper.close(revoke=True, timeout=self._settings.close_timeout)
         self._joined = None
@@ -589,13 +593,29 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     # ------------------------------------------------------------------ the store
 
     def _round_store(self, round_: int) -> Store:
+        """The round's ``EtcdStore``; the store of our previous round is closed (its
+        namespace lease then expires ``state_ttl`` after its last user closed it)."""
         from etcd_store import EtcdStore
 
-        return EtcdStore(
-            self._client,
-            prefix=self._keys.store_prefix(round_),
-            timeout=timedelta(seconds=self._client.timeout),
-        )
+        self._close_store()
+        try:
+            store = EtcdStore(
+                self._client,
+                prefix=self._keys.store_prefix(round_),
+                timeout=timedelta(seconds=self._client.timeout),
+                lease_ttl=max(self._settings.state_ttl, 2),
+            )
+        except Exception as e:
+            raise RendezvousConnectionError(
+                f"cannot open the store of round {round_} of {self._settings.run_id!r}: {e}"
+            ) from e
+        self._store = store
+        return store
+
+    def _close_store(self) -> None:
+        store, self._store = self._store, None
+        if store is not None:
+            store.close()
 
     def __repr__(self) -> str:
         return f"EtcdV3RendezvousHandler(run_id={self._settings.run_id!r}, node={self._node_id!r})"

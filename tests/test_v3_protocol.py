@@ -1,0 +1,519 @@
+"""The ``etcd-v3`` handler against real etcd (3.4 and 3.5), many handlers in threads.
+
+Each test uses a fresh key prefix, so tests share the module's etcd without
+seeing each other. ``next_round`` (the barrier without the store) runs in
+threads; every handler a test makes is shut down at teardown. Waiting for a
+state in etcd is done with a watch (``wait_count``), never by sleeping.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousTimeoutError,
+)
+from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+from etcd_rdzv.v3 import protocol
+from etcd_rdzv.v3.handler import create_etcd_v3_handler, create_etcd_v3_rdzv_handler
+from etcd_rdzv.v3.keys import RunKeys
+from etcd_rdzv.v3.protocol import Sealed
+from etcd_rdzv.v3.rendezvous import EtcdV3RendezvousHandler, RoundResult
+from etcd_rdzv.v3.settings import DEFAULT_LEASE_TTL, parse_settings
+from etcd_store.client import EtcdClient, RpcCounter
+
+pytestmark = pytest.mark.timeout(120)
+
+_ids = itertools.count()
+WAIT = 30.0  # generous bound for what should take well under a second
+CONF = {"join_timeout": "60", "last_call_timeout": "0.5", "close_timeout": "5",
+        "heartbeat": "3", "read_timeout": "10"}
+
+
+def wait_count(client: EtcdClient, prefix: bytes, want: int, timeout: float = WAIT) -> None:
+    """Block until exactly ``want`` keys exist under ``prefix`` (watch-driven)."""
+    res = client.range(prefix, prefix=True, count_only=True)
+    if res.count == want:
+        return
+    deadline = time.monotonic() + timeout
+    with client.watch(prefix, prefix=True, start_revision=res.revision + 1) as watch:
+        while time.monotonic() < deadline:
+            if watch.get(timeout=deadline - time.monotonic()) and (
+                client.range(prefix, prefix=True, count_only=True).count == want
+            ):
+                return
+    raise AssertionError(f"{prefix!r} never held {want} keys")
+
+
+class Nodes:
+    """Handlers of one run, sharing one client (or each with its own), run in threads."""
+
+    def __init__(self, endpoint: str, *, shared: bool = True) -> None:
+        self.endpoint = endpoint
+        self.run_id = f"run{next(_ids)}"
+        self.prefix = f"/v3t{next(_ids)}-{time.monotonic_ns() % 10**9}"
+        self.client = EtcdClient(endpoint, timeout=10)
+        self.shared = shared
+        self.handlers: list[EtcdV3RendezvousHandler] = []
+        self.pool = ThreadPoolExecutor(max_workers=64)
+
+    def params(self, min_nodes: int, max_nodes: int, **conf: str) -> RendezvousParameters:
+        return RendezvousParameters(
+            backend="etcd-v3", endpoint=self.endpoint, run_id=self.run_id,
+            min_nodes=min_nodes, max_nodes=max_nodes, local_addr="127.0.0.1",
+            **{**CONF, "key_prefix": self.prefix, **conf},
+        )
+
+    def new(self, min_nodes: int, max_nodes: int, **conf: str) -> EtcdV3RendezvousHandler:
+        params = self.params(min_nodes, max_nodes, **conf)
+        handler = create_etcd_v3_rdzv_handler(params, client=self.client if self.shared else None)
+        self.handlers.append(handler)
+        return handler
+
+    def many(self, n: int, min_nodes: int, max_nodes: int, **conf: str) -> list[EtcdV3RendezvousHandler]:
+        return [self.new(min_nodes, max_nodes, **conf) for _ in range(n)]
+
+    def start(self, *handlers: EtcdV3RendezvousHandler) -> list[Future[RoundResult]]:
+        return [self.pool.submit(h.next_round) for h in handlers]
+
+    @property
+    def keys(self) -> RunKeys:
+        return RunKeys.for_run(self.prefix, self.run_id)
+
+    def join_prefix(self, round_: int) -> bytes:
+        return self.keys.join_prefix(round_)
+
+    def members(self, round_: int) -> list[str]:
+        kv = self.client.get(self.keys.members(round_))
+        assert kv is not None, f"round {round_} has no members record"
+        return list(json.loads(kv.value))
+
+    def close(self) -> None:
+        for h in self.handlers:
+            try:
+                h.shutdown()
+            except Exception:
+                pass
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.client.close()
+
+
+@pytest.fixture
+def nodes(etcd_endpoint: str) -> Iterator[Nodes]:
+    n = Nodes(etcd_endpoint)
+    try:
+        yield n
+    finally:
+        n.close()
+
+
+def results(futures: list[Future[RoundResult]]) -> list[RoundResult]:
+    return [f.result(timeout=WAIT) for f in futures]
+
+
+def assert_group(res: list[RoundResult], world_size: int) -> None:
+    assert sorted(r.rank for r in res) == list(range(world_size))
+    assert {r.world_size for r in res} == {world_size}
+    assert len({(r.round, r.seal_revision) for r in res}) == 1
+
+
+def lease_of(handler: EtcdV3RendezvousHandler) -> int:
+    keeper = handler._keeper
+    assert keeper is not None
+    return keeper.id
+
+
+# --------------------------------------------------------------------------- barrier
+
+
+def test_max_nodes_seals_at_once(nodes: Nodes) -> None:
+    hs = nodes.many(3, 2, 3, last_call_timeout="30")
+    started = time.monotonic()
+    res = results(nodes.start(*hs))
+    assert time.monotonic() - started < 20  # far below last_call_timeout=30
+    assert_group(res, 3)
+    assert res[0].round == 1
+    by_rank = sorted(res, key=lambda r: r.rank)
+    assert nodes.members(1) == [r.node_id for r in by_rank]
+
+
+def test_ranks_follow_join_order(nodes: Nodes) -> None:
+    hs = nodes.many(3, 3, 3)
+    futures = []
+    for i, h in enumerate(hs):
+        futures += nodes.start(h)
+        wait_count(nodes.client, nodes.join_prefix(1), i + 1)
+    res = results(futures)
+    assert [r.rank for r in res] == [0, 1, 2]
+
+
+def test_last_call_admits_min_nodes_after_the_timeout(nodes: Nodes) -> None:
+    hs = nodes.many(2, 2, 4, last_call_timeout="1")
+    started = time.monotonic()
+    res = results(nodes.start(*hs))
+    assert time.monotonic() - started >= 0.9
+    assert_group(res, 2)
+
+
+def test_join_timeout_below_min_nodes(nodes: Nodes) -> None:
+    (h,) = nodes.many(1, 2, 2, join_timeout="1")
+    started = time.monotonic()
+    with pytest.raises(RendezvousTimeoutError, match="join_timeout"):
+        h.next_round()
+    assert time.monotonic() - started >= 0.9
+    # The timed-out node withdrew its join key.
+    assert nodes.client.range(nodes.join_prefix(1), prefix=True, count_only=True).count == 0
+
+
+def test_single_node_round(nodes: Nodes) -> None:
+    (h,) = nodes.many(1, 1, 1)
+    r = h.next_round()
+    assert (r.round, r.rank, r.world_size) == (1, 0, 1)
+    r2 = h.next_round()
+    assert (r2.round, r2.rank, r2.world_size) == (2, 0, 1)
+    # Re-joining left round 1: only the round-2 join key remains.
+    assert nodes.client.range(nodes.join_prefix(1), prefix=True, count_only=True).count == 0
+    assert nodes.client.range(nodes.join_prefix(2), prefix=True, count_only=True).count == 1
+
+
+# --------------------------------------------------------------------------- late joiners
+
+
+def test_late_joiner_waits_is_counted_and_admitted(nodes: Nodes) -> None:
+    a, b, late = nodes.many(3, 2, 3)
+    assert_group(results(nodes.start(a, b)), 2)
+    assert a.num_nodes_waiting() == 0
+    (pending,) = nodes.start(late)
+    wait_count(nodes.client, nodes.join_prefix(2), 1)
+    assert a.num_nodes_waiting() == 1 and b.num_nodes_waiting() == 1
+    assert not pending.done()  # exclusivity: it waits for the running group
+    # The agents restart their groups: all three form round 2.
+    res = results([*nodes.start(a, b), pending])
+    assert_group(res, 3)
+    assert {r.round for r in res} == {2}
+    assert a.num_nodes_waiting() == 0
+
+
+def test_num_nodes_waiting_is_one_read(nodes: Nodes, etcd_endpoint: str) -> None:
+    counter = RpcCounter()
+    client = EtcdClient(etcd_endpoint, interceptors=[counter])
+    try:
+        h = create_etcd_v3_rdzv_handler(nodes.params(1, 2), client=client)
+        nodes.handlers.append(h)
+        h.next_round()
+        counter.reset()
+        for _ in range(5):
+            assert h.num_nodes_waiting() == 0
+        assert counter.snapshot() == {"KV/Txn": 5}
+    finally:
+        for h in nodes.handlers:
+            h.shutdown()
+        client.close()
+
+
+def test_full_group_keeps_a_late_node_out_without_timing_it_out(nodes: Nodes) -> None:
+    """min=1, max=2: a third node must neither form a second group nor time out."""
+    a, b = nodes.many(2, 1, 2, join_timeout="60")
+    late = nodes.new(1, 2, join_timeout="2")
+    assert_group(results(nodes.start(a, b)), 2)
+    (pending,) = nodes.start(late)
+    wait_count(nodes.client, nodes.join_prefix(2), 1)
+    assert a.num_nodes_waiting() == 0  # the group is full: not worth a restart
+    with pytest.raises(TimeoutError):
+        pending.result(timeout=3.5)  # > join_timeout and > last call: still waiting
+    # One member re-rendezvous (its workers failed): the group is no longer full,
+    # so the other member's agent sees nodes waiting and re-rendezvous too.
+    (fa,) = nodes.start(a)
+    wait_count(nodes.client, nodes.join_prefix(2), 2)
+    assert b.num_nodes_waiting() == 2
+    (fb,) = nodes.start(b)
+    r_late, r_a = pending.result(timeout=WAIT), fa.result(timeout=WAIT)
+    assert r_late.round == r_a.round == 2
+    assert_group([r_late, r_a], 2)
+    assert r_late.rank == 0  # it joined round 2 first
+    assert not fb.done()  # b came third: it waits for room in round 3
+    wait_count(nodes.client, nodes.join_prefix(3), 1)
+
+
+def test_over_max_nodes_move_to_the_next_round(nodes: Nodes) -> None:
+    hs = nodes.many(3, 1, 2, last_call_timeout="0.3")
+    futures = nodes.start(*hs)
+    done = list(itertools.islice(as_completed(futures, timeout=WAIT), 2))
+    first = [f.result() for f in done]
+    assert {r.round for r in first} == {1}
+    assert_group(first, 2)
+    wait_count(nodes.client, nodes.join_prefix(2), 1)  # the third waits for round 2
+    assert sum(f.done() for f in futures) == 2
+    assert nodes.client.range(nodes.join_prefix(1), prefix=True, count_only=True).count == 2
+
+
+# --------------------------------------------------------------------------- failures
+
+
+def _fake_join(nodes: Nodes, round_: int, name: str, ttl: int) -> int:
+    """A node that joins and then dies: a join key bound to a lease nobody refreshes."""
+    lease = nodes.client.lease_grant(ttl)
+    nodes.client.put(nodes.keys.join_key(round_, name), b"{}", lease=lease)
+    return lease
+
+
+def test_node_revoked_before_sealing_is_not_a_member(nodes: Nodes) -> None:
+    a, b = nodes.many(2, 2, 3, last_call_timeout="2")
+    (fa,) = nodes.start(a)
+    wait_count(nodes.client, nodes.join_prefix(1), 1)
+    lease = _fake_join(nodes, 1, "dead-node", ttl=30)  # count reaches min: last call starts
+    nodes.client.lease_revoke(lease)  # dies before the last call ends
+    wait_count(nodes.client, nodes.join_prefix(1), 1)
+    (fb,) = nodes.start(b)
+    res = results([fa, fb])
+    assert_group(res, 2)
+    assert "dead-node" not in nodes.members(1)
+
+
+def test_expired_lease_is_not_counted(nodes: Nodes) -> None:
+    a, b, c = nodes.many(3, 3, 3)
+    _fake_join(nodes, 1, "expiring-node", ttl=2)
+    (fa,) = nodes.start(a)
+    wait_count(nodes.client, nodes.join_prefix(1), 2)
+    wait_count(nodes.client, nodes.join_prefix(1), 1)  # the lease expired: its key is gone
+    res = results([fa, *nodes.start(b, c)])
+    assert_group(res, 3)
+    assert "expiring-node" not in nodes.members(1)
+
+
+def test_waiting_node_whose_lease_expires_rejoins(nodes: Nodes) -> None:
+    a, b = nodes.many(2, 2, 2)
+    (fa,) = nodes.start(a)
+    wait_count(nodes.client, nodes.join_prefix(1), 1)
+    old_lease = lease_of(a)
+    nodes.client.lease_revoke(old_lease)  # as if a's keep-alives had stopped for a TTL
+    wait_count(nodes.client, nodes.join_prefix(1), 1)  # gone, then re-joined with a new lease
+    (fb,) = nodes.start(b)
+    res = results([fa, fb])
+    assert_group(res, 2)
+    assert lease_of(a) != old_lease
+
+
+def test_member_lease_loss_asks_for_a_new_round(nodes: Nodes) -> None:
+    a, b = nodes.many(2, 2, 2)
+    assert_group(results(nodes.start(a, b)), 2)
+    keeper = a._keeper
+    assert keeper is not None
+    nodes.client.lease_revoke(keeper.id)
+    assert keeper.expired.wait(WAIT)
+    assert a.num_nodes_waiting() >= 1  # a's agent will re-rendezvous
+    res = results(nodes.start(a, b))
+    assert_group(res, 2)
+    assert {r.round for r in res} == {2}
+
+
+def test_concurrent_seal_transactions_have_one_winner(nodes: Nodes) -> None:
+    (h,) = nodes.many(1, 1, 1)
+    lease = nodes.client.lease_grant(30)
+    barrier = threading.Barrier(8)
+
+    def attempt() -> bool:
+        barrier.wait()
+        return protocol.seal(nodes.client, h.keys, 1, Sealed(), lease).ok
+
+    outcomes = [f.result(timeout=WAIT) for f in [nodes.pool.submit(attempt) for _ in range(8)]]
+    assert outcomes.count(True) == 1
+    meta = protocol.read_meta(nodes.client, h.keys)
+    assert meta.sealed.round == 1
+
+
+def test_many_nodes_race_to_seal_one_round(nodes: Nodes) -> None:
+    hs = nodes.many(12, 2, 12, last_call_timeout="0.5")
+    res = results(nodes.start(*hs))
+    assert_group(res, 12)
+
+
+def test_backup_sealer_takes_over_a_silent_first_node(nodes: Nodes) -> None:
+    """The first joiner is alive (lease refreshed) but never seals: others seal for it."""
+    keeper = nodes.client.keeper(10)
+    try:
+        nodes.client.put(nodes.keys.join_key(1, "silent"), b"{}", lease=keeper.id)
+        a, b = nodes.many(2, 3, 3)
+        res = results(nodes.start(a, b))
+        assert sorted(r.rank for r in res) == [1, 2]  # rank 0 is the silent node
+        assert {r.world_size for r in res} == {3}
+        assert nodes.members(1)[0] == "silent"
+    finally:
+        keeper.close()
+
+
+def test_previous_round_must_be_empty_to_seal(nodes: Nodes) -> None:
+    (h,) = nodes.many(1, 1, 1)
+    run_lease = nodes.client.lease_grant(30)
+    node_lease = nodes.client.lease_grant(30)
+    keys = h.keys
+    assert protocol.seal(nodes.client, keys, 1, Sealed(), run_lease).ok
+    sealed = protocol.read_meta(nodes.client, keys).sealed
+    nodes.client.put(keys.join_key(1, "member"), b"{}", lease=node_lease)
+    out = protocol.seal(nodes.client, keys, 2, sealed, run_lease)
+    assert not out.ok and out.prev_count == 1
+    nodes.client.lease_revoke(node_lease)
+    assert protocol.seal(nodes.client, keys, 2, sealed, run_lease).ok
+
+
+# --------------------------------------------------------------------------- closing
+
+
+def test_close_during_join(nodes: Nodes) -> None:
+    a, b = nodes.many(2, 2, 2)
+    (fa,) = nodes.start(a)
+    wait_count(nodes.client, nodes.join_prefix(1), 1)
+    assert not b.is_closed()
+    b.set_closed()
+    with pytest.raises(RendezvousClosedError):
+        fa.result(timeout=WAIT)
+    assert a.is_closed() and b.is_closed()
+    assert nodes.client.range(nodes.join_prefix(1), prefix=True, count_only=True).count == 0
+    with pytest.raises(RendezvousClosedError):
+        b.next_round()
+    b.set_closed()  # idempotent
+
+
+def test_shutdown_closes_the_run_and_revokes_the_lease(nodes: Nodes) -> None:
+    a, b = nodes.many(2, 2, 2)
+    assert_group(results(nodes.start(a, b)), 2)
+    lease = lease_of(a)
+    assert a.shutdown() is True
+    assert a.shutdown() is True
+    assert nodes.client.lease_time_to_live(lease) == -1
+    assert nodes.client.get(nodes.keys.join_key(1, a.node_id)) is None
+    assert b.is_closed()
+    assert a.num_nodes_waiting() == 0
+    with pytest.raises(RendezvousClosedError):
+        a.next_round()
+    with pytest.raises(RendezvousClosedError):
+        b.next_round()
+    assert b.shutdown() is True
+    # The last node out removed the rounds' records; `closed` stays (run lease TTL).
+    assert nodes.client.range(nodes.keys.rounds, prefix=True, count_only=True).count == 0
+    assert nodes.client.get(nodes.keys.closed) is not None
+
+
+def test_shutdown_interrupts_a_blocked_join(nodes: Nodes) -> None:
+    (a,) = nodes.many(1, 2, 2)
+    (fa,) = nodes.start(a)
+    wait_count(nodes.client, nodes.join_prefix(1), 1)
+    assert a.shutdown() is True
+    with pytest.raises(RendezvousClosedError):
+        fa.result(timeout=WAIT)
+
+
+# --------------------------------------------------------------------------- cost
+
+
+def test_idle_job_writes_nothing(nodes: Nodes) -> None:
+    hs = nodes.many(3, 3, 3, heartbeat="2")
+    assert_group(results(nodes.start(*hs)), 3)
+    before = nodes.client.range(b"/", count_only=True).revision
+    keepers = [h._keeper for h in hs]
+    assert all(k is not None for k in keepers)
+    threading.Event().wait(3.0)  # several keep-alives (every ~0.7 s) must happen meanwhile
+    assert all(nodes.client.lease_time_to_live(k.id) > 0 for k in keepers if k is not None)
+    assert nodes.client.range(b"/", count_only=True).revision == before
+
+
+def test_each_handler_may_own_its_client(etcd_endpoint: str) -> None:
+    n = Nodes(etcd_endpoint, shared=False)
+    try:
+        hs = n.many(3, 3, 3)
+        assert_group(results(n.start(*hs)), 3)
+        assert all(h._owns_client for h in hs)
+    finally:
+        n.close()
+
+
+# --------------------------------------------------------------------------- store
+
+
+def test_next_rendezvous_store_and_bootstrap_per_round(nodes: Nodes) -> None:
+    a, b, c = nodes.many(3, 2, 3)
+    infos = [f.result(timeout=WAIT) for f in [nodes.pool.submit(h.next_rendezvous) for h in (a, b, c)]]
+    ranks = {h: i.rank for h, i in zip((a, b, c), infos, strict=True)}
+    boot = {(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port) for i in infos}
+    assert len(boot) == 1 and next(iter(boot))[0] == "127.0.0.1"
+    infos[0].store.set("k", "v")
+    assert infos[1].store.get("k") == b"v"
+    first_port = next(iter(boot))[1]
+    # The rank-0 node dies: its lease goes, it never calls next_rendezvous again.
+    host = next(h for h, r in ranks.items() if r == 0)
+    host._close_store()
+    nodes.client.lease_revoke(lease_of(host))
+    rest = [h for h in (a, b, c) if h is not host]
+    infos2 = [f.result(timeout=WAIT) for f in [nodes.pool.submit(h.next_rendezvous) for h in rest]]
+    assert sorted(i.rank for i in infos2) == [0, 1] and {i.world_size for i in infos2} == {2}
+    boot2 = {(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port) for i in infos2}
+    assert len(boot2) == 1
+    new_rank0 = next(h for h, i in zip(rest, infos2, strict=True) if i.rank == 0)
+    assert new_rank0 is not host
+    # A fresh store per round: round 1's keys are not visible in round 2's store.
+    assert not infos2[0].store.check(["k"])
+    assert next(iter(boot2))[1] == int(infos2[0].store.get("MASTER_PORT"))
+    del first_port
+
+
+# --------------------------------------------------------------------------- plumbing
+
+
+def test_registered_with_torch(etcd_endpoint: str) -> None:
+    params = RendezvousParameters(
+        backend="etcd-v3", endpoint=etcd_endpoint, run_id="reg", min_nodes=1, max_nodes=1,
+        key_prefix=f"/v3reg{time.monotonic_ns()}",
+    )
+    handler = get_rendezvous_handler(params)
+    try:
+        assert isinstance(handler, EtcdV3RendezvousHandler)
+        assert handler.get_backend() == "etcd-v3" and handler.get_run_id() == "reg"
+        assert handler.use_agent_store is False
+    finally:
+        handler.shutdown()
+    assert create_etcd_v3_handler() is create_etcd_v3_rdzv_handler
+
+
+@pytest.mark.parametrize(
+    ("conf", "field", "value"),
+    [
+        ({}, "lease_ttl", DEFAULT_LEASE_TTL),
+        ({"heartbeat": "4"}, "lease_ttl", 4),
+        ({"keep_alive_interval": "2", "keep_alive_max_attempt": "4"}, "lease_ttl", 8),
+        ({"join_timeout": "7.5"}, "join_timeout", 7.5),
+        ({"last_call_timeout": "2"}, "last_call_timeout", 2.0),
+        ({"key_prefix": "/custom/"}, "key_prefix", "/custom"),
+        ({"state_ttl": "60"}, "state_ttl", 60),
+    ],
+)
+def test_settings(conf: dict[str, str], field: str, value: object) -> None:
+    params = RendezvousParameters("etcd-v3", "localhost:2379", "r", 1, 2, **conf)
+    settings, options = parse_settings(params)
+    assert getattr(settings, field) == value
+    assert options.endpoints == "localhost:2379"
+
+
+@pytest.mark.parametrize(
+    ("conf", "named"),
+    [
+        ({"join_timeout": "soon"}, "join_timeout"),
+        ({"last_call_timeout": "-1"}, "last_call_timeout"),
+        ({"heartbeat": "0"}, "heartbeat"),
+        ({"keep_alive_interval": "x"}, "keep_alive_interval"),
+        ({"state_ttl": "1", "heartbeat": "5"}, "state_ttl"),
+        ({"read_timeout": "0"}, "read_timeout"),
+    ],
+)
+def test_bad_settings_name_the_key(conf: dict[str, str], named: str) -> None:
+    params = RendezvousParameters("etcd-v3", "localhost:2379", "r", 1, 2, **conf)
+    with pytest.raises(ValueError, match=named):
+        parse_settings(params)
