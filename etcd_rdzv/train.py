@@ -10,7 +10,7 @@ Run it under torchrun, as a file or as a module::
 What one worker does: joins a gloo process group (``env://``, from torchrun's
 ``MASTER_ADDR``/``MASTER_PORT``), trains a one-layer model under
 DistributedDataParallel on synthetic data, and every ``--ckpt-every`` steps
-rank 0 saves model, optimizer and step to ``<ckpt-dir>/checkpoint.pt``
+rank 0 saves the model and the step to ``<ckpt-dir>/checkpoint.pt``
 (atomically: written aside, then renamed). A worker group started after a
 restart or a re-rendezvous resumes from that checkpoint, so a node loss costs
 at most ``--ckpt-every`` steps. ``--step-time`` stretches each step to stand in
@@ -137,12 +137,19 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--step-time", type=float, default=0.2, help="seconds per step, simulated compute")
     p.add_argument(
         "--pg-timeout", type=float, default=60.0,
-        help="gloo timeout in seconds: how long a collective waits for a silent peer (default 60)",
+        help="seconds a training collective waits for a silent (hung) peer before failing (default 60)",
     )  # fmt: skip
+    p.add_argument(
+        "--init-timeout", type=float, default=300.0,
+        help="seconds the process group set-up waits for every rank to arrive (default 300)",
+    )  # fmt: skip
+    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    if args.steps < 1 or args.ckpt_every < 1 or args.step_time < 0 or args.pg_timeout <= 0:
-        p.error("--steps and --ckpt-every must be >= 1, --step-time >= 0, --pg-timeout > 0")
+    if args.steps < 1 or args.ckpt_every < 1 or args.step_time < 0:
+        p.error("--steps and --ckpt-every must be >= 1, --step-time >= 0")
+    if args.pg_timeout <= 0 or args.init_timeout <= 0:
+        p.error("--pg-timeout and --init-timeout must be > 0")
     return args
 
 
@@ -188,7 +195,11 @@ def run(args: argparse.Namespace) -> int:
     from torch.nn.parallel import DistributedDataParallel
 
     os.makedirs(args.ckpt_dir, exist_ok=True)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
+    # Two timeouts: set-up waits for the slowest rank to start (importing torch
+    # takes seconds on a busy host); training collectives get a short one, so
+    # that a hung (not dead) peer is noticed quickly.
+    dist.init_process_group("gloo", timeout=timedelta(seconds=args.init_timeout))
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.pg_timeout))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     writer = _LogWriter(args.log_file)
 
@@ -197,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
     if rank == 0:
         ident[0] = _next_round(args.ckpt_dir)
         ident[1] = secrets.randbits(62)
-    dist.broadcast(ident, src=0)
+    dist.broadcast(ident, src=0, group=group)
     base: dict[str, Any] = {
         "round": int(ident[0]),
         "group": f"{int(ident[1]):016x}",
@@ -212,15 +223,13 @@ def run(args: argparse.Namespace) -> int:
 
     torch.manual_seed(args.seed)
     model = nn.Linear(16, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     ckpt_path = os.path.join(args.ckpt_dir, CHECKPOINT_NAME)
     start = 0
     if os.path.exists(ckpt_path):
         state = torch.load(ckpt_path, map_location="cpu", weights_only=True)
         model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
         start = int(state["step"])
-    ddp = DistributedDataParallel(model)  # broadcasts rank 0's parameters
+    ddp = DistributedDataParallel(model, process_group=group)  # broadcasts rank 0's parameters
     writer.write(Record(kind="start", t=time.time(), step=start, resumed_from=start, **base))
     log.info("rank %d/%d round %d resumes from step %d", rank, world_size, base["round"], start)
 
@@ -232,18 +241,26 @@ def run(args: argparse.Namespace) -> int:
         x = torch.randn(32, 16, generator=g)
         y = (x @ true_w).unsqueeze(1)
         loss = nn.functional.mse_loss(ddp(x), y)
-        optimizer.zero_grad()
+        model.zero_grad(set_to_none=True)
         loss.backward()  # the gradient all-reduce: completes only when every rank took part
-        optimizer.step()
+        with torch.no_grad():  # plain SGD by hand: torch.optim would import torch._dynamo (seconds)
+            for param in model.parameters():
+                if param.grad is not None:
+                    param.add_(param.grad, alpha=-args.lr)
         writer.write(Record(kind="step", t=time.time(), step=step, loss=float(loss.detach()), **base))
         if rank == 0 and step % args.ckpt_every == 0:
             tmp = f"{ckpt_path}.{os.getpid()}.tmp"
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, tmp)
+            torch.save({"model": model.state_dict(), "step": step}, tmp)
             os.replace(tmp, ckpt_path)
             writer.write(Record(kind="ckpt", t=time.time(), step=step, **base))
 
     writer.write(Record(kind="done", t=time.time(), step=args.steps, **base))
     writer.close()
+    # Tear down in order (DDP, the training group, the default group): leaving
+    # it to interpreter exit can hang in gloo's destructors.
+    dist.barrier(group=group)
+    del ddp
+    dist.destroy_process_group(group)
     dist.destroy_process_group()
     return 0
 
