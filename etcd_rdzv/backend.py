@@ -31,7 +31,7 @@ import threading
 import time
 from base64 import b64decode, b64encode
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousConnectionError,
@@ -219,22 +219,42 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
 
     rdzv-conf keys: see :mod:`etcd_rdzv.params`. The store is an
     :class:`etcd_store.EtcdStore` sharing the backend's client, with keys under
-    ``<key_prefix>/<run_id>/store``. Raises ``ValueError`` naming a bad key;
-    contacts etcd only on first use. The backend's ``name`` is ``params.backend``.
+    ``<key_prefix>/<run_id>/store``; its blocking reads wait up to
+    :data:`STORE_TIMEOUT`. The backend's ``name`` is ``params.backend``.
+
+    Creating the store reads (or creates) its namespace lease: one to three RPCs.
+    Raises ``ValueError`` naming a bad key, ``RendezvousConnectionError`` when
+    etcd cannot be reached (or refuses the credentials) within ``read_timeout``.
     """
     config = parse_rdzv_config(params)
     client = config.client.create_client()
-    backend = EtcdRendezvousBackend(
-        client,
-        params.run_id,
-        key_prefix=config.key_prefix,
-        ttl=config.state_ttl,
-        name=params.backend,
-    )
-    return backend, _create_store(client, config.store_prefix(params.run_id))
+    try:
+        backend = EtcdRendezvousBackend(
+            client,
+            params.run_id,
+            key_prefix=config.key_prefix,
+            ttl=config.state_ttl,
+            name=params.backend,
+        )
+        store = _create_store(client, config.store_prefix(params.run_id))
+    except BaseException:
+        client.close()
+        raise
+    return backend, store
 
 
-def _create_store(client: EtcdClient, prefix: str) -> Any:
+def _create_store(client: EtcdClient, prefix: str) -> Store:
+    """The run's ``EtcdStore``; its constructor's RPCs are bounded by the client's timeout."""
+    import torch.distributed as dist
+
     from etcd_store import EtcdStore
 
-    return EtcdStore(client, prefix=prefix, timeout=STORE_TIMEOUT)
+    try:
+        store = EtcdStore(client, prefix=prefix, timeout=timedelta(seconds=client.timeout))
+    except dist.DistError as e:
+        raise RendezvousConnectionError(
+            f"The rendezvous store {prefix!r} could not be opened in etcd at "
+            f"{client.describe()}: {e}"
+        ) from e
+    store.set_timeout(STORE_TIMEOUT)
+    return store

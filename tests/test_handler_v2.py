@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import pickle
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,6 +28,7 @@ from torch.distributed.elastic.rendezvous.api import (
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from etcd_rdzv import EtcdRendezvousBackend, EtcdRendezvousHandler
+from etcd_server import EtcdServer
 
 _ids = itertools.count()
 CONF = {
@@ -152,8 +154,9 @@ def test_late_node_waits_and_is_admitted_next_round(nodes: Nodes) -> None:
 
     late = nodes.new(2, 3)
     (late_future,) = nodes.join(late)
+    # Each handler serves its cached state for up to a second: poll both.
     _eventually(lambda: a.num_nodes_waiting() == 1, "the late node shows up as waiting")
-    assert b.num_nodes_waiting() == 1
+    _eventually(lambda: b.num_nodes_waiting() == 1, "the late node shows up as waiting (b)")
     assert not late_future.done()
 
     # What the agents do when nodes are waiting: re-rendezvous.
@@ -195,18 +198,28 @@ def test_shutdown_closes_the_rendezvous(nodes: Nodes) -> None:
     _eventually(b.is_closed, "the other node sees the rendezvous closed")
 
 
-def test_shutdown_with_etcd_unreachable_returns_false() -> None:
-    import socket
-
+def test_creation_with_etcd_unreachable_raises_connection_error_within_read_timeout() -> None:
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
     params = RendezvousParameters(
         backend="etcd-v2", endpoint=f"127.0.0.1:{port}", run_id="unreachable", min_nodes=1,
+        max_nodes=1, **{**CONF, "read_timeout": "1"},
+    )  # fmt: skip
+    started = time.monotonic()
+    with pytest.raises(RendezvousConnectionError, match=f"127.0.0.1:{port}"):
+        get_rendezvous_handler(params)
+    assert time.monotonic() - started < 1 + 5  # read timeout, generously
+
+
+def test_shutdown_after_etcd_went_away_returns_false(fresh_etcd: EtcdServer) -> None:
+    params = RendezvousParameters(
+        backend="etcd-v2", endpoint=fresh_etcd.get_endpoint(), run_id="gone", min_nodes=1,
         max_nodes=1, **{**CONF, "read_timeout": "1", "close_timeout": "2"},
     )  # fmt: skip
     handler = get_rendezvous_handler(params)
+    fresh_etcd.stop()
     started = time.monotonic()
     assert handler.shutdown() is False
     assert time.monotonic() - started < 2 + 1 + 5  # close timeout + one read timeout, generously
