@@ -51,6 +51,8 @@ class EtcdCluster:
         enable_v2, extra_args, tls, auth, die_with_parent, stop_grace: as for
             :class:`~etcd_server.server.EtcdServer` (``extra_args`` go to
             every member; auth is set up once through member 0).
+        heartbeat_ms, election_timeout_ms: raft timing; None (default) keeps
+            etcd's 100 / 1000 ms, which tolerate a loaded machine.
 
     Raises:
         EtcdBinaryNotFoundError: (at construction) no etcd binary found.
@@ -69,6 +71,8 @@ class EtcdCluster:
         auth: AuthConfig | None = None,
         die_with_parent: bool = True,
         stop_grace: float = 10.0,
+        heartbeat_ms: int | None = None,
+        election_timeout_ms: int | None = None,
     ) -> None:
         if size < 1:
             raise ValueError(f"cluster size must be >= 1, got {size}")
@@ -80,6 +84,8 @@ class EtcdCluster:
         self.auth = auth
         self.die_with_parent = die_with_parent
         self.stop_grace = stop_grace
+        self.heartbeat_ms = heartbeat_ms
+        self.election_timeout_ms = election_timeout_ms
         self._given_data_dir = os.path.abspath(data_dir) if data_dir else None
         self._work_dir: str | None = None
         self._members: list[_EtcdMember] = []
@@ -200,6 +206,8 @@ class EtcdCluster:
                 enable_v2=self.enable_v2,
                 extra_args=self.extra_args,
                 die_with_parent=self.die_with_parent,
+                heartbeat_ms=self.heartbeat_ms,
+                election_timeout_ms=self.election_timeout_ms,
             )
             for i in range(self.size)
         ]

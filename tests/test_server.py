@@ -274,6 +274,21 @@ def test_atexit_stops_etcd_when_stop_is_not_called(etcd_binary: str) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+def test_start_from_short_lived_thread_survives_the_thread(etcd_binary: str) -> None:
+    import threading
+
+    server = EtcdServer(binary=etcd_binary)
+    try:
+        t = threading.Thread(target=server.start, kwargs={"timeout": 30})
+        t.start()
+        t.join(timeout=60)
+        assert server.pid is not None
+        time.sleep(0.3)  # PR_SET_PDEATHSIG would have fired when the thread exited
+        assert server.is_running(), "etcd died with the thread that started it"
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> CertPaths:
     if not have_openssl():
