@@ -154,6 +154,8 @@ class EtcdCluster:
             for attempt in range(1, attempts + 1):
                 if first:
                     self._members = self._new_members()
+                for m in self._members:  # the log dir is new after a stop()
+                    m.work_dir = self._work_dir
                 fresh = [not os.path.isdir(os.path.join(m.data_dir, "member")) for m in self._members]
                 try:
                     for m in self._members:
