@@ -1,0 +1,251 @@
+"""Randomized stress of the ``etcd-v3`` handler: dozens of nodes joining, dying and re-joining.
+
+Each node slot runs in a thread: it joins (``next_round``), stays in its group
+for a random moment, then either re-joins (as an agent does after a worker
+failure) or dies (its lease is revoked, the handler abandoned) and is replaced
+by a fresh node a moment later. A chaos thread meanwhile adds joiners that die
+before sealing (join keys whose lease is revoked) and revokes the leases of
+waiting nodes (which must re-join). After the run, every formed round is checked:
+
+* ranks are a permutation of ``0..world_size-1`` and every member reports the
+  same world size and seal revision;
+* the members are exactly the first ``max_nodes`` join keys at the seal
+  revision, in create order (etcd's own history), and the members record agrees;
+* ``min_nodes <= world_size <= max_nodes``;
+* groups never overlap: every member of a round had left it before any member
+  of a later round was admitted, and a node's rounds strictly increase.
+
+The seed is printed; set ``V3_STRESS_SEED`` to replay a run's choices.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousGracefulExitError,
+)
+
+from etcd_rdzv.v3.handler import create_etcd_v3_rdzv_handler
+from etcd_rdzv.v3.keys import RunKeys
+from etcd_rdzv.v3.rendezvous import EtcdV3RendezvousHandler, RoundResult
+from etcd_store.client import EtcdClient
+
+pytestmark = pytest.mark.timeout(180)
+
+SLOTS = 24
+MIN_NODES, MAX_NODES = 2, 6
+RUN_SECONDS = 8.0
+MIN_ROUNDS = 5
+P_DIE = 0.15
+CONF = {"join_timeout": "120", "last_call_timeout": "0.2", "close_timeout": "10",
+        "heartbeat": "10", "read_timeout": "20"}
+
+
+@dataclass
+class Entry:
+    """One node's stay in one round: admitted at ``t_in``, gone at ``t_out``."""
+
+    result: RoundResult
+    t_in: float
+    t_out: float = float("inf")
+
+
+class Stress:
+    def __init__(self, endpoint: str, seed: int) -> None:
+        self.endpoint = endpoint
+        self.seed = seed
+        self.prefix = f"/v3stress{time.monotonic_ns() % 10**9}"
+        self.run_id = "stress"
+        self.keys = RunKeys.for_run(self.prefix, self.run_id)
+        self.client = EtcdClient(endpoint, timeout=20)
+        self.lock = threading.Lock()
+        self.entries: list[Entry] = []
+        self.handlers: list[EtcdV3RendezvousHandler] = []
+        self.waiting: set[EtcdV3RendezvousHandler] = set()
+        self.fakes: set[str] = set()
+        self.stop = threading.Event()
+        self.errors: list[BaseException] = []
+        self.deaths = self.rejoins = self.lease_kills = 0
+
+    def new_handler(self, slot: int) -> EtcdV3RendezvousHandler:
+        params = RendezvousParameters(
+            backend="etcd-v3", endpoint=self.endpoint, run_id=self.run_id,
+            min_nodes=MIN_NODES, max_nodes=MAX_NODES, local_addr="127.0.0.1",
+            key_prefix=self.prefix, **CONF,
+        )
+        # Even slots share the test's client, odd slots own one.
+        handler = create_etcd_v3_rdzv_handler(params, client=self.client if slot % 2 == 0 else None)
+        with self.lock:
+            self.handlers.append(handler)
+        return handler
+
+    def slot(self, slot: int) -> None:
+        rng = random.Random(self.seed * 1000 + slot)
+        handler = self.new_handler(slot)
+        entry: Entry | None = None
+        try:
+            while not self.stop.is_set():
+                with self.lock:
+                    self.waiting.add(handler)
+                try:
+                    result = handler.next_round()
+                except (RendezvousClosedError, RendezvousGracefulExitError):
+                    return  # the run was closed at the end of the test
+                finally:
+                    with self.lock:
+                        self.waiting.discard(handler)
+                entry = Entry(result, time.monotonic())
+                with self.lock:
+                    self.entries.append(entry)
+                self.stop.wait(rng.uniform(0.0, 0.15))  # the group "runs"
+                if rng.random() < P_DIE:
+                    entry.t_out = time.monotonic()
+                    self.kill(handler)
+                    self.stop.wait(rng.uniform(0.0, 0.3))
+                    handler = self.new_handler(slot)
+                    self.deaths += 1
+                else:
+                    entry.t_out = time.monotonic()  # about to leave the group: re-join
+                    self.rejoins += 1
+        except BaseException as e:  # recorded, re-raised by the test
+            self.errors.append(e)
+
+    def kill(self, handler: EtcdV3RendezvousHandler) -> None:
+        """The node dies: no shutdown (that would close the run), its lease just ends."""
+        keeper = handler._keeper
+        if keeper is not None:
+            keeper.close(revoke=True)
+
+    def chaos(self) -> None:
+        rng = random.Random(self.seed)
+        for i in itertools.count():
+            if self.stop.wait(rng.uniform(0.05, 0.25)):
+                return
+            try:
+                if rng.random() < 0.6:
+                    self.fake_joiner(rng, i)
+                else:
+                    with self.lock:
+                        waiting = sorted(self.waiting, key=id)
+                    if waiting:
+                        keeper = rng.choice(waiting)._keeper
+                        if keeper is not None:
+                            self.client.lease_revoke(keeper.id)
+                            self.lease_kills += 1
+            except Exception as e:
+                self.errors.append(e)
+                return
+
+    def fake_joiner(self, rng: random.Random, i: int) -> None:
+        """A node that joins the open round and dies a moment later (before or after sealing)."""
+        sealed = self.client.get(self.keys.sealed)
+        round_ = (json.loads(sealed.value)["round"] if sealed else 0) + 1
+        name = f"fake-{i}"
+        lease = self.client.lease_grant(30)
+        self.fakes.add(name)
+        self.client.put(self.keys.join_key(round_, name), b"{}", lease=lease)
+        self.stop.wait(rng.uniform(0.0, 0.2))
+        self.client.lease_revoke(lease)
+
+    def close(self) -> None:
+        with self.lock:
+            handlers = list(self.handlers)
+        for h in handlers:
+            try:
+                h.shutdown()
+            except Exception:
+                pass
+        self.client.close()
+
+
+def check_rounds(stress: Stress) -> int:
+    """Check every invariant over the recorded rounds; return the number of groups formed."""
+    by_round: dict[int, list[Entry]] = defaultdict(list)
+    for e in stress.entries:
+        by_round[e.result.round].append(e)
+    client, keys = stress.client, stress.keys
+    formed = sorted(by_round)
+    for round_ in formed:
+        entries = by_round[round_]
+        results = [e.result for e in entries]
+        world = {r.world_size for r in results}
+        assert len(world) == 1, f"round {round_}: members disagree on world size: {world}"
+        world_size = world.pop()
+        assert MIN_NODES <= world_size <= MAX_NODES, f"round {round_}: size {world_size}"
+        revisions = {r.seal_revision for r in results}
+        assert len(revisions) == 1, f"round {round_}: members disagree on the seal: {revisions}"
+        seal_revision = revisions.pop()
+        ranks = sorted(r.rank for r in results)
+        assert len(set(ranks)) == len(ranks), f"round {round_}: duplicate ranks {ranks}"
+        # The membership as etcd's history defines it, at the seal revision.
+        snap = client.range(keys.join_prefix(round_), prefix=True, keys_only=True, revision=seal_revision)
+        expected = [
+            keys.parse_join_key(kv.key)[1]  # type: ignore[index]
+            for kv in sorted(snap.kvs, key=lambda kv: kv.create_revision)[:MAX_NODES]
+        ]
+        assert len(expected) == world_size
+        by_rank = {r.rank: r.node_id for r in results}
+        for rank, node in enumerate(expected):
+            if node in stress.fakes:
+                assert rank not in by_rank  # a node that died right after sealing
+            else:
+                assert by_rank.get(rank) == node, f"round {round_}: rank {rank} is {node}, saw {by_rank}"
+        assert len(results) == sum(1 for n in expected if n not in stress.fakes)
+        members = client.get(keys.members(round_))
+        if members is not None:
+            assert json.loads(members.value) == expected
+    # Exclusivity: a later group is admitted only after the earlier one was left.
+    for earlier, later in itertools.pairwise(formed):
+        left = max(e.t_out for e in by_round[earlier])
+        admitted = min(e.t_in for e in by_round[later])
+        assert left <= admitted, f"round {later} was admitted while round {earlier} still ran"
+    per_node: dict[str, list[int]] = defaultdict(list)
+    for e in sorted(stress.entries, key=lambda e: e.t_in):
+        per_node[e.result.node_id].append(e.result.round)
+    for node, rounds in per_node.items():
+        assert rounds == sorted(set(rounds)), f"{node} was in rounds {rounds}"
+    return len(formed)
+
+
+def test_random_joins_deaths_and_rejoins(etcd_endpoint: str) -> None:
+    seed = int(os.environ.get("V3_STRESS_SEED", random.randrange(10**6)))
+    print(f"V3_STRESS_SEED={seed}")
+    stress = Stress(etcd_endpoint, seed)
+    threads = [threading.Thread(target=stress.slot, args=(i,), daemon=True) for i in range(SLOTS)]
+    threads.append(threading.Thread(target=stress.chaos, daemon=True))
+    try:
+        for t in threads:
+            t.start()
+        stress.stop.wait(RUN_SECONDS)
+        stress.stop.set()
+        # Closing the run releases every node still waiting.
+        with stress.lock:
+            closer = stress.handlers[0]
+        closer.set_closed()
+        for t in threads:
+            t.join(timeout=60)
+        assert not any(t.is_alive() for t in threads), "a node is stuck"
+        if stress.errors:
+            raise stress.errors[0]
+        formed = check_rounds(stress)
+        print(
+            f"rounds formed: {formed}, admissions: {len(stress.entries)}, deaths: {stress.deaths}, "
+            f"re-joins: {stress.rejoins}, waiting leases revoked: {stress.lease_kills}, "
+            f"fake joiners: {len(stress.fakes)}"
+        )
+        assert formed >= MIN_ROUNDS
+        assert stress.deaths > 0 and stress.rejoins > 0
+    finally:
+        stress.stop.set()
+        stress.close()
