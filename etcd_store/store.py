@@ -18,8 +18,9 @@ uncontended case:
                                    retry starting from the value the failed
                                    Txn returned (no sleeps)
 ``compare_set``                    one Txn
-``queue_pop``                      one Txn (plus one Range for the first pop
-                                   of a queue by this store)
+``queue_pop``                      one Txn (plus one Range when this store
+                                   neither pushed to nor popped from the
+                                   queue before)
 ``queue_len``, ``num_keys``,        one Range
 ``list_keys``
 ``delete_key``                     one DeleteRange
@@ -665,9 +666,13 @@ class EtcdStore(dist.Store):
         item = self._layout.new_queue_item(k)
         with _dist_errors(f"queue_push({key!r})"):
             t = self._rpc_timeout()
-            self._with_lease(
+            res = self._with_lease(
                 lambda lease: self._client.put(item, self._encode(v, lease, t), lease=lease, timeout=t), t
             )
+        # Remember the item: a later queue_pop by this store can guess it is the oldest.
+        qp = Layout.queue_prefix(k)
+        with self._lock:
+            self._queues[qp] = sorted([*self._queues.get(qp, []), (res.revision, item)])
 
     def queue_len(self, key: str | bytes) -> int:  # type: ignore[override]
         """Items in the queue ``key`` (0 if it never existed). One Range."""
@@ -680,7 +685,9 @@ class EtcdStore(dist.Store):
 
         With ``block`` it waits up to the store timeout for an item (``DistStoreError``
         on timeout), else raises ``QueueEmptyError`` at once. One Txn when this store
-        knows the queue's oldest item (after a pop or a wake-up), else one Range more.
+        knows a candidate for the oldest item (it pushed one, popped before, or was
+        woken by a push); otherwise one Range first. A wrong guess costs one more Txn,
+        whose failure branch returns the queue's items.
         """
         qp = Layout.queue_prefix(self._layout.key(key))
         end = prefix_range_end(qp)
@@ -714,10 +721,13 @@ class EtcdStore(dist.Store):
                             continue
                         # The first push after an empty read is the oldest item.
                         items = [(first[0].create_revision, first[0].key)]
-                guess = items[0][1]
+                created, guess = items[0]
                 try:
                     txn = self._client.txn(
-                        [compare_version(guess, ">", 0), compare_mod(marker.key, "==", marker.mod)],
+                        # The guess still exists and no item in the queue is older.
+                        [compare_version(guess, ">", 0),
+                         compare_create(qp, ">", created - 1, range_end=end),
+                         compare_mod(marker.key, "==", marker.mod)],
                         [op_delete(guess, prev_kv=True), op_get(qp, end, keys_only=True),
                          op_put(marker.key, op_id, lease=lease)],
                         [op_get(qp, end, keys_only=True), op_get(marker.key)],
