@@ -177,10 +177,11 @@ def test_watch_survives_etcd_restart(fresh_etcd: EtcdServer) -> None:
     """A watch resumes after etcd restarts on the same data dir and port."""
     client = EtcdClient(fresh_etcd.get_endpoint(), timeout=5)
     try:
+        client.put(b"/restart/key", b"before")
         w = client.watch(b"/restart/key")
         assert w.wait_created(5)
-        fresh_etcd.stop()
-        fresh_etcd.start(timeout=30)
+        fresh_etcd.restart(timeout=30)
+        assert client.get(b"/restart/key").value == b"before"  # type: ignore[union-attr]
         client.put(b"/restart/key", b"after")
         events = w.get(timeout=10)
         assert [e.value for e in events] == [b"after"]
