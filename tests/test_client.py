@@ -256,3 +256,24 @@ def test_rpc_counter_counts_one_rpc_per_call(etcd_endpoint: str, prefix: bytes) 
         c.txn([compare_version(prefix + b"a", ">", 0)], [op_get(prefix + b"a")])
     assert counter.snapshot() == {"KV/Put": 1, "KV/Range": 1, "KV/Txn": 1}
     assert counter.total() == 3
+
+
+def test_auth_token_is_refreshed_after_it_expires(etcd_binary: str) -> None:
+    """etcd drops simple tokens after --auth-token-ttl; the client logs in again by itself."""
+    from etcd_server import AuthConfig
+
+    auth = AuthConfig("root-secret-1", user="alice", password="alice-secret-1", prefix=b"/alice/")
+    with EtcdServer(binary=etcd_binary, auth=auth, extra_args=["--auth-token-ttl=1"]) as server:
+        counter = RpcCounter()
+        with server.get_client(
+            user="alice", password="alice-secret-1", timeout=10, interceptors=[counter]
+        ) as alice:
+            alice.put(b"/alice/k", b"1")
+            assert counter.counts["Auth/Authenticate"] == 1
+            # Wait for the token to expire on the server (a deadline, not a fixed sleep:
+            # the watch on an untouched key simply times out).
+            with alice.watch(b"/alice/never") as w:
+                w.get(timeout=2.5)
+            kv = alice.get(b"/alice/k")
+            assert kv is not None and kv.value == b"1"
+            assert counter.counts["Auth/Authenticate"] >= 2
