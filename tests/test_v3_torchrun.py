@@ -1,0 +1,218 @@
+"""End to end: real ``torchrun`` agents with ``--rdzv-backend=etcd-v3``.
+
+The agents run as ``python -m torch.distributed.run`` (torch's unmodified elastic
+agent, which finds the backend through the ``torchrun.handlers`` entry point),
+each in its own process group, killed at teardown also when a test fails. The
+gloo worker script (written next to the test's files) checks ``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK`` and ``GROUP_RANK`` against an all-gather, checks an
+``all_reduce`` and writes one JSON file per worker and attempt.
+
+Cost: each agent and worker imports torch (three agents = nine processes,
+~20-40 s on two busy cores).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from etcd_server import EtcdServer
+from etcd_store.client import EtcdClient
+
+pytestmark = pytest.mark.timeout(400)
+
+NPROC = 2
+_ids = itertools.count()
+
+WORKER = r'''
+import json, os, signal, sys
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+
+out_dir, kill_on_first = sys.argv[1], sys.argv[2] == "1"
+env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+       "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+       "TORCHELASTIC_USE_AGENT_STORE")}
+rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+local_rank, local_world = int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"])
+group_rank, attempt = int(env["GROUP_RANK"]), int(env["TORCHELASTIC_RESTART_COUNT"])
+dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+problems = []
+if (dist.get_rank(), dist.get_world_size()) != (rank, world):
+    problems.append("process group rank/size differ from RANK/WORLD_SIZE")
+if rank != group_rank * local_world + local_rank:
+    problems.append("RANK != GROUP_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK")
+mine = torch.tensor([rank, local_rank, group_rank], dtype=torch.int64)
+rows = [torch.zeros_like(mine) for _ in range(world)]
+dist.all_gather(rows, mine)
+rows = [[int(v) for v in t.tolist()] for t in rows]
+if sorted(r[0] for r in rows) != list(range(world)):
+    problems.append(f"ranks are not 0..{world - 1}")
+if sorted(r[1] for r in rows) != sorted(list(range(local_world)) * (world // local_world)):
+    problems.append("local ranks are not 0..LOCAL_WORLD_SIZE-1 on every node")
+total = torch.tensor([rank + 1], dtype=torch.int64)
+dist.all_reduce(total)
+expected = world * (world + 1) // 2
+if int(total.item()) != expected:
+    problems.append(f"all_reduce gave {int(total.item())}, expected {expected}")
+path = os.path.join(out_dir, f"attempt-{attempt}-rank-{rank}.json")
+with open(path + ".tmp", "w") as f:
+    json.dump({"env": env, "pid": os.getpid(), "agent": os.getppid(), "all_reduce": int(total.item()),
+               "expected": expected, "problems": problems}, f)
+os.replace(path + ".tmp", path)
+if kill_on_first and attempt == 0 and group_rank == 0:
+    # The node hosting rank 0 (and MASTER_ADDR/MASTER_PORT) dies: agent and workers.
+    if local_rank == 0:
+        os.kill(os.getppid(), signal.SIGKILL)
+    os._exit(0)
+dist.barrier()
+dist.destroy_process_group()
+sys.exit(1 if problems else 0)
+'''
+
+CONF = "join_timeout=120,last_call_timeout=60,close_timeout=10,heartbeat=3,read_timeout=10"
+
+
+class Agents:
+    """torchrun agents started by one test; :meth:`kill` ends their process groups."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.out_dir = tmp_path / "results"
+        self.out_dir.mkdir()
+        self.script = tmp_path / "worker.py"
+        self.script.write_text(WORKER)
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.logs: list[Path] = []
+
+    def start(
+        self, n: int, *, endpoint: str, run_id: str, conf: str, key_prefix: str,
+        max_restarts: int = 0, kill_rank0_host: bool = False,
+    ) -> None:  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo"}
+        for _ in range(n):
+            log = self.tmp_path / f"agent-{len(self.procs)}.log"
+            cmd = [
+                sys.executable, "-m", "torch.distributed.run",
+                "--nnodes=2:3", f"--nproc-per-node={NPROC}",
+                "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
+                f"--rdzv-conf={conf},key_prefix={key_prefix}", "--monitor-interval=0.5",
+                f"--max-restarts={max_restarts}", "--local-addr=127.0.0.1",
+                str(self.script), str(self.out_dir), "1" if kill_rank0_host else "0",
+            ]  # fmt: skip
+            with open(log, "wb") as f:
+                self.procs.append(
+                    subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                )
+            self.logs.append(log)
+
+    def wait(self, timeout: float) -> list[int | None]:
+        """Exit codes (None for an agent still running at the deadline)."""
+        deadline = time.monotonic() + timeout
+        codes: list[int | None] = []
+        for proc in self.procs:
+            try:
+                codes.append(proc.wait(timeout=max(deadline - time.monotonic(), 0.01)))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+        return codes
+
+    def log_tails(self, lines: int = 40) -> str:
+        parts = []
+        for log in self.logs:
+            text = log.read_text(errors="replace").splitlines()
+            parts.append(f"----- {log.name}\n" + "\n".join(text[-lines:]))
+        return "\n".join(parts)
+
+    def results(self, attempt: int) -> list[dict[str, Any]]:
+        return [json.loads(p.read_text()) for p in sorted(self.out_dir.glob(f"attempt-{attempt}-rank-*.json"))]
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+            try:  # workers left behind in the agent's group
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+@pytest.fixture
+def agents(tmp_path: Path) -> Iterator[Agents]:
+    a = Agents(tmp_path)
+    try:
+        yield a
+    finally:
+        a.kill()
+
+
+def _check_group(results: list[dict[str, Any]], nodes: int, log: str) -> None:
+    world = nodes * NPROC
+    assert len(results) == world, log
+    for r in results:
+        assert r["problems"] == [], r
+        assert int(r["env"]["WORLD_SIZE"]) == world
+        assert r["all_reduce"] == r["expected"] == world * (world + 1) // 2
+        assert r["env"]["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+    assert len({r["pid"] for r in results}) == world
+    assert {int(r["env"]["GROUP_RANK"]) for r in results} == set(range(nodes))
+    assert len({(r["env"]["MASTER_ADDR"], r["env"]["MASTER_PORT"]) for r in results}) == 1
+
+
+def test_three_agents_etcd_v3(etcd_server: EtcdServer, agents: Agents) -> None:
+    endpoint, run_id = etcd_server.get_endpoint(), f"e2e-v3-{os.getpid()}-{next(_ids)}"
+    prefix = f"/e2e-v3-{time.monotonic_ns() % 10**9}"
+    agents.start(3, endpoint=endpoint, run_id=run_id, conf=CONF, key_prefix=prefix)
+    codes = agents.wait(timeout=300)
+    assert codes == [0, 0, 0], agents.log_tails()
+    _check_group(agents.results(0), 3, agents.log_tails())
+    with EtcdClient(endpoint, timeout=5) as client:
+        root = f"{prefix}/{run_id}/v3".encode()
+        assert client.get(root + b"/ctl/closed") is not None  # shutdown closed the run
+        assert client.range(root + b"/ctl/join/", prefix=True, count_only=True).count == 0
+        assert client.range(root + b"/rounds/", prefix=True, count_only=True).count == 0
+
+
+def test_rank0_host_dies_and_the_others_re_rendezvous(etcd_server: EtcdServer, agents: Agents) -> None:
+    """The agent hosting rank 0 is SIGKILLed after the first round; the other two
+    re-rendezvous (after its lease TTL + the last call) and bootstrap from a new host."""
+    if not etcd_server.version.startswith("3.5"):
+        pytest.skip("node-loss scenario runs on etcd 3.5 only (the three-agent one runs on both)")
+    endpoint, run_id = etcd_server.get_endpoint(), f"e2e-v3-loss-{os.getpid()}-{next(_ids)}"
+    prefix = f"/e2e-v3-{time.monotonic_ns() % 10**9}"
+    conf = CONF.replace("last_call_timeout=60", "last_call_timeout=15")
+    agents.start(3, endpoint=endpoint, run_id=run_id, conf=conf, key_prefix=prefix,
+                 max_restarts=1, kill_rank0_host=True)  # fmt: skip
+    codes = agents.wait(timeout=300)
+    first = agents.results(0)
+    _check_group(first, 3, agents.log_tails())
+    assert sorted(codes, key=lambda c: -1 if c is None else c) == [-signal.SIGKILL, 0, 0], agents.log_tails()
+    second = agents.results(1)
+    _check_group(second, 2, agents.log_tails())
+    # Round 2 runs on the two surviving agents, its MASTER_ADDR/MASTER_PORT published anew
+    # by its own rank 0 (the host of round 1's master is dead).
+    dead_agent = {r["agent"] for r in first if int(r["env"]["GROUP_RANK"]) == 0}
+    assert len(dead_agent) == 1
+    assert not dead_agent & {r["agent"] for r in second}
+    assert {r["agent"] for r in second} == {r["agent"] for r in first} - dead_agent
+    assert first[0]["env"]["MASTER_PORT"] != second[0]["env"]["MASTER_PORT"]
