@@ -67,6 +67,7 @@ from .client import (
     KeyValue,
     PutResult,
     RangeResult,
+    TxnResult,
     compare_create,
     compare_mod,
     compare_value,
@@ -76,7 +77,7 @@ from .client import (
     op_put,
     prefix_range_end,
 )
-from .errors import EtcdCompactedError, EtcdConnectionError, EtcdError
+from .errors import EtcdCompactedError, EtcdConnectionError, EtcdError, EtcdTimeoutError
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +165,55 @@ class _Marker:
     def next_id(self) -> bytes:
         self.seq += 1
         return str(self.seq).encode()
+
+
+class _Patient:
+    """The client's unary KV calls, each split into attempts with growing deadlines.
+
+    A request that reaches a member whose leader just died waits for etcd's
+    request timeout (about 7 s) before failing, while a new leader is usually
+    elected within two seconds. Attempts of 2 s, 4 s, 8 s... retried until the
+    call's own deadline let calls go on as soon as the cluster does. Every store
+    request is safe to send again (plain writes are idempotent, read-modify-writes
+    are guarded, see :class:`_Marker`).
+    """
+
+    FIRST_ATTEMPT = 2.0
+
+    def __init__(self, client: EtcdClient) -> None:
+        self.raw = client
+        self.watch = client.watch
+        self.describe = client.describe
+
+    def _retry(self, call: Callable[[float], _T], timeout: float) -> _T:
+        deadline = time.monotonic() + timeout
+        attempt = self.FIRST_ATTEMPT
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                return call(max(min(attempt, remaining), 0.001))
+            except EtcdTimeoutError:
+                if deadline - time.monotonic() <= 0.01:
+                    raise
+                log.info("etcd at %s did not answer within %.1f s; trying again", self.describe(), attempt)
+                attempt *= 2
+
+    def range(self, key: bytes, range_end: bytes | None = None, *, timeout: float, **kw: Any) -> RangeResult:
+        return self._retry(lambda t: self.raw.range(key, range_end, timeout=t, **kw), timeout)
+
+    def put(self, key: bytes, value: bytes, *, timeout: float, **kw: Any) -> PutResult:
+        return self._retry(lambda t: self.raw.put(key, value, timeout=t, **kw), timeout)
+
+    def delete(self, key: bytes, *, timeout: float, **kw: Any) -> DeleteResult:
+        return self._retry(lambda t: self.raw.delete(key, timeout=t, **kw), timeout)
+
+    def txn(
+        self, compare: Sequence[Any], success: Sequence[Any], failure: Sequence[Any] = (), *,
+        timeout: float,
+    ) -> TxnResult:
+        return self._retry(
+            lambda t: self.raw.txn(compare, success, failure, timeout=t, ), timeout
+        )
 
 
 class _Shared:
@@ -272,7 +322,7 @@ class EtcdStore(dist.Store):
         self._closer = weakref.finalize(self, shared.release)
         with _OPEN_LOCK:
             _OPEN.add(self)
-        self._client = shared.client
+        self._client = _Patient(shared.client)
         self._layout = layout
         self._chunk_bytes = chunk_bytes
         self._id = uuid.uuid4().hex[:16]
@@ -293,7 +343,7 @@ class EtcdStore(dist.Store):
     @property
     def client(self) -> EtcdClient:
         """The etcd client (shared with clones)."""
-        return self._client
+        return self._client.raw
 
     def close(self) -> None:
         """Stop keeping the namespace alive from this store; close the client if it owns it.
@@ -442,7 +492,6 @@ class EtcdStore(dist.Store):
                 for batch in _batches(unique, MAX_TXN_OPS):
                     res = self._client.txn(
                         [], [op_get(k) for k in batch], timeout=self._budget(deadline),
-                        idempotent=True,
                     )
                     revision = revision or res.revision
                     for r in res.responses:
@@ -477,7 +526,7 @@ class EtcdStore(dist.Store):
                 for batch in _size_batches(list(stored.items()), MAX_TXN_OPS // 2, self._chunk_bytes):
                     res = self._client.txn(
                         [], [op_put(k, v, lease=lease, prev_kv=True) for k, v in batch],
-                        timeout=t, idempotent=True,
+                        timeout=t,
                     )
                     for (_, v), r in zip(batch, res.responses, strict=True):
                         assert isinstance(r, PutResult)
@@ -549,7 +598,7 @@ class EtcdStore(dist.Store):
             try:
                 txn = self._client.txn(
                     guard, [op_put(k, stored, lease=lease, prev_kv=True)], [op_get(k)],
-                    timeout=t, idempotent=True,
+                    timeout=t,
                 )
             except EtcdError as e:
                 self._discard(stored)
@@ -620,7 +669,7 @@ class EtcdStore(dist.Store):
                     [compare_mod(k, "==", base_mod), compare_mod(marker.key, "==", marker.mod)],
                     [op_put(k, stored, lease=lease, prev_kv=True), op_put(marker.key, op_id, lease=lease)],
                     [op_get(k), op_get(marker.key)],
-                    timeout=t, idempotent=True,
+                    timeout=t,
                 )
             except EtcdError as e:
                 self._discard(stored)
@@ -731,7 +780,7 @@ class EtcdStore(dist.Store):
                         [op_delete(guess, prev_kv=True), op_get(qp, end, keys_only=True),
                          op_put(marker.key, op_id, lease=lease)],
                         [op_get(qp, end, keys_only=True), op_get(marker.key)],
-                        timeout=t, idempotent=True,
+                        timeout=t,
                     )
                 except EtcdError as e:
                     if not is_lease_missing(e):
@@ -876,7 +925,7 @@ class EtcdStore(dist.Store):
         for batch in _batches(unique, MAX_TXN_OPS):
             res = self._client.txn(
                 [], [op_get(k, Layout.span_end(k), count_only=True) for k in batch],
-                timeout=timeout, idempotent=True,
+                timeout=timeout,
             )
             revision = revision or res.revision
             for k, r in zip(batch, res.responses, strict=True):
@@ -921,7 +970,7 @@ class EtcdStore(dist.Store):
             except EtcdCompactedError:
                 # Too far behind: read the keys afresh, then watch from that read.
                 missing = [k for k in wanted if k not in found]
-                res = self._client.txn([], [op_get(k) for k in missing], idempotent=True,
+                res = self._client.txn([], [op_get(k) for k in missing],
                                        timeout=self._budget(deadline))
                 for r in res.responses:
                     if isinstance(r, RangeResult) and r.kvs:
