@@ -3,8 +3,8 @@
 Rule: one lease per namespace, recorded under ``ns\\0lease`` (itself attached to
 the lease). The first store of a namespace grants it and records it with a
 create-if-absent transaction; every later store, in any process, adopts the
-recorded lease. Every live store keeps it alive (a keep-alive every ``ttl / 3``
-seconds). When no live store is left (jobs finished, crashed or were killed),
+recorded lease. Every live store keeps it alive (a keep-alive every third of
+the lease's TTL, the TTL its creator granted). When no live store is left (jobs finished, crashed or were killed),
 nobody refreshes the lease: etcd deletes it ``ttl`` seconds later, and with it
 every key of the namespace.
 
@@ -49,6 +49,7 @@ class NamespaceLease:
         self.ttl = int(ttl)
         self._lock = threading.Lock()
         self._id = 0
+        self._adopted = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -89,6 +90,7 @@ class NamespaceLease:
             remaining = max(deadline - time.monotonic(), 0.001)
             kv = client.get(self._key, timeout=remaining)
             if kv is not None:
+                self._adopted = True
                 return int(kv.value)
             granted = client.lease_grant(self.ttl, timeout=remaining)
             result = client.txn(
@@ -100,6 +102,7 @@ class NamespaceLease:
             )
             if result.succeeded:
                 log.debug("created namespace lease %x for %r", granted, self._key)
+                self._adopted = False
                 return granted
             # Another store created it first: adopt theirs, drop ours.
             try:
@@ -108,6 +111,7 @@ class NamespaceLease:
                 log.debug("could not revoke unused lease %x: %s", granted, e)
             theirs = result.responses[0]
             if getattr(theirs, "kvs", None):
+                self._adopted = True
                 return int(theirs.kvs[0].value)  # type: ignore[union-attr]
             # It vanished again (expired in between): try once more.
 
@@ -119,24 +123,28 @@ class NamespaceLease:
             self._thread.start()
 
     def _keep_alive(self) -> None:
+        # The lease's TTL is the one its creator granted, which may differ from ours:
+        # refresh at once to learn it, then every third of it.
         interval = max(self.ttl / 3.0, 0.5)
-        pause = interval
+        pause = 0.0 if self._adopted else interval
         while not self._stop.wait(pause):
             lease_id = self._id
             if not lease_id:
                 pause = interval
                 continue
             try:
-                ttl = self._client.keep_alive_once(lease_id, timeout=interval)
+                ttl = self._client.keep_alive_once(lease_id, timeout=max(interval, 1.0))
             except EtcdError as e:
                 # etcd unreachable: try again soon, the lease still has time left.
                 log.info("keep-alive of namespace lease %x failed: %s", lease_id, e)
                 pause = min(interval, 1.0)
                 continue
-            pause = interval
-            if ttl <= 0 and not self._stop.is_set():
+            if ttl > 0:
+                interval = max(ttl / 3.0, 0.5)
+                pause = interval
+            elif not self._stop.is_set():
                 try:
-                    self.lost(lease_id, timeout=interval)
+                    self.lost(lease_id, timeout=max(interval, 1.0))
                 except EtcdError as e:
                     log.info("could not renew namespace lease of %r: %s", self._key, e)
                     pause = min(interval, 1.0)
