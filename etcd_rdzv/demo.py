@@ -123,12 +123,15 @@ def torchrun_command(
     max_restarts: int = 3,
     monitor_interval: float = 0.3,
     module: bool = False,
+    local_addr: str | None = "127.0.0.1",
     extra: Sequence[str] = (),
 ) -> list[str]:
     """``python -m torch.distributed.run ...`` running the training script.
 
     ``module=True`` runs it as ``-m etcd_rdzv.train``, else as the file
     ``etcd_rdzv/train.py``. ``script_args`` go to the training script.
+    ``local_addr`` is the address the node advertises (its workers' store and
+    gloo peers are reached there); 127.0.0.1 for local nodes.
     """
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
@@ -136,6 +139,8 @@ def torchrun_command(
         f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
         f"--max-restarts={max_restarts}", f"--monitor-interval={monitor_interval}",
     ]  # fmt: skip
+    if local_addr:
+        cmd.append(f"--local-addr={local_addr}")
     if rdzv_conf:
         cmd.append("--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in rdzv_conf.items()))
     cmd.extend(extra)
@@ -186,7 +191,8 @@ class LocalAgent:
         if self.proc is not None:
             raise RuntimeError(f"agent {self.name} already started")
         env = dict(os.environ)
-        env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+        # local nodes: gloo on loopback, one thread per worker
+        env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo"})
         env.update(self._extra_env)
         env.update({TAG_ENV: self.tag, NODE_ENV: self.name})
         if self.output:

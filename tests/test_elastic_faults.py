@@ -1,0 +1,483 @@
+"""Fault scenarios with real torchrun agents, real workers and a real etcd.
+
+Every scenario runs the training script (etcd_rdzv/train.py: DDP on gloo,
+checkpoint every 3 steps, a JSON-lines step log) under local torchrun agents
+(tests/elastic.py) and judges the job by its log and its agents' exit codes.
+Recovery times go to benchmarks/results/recovery.json.
+
+Each scenario runs once per backend; the etcd version alternates between
+scenarios and backends so that both backends meet both versions
+(``pick_version``)::
+
+    scenario                          etcd-v2   etcd-v3
+    1 scale-down (node SIGKILLed)     3.5       3.4
+    2 scale-up (fourth node joins)    3.4       3.5
+    3 exclusivity (node SIGSTOPped)   3.5       3.4
+    4 etcd restarted mid-training     3.4       3.5
+    5 3-member cluster, leader killed 3.5       3.4
+    6 rendezvous closed from outside  3.4       3.5
+    7 bad input (3 agents)            3.5       3.4
+
+Which node dies also alternates: in scenario 1 etcd-v2 loses a node that does
+not host the worker group's store (the case measured in the issue: stale keys
+in a surviving shared store) and etcd-v3 loses the node of group rank 0 (the
+store host); scenario 3 freezes the other kind.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator
+from importlib.metadata import entry_points
+from typing import Any
+
+import pytest
+from conftest import ETCD_BINARIES
+from elastic import (
+    BACKENDS,
+    FAST_CONF,
+    Job,
+    assert_groups_never_overlap,
+    group_with,
+    node_of_group_rank,
+    pick_version,
+    record_timing,
+    steps_of,
+)
+
+from etcd_rdzv.demo import LocalAgent, summarize, torchrun_command
+from etcd_rdzv.train import Record
+from etcd_server import EtcdCluster, EtcdServer, TLSConfig
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+VERSIONS = sorted(ETCD_BINARIES)
+HEARTBEAT_TIMEOUT = FAST_CONF["keep_alive_interval"] * FAST_CONF["keep_alive_max_attempt"]
+KEY_PREFIX = "/torch/elastic/rendezvous"
+
+
+def _installed_backends() -> set[str]:
+    return {ep.name for ep in entry_points(group="torchrun.handlers")}
+
+
+def backends(scenario: int) -> list[Any]:
+    """``(backend, version)`` parameters of a scenario (see the table above)."""
+    out = []
+    for b in BACKENDS:
+        version = pick_version(VERSIONS, scenario, b)
+        out.append(pytest.param(b, version, id=f"{b}-etcd{version}"))
+    return out
+
+
+def _require(backend: str) -> None:
+    if backend not in _installed_backends():
+        pytest.skip(f"rendezvous backend {backend!r} is not installed (no torchrun.handlers entry point)")
+
+
+@pytest.fixture
+def jobs(tmp_path: Any) -> Iterator[Callable[..., Job]]:
+    """Factory of :class:`Job` under tmp_path; every job is killed (and checked
+    for leftover processes) at teardown, also when the test fails."""
+    made: list[Job] = []
+
+    def make(**kwargs: Any) -> Job:
+        job = Job(os.path.join(str(tmp_path), f"job{len(made)}"), **kwargs)
+        made.append(job)
+        return job
+
+    try:
+        yield make
+    finally:
+        errors = []
+        for job in made:
+            try:
+                job.close()
+            except AssertionError as e:
+                errors.append(str(e))
+        assert not errors, errors
+
+
+@pytest.fixture
+def etcd(backend: str, version: str) -> Iterator[EtcdServer]:
+    """A fresh etcd of the version the scenario/backend pair uses."""
+    _require(backend)
+    server = EtcdServer(binary=ETCD_BINARIES[version])
+    server.start(timeout=60)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _last_ckpt_before(records: list[Record], t: float) -> int:
+    return max((r.step for r in records if r.kind == "ckpt" and r.t <= t), default=0)
+
+
+def _first_step(records: list[Record], group: str) -> Record:
+    return min(steps_of(records, group), key=lambda r: (r.step, r.t))
+
+
+def _finished(records: list[Record]) -> bool:
+    return any(r.kind == "done" for r in records)
+
+
+# ---------------------------------------------------------------------- 1 scale-down
+
+
+@pytest.mark.parametrize(("backend", "version"), backends(1))
+def test_scale_down_after_node_sigkill(
+    backend: str, version: str, etcd: EtcdServer, jobs: Callable[..., Job]
+) -> None:
+    """3 nodes x 2 workers; one node (agent + workers) SIGKILLed mid-training.
+
+    The survivors re-rendezvous as 2 nodes / 4 workers with torch's default
+    agent-store sharing, resume from the last checkpoint and finish.
+    """
+    job = jobs(backend=backend, endpoint=etcd.get_endpoint(), nnodes="2:3", nproc_per_node=2, steps=36)
+    for i in range(3):
+        job.start(f"node{i}")
+    full = job.wait_for(
+        "a 6-worker group that trained past a checkpoint",
+        lambda rs: _trained_past_checkpoint(rs, 6),
+        timeout=180,
+    )
+    records = job.records()
+    victim_rank = 2 if backend == "etcd-v2" else 0
+    victim = node_of_group_rank(records, full, victim_rank)
+    survivors = {n for n in job.nodes if n != victim}
+
+    killed_at = job.nodes[victim].kill()
+    new = job.wait_for(
+        "the survivors training as 4 workers",
+        lambda rs: group_with(rs, world_size=4, nodes=survivors, after=killed_at),
+        timeout=150,
+    )
+    codes = job.wait_exit(sorted(survivors), timeout=150)
+    records = job.records()
+    assert codes == dict.fromkeys(sorted(survivors), 0), job.diagnostics()
+    assert _finished(records), job.diagnostics()
+
+    # resumed from the last checkpoint written before the kill
+    start = next(r for r in records if r.group == new and r.kind == "start")
+    last_ckpt = _last_ckpt_before(records, killed_at)
+    assert start.resumed_from >= last_ckpt and start.resumed_from % 3 == 0, job.diagnostics()
+    first = _first_step(records, new)
+    assert first.step == start.resumed_from + 1
+    # nothing of the dead node after the kill; the old group made no progress after it
+    assert not [r for r in records if r.node == victim and r.t > killed_at]
+    assert not [r for r in steps_of(records, full) if r.t > killed_at + 0.5], job.diagnostics()
+    assert_groups_never_overlap([r for r in records if r.t > killed_at])
+
+    recovery = first.t - killed_at
+    record_timing(
+        f"scale_down/{backend}/etcd{etcd.version}",
+        {
+            "kill_to_new_group_s": round(start.t - killed_at, 2),
+            "kill_to_first_step_s": round(recovery, 2),
+            "victim_group_rank": victim_rank,
+            "steps_lost": (max(r.step for r in steps_of(records, full)) - start.resumed_from),
+            "setup": "3 agents x 2 workers, --nnodes=2:3, keep_alive 1 s x 3, last_call 1 s, monitor 0.3 s",
+        },
+    )
+    assert recovery < 120, f"recovery took {recovery:.1f}s"
+
+
+# ---------------------------------------------------------------------- 2 scale-up
+
+
+@pytest.mark.parametrize(("backend", "version"), backends(2))
+def test_scale_up_fourth_node_joins(
+    backend: str, version: str, etcd: EtcdServer, jobs: Callable[..., Job]
+) -> None:
+    """A fourth node joins a running --nnodes=2:4 job; the job re-rendezvouses and includes it."""
+    job = jobs(backend=backend, endpoint=etcd.get_endpoint(), nnodes="2:4", steps=30, module=True)
+    for i in range(3):
+        job.start(f"node{i}")
+    job.wait_for("a 3-node group training", lambda rs: group_with(rs, world_size=3, min_steps_done=2), 180)
+    joined_at = time.time()
+    job.start("node3")
+    everyone = {f"node{i}" for i in range(4)}
+    grown = job.wait_for(
+        "a group of all 4 nodes training",
+        lambda rs: group_with(rs, world_size=4, nodes=everyone, after=joined_at),
+        timeout=150,
+    )
+    codes = job.wait_exit(timeout=150)
+    records = job.records()
+    assert codes == dict.fromkeys(sorted(everyone), 0), job.diagnostics()
+    assert _finished(records)
+    assert [r for r in steps_of(records, grown) if r.node == "node3"]
+    assert_groups_never_overlap(records)
+    first = _first_step(records, grown)
+    record_timing(
+        f"scale_up/{backend}/etcd{etcd.version}",
+        {"join_to_first_step_s": round(first.t - joined_at, 2), "resumed_from": first.step - 1},
+    )
+    assert first.t - joined_at < 120
+
+
+# ---------------------------------------------------------------------- 3 exclusivity
+
+
+@pytest.mark.parametrize(("backend", "version"), backends(3))
+def test_frozen_node_is_dropped_and_never_trains_alongside(
+    backend: str, version: str, etcd: EtcdServer, jobs: Callable[..., Job]
+) -> None:
+    """A node frozen (SIGSTOP) past the heartbeat timeout is dropped; after
+    SIGCONT it never trains alongside the new group, and joins a later round."""
+    job = jobs(backend=backend, endpoint=etcd.get_endpoint(), nnodes="2:3", steps=40, pg_timeout=6)
+    for i in range(3):
+        job.start(f"node{i}")
+    full = job.wait_for(
+        "a 3-node group training", lambda rs: group_with(rs, world_size=3, min_steps_done=2), 180
+    )
+    victim = node_of_group_rank(job.records(), full, 0 if backend == "etcd-v2" else 2)
+    survivors = {n for n in job.nodes if n != victim}
+
+    frozen_at = time.time()
+    job.nodes[victim].freeze()
+    job.wait_for(
+        "the two survivors training without the frozen node",
+        lambda rs: group_with(rs, world_size=2, nodes=survivors, after=frozen_at, min_steps_done=2),
+        timeout=150,
+    )
+    assert time.time() - frozen_at > HEARTBEAT_TIMEOUT
+    thawed_at = time.time()
+    job.nodes[victim].thaw()
+    job.wait_for(
+        "the thawed node training in a later round",
+        lambda rs: group_with(rs, world_size=3, after=thawed_at),
+        timeout=150,
+    )
+    codes = job.wait_exit(timeout=150)
+    records = job.records()
+    assert_groups_never_overlap(records)
+    # the frozen node logged nothing for the old group after it was frozen
+    assert not [r for r in records if r.node == victim and r.group == full and r.t > frozen_at]
+    assert set(codes.values()) == {0}, job.diagnostics()
+    assert _finished(records)
+    record_timing(
+        f"exclusivity/{backend}/etcd{etcd.version}",
+        {
+            "freeze_to_new_group_first_step_s": round(
+                min(r.t for r in steps_of(records) if r.t > frozen_at) - frozen_at, 2
+            ),
+            "thaw_to_3_node_first_step_s": round(
+                min(r.t for r in steps_of(records) if r.t > thawed_at and r.world_size == 3) - thawed_at, 2
+            ),
+            "pg_timeout_s": 6,
+        },
+    )
+
+
+# ---------------------------------------------------------------------- 4 etcd restart
+
+
+@pytest.mark.parametrize(("backend", "version"), backends(4))
+def test_job_survives_etcd_restart(
+    backend: str, version: str, etcd: EtcdServer, jobs: Callable[..., Job]
+) -> None:
+    """etcd stopped and started again (same data dir) mid-training: the job finishes."""
+    job = jobs(backend=backend, endpoint=etcd.get_endpoint(), nnodes="2", steps=30)
+    for i in range(2):
+        job.start(f"node{i}")
+    job.wait_for("training under way", lambda rs: group_with(rs, world_size=2, min_steps_done=2), 180)
+    down_at = time.time()
+    etcd.restart(timeout=60)
+    up_at = time.time()
+    codes = job.wait_exit(timeout=150)
+    records = job.records()
+    assert codes == {"node0": 0, "node1": 0}, job.diagnostics()
+    assert _finished(records)
+    assert [r for r in steps_of(records) if r.t > up_at], "no step after etcd came back"
+    record_timing(
+        f"etcd_restart/{backend}/etcd{etcd.version}",
+        {"etcd_down_s": round(up_at - down_at, 2), "worker_groups": len({r.group for r in records})},
+    )
+
+
+# ---------------------------------------------------------------------- 5 leader killed
+
+
+@pytest.mark.parametrize(("backend", "version"), backends(5))
+def test_rendezvous_completes_when_etcd_leader_dies(
+    backend: str, version: str, jobs: Callable[..., Job]
+) -> None:
+    """A 3-member etcd cluster loses its leader while a node waits in the rendezvous."""
+    _require(backend)
+    cluster = EtcdCluster(3, binary=ETCD_BINARIES[version])
+    cluster.start(timeout=60)
+    try:
+        job = jobs(backend=backend, endpoint=cluster.endpoint_string, nnodes="2", steps=8)
+        job.start("node0")
+        client = cluster.get_client(timeout=5)
+        prefix = f"{KEY_PREFIX}/{job.run_id}".encode()
+        try:
+            deadline = time.monotonic() + 120
+            while not client.range(prefix, prefix=True, keys_only=True).kvs:  # node0 has joined
+                assert job.nodes["node0"].running(), job.diagnostics()
+                assert time.monotonic() < deadline, job.diagnostics()
+                time.sleep(0.2)
+        finally:
+            client.close()
+        leader = cluster.leader()
+        killed_at = time.time()
+        cluster.stop_member(leader, graceful=False)
+        job.start("node1")
+        codes = job.wait_exit(timeout=180)
+        records = job.records()
+        assert codes == {"node0": 0, "node1": 0}, job.diagnostics()
+        assert _finished(records)
+        first = min(r.t for r in steps_of(records))
+        record_timing(
+            f"leader_killed/{backend}/etcd{cluster.version}",
+            {"leader_kill_to_first_step_s": round(first - killed_at, 2), "killed_member": leader},
+        )
+    finally:
+        cluster.stop()
+
+
+# ---------------------------------------------------------------------- 6 closed from outside
+
+
+@pytest.mark.parametrize(("backend", "version"), backends(6))
+def test_closing_the_rendezvous_ends_every_agent(
+    backend: str, version: str, etcd: EtcdServer, jobs: Callable[..., Job]
+) -> None:
+    """set_closed() from a process outside the job ends every agent and its workers."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    job = jobs(backend=backend, endpoint=etcd.get_endpoint(), nnodes="2", steps=1000)
+    for i in range(2):
+        job.start(f"node{i}")
+    job.wait_for("training under way", lambda rs: group_with(rs, world_size=2, min_steps_done=2), 180)
+
+    params = RendezvousParameters(
+        backend=backend,
+        endpoint=etcd.get_endpoint(),
+        run_id=job.run_id,
+        min_nodes=2,
+        max_nodes=2,
+        **FAST_CONF,
+    )
+    handler = get_rendezvous_handler(params)
+    closed_at = time.time()
+    handler.set_closed()
+    assert handler.is_closed()
+
+    codes = job.wait_exit(timeout=90)
+    ended_at = time.time()
+    records = job.records()
+    for name, agent in job.nodes.items():
+        assert not agent.pids(), f"{name} left processes behind"
+        assert "closed" in agent.output_tail(200).lower(), job.diagnostics()
+    assert not _finished(records)
+    assert not [r for r in steps_of(records) if r.t > ended_at]
+    record_timing(
+        f"closed/{backend}/etcd{etcd.version}",
+        {"close_to_all_agents_exited_s": round(ended_at - closed_at, 2), "exit_codes": codes},
+    )
+    assert ended_at - closed_at < 60
+
+
+# ---------------------------------------------------------------------- 7 bad input
+
+
+@pytest.mark.parametrize(("backend", "version"), backends(7))
+def test_bad_input_fails_fast_and_clearly(
+    backend: str, version: str, etcd: EtcdServer, tmp_path: Any, jobs: Callable[..., Job]
+) -> None:
+    """Nothing listening -> clear error within read_timeout; wrong CA -> TLS error;
+    corrupt state -> RendezvousStateError naming the key. All exit non-zero."""
+    from certs import make_certs
+
+    from etcd_store.client import EtcdClient
+
+    certs = make_certs(tmp_path / "certs")
+    tls_server = EtcdServer(
+        tls=TLSConfig(
+            cert_file=certs.server_cert, key_file=certs.server_key, ca_file=certs.ca, client_cert_auth=False
+        ),
+        binary=etcd.binary,
+    )
+    tls_server.start(timeout=60)
+    agents: list[LocalAgent] = []
+    try:
+        dead_endpoint = f"127.0.0.1:{_closed_port()}"
+        corrupt_run = f"corrupt-{os.getpid()}"
+        state_key = _state_key(backend, corrupt_run)
+        with EtcdClient(etcd.get_endpoint(), timeout=5) as c:
+            c.put(state_key.encode(), b"\x00not a rendezvous state{")
+
+        def agent(name: str, endpoint: str, run_id: str, **conf: Any) -> LocalAgent:
+            cmd = torchrun_command(
+                ["--log-file", str(tmp_path / "log.jsonl"), "--ckpt-dir", str(tmp_path / "ckpt")],
+                nnodes="1", nproc_per_node=1, backend=backend, endpoint=endpoint, run_id=run_id,
+                rdzv_conf={**FAST_CONF, "join_timeout": 120, **conf}, max_restarts=0,
+            )  # fmt: skip
+            a = LocalAgent(name, cmd, output=str(tmp_path / f"{name}.out"))
+            agents.append(a)
+            a.start()
+            return a
+
+        t0 = time.monotonic()
+        unreachable = agent("unreachable", dead_endpoint, "bad-endpoint", read_timeout=3)
+        wrong_ca = agent(
+            "wrong_ca",
+            f"https://{tls_server.get_endpoint()}",
+            "bad-ca",
+            ca_cert=certs.other_ca,
+            read_timeout=5,
+        )
+        corrupt = agent("corrupt", etcd.get_endpoint(), corrupt_run)
+        elapsed = {}
+        for a in agents:
+            assert a.wait(100) is not None, f"{a.name} hangs:\n{a.output_tail()}"
+            elapsed[a.name] = round(time.monotonic() - t0, 1)
+
+        out = unreachable.output_tail(60)
+        assert unreachable.returncode != 0
+        assert dead_endpoint in out, out
+        # join_timeout is 120 s: an exit well before it means read_timeout (3 s) bounded the wait
+        assert elapsed["unreachable"] < 75, elapsed
+
+        out = wrong_ca.output_tail(60)
+        assert wrong_ca.returncode != 0
+        assert "tls" in out.lower() or "certificate" in out.lower(), out
+
+        out = corrupt.output_tail(60)
+        assert corrupt.returncode != 0
+        assert "RendezvousStateError" in out and state_key in out, out
+        record_timing(f"bad_input/{backend}/etcd{etcd.version}", {"agent_exit_after_start_s": elapsed})
+    finally:
+        for a in agents:
+            a.close()
+        tls_server.stop()
+
+
+def _closed_port() -> int:
+    """A loopback port with nothing listening (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _trained_past_checkpoint(records: list[Record], world_size: int) -> str | None:
+    """A group of ``world_size`` that logged a step after one of its checkpoints."""
+    for g in summarize(records):
+        if g.world_size != world_size:
+            continue
+        ckpts = [r.step for r in records if r.group == g.group and r.kind == "ckpt"]
+        if ckpts and any(r.step > max(ckpts) for r in steps_of(records, g.group)):
+            return g.group
+    return None
+
+
+def _state_key(backend: str, run_id: str) -> str:
+    """The key holding a run's rendezvous state (what a corrupt value is written to)."""
+    if backend == "etcd-v3":
+        return f"{KEY_PREFIX}/{run_id}/v3/ctl/sealed"
+    return f"{KEY_PREFIX}/{run_id}"
