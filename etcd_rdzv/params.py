@@ -52,6 +52,7 @@ __all__ = [
     "DEFAULT_STATE_TTL",
     "LEGACY_ALIASES",
     "LEGACY_KEY_PREFIX",
+    "MAX_STATE_TTL",
     "PASSWORD_ENV",
     "USER_ENV",
     "EtcdClientOptions",
@@ -67,6 +68,7 @@ DEFAULT_READ_TIMEOUT = 60.0
 DEFAULT_KEY_PREFIX = "/torch/elastic/rendezvous"
 LEGACY_KEY_PREFIX = "/torchelastic/p2p"
 DEFAULT_STATE_TTL = 7200
+MAX_STATE_TTL = 6_000_000_000  # the state's lease lasts 1.5 x state_ttl; etcd allows 9e9 s
 USER_ENV = "ETCD_RDZV_USER"
 PASSWORD_ENV = "ETCD_RDZV_PASSWORD"
 
@@ -305,6 +307,11 @@ def parse_rdzv_config(
             )
     key_prefix = key_prefix.rstrip("/")
     state_ttl = _positive_int(params, "state_ttl", DEFAULT_STATE_TTL)
+    if state_ttl > MAX_STATE_TTL:
+        raise ValueError(
+            f"The rendezvous configuration option 'state_ttl' must be at most {MAX_STATE_TTL} "
+            f"seconds (etcd's longest lease is 1.5 times that), got {state_ttl}."
+        )
     return RdzvConfig(client=client, key_prefix=key_prefix, state_ttl=state_ttl)
 
 

@@ -223,6 +223,7 @@ def test_user_and_password_from_environment(monkeypatch: pytest.MonkeyPatch) -> 
         ({"password": "pw"}, None, "'user'"),
         ({"state_ttl": "long"}, None, "'state_ttl'"),
         ({"state_ttl": "0"}, None, "'state_ttl'"),
+        ({"state_ttl": "9000000000"}, None, "'state_ttl'"),
         ({"key_prefix": "/a b"}, None, "'key_prefix'"),
         ({}, "host:notaport", "--rdzv-endpoint"),
         ({}, "ftp://host:1", "--rdzv-endpoint"),
