@@ -103,8 +103,10 @@ def create_etcd_v2_rdzv_handler(params: RendezvousParameters) -> RendezvousHandl
     """Create the ``etcd-v2`` handler: torch's dynamic rendezvous over etcd v3.
 
     Accepts torch's ``etcd-v2`` rdzv-conf keys plus ours (see :mod:`etcd_rdzv.params`).
-    Raises ``ValueError`` naming a bad key, :class:`EtcdRdzvPluginError` when the
-    plugin's dependencies cannot be imported. Contacts etcd only on first use.
+    Opens the run's store (one to three RPCs). Raises ``ValueError`` naming a bad
+    key, ``RendezvousConnectionError`` when etcd is unreachable within
+    ``read_timeout``, :class:`EtcdRdzvPluginError` when the plugin's dependencies
+    cannot be imported.
     """
     return _load_creator(params.backend)(params, legacy=False)
 

@@ -84,8 +84,9 @@ def create_handler_from_params(
     :func:`etcd_rdzv.params.translate_legacy_params`). Handler keys as torch's
     ``create_handler``: ``join_timeout`` (600), ``last_call_timeout`` (30),
     ``close_timeout`` (30), ``heartbeat_timeout`` (5), ``keep_alive_interval`` (5),
-    ``keep_alive_max_attempt`` (3). Raises ``ValueError`` naming a bad key.
-    No RPC is made.
+    ``keep_alive_max_attempt`` (3). Raises ``ValueError`` naming a bad key (before
+    any RPC), ``RendezvousConnectionError`` when the run's store cannot be opened
+    within ``read_timeout``.
     """
     if legacy:
         params = translate_legacy_params(params)
