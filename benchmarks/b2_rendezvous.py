@@ -85,7 +85,8 @@ def measure_round(pool: Pool, contender: str, n: int, server: Any, tcp_endpoint:
 
 
 def run_b2(pool: Pool, farm: EtcdFarm, tcp_endpoint: str, contenders: list[str], ns: list[int], reps: int,
-           timeout: float, max_workers: int, conf: dict[str, Any] | None = None) -> dict[str, Any]:
+           timeout: float, max_workers: int, conf: dict[str, Any] | None = None,
+           warmup: bool = True) -> dict[str, Any]:
     """Measure every contender at every N, ``reps`` runs each; returns the B2 section."""
     conf = dict(conf or {})
     conf.setdefault("join_timeout", str(int(timeout)))
@@ -93,7 +94,7 @@ def run_b2(pool: Pool, farm: EtcdFarm, tcp_endpoint: str, contenders: list[str],
     deltas: dict[str, dict[int, list[dict[str, Any]]]] = {c: {n: [] for n in ns} for c in contenders}
     failures: dict[str, dict[int, list[str]]] = {c: {n: [] for n in ns} for c in contenders}
     # One untimed round per contender first: imports, channels, code paths warm in every worker.
-    for c in contenders:
+    for c in contenders if warmup else []:
         server = None if c == C10D else farm.get(c)
         res = measure_round(pool, c, min(ns), server, tcp_endpoint, conf, timeout, max_workers)
         if res["error"]:

@@ -64,7 +64,15 @@ class _WorkerState:
         self.index = index
         self.groups: dict[str, _Group] = {}
 
-    def ping(self) -> int:
+    def ping(self, preload: tuple[str, ...] = ()) -> int:
+        """The worker's pid, after importing ``preload`` (modules every node kind needs)."""
+        import importlib
+
+        for name in preload:
+            try:
+                importlib.import_module(name)
+            except ImportError as e:  # a contender that is missing fails later, with its own message
+                log.debug("preloading %s failed: %s", name, e)
         return os.getpid()
 
     def create(self, group: str, kind: str, spec: dict[str, Any], node_ids: list[int], timeout: float) -> dict[str, Any]:
@@ -219,9 +227,10 @@ class Worker:
             raise WorkerError(f"worker {self.index}: {value}")
         return value
 
-    def call(self, op: str, timeout: float, **kwargs: Any) -> Any:
+    def call(self, op: str, wait: float, **kwargs: Any) -> Any:
+        """Send a command and wait up to ``wait`` seconds for its answer."""
         self.send(op, **kwargs)
-        return self.recv(timeout)
+        return self.recv(wait)
 
     @property
     def alive(self) -> bool:
@@ -253,17 +262,31 @@ class Worker:
             self.kill()
 
 
+# Imported by every worker at start, in parallel, so that no measurement pays for an import.
+PRELOAD = (
+    "torch.distributed",
+    "torch.distributed.elastic.rendezvous.dynamic_rendezvous",
+    "torch.distributed.elastic.rendezvous.c10d_rendezvous_backend",
+    "torch.distributed.elastic.rendezvous.etcd_rendezvous_backend",
+    "etcd_store.client",
+    "etcd_store.store",
+    "etcd_rdzv.handlers",
+    "etcd_rdzv.v3.handler",
+    "benchmarks.nodes",
+)
+
+
 class Pool:
     """``size`` spawned workers; a context manager that stops them all on exit."""
 
-    def __init__(self, size: int, *, log_level: int = logging.WARNING, start_timeout: float = 120.0) -> None:
+    def __init__(self, size: int, *, log_level: int = logging.WARNING, start_timeout: float = 180.0) -> None:
         self.ctx = mp.get_context("spawn")
         self.log_level = log_level
         self.workers: list[Worker] = []
         try:
             self.workers = [Worker(self.ctx, i, log_level) for i in range(size)]
             for w in self.workers:
-                w.send("ping")
+                w.send("ping", preload=PRELOAD)
             deadline = time.monotonic() + start_timeout
             for w in self.workers:
                 w.recv(max(0.1, deadline - time.monotonic()))
@@ -271,11 +294,11 @@ class Pool:
             self.close()
             raise
 
-    def spawn_extra(self, count: int, timeout: float = 120.0) -> list[Worker]:
+    def spawn_extra(self, count: int, timeout: float = 180.0) -> list[Worker]:
         """Start ``count`` more workers (not part of the pool; the caller stops them)."""
         extra = [Worker(self.ctx, 1000 + i, self.log_level) for i in range(count)]
         for w in extra:
-            w.send("ping")
+            w.send("ping", preload=PRELOAD)
         deadline = time.monotonic() + timeout
         for w in extra:
             w.recv(max(0.1, deadline - time.monotonic()))

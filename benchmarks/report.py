@@ -1,0 +1,477 @@
+"""Turn a results dict into the targets table, a markdown report and PNG plots.
+
+``python -m benchmarks.report benchmarks/results/<dir>/results.json`` rebuilds
+``results.md`` and the plots from a saved JSON (no measurement).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+from .common import (
+    C10D,
+    DESCRIPTIONS,
+    FLOOR,
+    OURS_ETCD_V2,
+    OURS_ETCD_V3,
+    OURS_STORE,
+    TCP_STORE,
+    TORCH_ETCD_V2,
+    TORCH_V2_STORE,
+)
+
+log = logging.getLogger(__name__)
+
+PRODUCTION_RERDZV_S = 14.5
+COLORS = {
+    OURS_STORE: "tab:blue", OURS_ETCD_V2: "tab:blue", OURS_ETCD_V3: "tab:green",
+    TORCH_V2_STORE: "tab:orange", TORCH_ETCD_V2: "tab:orange",
+    TCP_STORE: "tab:gray", C10D: "tab:gray", FLOOR: "black",
+}
+
+
+# --------------------------------------------------------------------------- formatting
+
+
+def _fmt(x: float | None, digits: int = 0) -> str:
+    if x is None:
+        return "—"
+    if abs(x) >= 100 or digits == 0:
+        return f"{x:,.0f}"
+    return f"{x:.{digits}f}"
+
+
+def _fig(s: dict[str, Any] | None, unit: str = "", digits: int = 0) -> str:
+    """``median (lo–hi)``."""
+    if not s or s.get("median") is None:
+        return "—"
+    med, lo, hi = s["median"], s.get("lo"), s.get("hi")
+    spread = f" ({_fmt(lo, digits)}–{_fmt(hi, digits)})" if s.get("runs", 0) > 1 else ""
+    return f"{_fmt(med, digits)}{unit}{spread}"
+
+
+def _ratio(r: dict[str, Any] | None) -> str:
+    if not r:
+        return "—"
+    spread = f" ({r['lo']:.2f}–{r['hi']:.2f})" if r.get("runs", 0) > 1 else ""
+    return f"{r['ratio']:.2f}×{spread}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------- targets
+
+
+def _target(name: str, figure: str, met: bool | None, note: str = "") -> dict[str, Any]:
+    status = "met" if met else ("not met" if met is not None else "not measured")
+    return {"target": name, "figure": figure, "status": status, "note": note}
+
+
+def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every target of the issue, with its figure and met / not met / not measured."""
+    out: list[dict[str, Any]] = []
+    b1 = results.get("b1")
+    if b1:
+        by = {(r["op"], r["contender"]): r for r in b1["rows"]}
+        for op in b1["ops"]:
+            label = b1["labels"][op]
+            ours = by.get((op, OURS_STORE))
+            if ours is None or ours.get("na") or ours["us"]["median"] is None:
+                out.append(_target(f"B1 {label}: EtcdStore ≤ 1.2× floor", "—", None,
+                                   (ours or {}).get("na", "")))
+                continue
+            r = ours.get(f"ratio_vs_{FLOOR}")
+            out.append(_target(f"B1 {label}: EtcdStore ≤ 1.2× floor", _ratio(r),
+                               None if r is None else r["ratio"] <= 1.2,
+                               f"{_fmt(ours['us']['median'])} µs vs {_fmt(by[(op, FLOOR)]['us']['median'])} µs"
+                               if (op, FLOOR) in by else ""))
+        for op in b1["ops"]:
+            label = b1["labels"][op]
+            ours = by.get((op, OURS_STORE))
+            torch_row = by.get((op, TORCH_V2_STORE))
+            if torch_row is None or ours is None:
+                continue
+            if torch_row.get("na"):
+                out.append(_target(f"B1 {label}: EtcdStore faster than torch's v2 EtcdStore", "n/a", True,
+                                   "torch's v2 EtcdStore has no such operation: " + torch_row["na"][:60]))
+                continue
+            r = ours.get(f"ratio_vs_{TORCH_V2_STORE}")
+            out.append(_target(f"B1 {label}: EtcdStore faster than torch's v2 EtcdStore", _ratio(r),
+                               None if r is None else r["ratio"] < 1.0))
+    b2 = results.get("b2")
+    if b2:
+        by2 = {(r["n"], r["contender"]): r for r in b2["rows"]}
+        for n in b2["ns"]:
+            row = by2.get((n, OURS_ETCD_V2))
+            if row is None or n > 64:
+                continue
+            r = row.get(f"ratio_vs_{C10D}")
+            out.append(_target(f"B2 N={n}: etcd-v2 within 1.2× of c10d", _ratio(r),
+                               None if r is None else r["ratio"] <= 1.2))
+        for n in b2["ns"]:
+            row = by2.get((n, OURS_ETCD_V2))
+            if row is None:
+                continue
+            r = row.get(f"ratio_vs_{TORCH_ETCD_V2}")
+            out.append(_target(f"B2 N={n}: etcd-v2 faster than torch's etcd-v2", _ratio(r),
+                               None if r is None else r["ratio"] < 1.0))
+        row = by2.get((64, OURS_ETCD_V3))
+        if row is not None:
+            r = row.get(f"ratio_vs_{FLOOR}")
+            out.append(_target("B2 N=64: etcd-v3 within 2× of the floor", _ratio(r),
+                               None if r is None else r["ratio"] <= 2.0,
+                               f"{_fig(row['ms'], ' ms')} vs floor {_fig(by2.get((64, FLOOR), {}).get('ms'), ' ms')}"))
+        else:
+            out.append(_target("B2 N=64: etcd-v3 within 2× of the floor", "—", None,
+                               "N=64 not in this mode's N list"))
+        row = by2.get((512, OURS_ETCD_V3))
+        cores = results.get("machine", {}).get("cores", 0)
+        if row is not None and row["ms"]["median"] is not None:
+            med = row["ms"]["median"]
+            out.append(_target(f"B2 N=512: etcd-v3 under 1 s on 16 cores (this machine: {cores} cores)",
+                               _fig(row["ms"], " ms"), med < 1000 if cores >= 16 else None,
+                               "" if cores >= 16 else "measured on fewer than 16 cores: indicative only"))
+        else:
+            out.append(_target("B2 N=512: etcd-v3 under 1 s on 16 cores", "—", None,
+                               "run `python -m benchmarks.run --scale` on a 16-core machine"))
+    for b3 in results.get("b3") or []:
+        st = b3["settings"]
+        setting = (f"dead after {st['dead_after_s']:g} s (keep_alive_interval {st['keep_alive_interval']} × "
+                   f"max_attempt {st['keep_alive_max_attempt']}), last_call_timeout {st['last_call_timeout']} s, "
+                   f"min {st['min_nodes']} / max {st['max_nodes']}, "
+                   f"{'defaults' if st['defaults'] else 'NOT the defaults'}")
+        for row in b3["rows"]:
+            if row["contender"] not in (OURS_ETCD_V2, OURS_ETCD_V3):
+                continue
+            med = row["s"]["median"]
+            met = None if med is None or not st["defaults"] else med < PRODUCTION_RERDZV_S / 2
+            out.append(_target(f"B3 {b3['scenario']} N={b3['n']}: {row['contender']} re-rendezvous well under "
+                               f"{PRODUCTION_RERDZV_S} s (met: < half of it, with defaults)",
+                               _fig(row["s"], " s", 2), met, setting))
+    b4 = results.get("b4")
+    if b4:
+        for row in b4["rows"]:
+            if row["contender"] != OURS_ETCD_V3:
+                continue
+            if row.get("error"):
+                out.append(_target(f"B4 N={row['n']}: etcd-v3 idle job makes 0 revisions/min", "failed",
+                                   False, row["error"][:100]))
+                continue
+            others = [r for r in b4["rows"] if r["n"] == row["n"] and r["contender"] in (OURS_ETCD_V2, TORCH_ETCD_V2)
+                      and r.get("revisions_per_min") is not None]
+            beside = "; ".join(f"{r['contender']}: {r['revisions_per_min']:.0f}/min" for r in others)
+            out.append(_target(f"B4 N={row['n']}: etcd-v3 idle job makes 0 revisions/min",
+                               f"{row['revisions_per_min']:.1f}/min", row["revisions_per_min"] == 0, beside))
+    return out
+
+
+# --------------------------------------------------------------------------- markdown
+
+
+def markdown(results: dict[str, Any]) -> str:
+    m = results.get("machine", {})
+    v = m.get("versions", {})
+    parts = [
+        f"# Benchmark results: {results.get('mode', '?')} mode",
+        "",
+        f"Machine: **{m.get('machine')}** ({m.get('cores')} usable cores, {m.get('memory_gib')} GiB, "
+        f"{m.get('os')}); load average at start {m.get('loadavg_at_start')}, at end "
+        f"{results.get('loadavg_at_end')}. Python {m.get('python')}, torch {v.get('torch')}, grpcio "
+        f"{v.get('grpcio')}, protobuf {v.get('protobuf')}, python-etcd {v.get('python-etcd')}, etcd "
+        f"{v.get('etcd')} (`{m.get('etcd_binary')}`), etcd-rdzv {v.get('etcd-rdzv')} at commit "
+        f"{m.get('git_commit')}, {m.get('date_utc')}. Command: `{results.get('command')}`, "
+        f"{results.get('wall_s', 0):.0f} s.",
+        "",
+        "Figures: median over all samples, in brackets the range of the per-run medians. Ratios: the "
+        "median of per-run ratios (contenders alternate inside every run), range in brackets.",
+        "",
+    ]
+    tg = results.get("targets") or targets(results)
+    parts += ["## Targets", "", _table(["target", "figure", "status", "note"],
+                                       [[t["target"], t["figure"], f"**{t['status']}**", t["note"]] for t in tg]), ""]
+    skipped = results.get("skipped") or {}
+    if skipped:
+        parts += ["Contenders not measured: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()), ""]
+    b1 = results.get("b1")
+    if b1:
+        cs = b1["contenders"]
+        by = {(r["op"], r["contender"]): r for r in b1["rows"]}
+        rows = []
+        for op in b1["ops"]:
+            line = [b1["labels"][op]]
+            for c in cs:
+                r = by[(op, c)]
+                if r.get("na"):
+                    line.append("n/a")
+                else:
+                    line.append(f"{_fig(r['us'])} / p99 {_fmt(r['us']['p99'])}")
+            ours = by.get((op, OURS_STORE), {})
+            line += [_ratio(ours.get(f"ratio_vs_{FLOOR}")), _ratio(ours.get(f"ratio_vs_{TORCH_V2_STORE}")),
+                     _ratio(ours.get(f"ratio_vs_{TCP_STORE}"))]
+            line.append(" / ".join(_fmt(by[(op, c)]["rpcs_per_op"], 2) if by[(op, c)]["rpcs_per_op"] is not None
+                                   else "—" for c in cs))
+            rows.append(line)
+        parts += [
+            "## B1: store operations (µs per call, one client)",
+            "",
+            _table(["operation"] + [f"{c} median (run range) / p99" for c in cs]
+                   + ["EtcdStore / floor", "EtcdStore / torch v2", "EtcdStore / TCPStore",
+                      "RPCs per op (" + " / ".join(cs) + ")"], rows),
+            "",
+            f"{b1['reps']} runs × up to {b1['ops_per_batch']} calls ({b1['late_ops_per_batch']} for the "
+            f"late write; a batch stops after {b1['batch_budget_s']} s), {b1['value_bytes']}-byte values, "
+            f"{b1['keys_in_namespace']} keys in the namespace. {b1['note']}",
+            "",
+            "![B1](b1_store.png)",
+            "",
+        ]
+    b2 = results.get("b2")
+    if b2:
+        cs = b2["contenders"]
+        by2 = {(r["n"], r["contender"]): r for r in b2["rows"]}
+        rows = []
+        for n in b2["ns"]:
+            line = [str(n)]
+            for c in cs:
+                r = by2[(n, c)]
+                cell = _fig(r["ms"])
+                if r["failed_runs"]:
+                    cell += f" ({r['failed_runs']} failed)"
+                line.append(cell)
+            o2 = by2.get((n, OURS_ETCD_V2), {})
+            o3 = by2.get((n, OURS_ETCD_V3), {})
+            line += [_ratio(o2.get(f"ratio_vs_{C10D}")), _ratio(o2.get(f"ratio_vs_{TORCH_ETCD_V2}")),
+                     _ratio(o3.get(f"ratio_vs_{FLOOR}"))]
+            rows.append(line)
+        wrows = []
+        for n in b2["ns"]:
+            wrows.append([str(n)] + [f"{_fmt(by2[(n, c)]['etcd_writes'])} / {_fmt(by2[(n, c)]['revisions'])}"
+                                     if c != C10D else "n/a" for c in cs])
+        parts += [
+            "## B2: rendezvous of N nodes (ms until all N hold their RendezvousInfo)",
+            "",
+            _table(["N"] + cs + ["etcd-v2 / c10d", "etcd-v2 / torch etcd-v2", "etcd-v3 / floor"], rows),
+            "",
+            f"Nodes spread over {b2['workers']} worker processes; conf {b2['conf']}.",
+            "",
+            "etcd writes (raft entries) / revisions consumed per round:",
+            "",
+            _table(["N"] + cs, wrows),
+            "",
+            b2["note"],
+            "",
+            "![B2](b2_rendezvous.png)",
+            "",
+        ]
+    for b3 in results.get("b3") or []:
+        st = b3["settings"]
+        parts += [
+            f"## B3 ({b3['scenario']}): re-rendezvous after losing 1 of {b3['n']} nodes (s from the kill until "
+            "all survivors hold their new RendezvousInfo)",
+            "",
+            _table(["backend", "seconds", "failed runs"],
+                   [[r["contender"], _fig(r["s"], "", 2), str(r["failed_runs"])] for r in b3["rows"]]),
+            "",
+            f"Settings that decide it: a dead node counts as gone after keep_alive_interval "
+            f"{st['keep_alive_interval']} s × keep_alive_max_attempt {st['keep_alive_max_attempt']} = "
+            f"{st['dead_after_s']:g} s (etcd-v3: its lease TTL, the same product); then last_call_timeout "
+            f"{st['last_call_timeout']} s once min_nodes = {st['min_nodes']} are present (max_nodes = "
+            f"{st['max_nodes']}). {'These are the defaults.' if st['defaults'] else 'Not the defaults.'} "
+            f"{b3['note']}",
+            "",
+            f"![B3](b3_{b3['scenario']}.png)",
+            "",
+        ]
+    b4 = results.get("b4")
+    if b4:
+        rows = []
+        for r in b4["rows"]:
+            if r.get("na") or r.get("error"):
+                rows.append([str(r["n"]), r["contender"], r.get("na") or f"failed: {r['error'][:80]}", "", "", ""])
+                continue
+            rows.append([str(r["n"]), r["contender"], _fmt(r["revisions_per_min"], 1),
+                         _fmt(r["raft_entries_per_min"], 1),
+                         "n/a" if r["db_growth_bytes_per_min"] is None else _fmt(r["db_growth_bytes_per_min"]),
+                         _fmt(r["etcd_cpu_pct"], 2)])
+        parts += [
+            f"## B4: idle job after the rendezvous (per minute, {b4['window_s']:g} s window)",
+            "",
+            _table(["N", "backend", "revisions/min", "raft entries/min", "db growth bytes/min", "etcd CPU %"], rows),
+            "",
+            f"{b4['note']} torch etcd-v2: revisions = v2 store index, db growth n/a (the v2 store is not in "
+            f"the bbolt db). Conf {b4['conf']}.",
+            "",
+            "![B4](b4_idle_load.png)",
+            "",
+        ]
+    b5 = results.get("b5")
+    if b5:
+        cs = b5["contenders"]
+        by5 = {(r["world"], r["contender"]): r for r in b5["rows"]}
+        rows = [[str(w)] + [_fig(by5[(w, c)]["ms"]) for c in cs]
+                + [_ratio(by5.get((w, OURS_STORE), {}).get("ratio_vs_TCPStore"))] for w in b5["worlds"]]
+        parts += [
+            "## B5: init_process_group(\"gloo\") start-up (ms until the last rank returned)",
+            "",
+            _table(["world size"] + cs + ["EtcdStore / TCPStore"], rows),
+            "",
+            f"{b5['reps']} runs per world size, one rank per process.",
+            "",
+            "![B5](b5_pg_startup.png)",
+            "",
+        ]
+    parts += ["## Contenders", ""] + [f"- **{k}**: {v}" for k, v in DESCRIPTIONS.items()] + [""]
+    return "\n".join(parts)
+
+
+def print_targets(tg: list[dict[str, Any]], out: Any = sys.stdout) -> None:
+    width = max((len(t["target"]) for t in tg), default=10)
+    print("\nTARGETS", file=out)
+    for t in tg:
+        print(f"  {t['target']:<{width}}  {t['figure']:<28}  {t['status'].upper():<12} {t['note']}", file=out)
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def plots(results: dict[str, Any], outdir: str) -> list[str]:
+    """Write the PNGs; returns their paths. Needs matplotlib (skipped with a warning without)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib missing: no plots")
+        return []
+    written: list[str] = []
+    title_suffix = f" — {results.get('machine', {}).get('machine', '')}"
+
+    def save(fig: Any, name: str) -> None:
+        path = os.path.join(outdir, name)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
+    def err(s: dict[str, Any]) -> list[float]:
+        return [max(0.0, s["median"] - s["lo"]), max(0.0, s["hi"] - s["median"])]
+
+    b1 = results.get("b1")
+    if b1:
+        by = {(r["op"], r["contender"]): r for r in b1["rows"]}
+        cs, ops = b1["contenders"], b1["ops"]
+        fig, ax = plt.subplots(figsize=(11, 4.5))
+        width = 0.8 / len(cs)
+        for j, c in enumerate(cs):
+            xs, ys, es = [], [], []
+            for i, op in enumerate(ops):
+                r = by[(op, c)]
+                if r.get("na") or r["us"]["median"] is None:
+                    continue
+                xs.append(i + (j - (len(cs) - 1) / 2) * width)
+                ys.append(r["us"]["median"])
+                es.append(err(r["us"]))
+            ax.bar(xs, ys, width, label=c, color=COLORS.get(c), yerr=list(zip(*es, strict=True)) if es else None,
+                   capsize=2)
+        ax.set_xticks(range(len(ops)), [b1["labels"][o] for o in ops], rotation=20, ha="right")
+        ax.set_yscale("log")
+        ax.set_ylabel("µs per call (median, run range)")
+        ax.set_title("B1 store operations" + title_suffix)
+        ax.legend(fontsize=8)
+        save(fig, "b1_store.png")
+    b2 = results.get("b2")
+    if b2:
+        by2 = {(r["n"], r["contender"]): r for r in b2["rows"]}
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for c in b2["contenders"]:
+            pts = [(n, by2[(n, c)]["ms"]) for n in b2["ns"] if by2[(n, c)]["ms"]["median"] is not None]
+            if not pts:
+                continue
+            ax.errorbar([p[0] for p in pts], [p[1]["median"] for p in pts],
+                        yerr=list(zip(*[err(p[1]) for p in pts], strict=True)), marker="o", capsize=3, label=c,
+                        color=COLORS.get(c), linestyle="--" if c in (TORCH_ETCD_V2, C10D, FLOOR) else "-")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("N nodes")
+        ax.set_ylabel("ms until all N hold their RendezvousInfo")
+        ax.set_title("B2 rendezvous" + title_suffix)
+        ax.legend(fontsize=8)
+        save(fig, "b2_rendezvous.png")
+    for b3 in results.get("b3") or []:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        rows = [r for r in b3["rows"] if r["s"]["median"] is not None]
+        ax.bar([r["contender"] for r in rows], [r["s"]["median"] for r in rows],
+               yerr=list(zip(*[err(r["s"]) for r in rows], strict=True)) if rows else None,
+               color=[COLORS.get(r["contender"]) for r in rows], capsize=3)
+        ax.axhline(PRODUCTION_RERDZV_S, color="red", linestyle=":", label=f"production report {PRODUCTION_RERDZV_S} s")
+        ax.set_ylabel("s from the kill to the new round")
+        ax.set_title(f"B3 {b3['scenario']}: 1 of {b3['n']} nodes killed" + title_suffix, fontsize=10)
+        ax.legend(fontsize=8)
+        save(fig, f"b3_{b3['scenario']}.png")
+    b4 = results.get("b4")
+    if b4:
+        rows = [r for r in b4["rows"] if r.get("revisions_per_min") is not None]
+        cs = list(dict.fromkeys(r["contender"] for r in rows))
+        if rows:
+            fig, ax = plt.subplots(figsize=(7, 4))
+            width = 0.8 / max(1, len(cs))
+            for j, c in enumerate(cs):
+                pts = [r for r in rows if r["contender"] == c]
+                xs = [b4["ns"].index(r["n"]) + (j - (len(cs) - 1) / 2) * width for r in pts]
+                ax.bar(xs, [r["raft_entries_per_min"] for r in pts], width, color=COLORS.get(c), alpha=0.35)
+                ax.bar(xs, [r["revisions_per_min"] for r in pts], width, color=COLORS.get(c), label=c)
+            ax.set_xticks(range(len(b4["ns"])), [f"N={n}" for n in b4["ns"]])
+            ax.set_ylabel("per minute: revisions (solid), raft entries (light)")
+            ax.set_title("B4 idle job load on etcd" + title_suffix)
+            ax.legend(fontsize=8)
+            save(fig, "b4_idle_load.png")
+    b5 = results.get("b5")
+    if b5:
+        by5 = {(r["world"], r["contender"]): r for r in b5["rows"]}
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for c in b5["contenders"]:
+            pts = [(w, by5[(w, c)]["ms"]) for w in b5["worlds"] if by5[(w, c)]["ms"]["median"] is not None]
+            if pts:
+                ax.errorbar([p[0] for p in pts], [p[1]["median"] for p in pts],
+                            yerr=list(zip(*[err(p[1]) for p in pts], strict=True)), marker="o", capsize=3,
+                            label=c, color=COLORS.get(c))
+        ax.set_xlabel("world size")
+        ax.set_ylabel("ms until the last rank's init_process_group returned")
+        ax.set_title("B5 gloo process-group start-up" + title_suffix)
+        ax.legend(fontsize=8)
+        save(fig, "b5_pg_startup.png")
+    return written
+
+
+def write_all(results: dict[str, Any], outdir: str) -> None:
+    """results.md and the PNGs in ``outdir`` (results.json is written by the runner)."""
+    results.setdefault("targets", targets(results))
+    with open(os.path.join(outdir, "results.md"), "w") as f:
+        f.write(markdown(results))
+    plots(results, outdir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m benchmarks.report RESULTS.json", file=sys.stderr)
+        return 2
+    with open(args[0]) as f:
+        results = json.load(f)
+    results["targets"] = targets(results)
+    write_all(results, os.path.dirname(os.path.abspath(args[0])))
+    print_targets(results["targets"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
