@@ -451,6 +451,80 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def _write_target(path: str, steps: int) -> None:
+    """Write the job's target step count (the training script's --steps-file)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(str(steps))
+    os.replace(tmp, path)
+
+
+class _Chaos:
+    """--chaos: kill the last node once training is under way, re-add it once the
+    survivors trained ``--rejoin-after`` steps, and keep the job going until the
+    re-added node has trained (the target step count is extended as needed)."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        agents: dict[str, LocalAgent],
+        launch: Any,
+        view: View,
+        steps_file: str,
+    ) -> None:
+        self.args = args
+        self.agents = agents
+        self.launch = launch
+        self.view = view
+        self.steps_file = steps_file
+        self.victim = f"node{args.nodes - 1}"
+        self.killed_at: float | None = None
+        self.killed_group = ""
+        self.recovered_group = ""
+        self.rejoined_at: float | None = None
+        self.grown = False
+        self.target = args.steps
+
+    def _extend(self, target: int) -> None:
+        if target != self.target:
+            self.target = target
+            _write_target(self.steps_file, target)
+
+    def advance(self, records: Sequence[Record]) -> None:
+        steps = [r for r in records if r.kind == "step"]
+        last = max((r.step for r in steps), default=0)
+        if not self.grown:  # keep the job running until the node is back
+            self._extend(max(self.args.steps, last + 10))
+        if self.killed_at is None:
+            if steps and last >= self.args.chaos_after:
+                self.killed_group = steps[-1].group
+                self.killed_at = self.agents[self.victim].kill()
+                self.view.events.append(f"chaos: SIGKILLed {self.victim} (its agent and workers)")
+            return
+        new = [r for r in steps if r.t > self.killed_at and r.group != self.killed_group]
+        if new and not self.recovered_group:
+            first = new[0]
+            self.recovered_group = first.group
+            self.view.events.append(
+                f"recovered: round {first.round} (world size {first.world_size}) took its first step "
+                f"{first.t - self.killed_at:.1f}s after the kill, resuming from step {first.step - 1}"
+            )
+        if self.rejoined_at is None:
+            if new and max(r.step for r in new) - min(r.step for r in new) >= self.args.rejoin_after:
+                self.launch(self.victim)
+                self.rejoined_at = time.time()
+                self.view.events.append(f"chaos: re-added {self.victim}")
+            return
+        back = [r for r in steps if r.t > self.rejoined_at and r.node == self.victim]
+        if back and not self.grown:
+            self.grown = True
+            self.view.events.append(
+                f"grown back: round {back[0].round} (world size {back[0].world_size}) includes "
+                f"{self.victim}, {back[0].t - self.rejoined_at:.1f}s after it was re-added"
+            )
+            self._extend(max(self.args.steps, last + 3))
+
+
 @contextlib.contextmanager
 def _signals_ignored() -> Iterator[None]:
     """Ignore SIGINT/SIGTERM during cleanup (main thread only), so a second Ctrl-C
@@ -488,6 +562,8 @@ def run_demo(args: argparse.Namespace, stream: TextIO = sys.stdout) -> int:
     workdir = args.workdir or tempfile.mkdtemp(prefix="etcd-rdzv-demo-")
     os.makedirs(workdir, exist_ok=True)
     log_file = os.path.join(workdir, "log.jsonl")
+    steps_file = os.path.join(workdir, "steps")
+    _write_target(steps_file, args.steps)
     agents: dict[str, LocalAgent] = {}
     retired: list[LocalAgent] = []
     try:
@@ -498,7 +574,7 @@ def run_demo(args: argparse.Namespace, stream: TextIO = sys.stdout) -> int:
             def launch(name: str) -> LocalAgent:
                 cmd = torchrun_command(
                     ["--log-file", log_file, "--ckpt-dir", os.path.join(workdir, "ckpt"),
-                     "--steps", str(args.steps), "--step-time", str(args.step_time),
+                     "--steps-file", steps_file, "--step-time", str(args.step_time),
                      "--ckpt-every", str(args.ckpt_every), "--pg-timeout", "30"],
                     nnodes=f"{args.min_nodes}:{args.nodes}",
                     nproc_per_node=args.nproc_per_node,
@@ -508,45 +584,24 @@ def run_demo(args: argparse.Namespace, stream: TextIO = sys.stdout) -> int:
                     rdzv_conf={"join_timeout": 120, "last_call_timeout": 2, "close_timeout": 10,
                                "keep_alive_interval": 1, "keep_alive_max_attempt": 3},
                 )  # fmt: skip
-                agent = LocalAgent(name, cmd, output=os.path.join(workdir, f"{name}.out"))
+                if name in agents:
+                    retired.append(agents[name])
+                agent = LocalAgent(name, cmd, output=os.path.join(workdir, f"{name}.{len(retired)}.out"))
                 agent.start()
+                agents[name] = agent
                 return agent
 
             for i in range(args.nodes):
-                agents[f"node{i}"] = launch(f"node{i}")
+                launch(f"node{i}")
             view.events.append(f"started {args.nodes} agents; rendezvous id {run_id}; workdir {workdir}")
 
-            victim = f"node{args.nodes - 1}"
-            killed_at: float | None = None
-            killed_group: str | None = None
-            recovered = rejoined = False
+            chaos = _Chaos(args, agents, launch, view, steps_file) if args.chaos else None
             deadline = time.monotonic() + args.timeout
             shown: list[str] = []
             while True:
                 records = read_records(log_file)
-                if args.chaos and killed_at is None:
-                    if any(r.kind == "step" and r.step >= args.chaos_after for r in records):
-                        killed_group = records[-1].group
-                        killed_at = agents[victim].kill()
-                        view.events.append(f"chaos: SIGKILLed {victim} (agent and workers)")
-                if killed_at is not None and killed_group is not None:
-                    after = [r for r in records if r.kind == "step" and r.t > killed_at]
-                    new = [r for r in after if r.group != killed_group]
-                    if new and not recovered:
-                        recovered = True
-                        view.events.append(
-                            f"recovered: first step of round {new[0].round} "
-                            f"{new[0].t - killed_at:.1f}s after the kill (world size {new[0].world_size})"
-                        )
-                    if (
-                        not rejoined
-                        and new
-                        and max(r.step for r in new) - min(r.step for r in new) >= args.rejoin_after
-                    ):
-                        retired.append(agents[victim])
-                        agents[victim] = launch(victim)
-                        rejoined = True
-                        view.events.append(f"chaos: re-added {victim}")
+                if chaos is not None:
+                    chaos.advance(records)
                 shown = _redraw(stream, view.lines(records, agents), shown)
                 if all(not a.running() for a in agents.values()):
                     break

@@ -14,7 +14,10 @@ rank 0 saves the model and the step to ``<ckpt-dir>/checkpoint.pt``
 (atomically: written aside, then renamed). A worker group started after a
 restart or a re-rendezvous resumes from that checkpoint, so a node loss costs
 at most ``--ckpt-every`` steps. ``--step-time`` stretches each step to stand in
-for real compute, so that faults can land mid-training.
+for real compute, so that faults can land mid-training. The job ends when the
+step count reaches ``--steps``, or the number written in ``--steps-file`` (read
+by rank 0 before every step and broadcast, so a running job can be lengthened
+or shortened: the demo and the tests end jobs that way once they saw enough).
 
 The log: every worker appends one JSON object per line to ``--log-file`` (a single
 ``write`` on an ``O_APPEND`` descriptor, so lines of concurrent writers never
@@ -133,6 +136,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--log-file", required=True, help="JSON-lines log every rank appends to")
     p.add_argument("--ckpt-dir", required=True, help="directory of the checkpoint and round counter")
     p.add_argument("--steps", type=int, default=30, help="train until this step (default 30)")
+    p.add_argument(
+        "--steps-file",
+        default=None,
+        help="file holding the target step count, re-read by rank 0 every step (lengthen or "
+        "shorten a running job by rewriting it); --steps applies while it is absent or unreadable",
+    )
     p.add_argument("--ckpt-every", type=int, default=3, help="checkpoint period in steps (default 3)")
     p.add_argument("--step-time", type=float, default=0.2, help="seconds per step, simulated compute")
     p.add_argument(
@@ -168,6 +177,17 @@ class _LogWriter:
 def _env_int(name: str, default: int = 0) -> int:
     value = os.environ.get(name, "")
     return int(value) if value.strip() else default
+
+
+def _target_steps(args: argparse.Namespace) -> int:
+    """``--steps``, or the number in ``--steps-file`` when that file holds one."""
+    if args.steps_file:
+        try:
+            with open(args.steps_file) as f:
+                return int(f.read().strip())
+        except (OSError, ValueError):
+            pass
+    return int(args.steps)
 
 
 def _next_round(ckpt_dir: str) -> int:
@@ -234,7 +254,16 @@ def run(args: argparse.Namespace) -> int:
     log.info("rank %d/%d round %d resumes from step %d", rank, world_size, base["round"], start)
 
     true_w = torch.linspace(-1.0, 1.0, 16)
-    for step in range(start + 1, args.steps + 1):
+    target = torch.zeros(1, dtype=torch.int64)
+    step = start
+    while True:
+        # the target step count: rank 0 decides (it may re-read --steps-file), all follow
+        if rank == 0:
+            target[0] = _target_steps(args)
+        dist.broadcast(target, src=0, group=group)
+        if step >= int(target[0]):
+            break
+        step += 1
         if args.step_time:
             time.sleep(args.step_time)  # stands in for the compute of a real step
         g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + rank)
@@ -254,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
             os.replace(tmp, ckpt_path)
             writer.write(Record(kind="ckpt", t=time.time(), step=step, **base))
 
-    writer.write(Record(kind="done", t=time.time(), step=args.steps, **base))
+    writer.write(Record(kind="done", t=time.time(), step=step, **base))
     writer.close()
     # Tear down in order (DDP, the training group, the default group): leaving
     # it to interpreter exit can hang in gloo's destructors.

@@ -85,7 +85,9 @@ class Job:
         endpoint: ``--rdzv-endpoint``.
         nnodes: ``--nnodes`` (``"2:3"``).
         nproc_per_node: workers per node.
-        steps, step_time, ckpt_every, pg_timeout: passed to the training script.
+        steps: the initial target step count, kept in a steps file that
+            :meth:`finish` rewrites (by default the job runs until told).
+        step_time, ckpt_every, pg_timeout: passed to the training script.
         conf: ``--rdzv-conf`` entries added to (or replacing) :data:`FAST_CONF`.
         module: run the script as ``-m etcd_rdzv.train`` instead of by path.
         max_restarts: ``--max-restarts``.
@@ -99,7 +101,7 @@ class Job:
         endpoint: str,
         nnodes: str,
         nproc_per_node: int = 1,
-        steps: int = 20,
+        steps: int = 1_000_000,
         step_time: float = 0.15,
         ckpt_every: int = 3,
         pg_timeout: float = 60.0,
@@ -114,13 +116,15 @@ class Job:
         self.endpoint = endpoint
         self.run_id = run_id or f"job-{uuid.uuid4().hex[:10]}"
         self.log_file = os.path.join(workdir, "log.jsonl")
+        self.steps_file = os.path.join(workdir, "steps")
+        self.set_target(steps)
         self.conf = {**FAST_CONF, **(conf or {})}
         self.nodes: dict[str, LocalAgent] = {}
         self.retired: list[LocalAgent] = []
         self._cmd = torchrun_command(
             [
                 "--log-file", self.log_file, "--ckpt-dir", os.path.join(workdir, "ckpt"),
-                "--steps", str(steps), "--step-time", str(step_time),
+                "--steps-file", self.steps_file, "--step-time", str(step_time),
                 "--ckpt-every", str(ckpt_every), "--pg-timeout", str(pg_timeout),
             ],
             nnodes=nnodes,
@@ -173,6 +177,19 @@ class Job:
         left = {a.name: sorted(a.pids()) for a in [*self.nodes.values(), *self.retired] if a.pids()}
         if errors or left:
             raise AssertionError(f"processes left behind by the job: {left} {errors}")
+
+    def set_target(self, steps: int) -> None:
+        """Rewrite the job's target step count (rank 0 reads it every step)."""
+        tmp = f"{self.steps_file}.tmp"
+        with open(tmp, "w") as f:
+            f.write(str(steps))
+        os.replace(tmp, self.steps_file)
+
+    def finish(self, extra: int = 3) -> int:
+        """Let the job end ``extra`` steps after the last step logged so far; the target."""
+        last = max((r.step for r in self.records() if r.kind == "step"), default=0)
+        self.set_target(last + extra)
+        return last + extra
 
     # ------------------------------------------------------------------ log
 

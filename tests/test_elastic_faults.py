@@ -135,7 +135,7 @@ def test_scale_down_after_node_sigkill(
     The survivors re-rendezvous as 2 nodes / 4 workers with torch's default
     agent-store sharing, resume from the last checkpoint and finish.
     """
-    job = jobs(backend=backend, endpoint=etcd.get_endpoint(), nnodes="2:3", nproc_per_node=2, steps=36)
+    job = jobs(backend=backend, endpoint=etcd.get_endpoint(), nnodes="2:3", nproc_per_node=2)
     for i in range(3):
         job.start(f"node{i}")
     full = job.wait_for(
@@ -154,6 +154,7 @@ def test_scale_down_after_node_sigkill(
         lambda rs: group_with(rs, world_size=4, nodes=survivors, after=killed_at),
         timeout=150,
     )
+    job.finish()
     codes = job.wait_exit(sorted(survivors), timeout=150)
     records = job.records()
     assert codes == dict.fromkeys(sorted(survivors), 0), job.diagnostics()
@@ -192,7 +193,7 @@ def test_scale_up_fourth_node_joins(
     backend: str, version: str, etcd: EtcdServer, jobs: Callable[..., Job]
 ) -> None:
     """A fourth node joins a running --nnodes=2:4 job; the job re-rendezvouses and includes it."""
-    job = jobs(backend=backend, endpoint=etcd.get_endpoint(), nnodes="2:4", steps=30, module=True)
+    job = jobs(backend=backend, endpoint=etcd.get_endpoint(), nnodes="2:4", module=True)
     for i in range(3):
         job.start(f"node{i}")
     job.wait_for("a 3-node group training", lambda rs: group_with(rs, world_size=3, min_steps_done=2), 180)
@@ -204,6 +205,7 @@ def test_scale_up_fourth_node_joins(
         lambda rs: group_with(rs, world_size=4, nodes=everyone, after=joined_at),
         timeout=150,
     )
+    job.finish()
     codes = job.wait_exit(timeout=150)
     records = job.records()
     assert codes == dict.fromkeys(sorted(everyone), 0), job.diagnostics()
@@ -227,7 +229,7 @@ def test_frozen_node_is_dropped_and_never_trains_alongside(
 ) -> None:
     """A node frozen (SIGSTOP) past the heartbeat timeout is dropped; after
     SIGCONT it never trains alongside the new group, and joins a later round."""
-    job = jobs(backend=backend, endpoint=etcd.get_endpoint(), nnodes="2:3", steps=40, pg_timeout=6)
+    job = jobs(backend=backend, endpoint=etcd.get_endpoint(), nnodes="2:3", pg_timeout=6)
     for i in range(3):
         job.start(f"node{i}")
     full = job.wait_for(
@@ -251,6 +253,7 @@ def test_frozen_node_is_dropped_and_never_trains_alongside(
         lambda rs: group_with(rs, world_size=3, after=thawed_at),
         timeout=150,
     )
+    job.finish()
     codes = job.wait_exit(timeout=150)
     records = job.records()
     assert_groups_never_overlap(records)
@@ -280,18 +283,19 @@ def test_job_survives_etcd_restart(
     backend: str, version: str, etcd: EtcdServer, jobs: Callable[..., Job]
 ) -> None:
     """etcd stopped and started again (same data dir) mid-training: the job finishes."""
-    job = jobs(backend=backend, endpoint=etcd.get_endpoint(), nnodes="2", steps=30)
+    job = jobs(backend=backend, endpoint=etcd.get_endpoint(), nnodes="2")
     for i in range(2):
         job.start(f"node{i}")
     job.wait_for("training under way", lambda rs: group_with(rs, world_size=2, min_steps_done=2), 180)
     down_at = time.time()
     etcd.restart(timeout=60)
     up_at = time.time()
+    job.wait_for("a step after etcd came back", lambda rs: [r for r in steps_of(rs) if r.t > up_at], 120)
+    job.finish()
     codes = job.wait_exit(timeout=150)
     records = job.records()
     assert codes == {"node0": 0, "node1": 0}, job.diagnostics()
     assert _finished(records)
-    assert [r for r in steps_of(records) if r.t > up_at], "no step after etcd came back"
     record_timing(
         f"etcd_restart/{backend}/etcd{etcd.version}",
         {"etcd_down_s": round(up_at - down_at, 2), "worker_groups": len({r.group for r in records})},
@@ -350,7 +354,7 @@ def test_closing_the_rendezvous_ends_every_agent(
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-    job = jobs(backend=backend, endpoint=etcd.get_endpoint(), nnodes="2", steps=1000)
+    job = jobs(backend=backend, endpoint=etcd.get_endpoint(), nnodes="2")
     for i in range(2):
         job.start(f"node{i}")
     job.wait_for("training under way", lambda rs: group_with(rs, world_size=2, min_steps_done=2), 180)
