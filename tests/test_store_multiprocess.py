@@ -1,8 +1,8 @@
 """EtcdStore across processes: gloo process groups, torch's elastic store helpers, exact
 counters under contention, and the cleanup rule when a job crashes.
 
-The worker side is this file run as a script (``python test_store_multiprocess.py
-worker|hold ...``), so every process starts fresh, as torchrun's would.
+The process side is this file run as a script: ``launch`` imports torch once and
+forks the workers of one job, ``hold`` joins a namespace and waits to be killed.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _worker(endpoint: str, prefix: str, rank: int) -> dict[str, Any]:
+    started = time.monotonic()
     import torch
     import torch.distributed as dist
     from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
@@ -39,10 +40,18 @@ def _worker(endpoint: str, prefix: str, rank: int) -> dict[str, Any]:
 
     timeout = datetime.timedelta(seconds=120)
     store = EtcdStore(endpoint, prefix=prefix, timeout=timeout)
-    out: dict[str, Any] = {"rank": rank}
+    out: dict[str, Any] = {"rank": rank, "seconds": {}}
+    clock = [started]
+
+    def phase(name: str) -> None:
+        now = time.monotonic()
+        out["seconds"][name] = round(now - clock[0], 2)
+        clock[0] = now
 
     # Contention: every process and thread increments the same counters.
+    phase("imports and store")
     store_util.barrier(store, WORLD, "start", barrier_timeout=120)
+    phase("start barrier")
 
     def increment(s: EtcdStore, tag: str) -> None:
         for i in range(INCREMENTS // 4):
@@ -65,7 +74,9 @@ def _worker(endpoint: str, prefix: str, rank: int) -> dict[str, Any]:
         t.start()
     for t in threads:
         t.join()
+    phase("contention")
     store_util.barrier(store, WORLD, "counted", barrier_timeout=120)
+    phase("barrier")
     out["by_add"] = int(store.get("by_add"))
     out["by_cas"] = int(store.get("by_cas").split(b":")[0])
 
@@ -75,9 +86,11 @@ def _worker(endpoint: str, prefix: str, rank: int) -> dict[str, Any]:
     ]
     info = RendezvousStoreInfo.build(rank, store, local_addr="127.0.0.1", server_port=29555 + rank)
     out["store_info"] = [info.master_addr, info.master_port]
+    phase("elastic helpers")
 
     # A gloo process group bootstrapped on the store (gloo calls it from C++ threads).
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timeout)
+    phase("init_process_group")
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)
     out["all_reduce"] = t.item()
@@ -95,6 +108,7 @@ def _worker(endpoint: str, prefix: str, rank: int) -> dict[str, Any]:
         out["subgroup"] = int(s.item())
     dist.barrier()
     dist.destroy_process_group()
+    phase("collectives")
     store.close()
     return out
 
@@ -121,28 +135,58 @@ def _env() -> dict[str, str]:
 # --------------------------------------------------------------------------- tests
 
 
+def _launch(endpoint: str, prefix: str) -> None:
+    """Import torch once, then fork WORLD worker processes; print their reports as JSON.
+
+    Forking after the imports (and before any etcd client or thread exists) spares
+    three torch imports per job; each worker then builds its own store, client and
+    gloo process group, as separate torchrun workers would.
+    """
+    import torch.distributed  # noqa: F401 - imported once, before forking
+    from torch.distributed.elastic.utils import store  # noqa: F401
+
+    import etcd_store.store  # noqa: F401
+
+    children = []
+    for rank in range(WORLD):
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read_end)
+            code = 1
+            try:
+                report = json.dumps(_worker(endpoint, prefix, rank)).encode()
+                os.write(write_end, report)
+                code = 0
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        os.close(write_end)
+        children.append((pid, read_end))
+    reports = []
+    for rank, (pid, read_end) in enumerate(children):
+        with os.fdopen(read_end, "rb") as f:
+            data = f.read()
+        _, status = os.waitpid(pid, 0)
+        reports.append(json.loads(data) if status == 0 else {"rank": rank, "failed": status})
+    print(json.dumps(reports), flush=True)
+
+
 @pytest.fixture(scope="module")
 def job(etcd_endpoint: str) -> Iterator[list[dict[str, Any]]]:
     """Run WORLD worker processes once per etcd version; their reports, by rank."""
     prefix = f"mp/{uuid.uuid4().hex[:8]}"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, "worker", etcd_endpoint, prefix, str(rank)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), cwd=REPO, text=True,
-        )
-        for rank in range(WORLD)
-    ]
-    try:
-        outputs = [p.communicate(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    reports = []
-    for rank, (p, (stdout, stderr)) in enumerate(zip(procs, outputs, strict=True)):
-        assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{stderr[-3000:]}"
-        reports.append(json.loads(stdout.strip().splitlines()[-1]))
+    proc = subprocess.run(
+        [sys.executable, __file__, "launch", etcd_endpoint, prefix],
+        capture_output=True, env=_env(), cwd=REPO, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = json.loads(proc.stdout.strip().splitlines()[-1])
+    failed = [r for r in reports if "failed" in r]
+    assert not failed, f"workers failed: {failed}\n{proc.stderr[-3000:]}"
     yield reports
 
 
@@ -230,7 +274,7 @@ def test_a_crashed_jobs_namespace_expires_after_the_lease_ttl(etcd_endpoint: str
 
 if __name__ == "__main__":
     mode, endpoint_arg, prefix_arg = sys.argv[1:4]
-    if mode == "worker":
-        print(json.dumps(_worker(endpoint_arg, prefix_arg, int(sys.argv[4]))), flush=True)
+    if mode == "launch":
+        _launch(endpoint_arg, prefix_arg)
     else:
         _hold(endpoint_arg, prefix_arg)
