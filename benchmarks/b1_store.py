@@ -186,15 +186,18 @@ def make_contender(name: str, farm: EtcdFarm, tcp_endpoint: str, timeout: float)
     from etcd_store.client import EtcdClient, RpcCounter
 
     td = timedelta(seconds=timeout)
+    store: Any
+    waiter: Any
+    writer: Any
     if name == OURS_STORE:
         from etcd_store.store import EtcdStore
 
         ep = farm.get(name).get_endpoint()
         counter = RpcCounter()
         client = EtcdClient(ep, timeout=timeout, interceptors=[counter])
-        store = EtcdStore(client, prefix="/bench/b1", timeout=td)
-        waiter = EtcdStore(client, prefix="/bench/b1late", timeout=td)
-        writer = EtcdStore(ep, prefix="/bench/b1late", timeout=td)
+        store = EtcdStore(client, prefix="/bench/b1-ours", timeout=td)
+        waiter = EtcdStore(client, prefix="/bench/b1late-ours", timeout=td)
+        writer = EtcdStore(ep, prefix="/bench/b1late-ours", timeout=td)
         return Contender(name, store, waiter, writer, counter,
                          [store.close, waiter.close, writer.close, client.close])
     if name == TORCH_V2_STORE:
@@ -222,8 +225,8 @@ def make_contender(name: str, farm: EtcdFarm, tcp_endpoint: str, timeout: float)
         counter = RpcCounter()
         client = EtcdClient(ep, timeout=timeout, interceptors=[counter])
         wclient = EtcdClient(ep, timeout=timeout)
-        return Contender(name, FloorStore(client, "/bench/b1/"), FloorStore(client, "/bench/b1late/"),
-                         FloorStore(wclient, "/bench/b1late/"), counter, [client.close, wclient.close])
+        return Contender(name, FloorStore(client, "/bench/b1-floor/"), FloorStore(client, "/bench/b1late-floor/"),
+                         FloorStore(wclient, "/bench/b1late-floor/"), counter, [client.close, wclient.close])
     raise ValueError(name)
 
 

@@ -62,6 +62,7 @@ class HandlerNode:
         from torch.distributed.elastic.rendezvous import RendezvousParameters
 
         contender = spec["contender"]
+        self.handler: Any
         conf = dict(spec.get("conf", {}))
         backend = {C10D: "c10d", TORCH_ETCD_V2: "etcd-v2"}.get(contender) or _OURS_BACKEND[contender]
         params = RendezvousParameters(
@@ -77,8 +78,8 @@ class HandlerNode:
             from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
             from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
-            backend_obj, store = c10d_rendezvous_backend.create_backend(params)
-            self.handler = create_handler(store, backend_obj, params)
+            c10d_backend, store = c10d_rendezvous_backend.create_backend(params)
+            self.handler = create_handler(store, c10d_backend, params)
         elif contender == TORCH_ETCD_V2:
             # torch's own creator functions: our package's entry point takes the
             # "etcd-v2" name in the registry.
@@ -93,12 +94,10 @@ class HandlerNode:
         self.node_id = node_id
 
     def rendezvous(self) -> tuple[int, int]:
-        info = self.handler.next_rendezvous()
-        rank = getattr(info, "rank", None)
-        world = getattr(info, "world_size", None)
-        if rank is None:  # older torch returned a tuple
-            _store, rank, world = info
-        return int(rank), int(world)
+        info: Any = self.handler.next_rendezvous()
+        if isinstance(info, tuple):  # torch < 2.4 returned (store, rank, world_size)
+            return int(info[1]), int(info[2])
+        return int(info.rank), int(info.world_size)
 
     def num_nodes_waiting(self) -> int:
         return int(self.handler.num_nodes_waiting())
