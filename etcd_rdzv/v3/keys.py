@@ -107,7 +107,7 @@ class RunKeys:
 
     def store_prefix(self, round_: int) -> str:
         """The ``EtcdStore`` prefix of a round (a str, as the store takes it)."""
-        return f"{self.root}/rounds/{_round(round_)}/store/"
+        return f"{self.root}/rounds/{_round(round_)}/store"
 
     def rounds_before(self, round_: int) -> tuple[bytes, bytes]:
         """``[start, end)`` of every ``rounds/`` key of rounds older than ``round_``."""

@@ -52,6 +52,7 @@ __all__ = [
     "close",
     "count_waiting",
     "decode_members",
+    "decode_sealed",
     "ensure_run_lease",
     "is_closed",
     "join",
@@ -74,33 +75,42 @@ class ProtocolStateError(Exception):
 
 @dataclass(frozen=True)
 class Sealed:
-    """The ``ctl/sealed`` record: the last sealed round and its fencing revision.
+    """The ``ctl/sealed`` record: the last sealed round, its fencing revision, the run lease.
 
-    ``round == 0`` and ``revision == 0`` when no round was sealed yet.
+    ``round == 0`` and ``revision == 0`` when no round was sealed yet. The record
+    names the run lease it is bound to, so every node that sees a round sealed
+    learns which lease to help keep alive, at no extra cost.
     """
 
     round: int = 0
     revision: int = 0
+    run_lease: int | None = None
 
     @classmethod
     def from_kv(cls, kv: KeyValue | None) -> Sealed:
         if kv is None:
             return cls()
-        return cls(_decode_round(kv.value), kv.mod_revision)
+        round_, run_lease = decode_sealed(kv.value)
+        return cls(round_, kv.mod_revision, run_lease)
 
 
-def _decode_round(value: bytes) -> int:
+def decode_sealed(value: bytes) -> tuple[int, int | None]:
+    """``(round, run lease)`` of a ``ctl/sealed`` value."""
     try:
-        number = json.loads(value)["round"]
-    except (ValueError, KeyError, TypeError):
-        raise ProtocolStateError(f"ctl/sealed holds {value[:80]!r}, not {{'round': N}}") from None
+        record = json.loads(value)
+        number, lease = record["round"], record.get("run_lease")
+        run_lease = int(lease, 16) if lease is not None else None
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise ProtocolStateError(
+            f"ctl/sealed holds {value[:80]!r}, not {{'round': N, 'run_lease': HEX}}"
+        ) from None
     if not isinstance(number, int) or number < 1:
         raise ProtocolStateError(f"ctl/sealed holds round {number!r}, not a positive integer")
-    return number
+    return number, run_lease
 
 
-def _encode_round(number: int) -> bytes:
-    return json.dumps({"round": number}).encode()
+def _encode_sealed(number: int, run_lease: int) -> bytes:
+    return json.dumps({"round": number, "run_lease": f"{run_lease:x}"}).encode()
 
 
 def decode_members(value: bytes) -> list[str]:
@@ -210,12 +220,15 @@ def snapshot_members(
 def ensure_run_lease(
     client: EtcdClient, keys: RunKeys, state_ttl: int, *, timeout: float | None = None
 ) -> int:
-    """Create the run lease and ``ctl/run`` unless another node did; return the lease id.
+    """The run lease named by ``ctl/run``, created (with ``ctl/run``) if absent.
 
-    LeaseGrant + one Txn ``[version(run) == 0] -> put run (bound to the lease)``;
-    the loser revokes its own lease and returns the winner's. Callers read
-    ``ctl/run`` first (:func:`read_meta`) and call this only when it is absent.
+    One Range when it exists; else LeaseGrant + one Txn ``[version(run) == 0] ->
+    put run (bound to the lease)``, and a node that loses that race revokes its
+    own lease and returns the winner's. Only sealers and closers call this.
     """
+    existing = _lease_of(client.get(keys.run, timeout=timeout))
+    if existing is not None:
+        return existing
     lease = client.lease_grant(state_ttl, timeout=timeout)
     res = client.txn(
         [compare_version(keys.run, "==", 0)],
@@ -379,7 +392,7 @@ def seal(
             compare_version(keys.closed, "==", 0),
             compare_version(prev_prefix, "==", 0, range_end=prefix_range_end(prev_prefix)),
         ],
-        [op_put(keys.sealed, _encode_round(round_), lease=run_lease), op_delete(start, end)],
+        [op_put(keys.sealed, _encode_sealed(round_, run_lease), lease=run_lease), op_delete(start, end)],
         [
             op_get(keys.sealed),
             op_get(keys.closed, count_only=True),
@@ -469,7 +482,7 @@ def remove_round_records_if_idle(
 
 
 class SignalKind(enum.Enum):
-    SEALED = "sealed"  # ctl/sealed changed: see Signal.round / Signal.revision
+    SEALED = "sealed"  # ctl/sealed changed: see Signal.round / .revision / .run_lease
     CLOSED = "closed"  # ctl/closed appeared
     LOST = "lost"  # our own join key vanished (our lease expired)
     RESET = "reset"  # ctl/sealed or ctl/run vanished (the run lease expired)
@@ -480,6 +493,7 @@ class Signal:
     kind: SignalKind
     round: int = 0
     revision: int = 0
+    run_lease: int | None = None
 
 
 class RoundView:
@@ -535,7 +549,8 @@ class RoundView:
         if key == self.keys.sealed:
             if event.type == "DELETE":
                 return Signal(SignalKind.RESET, revision=kv.mod_revision)
-            return Signal(SignalKind.SEALED, _decode_round(kv.value), kv.mod_revision)
+            round_, run_lease = decode_sealed(kv.value)
+            return Signal(SignalKind.SEALED, round_, kv.mod_revision, run_lease)
         if key == self.keys.closed:
             return Signal(SignalKind.CLOSED, revision=kv.mod_revision) if event.type == "PUT" else None
         if key == self.keys.run:

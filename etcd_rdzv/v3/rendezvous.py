@@ -82,11 +82,16 @@ class RoundResult:
 
 @dataclass(frozen=True)
 class _Joined:
-    """The join key this node holds: waiting in (or, with ``member``, member of) ``round``."""
+    """The join key this node holds in ``round``.
+
+    ``member``: True (member of the sealed round), False (the round was sealed
+    without us: over ``max_nodes`` or void), None (not known: still waiting, or
+    the wait ended with an error before the outcome was seen).
+    """
 
     round: int
     key: bytes
-    member: bool = False
+    member: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -143,6 +148,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._lock = threading.Lock()
         self._keeper: LeaseKeeper | None = None
         self._run_lease: int | None = None
+        self._sealed = Sealed()  # the latest ``ctl/sealed`` this node saw (a guess, checked by each join)
         self._joined: _Joined | None = None
         self._member_round: int | None = None
         self._watch: Watch | None = None
@@ -235,7 +241,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             raise RendezvousConnectionError(str(e)) from e
 
     def set_closed(self) -> None:
-        """Close the run for every node: a one-time put of ``ctl/closed``. One or two Txns.
+        """Close the run for every node: a one-time put of ``ctl/closed``. One Txn
+        (plus a Range, or a LeaseGrant and a Txn, if this node does not know the run lease yet).
 
         Raises ``RendezvousTimeoutError`` if etcd does not confirm within ``close_timeout``.
         """
@@ -244,8 +251,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             for attempt in (1, 2):
                 lease = self._run_lease
                 if lease is None:
-                    lease = self._adopt_run_lease(protocol.read_meta(self._client, self._keys,
-                                                                     timeout=timeout).run_lease)
+                    lease = self._create_run_lease(timeout)
                 try:
                     if protocol.close(self._client, self._keys, lease, timeout=timeout):
                         log.info("node %s closed the rendezvous %r", self._node_id, self._settings.run_id)
@@ -347,40 +353,53 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if keeper is not None:
             keeper.expired.set()
 
-    def _adopt_run_lease(self, known: int | None) -> int:
-        """The run lease (created if ``ctl/run`` is absent), refreshed on our keep-alive stream."""
-        lease = known
-        if lease is None:
-            lease = protocol.ensure_run_lease(self._client, self._keys, self._settings.state_ttl)
+    def _learn(self, sealed: Sealed) -> None:
+        """Remember the latest sealed record and help keep the run lease it names alive."""
+        self._sealed = sealed
+        if sealed.run_lease is not None:
+            self._adopt_run_lease(sealed.run_lease)
+
+    def _adopt_run_lease(self, lease: int) -> None:
         if lease != self._run_lease:
             self._run_lease = lease
             keeper = self._keeper
             if keeper is not None:
                 keeper.keep_also(lease)
+
+    def _create_run_lease(self, timeout: float | None = None) -> int:
+        """The run lease of ``ctl/run``, created if absent (sealers and closers only)."""
+        lease = protocol.ensure_run_lease(
+            self._client, self._keys, self._settings.state_ttl, timeout=timeout
+        )
+        self._adopt_run_lease(lease)
         return lease
 
     # ------------------------------------------------------------------ the barrier
 
     def _rendezvous(self, deadline: _JoinDeadline) -> RoundResult:
+        """Join rounds until one that includes us is sealed.
+
+        The first join assumes the last sealed record this node saw; a stale guess
+        costs one failed join, whose answer carries the current record.
+        """
         keys, client = self._keys, self._client
         self._member_round = None
-        sealed: Sealed | None = None
-        run_lease: int | None = None
+        sealed = self._sealed
+        fresh_read = False
         while True:
-            if sealed is None or run_lease is None:
+            if fresh_read:
                 meta = protocol.read_meta(client, keys)
                 if meta.closed:
                     self._withdraw()
                     raise RendezvousClosedError(f"the rendezvous {self._settings.run_id!r} is closed")
-                sealed = meta.sealed
-                lease = self._ensure_lease()
-                run_lease = self._adopt_run_lease(meta.run_lease)
-                joined = self._joined
-                if joined is not None and not joined.member and joined.round <= sealed.round:
-                    # Our round was sealed while we were not watching (watch lost).
-                    resolved = self._resolve(joined.round, sealed)
-                    if resolved is not None:
-                        return resolved
+                sealed, fresh_read = meta.sealed, False
+            self._learn(sealed)
+            joined = self._joined
+            if joined is not None and joined.member is None and joined.round <= sealed.round:
+                # Our round was sealed while we were not watching (watch lost, error).
+                resolved = self._resolve(joined.round, sealed)
+                if resolved is not None:
+                    return resolved
             lease = self._ensure_lease()
             previous = self._joined.key if self._joined is not None else None
             try:
@@ -400,20 +419,23 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 sealed = outcome.sealed
                 continue
             target = sealed.round + 1
-            self._joined = _Joined(target, keys.join_key(target, self._node_id))
+            key = keys.join_key(target, self._node_id)
+            self._joined = _Joined(target, key)
             log.debug("node %s joined round %d at revision %d", self._node_id, target, outcome.revision)
-            waited = self._wait(target, outcome, sealed, run_lease, deadline)
+            waited = self._wait(target, outcome, sealed, deadline)
             if isinstance(waited, RoundResult):
-                self._joined = _Joined(target, keys.join_key(target, self._node_id), member=True)
+                self._joined = _Joined(target, key, member=True)
                 return waited
-            sealed = waited.sealed
+            if waited.sealed is None:
+                fresh_read = True
+            else:
+                sealed = waited.sealed
 
     def _wait(
         self,
         round_: int,
         outcome: protocol.JoinOutcome,
         previous: Sealed,
-        run_lease: int,
         deadline: _JoinDeadline,
     ) -> RoundResult | _Retry:
         """Wait on the ``ctl/`` watch until round ``round_`` is sealed; seal it when due."""
@@ -451,7 +473,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     attempt_at = ready_since + (0.0 if view.before == 0 else SEAL_BACKUP_DELAY)
                 if attempt_at is not None and now >= attempt_at:
                     tried_at_change = view.changes
-                    run_lease, i_sealed = self._try_seal(round_, previous, run_lease)
+                    i_sealed = self._try_seal(round_, previous)
                     continue
                 deadline.suspend(view.prev_count >= s.max_nodes)
                 if deadline.expired(now) and not timing_out:
@@ -470,7 +492,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 for event in watch.get(timeout=timeout):
                     signal = view.apply(event)
                     if signal is not None:
-                        return self._on_signal(signal, view, previous, run_lease, i_sealed, timing_out)
+                        return self._on_signal(signal, view, previous, i_sealed, timing_out)
         except EtcdCompactedError:
             log.warning("node %s: watch history compacted; re-reading the rendezvous", self._node_id)
             return _Retry(None)
@@ -484,25 +506,27 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     self._watch = None
             watch.cancel()
 
-    def _try_seal(self, round_: int, previous: Sealed, run_lease: int) -> tuple[int, bool]:
-        """One seal attempt; returns the (possibly renewed) run lease and whether we sealed."""
+    def _try_seal(self, round_: int, previous: Sealed) -> bool:
+        """One seal attempt (and the run lease, the first time); whether we sealed."""
+        run_lease = self._run_lease
+        if run_lease is None:
+            run_lease = self._create_run_lease()
         try:
             res = protocol.seal(self._client, self._keys, round_, previous, run_lease)
         except EtcdError as e:
             if not _lease_gone(e):
                 raise
-            run_lease = self._adopt_run_lease(None)
-            res = protocol.seal(self._client, self._keys, round_, previous, run_lease)
+            self._run_lease = None  # expired: ``ctl/run`` went with it
+            res = protocol.seal(self._client, self._keys, round_, previous, self._create_run_lease())
         if res.ok:
             log.debug("node %s sealed round %d at revision %d", self._node_id, round_, res.revision)
-        return run_lease, res.ok
+        return res.ok
 
     def _on_signal(
         self,
         signal: Signal,
         view: RoundView,
         previous: Sealed,
-        run_lease: int,
         i_sealed: bool,
         timing_out: bool,
     ) -> RoundResult | _Retry:
@@ -521,10 +545,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             return _Retry(previous)
         if signal.kind is SignalKind.RESET or signal.round != view.round:
             return _Retry(None)
-        sealed = Sealed(signal.round, signal.revision)
+        sealed = Sealed(signal.round, signal.revision, signal.run_lease)
+        self._learn(sealed)
         world_size = min(view.count, s.max_nodes)
         if i_sealed:
-            self._record_members(view, sealed, run_lease)
+            self._record_members(view, sealed)
         if world_size < s.min_nodes:
             log.warning(
                 "round %d of %r sealed with %d joiners (< min_nodes=%d): void, joining the next",
@@ -533,6 +558,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         elif view.before < s.max_nodes:
             self._member_round = view.round
             return RoundResult(view.round, view.before, world_size, signal.revision, self._node_id)
+        self._joined = _Joined(view.round, self._keys.join_key(view.round, self._node_id), member=False)
         if timing_out:
             self._withdraw()
             raise RendezvousTimeoutError(
@@ -541,7 +567,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             )
         return _Retry(sealed)
 
-    def _record_members(self, view: RoundView, sealed: Sealed, run_lease: int) -> None:
+    def _record_members(self, view: RoundView, sealed: Sealed) -> None:
         """Write the members record of a round we sealed (for resync and inspection)."""
         s = self._settings
         try:
@@ -551,7 +577,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 members = protocol.snapshot_members(
                     self._client, self._keys, view.round, sealed.revision, s.max_nodes
                 )
-            protocol.write_members(self._client, self._keys, view.round, members, run_lease)
+            run_lease = self._run_lease
+            if run_lease is not None:
+                protocol.write_members(self._client, self._keys, view.round, members, run_lease)
         except EtcdError as e:
             log.warning("could not record the members of round %d: %s", view.round, e)
 
@@ -561,9 +589,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         members, _ = protocol.read_members(self._client, self._keys, round_)
         if members is None:
             if sealed.round != round_:
-                raise ProtocolStateError(
-                    f"round {round_} was sealed but its members were never recorded"
-                )
+                # A later round was sealed, so ours was vacated: our key is gone (lease
+                # expired), and whatever group we were in has been replaced.
+                return None
             members = protocol.snapshot_members(
                 self._client, self._keys, round_, sealed.revision, s.max_nodes
             )
