@@ -94,6 +94,8 @@ MIN_RPC_TIMEOUT = 1.0
 #: Values up to this size are remembered to make the next add/append one Txn.
 _REMEMBER_BYTES = 1024
 _REMEMBER_KEYS = 4096
+#: Items of a queue this store remembers as candidates for the oldest.
+_QUEUE_GUESSES = 64
 
 _T = TypeVar("_T")
 Timeout = datetime.timedelta | float | int
@@ -721,7 +723,9 @@ class EtcdStore(dist.Store):
         # Remember the item: a later queue_pop by this store can guess it is the oldest.
         qp = Layout.queue_prefix(k)
         with self._lock:
-            self._queues[qp] = sorted([*self._queues.get(qp, []), (res.revision, item)])
+            known = self._queues.get(qp, [])
+            if len(known) < _QUEUE_GUESSES:  # only the oldest matters; a producer stays small
+                self._queues[qp] = sorted([*known, (res.revision, item)])
 
     def queue_len(self, key: str | bytes) -> int:  # type: ignore[override]
         """Items in the queue ``key`` (0 if it never existed). One Range."""
@@ -804,7 +808,7 @@ class EtcdStore(dist.Store):
                 marker.mod = mark.kvs[0].mod_revision if mark.kvs else 0
 
     def _set_queue(self, qp: bytes, rest: RangeResult) -> None:
-        items = sorted((kv.create_revision, kv.key) for kv in rest.kvs)
+        items = sorted((kv.create_revision, kv.key) for kv in rest.kvs)[:_QUEUE_GUESSES]
         with self._lock:
             self._queues[qp] = items
 
