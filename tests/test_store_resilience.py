@@ -76,6 +76,11 @@ def test_calls_fail_within_the_timeout_naming_the_endpoints(fresh_etcd: EtcdServ
     store = EtcdStore(endpoint, prefix="down", timeout=timeout)
     store.set("k", "v")
     store.queue_push("q", "item")
+    counter = _WatchOpened()
+    client = EtcdClient(endpoint, interceptors=[counter])
+    blocked = EtcdStore(client, prefix="down", timeout=datetime.timedelta(seconds=3))
+    waiter, waited = _in_thread(lambda: blocked.wait(["never"]))
+    assert counter.opened.wait(10)
     fresh_etcd.stop(keep_data=True)
     calls: dict[str, Callable[[], Any]] = {
         "set": lambda: store.set("k", "w"),
@@ -105,7 +110,13 @@ def test_calls_fail_within_the_timeout_naming_the_endpoints(fresh_etcd: EtcdServ
         assert endpoint in str(out[0]), (name, str(out[0]))
     # All ran at once: each gave up after about one timeout (generous bound).
     assert time.monotonic() - started < 15
+    # A wait that was already blocked in its watch ends at its deadline too.
+    waiter.join(30)
+    assert len(waited) == 1 and isinstance(waited[0], dist.DistStoreError), waited
+    assert "wait timeout after 3000ms" in str(waited[0])
     store.close()
+    blocked.close()
+    client.close()
 
 
 def test_a_dead_endpoint_in_the_list_is_skipped(etcd_endpoint: str) -> None:
