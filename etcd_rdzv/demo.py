@@ -460,7 +460,7 @@ def _write_target(path: str, steps: int) -> None:
 
 
 class _Chaos:
-    """--chaos: kill the last node once training is under way, re-add it once the
+    """--chaos: kill the last node once it trains (from step ``--chaos-after``), re-add it once the
     survivors trained ``--rejoin-after`` steps, and keep the job going until the
     re-added node has trained (the target step count is extended as needed)."""
 
@@ -496,7 +496,9 @@ class _Chaos:
         if not self.grown:  # keep the job running until the node is back
             self._extend(max(self.args.steps, last + 10))
         if self.killed_at is None:
-            if steps and last >= self.args.chaos_after:
+            current = steps[-1].group if steps else ""
+            in_group = any(r.group == current and r.node == self.victim for r in steps)
+            if in_group and last >= self.args.chaos_after:  # the victim trains: kill it
                 self.killed_group = steps[-1].group
                 self.killed_at = self.agents[self.victim].kill()
                 self.view.events.append(f"chaos: SIGKILLed {self.victim} (its agent and workers)")
