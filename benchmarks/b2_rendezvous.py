@@ -93,17 +93,24 @@ def run_b2(pool: Pool, farm: EtcdFarm, tcp_endpoint: str, contenders: list[str],
     series: dict[str, dict[int, Series]] = {c: {n: Series() for n in ns} for c in contenders}
     deltas: dict[str, dict[int, list[dict[str, Any]]]] = {c: {n: [] for n in ns} for c in contenders}
     failures: dict[str, dict[int, list[str]]] = {c: {n: [] for n in ns} for c in contenders}
-    # One untimed round per contender first: imports, channels, code paths warm in every worker.
+    # One untimed round per contender first, with a node in every worker: code paths warm.
+    warm_n = max(2, min(max_workers, max(ns)))
     for c in contenders if warmup else []:
         server = None if c == C10D else farm.get(c)
-        res = measure_round(pool, c, min(ns), server, tcp_endpoint, conf, timeout, max_workers)
+        res = measure_round(pool, c, warm_n, server, tcp_endpoint, conf, timeout, max_workers)
         if res["error"]:
             say(f"B2 warm-up {c}: FAILED {res['error'][:300]}")
+    gave_up: dict[str, int] = {}
     for n in ns:
         for rep in range(reps):
             for c in rotated(contenders, rep):
-                if failures[c][n] and len(failures[c][n]) >= 2:
-                    continue  # failed twice at this N: do not burn the budget on it
+                if c in gave_up:
+                    if not failures[c][n]:
+                        failures[c][n].append(f"not run: failed twice at N={gave_up[c]}")
+                    continue
+                if len(failures[c][n]) >= 2:
+                    gave_up[c] = n  # failed twice at this N: larger N would only burn the budget
+                    continue
                 server = None if c == C10D else farm.get(c)
                 res = measure_round(pool, c, n, server, tcp_endpoint, conf, timeout, max_workers)
                 if res["error"]:

@@ -52,7 +52,6 @@ FAST_B3 = {"keep_alive_interval": "1", "keep_alive_max_attempt": "2", "last_call
 MODES: dict[str, dict[str, Any]] = {
     "quick": {
         "sections": ["b1", "b2", "b3", "b4", "b5"],
-        "pool": 4,
         "b1": {"reps": 2, "ops": 10, "late_ops": 3, "batch_budget": 0.2},
         "b2": {"ns": [4], "reps": 2, "workers": 2, "warmup": False},
         "b3": {"n": 3, "reps": 1, "conf": FAST_B3, "scenarios": ["shrink"], "workers": 2, "timeout": 30.0},
@@ -62,9 +61,8 @@ MODES: dict[str, dict[str, Any]] = {
     },
     "full": {
         "sections": ["b1", "b2", "b3", "b4", "b5"],
-        "pool": 16,
-        "b1": {"reps": 5, "ops": 100, "late_ops": 15, "batch_budget": 2.0},
-        "b2": {"ns": [2, 4, 8, 16, 32, 64], "reps": 4, "workers": 4},
+        "b1": {"reps": 4, "ops": 100, "late_ops": 15, "batch_budget": 2.0},
+        "b2": {"ns": [2, 4, 8, 16, 32, 64], "reps": 3, "workers": 4},
         "b3": {"n": 8, "reps": 2, "conf": {}, "scenarios": ["shrink", "replace"], "workers": 4, "timeout": 80.0},
         "b4": {"ns": [8, 64], "window": 60.0, "workers": 4},
         "b5": {"worlds": [2, 4, 8, 16], "reps": 3},
@@ -72,9 +70,8 @@ MODES: dict[str, dict[str, Any]] = {
     },
     "scale": {
         "sections": ["b2", "b4"],
-        "pool": 16,
         "b2": {"ns": [64, 128, 256, 512, 1024], "reps": 3, "workers": 16},
-        "b4": {"ns": [64, 256, 1024], "window": 60.0, "workers": 16},
+        "b4": {"ns": [64, 256, 1024], "window": 60.0, "workers": 16, "together": False},
         "timeout": 600.0,
     },
 }
@@ -99,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", default="", help="comma-separated subset of b1,b2,b3,b4,b5")
     p.add_argument("--ns", type=_parse_ints, help="N list for B2 and B4 (overrides the mode's)")
     p.add_argument("--reps", type=int, help="runs per figure (overrides the mode's)")
+    p.add_argument("--window", type=float, help="B4 idle window in seconds (overrides the mode's)")
     p.add_argument("--workers", type=int, help="worker processes hosting the nodes of B2-B4")
     p.add_argument("--etcd-binary", help="etcd binary (default: etcd_server's lookup)")
     p.add_argument("--machine-name", help="label of this machine in the results")
@@ -125,6 +123,8 @@ def _config(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
         for s in ("b1", "b2", "b3", "b5"):
             if s in cfg:
                 cfg[s]["reps"] = args.reps
+    if args.window and "b4" in cfg:
+        cfg["b4"]["window"] = args.window
     if args.workers:
         for s in ("b2", "b3", "b4"):
             if s in cfg:
@@ -220,9 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     tcp_endpoint = f"127.0.0.1:{tcp_server.port}"
     timeout = float(cfg["timeout"])
     sections = cfg["sections"]
-    pool_size = cfg["pool"]
-    if "b5" in sections:
-        pool_size = max(pool_size, max(cfg["b5"]["worlds"]))
+    # Enough workers for the widest section: the node spread of B2-B4, one rank each in B5.
+    pool_size = max([cfg[s]["workers"] for s in ("b2", "b3", "b4") if s in sections]
+                    + [max(cfg["b5"]["worlds"]) for s in ("b5",) if s in sections] + [1])
     pool = None
     try:
         with EtcdFarm(args.etcd_binary) as farm:
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
 
                         assert pool is not None
                         results["b4"] = run_b4(pool, args.etcd_binary, rdzv, c["ns"], c["window"], {}, timeout,
-                                               c["workers"])
+                                               c["workers"], together=c.get("together", True))
                     elif section == "b5":
                         from .b5_pg_startup import run_b5
 
