@@ -278,8 +278,9 @@ def markdown(results: dict[str, Any]) -> str:
             f"## B3 ({b3['scenario']}): re-rendezvous after losing 1 of {b3['n']} nodes (s from the kill until "
             "all survivors hold their new RendezvousInfo)",
             "",
-            _table(["backend", "seconds", "failed runs"],
-                   [[r["contender"], _fig(r["s"], "", 2), str(r["failed_runs"])] for r in b3["rows"]]),
+            _table(["backend", "seconds", "failed runs", "first failure"],
+                   [[r["contender"], _fig(r["s"], "", 2), str(r["failed_runs"]),
+                     (r["failures"][0][:160].replace("|", "/") if r["failures"] else "")] for r in b3["rows"]]),
             "",
             f"Settings that decide it: a dead node counts as gone after keep_alive_interval "
             f"{st['keep_alive_interval']} s × keep_alive_max_attempt {st['keep_alive_max_attempt']} = "
@@ -324,7 +325,7 @@ def markdown(results: dict[str, Any]) -> str:
             "",
             _table(["world size"] + cs + ["EtcdStore / TCPStore"], rows),
             "",
-            f"{b5['reps']} runs per world size, one rank per process.",
+            f"Runs per world size: {b5['reps']}; one rank per process.",
             "",
             "![B5](b5_pg_startup.png)",
             "",
