@@ -487,7 +487,7 @@ class _Chaos:
 
     def _extend(self, target: int) -> None:
         if target != self.target:
-            self.target = target
+            self.target = self.view.steps = target
             _write_target(self.steps_file, target)
 
     def advance(self, records: Sequence[Record]) -> None:
