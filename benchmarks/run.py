@@ -64,7 +64,7 @@ MODES: dict[str, dict[str, Any]] = {
         "b1": {"reps": 4, "ops": 100, "late_ops": 15, "batch_budget": 2.0},
         "b2": {"ns": [2, 4, 8, 16, 32, 64], "reps": 3, "workers": 4},
         "b3": {"n": 8, "reps": 2, "conf": {}, "scenarios": ["shrink", "replace"], "workers": 4, "timeout": 80.0},
-        "b4": {"ns": [8, 64], "window": 60.0, "workers": 4},
+        "b4": {"ns": [8, 64], "window": 60.0, "workers": 4, "timeout": 120.0},
         "b5": {"worlds": [2, 4, 8, 16], "reps": 3},
         "timeout": 180.0,
     },
@@ -257,8 +257,9 @@ def main(argv: list[str] | None = None) -> int:
                         from .b4_idle_load import run_b4
 
                         assert pool is not None
-                        results["b4"] = run_b4(pool, args.etcd_binary, rdzv, c["ns"], c["window"], {}, timeout,
-                                               c["workers"], together=c.get("together", True))
+                        results["b4"] = run_b4(pool, args.etcd_binary, rdzv, c["ns"], c["window"], {},
+                                               c.get("timeout", timeout), c["workers"],
+                                               together=c.get("together", True))
                     elif section == "b5":
                         from .b5_pg_startup import run_b5
 
