@@ -365,6 +365,31 @@ def test_previous_round_must_be_empty_to_seal(nodes: Nodes) -> None:
     assert protocol.seal(nodes.client, keys, 2, sealed, run_lease).ok
 
 
+def test_a_join_whose_answer_was_lost_is_found_again(nodes: Nodes, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The join applied, its answer was lost, the round got sealed, the replay failed:
+    the node must find itself in the sealed round rather than orphan its key."""
+    (h,) = nodes.many(1, 1, 2, last_call_timeout="30")
+    real_join = protocol.join
+    calls = []
+
+    def lossy_join(*args: Any, **kwargs: Any) -> protocol.JoinOutcome:
+        calls.append(1)
+        first = real_join(*args, **kwargs)
+        if len(calls) == 1:
+            assert first.ok
+            lease = nodes.client.lease_grant(30)
+            assert protocol.seal(nodes.client, h.keys, 1, Sealed(), lease).ok  # another sealer
+            replay = real_join(*args, **kwargs)
+            assert not replay.ok and replay.joined_anyway
+            return replay
+        return first
+
+    monkeypatch.setattr(protocol, "join", lossy_join)
+    result = h.next_round()
+    assert (result.round, result.rank, result.world_size) == (1, 0, 1)
+    assert nodes.client.range(nodes.join_prefix(2), prefix=True, count_only=True).count == 0
+
+
 # --------------------------------------------------------------------------- closing
 
 

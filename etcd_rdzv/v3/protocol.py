@@ -1,7 +1,10 @@
 """The ``etcd-v3`` rendezvous protocol: one function per transition, plus the round view.
 
 Each function below is one etcd RPC (a transaction unless said otherwise) and
-returns plain data; none of them sleeps or loops. The handler
+returns plain data; none of them sleeps or loops. Every transaction here may be
+replayed when its outcome is unknown (``idempotent=True``): a replayed join
+re-puts the same key (its create revision, hence its place, is kept), a replayed
+seal or close fails its compare, deletes are idempotent. The handler
 (:mod:`etcd_rdzv.v3.rendezvous`) strings them together and waits on watches.
 Key names come from :class:`~etcd_rdzv.v3.keys.RunKeys`; see the design note
 in the README for why each compare makes its transition safe.
@@ -235,12 +238,13 @@ def ensure_run_lease(
         [op_put(keys.run, f"{lease:x}".encode(), lease=lease)],
         [op_get(keys.run)],
         timeout=timeout,
+        idempotent=True,
     )
-    if res.succeeded:
+    winner = lease if res.succeeded else _lease_of(_first(res.responses[0]))
+    if winner == lease:  # created (possibly by an earlier attempt of this very Txn)
         log.debug("created run lease %x for %s", lease, keys.root)
         return lease
     client.lease_revoke(lease, timeout=timeout)
-    winner = _lease_of(_first(res.responses[0]))
     if winner is None:  # the winner's lease expired in between: try again from scratch
         return ensure_run_lease(client, keys, state_ttl, timeout=timeout)
     return winner
@@ -256,7 +260,9 @@ class JoinOutcome:
     On success: ``revision`` is the join's revision (= this node's create
     revision unless the key already existed), ``before`` the number of other join
     keys of the round created earlier, ``prev_count`` the number of join keys of
-    the previous round. On failure: the current ``sealed`` and ``closed``.
+    the previous round. On failure: the current ``sealed`` and ``closed``, and
+    ``joined_anyway``: our key exists in the round (an earlier attempt of this Txn,
+    whose answer was lost, did apply, and the round was sealed since).
     """
 
     ok: bool
@@ -267,6 +273,7 @@ class JoinOutcome:
     sealed: Sealed = field(default_factory=Sealed)
     closed: bool = False
     after: dict[str, int] = field(default_factory=dict)
+    joined_anyway: bool = False
 
 
 def join(
@@ -285,7 +292,7 @@ def join(
         if   mod(sealed) == sealed.revision and version(closed) == 0
         then put join/T/<node> (node lease); delete previous_key;
              count join/T/ created before me; count join/(T-1)/
-        else get sealed; get closed
+        else get sealed; get closed; count join/T/<node>
     """
     target = sealed.round + 1
     key = keys.join_key(target, node_id)
@@ -299,8 +306,9 @@ def join(
     res = client.txn(
         [compare_mod(keys.sealed, "==", sealed.revision), compare_version(keys.closed, "==", 0)],
         success,
-        [op_get(keys.sealed), op_get(keys.closed, count_only=True)],
+        [op_get(keys.sealed), op_get(keys.closed, count_only=True), op_get(key, count_only=True)],
         timeout=timeout,
+        idempotent=True,
     )
     if not res.succeeded:
         return JoinOutcome(
@@ -308,6 +316,7 @@ def join(
             res.revision,
             sealed=Sealed.from_kv(_first(res.responses[0])),
             closed=_count(res.responses[1]) > 0,
+            joined_anyway=_count(res.responses[2]) > 0,
         )
     put = res.responses[0]
     prev_kv = getattr(put, "prev_kv", None)
@@ -399,6 +408,7 @@ def seal(
             op_get(prev_prefix, prefix=True, count_only=True),
         ],
         timeout=timeout,
+        idempotent=True,
     )
     if res.succeeded:
         return SealOutcome(True, res.revision)
@@ -426,6 +436,7 @@ def write_members(
         [compare_version(key, "==", 0)],
         [op_put(key, json.dumps(members).encode(), lease=run_lease)],
         timeout=timeout,
+        idempotent=True,
     )
     return res.succeeded
 
@@ -438,7 +449,8 @@ def leave_if_unsealed(
         if mod(sealed) == sealed.revision then delete join_key
     """
     res = client.txn(
-        [compare_mod(keys.sealed, "==", sealed.revision)], [op_delete(join_key)], timeout=timeout
+        [compare_mod(keys.sealed, "==", sealed.revision)], [op_delete(join_key)], timeout=timeout,
+        idempotent=True,
     )
     return res.succeeded
 
@@ -452,6 +464,7 @@ def close(client: EtcdClient, keys: RunKeys, run_lease: int, *, timeout: float |
         [compare_version(keys.closed, "==", 0)],
         [op_put(keys.closed, b"1", lease=run_lease)],
         timeout=timeout,
+        idempotent=True,
     )
     return res.succeeded
 
@@ -470,6 +483,7 @@ def remove_round_records_if_idle(
         [compare_version(root, "==", 0, range_end=prefix_range_end(root))],
         [op_delete(start, end)],
         timeout=timeout,
+        idempotent=True,
     )
     if res.succeeded:
         deleted = res.responses[0]

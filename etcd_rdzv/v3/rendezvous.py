@@ -413,6 +413,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 self._drop_lease()
                 continue
             if not outcome.ok:
+                if outcome.joined_anyway:
+                    # A lost answer hid a join that did apply; its round is sealed now.
+                    target = sealed.round + 1
+                    self._joined = _Joined(target, keys.join_key(target, self._node_id))
                 if outcome.closed:
                     self._withdraw()
                     raise RendezvousClosedError(f"the rendezvous {self._settings.run_id!r} is closed")
