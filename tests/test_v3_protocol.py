@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from typing import Any
 
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -314,6 +315,25 @@ def test_member_lease_loss_asks_for_a_new_round(nodes: Nodes) -> None:
     res = results(nodes.start(a, b))
     assert_group(res, 2)
     assert {r.round for r in res} == {2}
+
+
+def test_a_dead_member_breaks_the_group_at_once(nodes: Nodes) -> None:
+    """A member's lease ends after sealing: the others are told to re-rendezvous
+    (num_nodes_waiting >= 1) without waiting for their workers to time out."""
+    a, b, c = nodes.many(3, 2, 3)
+    assert_group(results(nodes.start(a, b, c)), 3)
+    assert a.num_nodes_waiting() == 0
+    nodes.client.lease_revoke(lease_of(c))  # c dies
+    wait_count(nodes.client, nodes.join_prefix(1), 2)
+    assert a.num_nodes_waiting() >= 1 and b.num_nodes_waiting() >= 1
+    res = results(nodes.start(a, b))
+    assert_group(res, 2)
+    assert {r.round for r in res} == {2}
+    assert a.num_nodes_waiting() == 0
+    a.set_closed()
+    nodes.client.lease_revoke(lease_of(b))
+    wait_count(nodes.client, nodes.join_prefix(2), 1)
+    assert a.num_nodes_waiting() == 0  # closed: nothing to re-rendezvous for
 
 
 def test_concurrent_seal_transactions_have_one_winner(nodes: Nodes) -> None:

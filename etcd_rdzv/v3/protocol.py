@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "JoinOutcome",
     "Meta",
+    "Occupancy",
     "RoundView",
     "SealOutcome",
     "Sealed",
@@ -172,20 +173,31 @@ def is_closed(client: EtcdClient, keys: RunKeys, *, timeout: float | None = None
     return client.range(keys.closed, count_only=True, timeout=timeout).count > 0
 
 
+@dataclass(frozen=True)
+class Occupancy:
+    """The answer of :func:`count_waiting`."""
+
+    waiting: int  # join keys of round_ + 1
+    active: int  # join keys of round_ (its members that are alive and still in it)
+    closed: bool
+
+
 def count_waiting(
     client: EtcdClient, keys: RunKeys, round_: int, *, timeout: float | None = None
-) -> tuple[int, int]:
-    """``(joined round_ + 1, still in round_)``: two count-only ranges in one read-only Txn."""
+) -> Occupancy:
+    """Join keys of ``round_ + 1`` and of ``round_``, and ``closed``. One read-only Txn
+    of three count-only ranges (no revision, O(1) bytes)."""
     res = client.txn(
         [],
         [
             op_get(keys.join_prefix(round_ + 1), prefix=True, count_only=True),
             op_get(keys.join_prefix(round_), prefix=True, count_only=True),
+            op_get(keys.closed, count_only=True),
         ],
         timeout=timeout,
         idempotent=True,
     )
-    return _count(res.responses[0]), _count(res.responses[1])
+    return Occupancy(_count(res.responses[0]), _count(res.responses[1]), _count(res.responses[2]) > 0)
 
 
 def read_members(

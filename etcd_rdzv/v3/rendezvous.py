@@ -151,6 +151,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._sealed = Sealed()  # the latest ``ctl/sealed`` this node saw (a guess, checked by each join)
         self._joined: _Joined | None = None
         self._member_round: int | None = None
+        self._member_world = 0
         self._watch: Watch | None = None
         self._shut_down = False
         self._store: EtcdStore | None = None
@@ -266,27 +267,35 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             raise RendezvousConnectionError(str(e)) from e
 
     def num_nodes_waiting(self) -> int:
-        """Nodes waiting to join the round after ours. One read-only Txn.
+        """Nodes waiting to join the round after ours (one read-only Txn, no scan of keys).
 
-        Counts the join keys of the next round, unless our round is full (then
-        newcomers cannot be admitted and 0 is returned, like torch's redundancy
-        list). If this node's lease expired while it was a member (it may have
-        been dropped), at least 1, so the agent re-rendezvous.
+        torch's agent calls this every monitor interval while its workers are
+        healthy and re-rendezvous when it is positive. Returns:
+
+        * 0 when the run is closed, or while our round is full and intact (newcomers
+          could not be admitted: torch's redundancy list);
+        * the number of nodes joined in the next round otherwise;
+        * at least 1 when our group lost a member (it died: its lease expired, or it
+          left to re-join) or this node's own lease expired: the group is broken,
+          so re-rendezvous now instead of waiting for the workers' collective timeout.
         """
         if self._shut_down:
             return 0
-        member_round = self._member_round
+        member_round, world_size = self._member_round, self._member_world
         try:
             round_ = member_round
             if round_ is None:
                 round_ = protocol.read_meta(self._client, self._keys).sealed.round
-            waiting, active = protocol.count_waiting(self._client, self._keys, round_)
+            occ = protocol.count_waiting(self._client, self._keys, round_)
         except EtcdError as e:
             raise RendezvousConnectionError(str(e)) from e
-        keeper = self._keeper
-        if member_round is not None and (keeper is None or keeper.expired.is_set()):
-            return max(waiting, 1)
-        return waiting if active < self._settings.max_nodes else 0
+        if occ.closed:
+            return 0
+        if member_round is not None:
+            keeper = self._keeper
+            if keeper is None or keeper.expired.is_set() or occ.active < world_size:
+                return max(occ.waiting, 1)
+        return occ.waiting if occ.active < self._settings.max_nodes else 0
 
     def shutdown(self) -> bool:
         """Close the run (as torch's handlers do), revoke this node's lease, release resources.
@@ -560,7 +569,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 view.round, s.run_id, world_size, s.min_nodes,
             )
         elif view.before < s.max_nodes:
-            self._member_round = view.round
+            self._member_round, self._member_world = view.round, world_size
             return RoundResult(view.round, view.before, world_size, signal.revision, self._node_id)
         self._joined = _Joined(view.round, self._keys.join_key(view.round, self._node_id), member=False)
         if timing_out:
@@ -601,7 +610,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             )
         if len(members) < s.min_nodes or self._node_id not in members:
             return None
-        self._member_round = round_
+        self._member_round, self._member_world = round_, len(members)
         self._joined = _Joined(round_, self._keys.join_key(round_, self._node_id), member=True)
         revision = sealed.revision if sealed.round == round_ else 0
         return RoundResult(round_, members.index(self._node_id), len(members), revision, self._node_id)
