@@ -235,7 +235,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             return result
 
     def is_closed(self) -> bool:
-        """Whether the run is closed. One Range."""
+        """Whether the run is closed. One Range (none after :meth:`shutdown`, which closed it)."""
+        if self._shut_down:
+            return True
         try:
             return protocol.is_closed(self._client, self._keys)
         except EtcdError as e:
@@ -246,7 +248,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         (plus a Range, or a LeaseGrant and a Txn, if this node does not know the run lease yet).
 
         Raises ``RendezvousTimeoutError`` if etcd does not confirm within ``close_timeout``.
+        A no-op after :meth:`shutdown` (which closed the run).
         """
+        if self._shut_down:
+            return
         timeout = self._settings.close_timeout
         try:
             for attempt in (1, 2):
