@@ -3,21 +3,18 @@
 Client options (endpoints, TLS, auth, ``read_timeout``), ``key_prefix`` and
 ``state_ttl`` are parsed by :mod:`etcd_rdzv.params`, shared with ``etcd-v2``, so
 both backends accept the same ``--rdzv-conf`` keys. The rendezvous timeouts
-keep the names and defaults of torch's ``DynamicRendezvousHandler``:
+keep the names and defaults of torch's ``DynamicRendezvousHandler`` (seconds):
 
-===================== ======= =====================================================
-key                   default meaning
-===================== ======= =====================================================
-join_timeout          600     seconds ``next_rendezvous`` may take (a node kept out
-                              by a full, running group does not count it down)
-last_call_timeout     30      seconds to wait for more nodes once ``min_nodes`` joined
-close_timeout         30      deadline of ``set_closed``/``shutdown``
-heartbeat             see below TTL in seconds of each node's lease
-keep_alive_interval   5       with ``keep_alive_max_attempt`` (3): the lease TTL
-keep_alive_max_attempt 3      when ``heartbeat`` is not given (5 x 3 = 15 s, the
-                              time torch's handlers take to declare a node dead)
-state_ttl             7200    seconds the run's records outlive the last live node
-===================== ======= =====================================================
+* ``join_timeout`` (600): how long ``next_rendezvous`` may take; not counted
+  down while a full, running group keeps the node out (torch's redundancy list).
+* ``last_call_timeout`` (30): extra wait for more nodes once ``min_nodes`` joined.
+* ``close_timeout`` (30): deadline of ``set_closed`` / ``shutdown``.
+* ``heartbeat``: the TTL of each node's lease, i.e. how long after its last
+  keep-alive a node counts as dead. Default ``keep_alive_interval`` (5) x
+  ``keep_alive_max_attempt`` (3) = 15 s, the time torch's handlers take to
+  declare a node dead. torch's ``heartbeat_timeout`` (the deadline of one
+  heartbeat write) is accepted and ignored: keep-alives are streamed.
+* ``state_ttl`` (7200): how long the run's records outlive its last live node.
 
 Every invalid value raises ``ValueError`` naming the key. Nothing here contacts etcd.
 """
