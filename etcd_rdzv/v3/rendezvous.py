@@ -621,11 +621,15 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         return RoundResult(round_, members.index(self._node_id), len(members), revision, self._node_id)
 
     def _withdraw(self) -> None:
-        """Delete our join key (not a member of anything any more). One DeleteRange."""
+        """Delete our join key (the run is closed or we gave up). One DeleteRange,
+        best effort: if it fails, the key goes with our lease at shutdown."""
         joined, self._joined = self._joined, None
         self._member_round = None
         if joined is not None:
-            self._client.delete(joined.key)
+            try:
+                self._client.delete(joined.key)
+            except EtcdError as e:
+                log.info("node %s could not withdraw %r: %s", self._node_id, joined.key, e)
 
     def _withdraw_if_unsealed(self, previous: Sealed) -> bool:
         joined = self._joined
