@@ -244,6 +244,25 @@ class Job:
         return "\n".join(parts)
 
 
+def rendezvous_completions(agent: LocalAgent) -> list[float]:
+    """Times (epoch seconds) at which the agent logged "Rendezvous complete for workers".
+
+    Read from torchrun's INFO log lines (glog prefix ``I%m%d %H:%M:%S.%f``, local
+    time; the year is taken as the current one).
+    """
+    out: list[float] = []
+    year = time.localtime().tm_year
+    for line in agent.output_tail(100_000).splitlines():
+        if "Rendezvous complete for workers" not in line or len(line) < 21:
+            continue
+        try:
+            stamp = time.strptime(f"{year} {line[1:5]} {line[6:14]}", "%Y %m%d %H:%M:%S")
+            out.append(time.mktime(stamp) + float("0" + line[14:21]))
+        except ValueError:
+            continue
+    return out
+
+
 # ---------------------------------------------------------------------- log predicates
 
 

@@ -15,7 +15,7 @@ scenarios and backends so that both backends meet both versions
     3 exclusivity (node SIGSTOPped)   3.5       3.4
     4 etcd restarted mid-training     3.4       3.5
     5 3-member cluster, leader killed 3.5       3.4
-    6 rendezvous closed from outside  3.4       3.5
+    6 rendezvous closed from outside  (the same job as 5)
     7 bad input (3 agents)            3.5       3.4
 
 Which node dies also alternates: in scenario 1 etcd-v2 loses a node that does
@@ -44,6 +44,7 @@ from elastic import (
     node_of_group_rank,
     pick_version,
     record_timing,
+    rendezvous_completions,
     steps_of,
 )
 
@@ -175,6 +176,7 @@ def test_scale_down_after_node_sigkill(
     record_timing(
         f"scale_down/{backend}/etcd{etcd.version}",
         {
+            "kill_to_rendezvous_complete_s": _rendezvous_after(job, survivors, killed_at),
             "kill_to_new_group_s": round(start.t - killed_at, 2),
             "kill_to_first_step_s": round(recovery, 2),
             "victim_group_rank": victim_rank,
@@ -215,7 +217,11 @@ def test_scale_up_fourth_node_joins(
     first = _first_step(records, grown)
     record_timing(
         f"scale_up/{backend}/etcd{etcd.version}",
-        {"join_to_first_step_s": round(first.t - joined_at, 2), "resumed_from": first.step - 1},
+        {
+            "join_to_rendezvous_complete_s": _rendezvous_after(job, everyone, joined_at),
+            "join_to_first_step_s": round(first.t - joined_at, 2),
+            "resumed_from": first.step - 1,
+        },
     )
     assert first.t - joined_at < 120
 
@@ -264,6 +270,7 @@ def test_frozen_node_is_dropped_and_never_trains_alongside(
     record_timing(
         f"exclusivity/{backend}/etcd{etcd.version}",
         {
+            "freeze_to_rendezvous_complete_s": _rendezvous_after(job, survivors, frozen_at),
             "freeze_to_new_group_first_step_s": round(
                 min(r.t for r in steps_of(records) if r.t > frozen_at) - frozen_at, 2
             ),
@@ -304,19 +311,25 @@ def test_job_survives_etcd_restart(
     )
 
 
-# ---------------------------------------------------------------------- 5 leader killed
+# ---------------------------------------------------------------------- 5 leader killed, 6 closed
 
 
 @pytest.mark.parametrize(("backend", "version"), backends(5))
-def test_rendezvous_completes_when_etcd_leader_dies(
+def test_leader_killed_during_rendezvous_then_closed_from_outside(
     backend: str, version: str, jobs: Callable[..., Job]
 ) -> None:
-    """A 3-member etcd cluster loses its leader while a node waits in the rendezvous."""
+    """Scenario 5: a 3-member etcd cluster loses its leader while a node waits in
+    the rendezvous; the rendezvous completes and the job trains. Scenario 6 on the
+    same job (one job for both keeps the suite short): set_closed() from a process
+    outside the job, through the surviving members, ends every agent and its workers."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
     _require(backend)
     cluster = EtcdCluster(3, binary=ETCD_BINARIES[version])
     cluster.start(timeout=60)
     try:
-        job = jobs(backend=backend, endpoint=cluster.endpoint_string, nnodes="2", steps=8)
+        job = jobs(backend=backend, endpoint=cluster.endpoint_string, nnodes="2")
         job.start("node0")
         client = cluster.get_client(timeout=5)
         prefix = f"{KEY_PREFIX}/{job.run_id}".encode()
@@ -332,61 +345,52 @@ def test_rendezvous_completes_when_etcd_leader_dies(
         killed_at = time.time()
         cluster.stop_member(leader, graceful=False)
         job.start("node1")
-        codes = job.wait_exit(timeout=180)
-        records = job.records()
-        assert codes == {"node0": 0, "node1": 0}, job.diagnostics()
-        assert _finished(records)
-        first = min(r.t for r in steps_of(records))
+        job.wait_for(
+            "scenario 5: the rendezvous completed after the leader died and the job trains",
+            lambda rs: group_with(rs, world_size=2, min_steps_done=2),
+            timeout=180,
+        )
+        first = min(r.t for r in steps_of(job.records()))
         record_timing(
             f"leader_killed/{backend}/etcd{cluster.version}",
             {"leader_kill_to_first_step_s": round(first - killed_at, 2), "killed_member": leader},
         )
+
+        params = RendezvousParameters(
+            backend=backend,
+            endpoint=cluster.endpoint_string,
+            run_id=job.run_id,
+            min_nodes=2,
+            max_nodes=2,
+            **FAST_CONF,
+        )
+        handler = get_rendezvous_handler(params)
+        closed_at = time.time()
+        handler.set_closed()
+        assert handler.is_closed()
+        deadline = time.monotonic() + 60
+        for agent in job.nodes.values():
+            agent.wait(max(0.0, deadline - time.monotonic()))
+        ended_at = time.time()
+        running = [n for n, a in job.nodes.items() if a.running()]
+        assert not running, (
+            f"scenario 6: {running} still running 60 s after set_closed()\n{job.diagnostics()}"
+        )
+        for name, agent in job.nodes.items():
+            assert not agent.pids(), f"scenario 6: {name} left processes behind"
+            assert "closed" in agent.output_tail(200).lower(), job.diagnostics()
+        records = job.records()
+        assert not _finished(records)
+        assert not [r for r in steps_of(records) if r.t > ended_at]
+        record_timing(
+            f"closed/{backend}/etcd{cluster.version}",
+            {
+                "close_to_all_agents_exited_s": round(ended_at - closed_at, 2),
+                "exit_codes": {n: a.returncode for n, a in job.nodes.items()},
+            },
+        )
     finally:
         cluster.stop()
-
-
-# ---------------------------------------------------------------------- 6 closed from outside
-
-
-@pytest.mark.parametrize(("backend", "version"), backends(6))
-def test_closing_the_rendezvous_ends_every_agent(
-    backend: str, version: str, etcd: EtcdServer, jobs: Callable[..., Job]
-) -> None:
-    """set_closed() from a process outside the job ends every agent and its workers."""
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
-    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
-
-    job = jobs(backend=backend, endpoint=etcd.get_endpoint(), nnodes="2")
-    for i in range(2):
-        job.start(f"node{i}")
-    job.wait_for("training under way", lambda rs: group_with(rs, world_size=2, min_steps_done=2), 180)
-
-    params = RendezvousParameters(
-        backend=backend,
-        endpoint=etcd.get_endpoint(),
-        run_id=job.run_id,
-        min_nodes=2,
-        max_nodes=2,
-        **FAST_CONF,
-    )
-    handler = get_rendezvous_handler(params)
-    closed_at = time.time()
-    handler.set_closed()
-    assert handler.is_closed()
-
-    codes = job.wait_exit(timeout=90)
-    ended_at = time.time()
-    records = job.records()
-    for name, agent in job.nodes.items():
-        assert not agent.pids(), f"{name} left processes behind"
-        assert "closed" in agent.output_tail(200).lower(), job.diagnostics()
-    assert not _finished(records)
-    assert not [r for r in steps_of(records) if r.t > ended_at]
-    record_timing(
-        f"closed/{backend}/etcd{etcd.version}",
-        {"close_to_all_agents_exited_s": round(ended_at - closed_at, 2), "exit_codes": codes},
-    )
-    assert ended_at - closed_at < 60
 
 
 # ---------------------------------------------------------------------- 7 bad input
@@ -468,6 +472,17 @@ def test_bad_input_fails_fast_and_clearly(
         for a in agents:
             a.close()
         tls_server.stop()
+
+
+def _rendezvous_after(job: Job, nodes: set[str], t: float) -> float | None:
+    """Seconds from ``t`` until the last of ``nodes`` logged its first completed rendezvous after ``t``."""
+    firsts = []
+    for name in nodes:
+        after = [c for c in rendezvous_completions(job.nodes[name]) if c > t]
+        if not after:
+            return None
+        firsts.append(min(after))
+    return round(max(firsts) - t, 2)
 
 
 def _closed_port() -> int:
