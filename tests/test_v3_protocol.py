@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
+    RendezvousConnectionError,
     RendezvousTimeoutError,
 )
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
@@ -508,6 +510,26 @@ def test_next_rendezvous_store_and_bootstrap_per_round(nodes: Nodes) -> None:
     assert not infos2[0].store.check(["k"])
     assert next(iter(boot2))[1] == int(infos2[0].store.get("MASTER_PORT"))
     del first_port
+
+
+def test_unreachable_etcd_is_a_connection_error_naming_it() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    params = RendezvousParameters(
+        backend="etcd-v3", endpoint=f"127.0.0.1:{port}", run_id="nowhere", min_nodes=1,
+        max_nodes=1, read_timeout="2", join_timeout="60", close_timeout="3",
+    )
+    handler = create_etcd_v3_rdzv_handler(params)
+    started = time.monotonic()
+    try:
+        with pytest.raises(RendezvousConnectionError, match=f"127.0.0.1:{port}"):
+            handler.next_round()
+        assert time.monotonic() - started < 30  # read_timeout, not join_timeout
+    finally:
+        started = time.monotonic()
+        assert handler.shutdown() is False  # could not close: etcd is unreachable
+        assert time.monotonic() - started < 20  # about close_timeout
 
 
 # --------------------------------------------------------------------------- plumbing

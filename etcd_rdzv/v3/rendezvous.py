@@ -247,19 +247,28 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """Close the run for every node: a one-time put of ``ctl/closed``. One Txn
         (plus a Range, or a LeaseGrant and a Txn, if this node does not know the run lease yet).
 
-        Raises ``RendezvousTimeoutError`` if etcd does not confirm within ``close_timeout``.
-        A no-op after :meth:`shutdown` (which closed the run).
+        Raises ``RendezvousTimeoutError`` if etcd does not confirm within
+        ``close_timeout`` (all calls together), ``RendezvousConnectionError`` on other
+        etcd failures. A no-op after :meth:`shutdown` (which closed the run).
         """
         if self._shut_down:
             return
-        timeout = self._settings.close_timeout
+        self._close_run(time.monotonic() + self._settings.close_timeout)
+
+    def _close_run(self, deadline: float) -> None:
+        def left() -> float:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise EtcdTimeoutError(f"close_timeout={self._settings.close_timeout:g} s passed")
+            return remaining
+
         try:
             for attempt in (1, 2):
                 lease = self._run_lease
                 if lease is None:
-                    lease = self._create_run_lease(timeout)
+                    lease = self._create_run_lease(left())
                 try:
-                    if protocol.close(self._client, self._keys, lease, timeout=timeout):
+                    if protocol.close(self._client, self._keys, lease, timeout=left()):
                         log.info("node %s closed the rendezvous %r", self._node_id, self._settings.run_id)
                     return
                 except EtcdError as e:
@@ -306,13 +315,15 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """Close the run (as torch's handlers do), revoke this node's lease, release resources.
 
         Revoking the lease deletes this node's join keys at once. The last node to
-        leave also deletes the rounds' stores. Returns False if closing failed.
+        leave also deletes the rounds' stores. Returns False if closing failed
+        (then the lease is left to expire). Takes at most about ``close_timeout``.
         """
         if self._shut_down:
             return True
+        deadline = time.monotonic() + self._settings.close_timeout
         ok = True
         try:
-            self.set_closed()
+            self._close_run(deadline)
         except RendezvousError as e:
             log.warning("node %s could not close the rendezvous %r: %s", self._node_id,
                         self._settings.run_id, e)
@@ -324,16 +335,19 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if watch is not None:
             watch.cancel()
         self._close_store()
-        if keeper is not None:
-            keeper.close(revoke=True, timeout=self._settings.close_timeout)
         self._joined = None
         self._member_round = None
-        try:
-            protocol.remove_round_records_if_idle(
-                self._client, self._keys, timeout=self._settings.close_timeout
-            )
-        except EtcdError as e:
-            log.info("could not remove the round records of %r: %s", self._settings.run_id, e)
+        if ok:  # etcd answers: release our keys now, and the rounds' records if we are last
+            if keeper is not None:
+                keeper.close(revoke=True, timeout=max(deadline - time.monotonic(), 1.0))
+            try:
+                protocol.remove_round_records_if_idle(
+                    self._client, self._keys, timeout=max(deadline - time.monotonic(), 1.0)
+                )
+            except EtcdError as e:
+                log.info("could not remove the round records of %r: %s", self._settings.run_id, e)
+        elif keeper is not None:  # unreachable: our keys go when the lease expires
+            keeper.close(revoke=False)
         if self._owns_client:
             self._client.close()
         return ok
