@@ -54,6 +54,21 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         self._drop_shared_store()
         return super().next_rendezvous()
 
+    def num_nodes_waiting(self) -> int:
+        """See base class; at least 1 once the rendezvous is closed. One Range.
+
+        torch's agent polls only this method while its workers are healthy. When
+        the run is closed from outside (``set_closed`` on any node), reporting a
+        waiting node makes the agent stop its workers and call
+        :meth:`next_rendezvous`, which raises ``RendezvousClosedError``: every
+        agent ends within one monitor interval instead of training on. The state
+        was synced by the base class in this same call, so this costs no RPC.
+        """
+        waiting = super().num_nodes_waiting()
+        with self._heartbeat_lock:
+            closed = self._state_holder.state.closed
+        return max(waiting, 1) if closed else waiting
+
     def shutdown(self) -> bool:
         """See base class; also closes the shared TCPStore server this node hosted."""
         try:

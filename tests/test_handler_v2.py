@@ -138,8 +138,12 @@ def test_set_closed_is_seen_by_other_nodes(nodes: Nodes) -> None:
     a, b = nodes.new(2, 2), nodes.new(2, 2)
     _results(nodes.join(a, b))
     assert not b.is_closed()
+    assert b.num_nodes_waiting() == 0
     a.set_closed()
     _eventually(b.is_closed, "the other node sees the rendezvous closed")
+    # torch's agent polls only num_nodes_waiting() while its workers run: a closed
+    # run must make it re-rendezvous, where next_rendezvous raises.
+    assert b.num_nodes_waiting() >= 1
     with pytest.raises(RendezvousClosedError):
         b.next_rendezvous()
     with pytest.raises(RendezvousClosedError):  # a newcomer too
