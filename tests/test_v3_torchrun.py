@@ -5,7 +5,7 @@ agent, which finds the backend through the ``torchrun.handlers`` entry point),
 each in its own process group, killed at teardown also when a test fails. The
 gloo worker script (written next to the test's files) checks ``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK`` and ``GROUP_RANK`` against an all-gather, checks an
-``all_reduce`` and writes one JSON file per worker and attempt.
+``all_reduce`` and writes one JSON file per worker and world size.
 
 Cost: each agent and worker imports torch (three agents = nine processes,
 ~20-40 s on two busy cores).
@@ -46,7 +46,7 @@ env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL
        "TORCHELASTIC_USE_AGENT_STORE")}
 rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
 local_rank, local_world = int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"])
-group_rank, attempt = int(env["GROUP_RANK"]), int(env["TORCHELASTIC_RESTART_COUNT"])
+group_rank = int(env["GROUP_RANK"])
 dist.init_process_group("gloo", timeout=timedelta(seconds=60))
 problems = []
 if (dist.get_rank(), dist.get_world_size()) != (rank, world):
@@ -66,12 +66,12 @@ dist.all_reduce(total)
 expected = world * (world + 1) // 2
 if int(total.item()) != expected:
     problems.append(f"all_reduce gave {int(total.item())}, expected {expected}")
-path = os.path.join(out_dir, f"attempt-{attempt}-rank-{rank}.json")
+path = os.path.join(out_dir, f"world-{world}-rank-{rank}.json")
 with open(path + ".tmp", "w") as f:
     json.dump({"env": env, "pid": os.getpid(), "agent": os.getppid(), "all_reduce": int(total.item()),
                "expected": expected, "problems": problems}, f)
 os.replace(path + ".tmp", path)
-if kill_on_first and attempt == 0 and group_rank == 0:
+if kill_on_first and world == 3 * local_world and group_rank == 0:
     # The node hosting rank 0 (and MASTER_ADDR/MASTER_PORT) dies: agent and workers.
     if local_rank == 0:
         os.kill(os.getppid(), signal.SIGKILL)
@@ -135,8 +135,8 @@ class Agents:
             parts.append(f"----- {log.name}\n" + "\n".join(text[-lines:]))
         return "\n".join(parts)
 
-    def results(self, attempt: int) -> list[dict[str, Any]]:
-        return [json.loads(p.read_text()) for p in sorted(self.out_dir.glob(f"attempt-{attempt}-rank-*.json"))]
+    def results(self, world: int) -> list[dict[str, Any]]:
+        return [json.loads(p.read_text()) for p in sorted(self.out_dir.glob(f"world-{world}-rank-*.json"))]
 
     def kill(self) -> None:
         for proc in self.procs:
@@ -185,7 +185,7 @@ def test_three_agents_etcd_v3(etcd_server: EtcdServer, agents: Agents) -> None:
     agents.start(3, endpoint=endpoint, run_id=run_id, conf=CONF, key_prefix=prefix)
     codes = agents.wait(timeout=300)
     assert codes == [0, 0, 0], agents.log_tails()
-    _check_group(agents.results(0), 3, agents.log_tails())
+    _check_group(agents.results(3 * NPROC), 3, agents.log_tails())
     with EtcdClient(endpoint, timeout=5) as client:
         root = f"{prefix}/{run_id}/v3".encode()
         assert client.get(root + b"/ctl/closed") is not None  # shutdown closed the run
@@ -195,7 +195,9 @@ def test_three_agents_etcd_v3(etcd_server: EtcdServer, agents: Agents) -> None:
 
 def test_rank0_host_dies_and_the_others_re_rendezvous(etcd_server: EtcdServer, agents: Agents) -> None:
     """The agent hosting rank 0 is SIGKILLed after the first round; the other two
-    re-rendezvous (after its lease TTL + the last call) and bootstrap from a new host."""
+    re-rendezvous (after its lease TTL + the last call: their agents learn of the
+    loss from num_nodes_waiting, or from their workers failing, whichever comes
+    first) and bootstrap from a new host."""
     if not etcd_server.version.startswith("3.5"):
         pytest.skip("node-loss scenario runs on etcd 3.5 only (the three-agent one runs on both)")
     endpoint, run_id = etcd_server.get_endpoint(), f"e2e-v3-loss-{os.getpid()}-{next(_ids)}"
@@ -204,10 +206,10 @@ def test_rank0_host_dies_and_the_others_re_rendezvous(etcd_server: EtcdServer, a
     agents.start(3, endpoint=endpoint, run_id=run_id, conf=conf, key_prefix=prefix,
                  max_restarts=1, kill_rank0_host=True)  # fmt: skip
     codes = agents.wait(timeout=300)
-    first = agents.results(0)
+    first = agents.results(3 * NPROC)
     _check_group(first, 3, agents.log_tails())
     assert sorted(codes, key=lambda c: -1 if c is None else c) == [-signal.SIGKILL, 0, 0], agents.log_tails()
-    second = agents.results(1)
+    second = agents.results(2 * NPROC)
     _check_group(second, 2, agents.log_tails())
     # Round 2 runs on the two surviving agents, its MASTER_ADDR/MASTER_PORT published anew
     # by its own rank 0 (the host of round 1's master is dead).
