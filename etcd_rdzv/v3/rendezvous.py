@@ -58,9 +58,11 @@ __all__ = ["BACKEND_NAME", "SEAL_BACKUP_DELAY", "EtcdV3RendezvousHandler", "Roun
 BACKEND_NAME = "etcd-v3"
 
 SEAL_BACKUP_DELAY = 1.0
-"""Seconds a node that is not first in join order waits, once the round is
-ready, before it tries to seal in place of the first (which may be dead or slow).
-This keeps a round at about one seal transaction instead of one per node."""
+"""Seconds between seal attempts by position: once the round is ready, the first
+joiner tries at once, the k-th joiner after ``k * SEAL_BACKUP_DELAY`` (it stands
+in for earlier joiners that are alive but slow; a dead one's key is gone, which
+moves everyone up a place at once). This keeps a round at about one seal
+transaction, not one per node, even when the first joiner lags behind."""
 
 _local_ids = itertools.count()
 
@@ -502,7 +504,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 ready_since = (ready_since or now) if ready else None
                 attempt_at = None
                 if ready_since is not None and not i_sealed and tried_at_change != view.changes:
-                    attempt_at = ready_since + (0.0 if view.before == 0 else SEAL_BACKUP_DELAY)
+                    attempt_at = ready_since + view.before * SEAL_BACKUP_DELAY
                 if attempt_at is not None and now >= attempt_at:
                     tried_at_change = view.changes
                     i_sealed = self._try_seal(round_, previous)
