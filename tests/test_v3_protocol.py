@@ -335,7 +335,10 @@ def test_a_dead_member_breaks_the_group_at_once(nodes: Nodes) -> None:
     a.set_closed()
     nodes.client.lease_revoke(lease_of(b))
     wait_count(nodes.client, nodes.join_prefix(2), 1)
-    assert a.num_nodes_waiting() == 0  # closed: nothing to re-rendezvous for
+    # closed: the agent must re-rendezvous to learn it (next_rendezvous raises)
+    assert a.num_nodes_waiting() >= 1
+    with pytest.raises(RendezvousClosedError):
+        a.next_rendezvous()
 
 
 def test_concurrent_seal_transactions_have_one_winner(nodes: Nodes) -> None:

@@ -288,8 +288,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         torch's agent calls this every monitor interval while its workers are
         healthy and re-rendezvous when it is positive. Returns:
 
-        * 0 when the run is closed, or while our round is full and intact (newcomers
-          could not be admitted: torch's redundancy list);
+        * at least 1 when the run is closed (so the agent re-rendezvous and learns it);
+        * 0 while our round is full and intact (newcomers could not be admitted:
+          torch's redundancy list);
         * the number of nodes joined in the next round otherwise;
         * at least 1 when our group lost a member (it died: its lease expired, or it
           left to re-join) or this node's own lease expired: the group is broken,
@@ -306,7 +307,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         except EtcdError as e:
             raise RendezvousConnectionError(str(e)) from e
         if occ.closed:
-            return 0
+            # torch's agent polls only this while its workers run: a positive count
+            # makes it stop them and call next_rendezvous(), which raises
+            # RendezvousClosedError, so a run closed from outside ends every agent.
+            return max(occ.waiting, 1)
         if member_round is not None:
             keeper = self._keeper
             if keeper is None or keeper.expired.is_set() or occ.active < world_size:
