@@ -429,6 +429,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--step-time", type=float, default=0.3, help="seconds per step (default 0.3)")
     p.add_argument("--ckpt-every", type=int, default=3)
     p.add_argument("--backend", default="etcd-v2", help="rendezvous backend (default etcd-v2)")
+    p.add_argument("--max-restarts", type=int, default=10, help="torchrun --max-restarts (default 10)")
     p.add_argument("--endpoint", default=None, help="use this etcd instead of starting one")
     p.add_argument("--chaos", action="store_true", help="kill the last node mid-training, re-add it later")
     p.add_argument("--chaos-after", type=int, default=None, help="kill once this step is logged")
@@ -568,6 +569,7 @@ def run_demo(args: argparse.Namespace, stream: TextIO = sys.stdout) -> int:
     _write_target(steps_file, args.steps)
     agents: dict[str, LocalAgent] = {}
     retired: list[LocalAgent] = []
+    keep = bool(args.workdir)  # a temporary workdir is kept only when the job fails
     try:
         with _etcd(args.endpoint) as endpoint:
             run_id = f"demo-{uuid.uuid4().hex[:8]}"
@@ -583,6 +585,7 @@ def run_demo(args: argparse.Namespace, stream: TextIO = sys.stdout) -> int:
                     backend=args.backend,
                     endpoint=endpoint,
                     run_id=run_id,
+                    max_restarts=args.max_restarts,
                     rdzv_conf={"join_timeout": 120, "last_call_timeout": 2, "close_timeout": 10,
                                "keep_alive_interval": 1, "keep_alive_max_attempt": 3},
                 )  # fmt: skip
@@ -600,14 +603,23 @@ def run_demo(args: argparse.Namespace, stream: TextIO = sys.stdout) -> int:
             chaos = _Chaos(args, agents, launch, view, steps_file) if args.chaos else None
             deadline = time.monotonic() + args.timeout
             shown: list[str] = []
+            reported: set[LocalAgent] = set()
             while True:
                 records = read_records(log_file)
                 if chaos is not None:
                     chaos.advance(records)
+                for name, agent in agents.items():
+                    rc = agent.returncode
+                    if rc not in (None, 0, -signal.SIGKILL) and agent not in reported:
+                        reported.add(agent)
+                        view.events.append(f"{name} exited with status {rc}; its output: {agent.output}")
                 shown = _redraw(stream, view.lines(records, agents), shown)
                 if all(not a.running() for a in agents.values()):
                     break
                 if time.monotonic() > deadline:
+                    for name, agent in agents.items():
+                        stream.write(f"--- {name} output (last lines) ---\n{agent.output_tail()}\n")
+                    keep = True
                     raise DemoError(f"the job did not finish within {args.timeout:.0f}s")
                 time.sleep(0.5)  # refresh period of the view
 
@@ -619,6 +631,7 @@ def run_demo(args: argparse.Namespace, stream: TextIO = sys.stdout) -> int:
                 for name in failed:
                     stream.write(f"--- {name} output (last lines) ---\n{agents[name].output_tail()}\n")
                 stream.write(f"job FAILED: agent exit codes {failed}, final step reached: {done}\n")
+                keep = True
                 return 1
             stream.write(f"job finished: {len(summarize(records))} round(s), log {log_file}\n")
             return 0
@@ -627,8 +640,10 @@ def run_demo(args: argparse.Namespace, stream: TextIO = sys.stdout) -> int:
             for agent in [*agents.values(), *retired]:
                 agent.terminate(grace=3.0)
                 agent.close()
-            if not args.workdir:
+            if not keep:
                 shutil.rmtree(workdir, ignore_errors=True)
+            elif not args.workdir:
+                stream.write(f"kept the training log and the agents' output in {workdir}\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
