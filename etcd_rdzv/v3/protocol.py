@@ -94,22 +94,23 @@ class Sealed:
     def from_kv(cls, kv: KeyValue | None) -> Sealed:
         if kv is None:
             return cls()
-        round_, run_lease = decode_sealed(kv.value)
+        round_, run_lease = decode_sealed(kv.value, kv.key)
         return cls(round_, kv.mod_revision, run_lease)
 
 
-def decode_sealed(value: bytes) -> tuple[int, int | None]:
-    """``(round, run lease)`` of a ``ctl/sealed`` value."""
+def decode_sealed(value: bytes, key: bytes = b"ctl/sealed") -> tuple[int, int | None]:
+    """``(round, run lease)`` of a ``ctl/sealed`` value; errors name ``key`` (the full etcd key)."""
+    where = key.decode("utf-8", "replace")
     try:
         record = json.loads(value)
         number, lease = record["round"], record.get("run_lease")
         run_lease = int(lease, 16) if lease is not None else None
     except (ValueError, KeyError, TypeError, AttributeError):
         raise ProtocolStateError(
-            f"ctl/sealed holds {value[:80]!r}, not {{'round': N, 'run_lease': HEX}}"
+            f"{where} holds {value[:80]!r}, not {{'round': N, 'run_lease': HEX}}"
         ) from None
     if not isinstance(number, int) or number < 1:
-        raise ProtocolStateError(f"ctl/sealed holds round {number!r}, not a positive integer")
+        raise ProtocolStateError(f"{where} holds round {number!r}, not a positive integer")
     return number, run_lease
 
 
@@ -117,14 +118,16 @@ def _encode_sealed(number: int, run_lease: int) -> bytes:
     return json.dumps({"round": number, "run_lease": f"{run_lease:x}"}).encode()
 
 
-def decode_members(value: bytes) -> list[str]:
-    """The node ids of a ``rounds/<T>/members`` record, in rank order."""
+def decode_members(value: bytes, key: bytes = b"a members record") -> list[str]:
+    """The node ids of a ``rounds/<T>/members`` record, in rank order; errors name ``key``."""
     try:
         members = json.loads(value)
     except ValueError:
         members = None
     if not isinstance(members, list) or not all(isinstance(m, str) for m in members):
-        raise ProtocolStateError(f"a members record holds {value[:80]!r}, not a list of node ids")
+        raise ProtocolStateError(
+            f"{key.decode('utf-8', 'replace')} holds {value[:80]!r}, not a list of node ids"
+        )
     return members
 
 
@@ -165,7 +168,9 @@ def _lease_of(kv: KeyValue | None) -> int | None:
     try:
         return int(kv.value, 16)
     except ValueError:
-        raise ProtocolStateError(f"ctl/run holds {kv.value[:40]!r}, not a lease id") from None
+        raise ProtocolStateError(
+            f"{kv.key.decode('utf-8', 'replace')} holds {kv.value[:40]!r}, not a lease id"
+        ) from None
 
 
 def is_closed(client: EtcdClient, keys: RunKeys, *, timeout: float | None = None) -> bool:
@@ -205,7 +210,7 @@ def read_members(
 ) -> tuple[list[str] | None, int]:
     """The members record of ``round_`` (None if absent) and the read revision. One Range."""
     res = client.range(keys.members(round_), timeout=timeout)
-    return (decode_members(res.kvs[0].value) if res.kvs else None), res.revision
+    return (decode_members(res.kvs[0].value, res.kvs[0].key) if res.kvs else None), res.revision
 
 
 def snapshot_members(
@@ -575,7 +580,7 @@ class RoundView:
         if key == self.keys.sealed:
             if event.type == "DELETE":
                 return Signal(SignalKind.RESET, revision=kv.mod_revision)
-            round_, run_lease = decode_sealed(kv.value)
+            round_, run_lease = decode_sealed(kv.value, key)
             return Signal(SignalKind.SEALED, round_, kv.mod_revision, run_lease)
         if key == self.keys.closed:
             return Signal(SignalKind.CLOSED, revision=kv.mod_revision) if event.type == "PUT" else None
