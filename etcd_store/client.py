@@ -397,6 +397,8 @@ class RpcCounter(
 
 _TLS_MARKERS = ("ssl", "tls", "handshake", "certificate", "x509")
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+# Deadline of the first attempt of a request that is safe to resend; it doubles per timed-out attempt.
+_FIRST_ATTEMPT_TIMEOUT = 2.0
 # Server replies that guarantee the request was not applied: safe to retry a write.
 _NOT_APPLIED = ("etcdserver: no leader", "etcdserver: not capable", "etcdserver: too many requests")
 
@@ -611,6 +613,7 @@ class EtcdClient:
         budget = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + budget
         pause = 0.025
+        attempt_budget = _FIRST_ATTEMPT_TIMEOUT
         last: grpc.RpcError | None = None
         tls_failures = 0
         reauthenticated = False
@@ -622,10 +625,15 @@ class EtcdClient:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
+                # A member whose leader just died holds a request until etcd's own
+                # request timeout (~7 s). Requests that are safe to resend get growing
+                # per-attempt deadlines (2 s, 4 s, ...) so the next member is tried in
+                # time; others get the whole remaining deadline in one attempt.
+                attempt = min(remaining, attempt_budget) if idempotent else remaining
                 try:
                     metadata = self._metadata(member, deadline)
                     stub = member.stub(service)
-                    resp = getattr(stub, method)(request, timeout=remaining, metadata=metadata)
+                    resp = getattr(stub, method)(request, timeout=attempt, metadata=metadata)
                 except grpc.RpcError as e:
                     last = e
                     code = e.code()
@@ -643,6 +651,8 @@ class EtcdClient:
                         tls_failures += 1
                     if not idempotent and _maybe_applied(e):
                         raise self._translate(e, what) from None
+                    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                        attempt_budget *= 2
                     log.debug("etcd %s at %s failed (%s): %s", method, member.endpoint, code, text)
                     continue
                 if index != order[0]:
