@@ -57,6 +57,7 @@ __all__ = [
     "USER_ENV",
     "EtcdClientOptions",
     "RdzvConfig",
+    "get_positive_int",
     "get_seconds",
     "parse_client_options",
     "parse_rdzv_config",
@@ -177,7 +178,11 @@ def get_seconds(params: _Params, key: str) -> float | None:
     return None if math.isnan(seconds) else seconds
 
 
-def _positive_int(params: _Params, key: str, default: int) -> int:
+def get_positive_int(params: _Params, key: str, default: int, *, unit: str = "") -> int:
+    """The conf value ``key`` as a positive integer (``default`` when absent or blank).
+
+    Raises ``ValueError`` naming the key; ``unit`` (e.g. ``"seconds"``) is shown in it.
+    """
     value = params.get(key)
     if value is None or (isinstance(value, str) and not value.strip()):
         return default
@@ -187,8 +192,8 @@ def _positive_int(params: _Params, key: str, default: int) -> int:
         number = 0
     if number <= 0:
         raise ValueError(
-            f"The rendezvous configuration option {key!r} must be a positive integer "
-            f"(seconds), got {value!r}."
+            f"The rendezvous configuration option {key!r} must be a positive integer"
+            f"{f' ({unit})' if unit else ''}, got {value!r}."
         )
     return number
 
@@ -306,7 +311,7 @@ def parse_rdzv_config(
                 f"got {raw_prefix!r}."
             )
     key_prefix = key_prefix.rstrip("/")
-    state_ttl = _positive_int(params, "state_ttl", DEFAULT_STATE_TTL)
+    state_ttl = get_positive_int(params, "state_ttl", DEFAULT_STATE_TTL, unit="seconds")
     if state_ttl > MAX_STATE_TTL:
         raise ValueError(
             f"The rendezvous configuration option 'state_ttl' must be at most {MAX_STATE_TTL} "

@@ -27,7 +27,13 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..params import DEFAULT_KEY_PREFIX, DEFAULT_STATE_TTL, EtcdClientOptions, parse_rdzv_config
+from ..params import (
+    DEFAULT_KEY_PREFIX,
+    DEFAULT_STATE_TTL,
+    EtcdClientOptions,
+    get_positive_int,
+    parse_rdzv_config,
+)
 
 log = logging.getLogger(__name__)
 
@@ -118,21 +124,6 @@ def _seconds(params: _Params, key: str, default: float) -> float:
     return seconds
 
 
-def _count(params: _Params, key: str, default: int) -> int:
-    value = params.get(key)
-    if value is None or (isinstance(value, str) and not value.strip()):
-        return default
-    try:
-        number = int(str(value).strip()) if not isinstance(value, bool) else 0
-    except ValueError:
-        number = 0
-    if number <= 0:
-        raise ValueError(
-            f"The rendezvous configuration option {key!r} must be a positive integer, got {value!r}."
-        )
-    return number
-
-
 def parse_settings(params: _Params) -> tuple[V3Settings, EtcdClientOptions]:
     """Read the settings and the client options of an ``etcd-v3`` rendezvous.
 
@@ -144,8 +135,8 @@ def parse_settings(params: _Params) -> tuple[V3Settings, EtcdClientOptions]:
     if "heartbeat" in params.config and params.get("heartbeat") is not None:
         lease_ttl = math.ceil(_seconds(params, "heartbeat", DEFAULT_LEASE_TTL))
     else:
-        interval = _count(params, "keep_alive_interval", DEFAULT_KEEP_ALIVE_INTERVAL)
-        attempts = _count(params, "keep_alive_max_attempt", DEFAULT_KEEP_ALIVE_MAX_ATTEMPT)
+        interval = get_positive_int(params, "keep_alive_interval", DEFAULT_KEEP_ALIVE_INTERVAL)
+        attempts = get_positive_int(params, "keep_alive_max_attempt", DEFAULT_KEEP_ALIVE_MAX_ATTEMPT)
         lease_ttl = interval * attempts
     settings = V3Settings(
         run_id=params.run_id,
