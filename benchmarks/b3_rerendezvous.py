@@ -32,6 +32,10 @@ from .workers import GroupRun, NodeGroup, Pool, Worker, WorkerError, assign
 # torch's defaults (DynamicRendezvousHandler; our etcd-v2 and etcd-v3 share them).
 TORCH_DEFAULTS = {"keep_alive_interval": 5, "keep_alive_max_attempt": 3, "last_call_timeout": 30}
 
+# Settings a production job would pick to recover fast (README, "Elastic training"): a node
+# counts as dead after 2 s x 3 = 6 s, and 5 s of last call cover arrivals spread over a few seconds.
+TUNED = {"keep_alive_interval": "2", "keep_alive_max_attempt": "3", "last_call_timeout": "5"}
+
 
 def decisive_settings(conf: dict[str, Any], n: int) -> dict[str, Any]:
     """The settings that decide the figure (``conf`` overrides torch's defaults)."""
@@ -40,6 +44,7 @@ def decisive_settings(conf: dict[str, Any], n: int) -> dict[str, Any]:
     out["min_nodes"] = n - 1
     out["max_nodes"] = n
     out["defaults"] = all(k not in conf for k in TORCH_DEFAULTS)
+    out["fast_recovery"] = str(conf.get("fast_recovery", "true")).lower() in ("1", "true", "t", "yes", "y")
     return out
 
 
@@ -67,8 +72,10 @@ def _left(t0: float, timeout: float) -> float:
 
 
 def run_b3(pool: Pool, farm: EtcdFarm, tcp_endpoint: str, contenders: list[str], n: int, reps: int,
-           conf: dict[str, Any], timeout: float, max_workers: int, scenario: str = "shrink") -> dict[str, Any]:
-    """Kill one of ``n`` nodes ``reps`` times per backend; returns a B3 section."""
+           conf: dict[str, Any], timeout: float, max_workers: int, scenario: str = "shrink",
+           name: str | None = None) -> dict[str, Any]:
+    """Kill one of ``n`` nodes ``reps`` times per backend; returns a B3 section named
+    ``name`` (default: the scenario; it names the plot file)."""
     if scenario not in ("shrink", "replace"):
         raise ValueError(f"unknown B3 scenario {scenario!r}")
     replace = scenario == "replace"
@@ -139,11 +146,11 @@ def run_b3(pool: Pool, farm: EtcdFarm, tcp_endpoint: str, contenders: list[str],
                 if elapsed is not None and k.run is not None:
                     series[k.contender].add_run([elapsed])
                     worlds = {r["value"][1] for r in k.run.results.values()}
-                    say(f"B3 {scenario} N={n} rep {rep} {k.contender}: {elapsed:.2f} s (new world {sorted(worlds)})")
+                    say(f"B3 {name or scenario} N={n} rep {rep} {k.contender}: {elapsed:.2f} s (new world {sorted(worlds)})")
                 else:
                     failures[k.contender].append(k.error or "no result")
                     series[k.contender].add_run([])
-                    say(f"B3 {scenario} N={n} rep {rep} {k.contender}: FAILED {str(k.error)[:300]}")
+                    say(f"B3 {name or scenario} N={n} rep {rep} {k.contender}: FAILED {str(k.error)[:300]}")
         finally:
             for k in cases:
                 k.group.layout = {w: ids for w, ids in k.group.layout.items() if w is not k.victim}
@@ -159,6 +166,6 @@ def run_b3(pool: Pool, farm: EtcdFarm, tcp_endpoint: str, contenders: list[str],
                      "failed_runs": len(failures[c])})
     what = ("a fresh node joins at the kill (a restarted pod)" if replace
             else "nobody replaces the dead node")
-    return {"scenario": scenario, "n": n, "reps": reps, "conf": conf, "settings": settings, "rows": rows,
+    return {"scenario": scenario, "name": name or scenario, "n": n, "reps": reps, "conf": conf, "settings": settings, "rows": rows,
             "note": f"Scenario {scenario}: {what}. Backends run concurrently (the figure is set by timeouts, "
                     "not CPU). Survivors call next_rendezvous() right after the kill."}

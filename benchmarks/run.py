@@ -63,7 +63,8 @@ MODES: dict[str, dict[str, Any]] = {
         "sections": ["b1", "b2", "b3", "b4", "b5"],
         "b1": {"reps": 4, "ops": 100, "late_ops": 15, "batch_budget": 2.0},
         "b2": {"ns": [2, 4, 8, 16, 32, 64], "reps": 3, "workers": 4},
-        "b3": {"n": 8, "reps": 2, "conf": {}, "scenarios": ["shrink", "replace"], "workers": 4, "timeout": 80.0},
+        "b3": {"n": 8, "reps": 2, "conf": {}, "scenarios": ["shrink", "replace"], "tuned": ["shrink"],
+               "workers": 4, "timeout": 80.0},
         "b4": {"ns": [8, 64], "window": 60.0, "workers": 4, "timeout": 120.0},
         "b5": {"worlds": [2, 4, 8, 16], "reps": 3},
         "timeout": 180.0,
@@ -245,13 +246,15 @@ def main(argv: list[str] | None = None) -> int:
                         results["b2"] = run_b2(pool, farm, tcp_endpoint, rdzv, c["ns"], c["reps"], timeout,
                                                c["workers"], warmup=c.get("warmup", True))
                     elif section == "b3":
-                        from .b3_rerendezvous import run_b3
+                        from .b3_rerendezvous import TUNED, run_b3
 
                         assert pool is not None
+                        b3_cases = [(sc, c["conf"], sc) for sc in c["scenarios"]]
+                        b3_cases += [(sc, TUNED, f"{sc}-tuned") for sc in c.get("tuned", [])]
                         results["b3"] = [
                             run_b3(pool, farm, tcp_endpoint, [x for x in rdzv if x != FLOOR], c["n"], c["reps"],
-                                   c["conf"], c.get("timeout", timeout), c["workers"], scenario=sc)
-                            for sc in c["scenarios"]
+                                   conf, c.get("timeout", timeout), c["workers"], scenario=sc, name=name)
+                            for sc, conf, name in b3_cases
                         ]
                     elif section == "b4":
                         from .b4_idle_load import run_b4

@@ -341,6 +341,42 @@ def test_a_dead_member_breaks_the_group_at_once(nodes: Nodes) -> None:
         a.next_rendezvous()
 
 
+def test_recovery_round_skips_the_last_call(nodes: Nodes) -> None:
+    """A member dies: the survivors re-form the group as soon as its key is gone,
+    not ``last_call_timeout`` later (fast_recovery, the default)."""
+    a, b, c = nodes.many(3, 2, 3, last_call_timeout="60")
+    assert_group(results(nodes.start(a, b, c)), 3)  # max_nodes: sealed at once
+    nodes.client.lease_revoke(lease_of(c))  # c dies
+    started = time.monotonic()
+    res = results(nodes.start(a, b))
+    assert time.monotonic() - started < 15  # the last call would take 60 s
+    assert_group(res, 2)
+    assert {r.round for r in res} == {2}
+
+
+def test_recovery_round_waits_for_the_last_call_when_disabled(nodes: Nodes) -> None:
+    a, b, c = nodes.many(3, 2, 3, last_call_timeout="1.5", fast_recovery="false")
+    assert_group(results(nodes.start(a, b, c)), 3)
+    nodes.client.lease_revoke(lease_of(c))
+    started = time.monotonic()
+    res = results(nodes.start(a, b))
+    assert time.monotonic() - started >= 1.4
+    assert_group(res, 2)
+
+
+def test_growing_round_still_waits_for_the_last_call(nodes: Nodes) -> None:
+    """A newcomer makes the next round bigger than the group: the last call runs,
+    so more arrivals can be gathered into one restart."""
+    a, b, c = nodes.many(3, 2, 4, last_call_timeout="1.5")
+    assert_group(results(nodes.start(a, b)), 2)
+    (fc,) = nodes.start(c)
+    wait_count(nodes.client, nodes.join_prefix(2), 1)
+    started = time.monotonic()
+    res = results([*nodes.start(a, b), fc])
+    assert time.monotonic() - started >= 1.4
+    assert_group(res, 3)
+
+
 def test_concurrent_seal_transactions_have_one_winner(nodes: Nodes) -> None:
     (h,) = nodes.many(1, 1, 1)
     lease = nodes.client.lease_grant(30)
@@ -563,6 +599,8 @@ def test_registered_with_torch(etcd_endpoint: str) -> None:
         ({"last_call_timeout": "2"}, "last_call_timeout", 2.0),
         ({"key_prefix": "/custom/"}, "key_prefix", "/custom"),
         ({"state_ttl": "60"}, "state_ttl", 60),
+        ({}, "fast_recovery", True),
+        ({"fast_recovery": "false"}, "fast_recovery", False),
     ],
 )
 def test_settings(conf: dict[str, str], field: str, value: object) -> None:
@@ -581,6 +619,7 @@ def test_settings(conf: dict[str, str], field: str, value: object) -> None:
         ({"keep_alive_interval": "x"}, "keep_alive_interval"),
         ({"state_ttl": "1", "heartbeat": "5"}, "state_ttl"),
         ({"read_timeout": "0"}, "read_timeout"),
+        ({"fast_recovery": "maybe"}, "fast_recovery"),
     ],
 )
 def test_bad_settings_name_the_key(conf: dict[str, str], named: str) -> None:

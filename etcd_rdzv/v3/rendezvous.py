@@ -417,6 +417,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         costs one failed join, whose answer carries the current record.
         """
         keys, client = self._keys, self._client
+        # The group this node leaves: a round that only re-forms it may skip the last call.
+        prior_round, prior_world = self._member_round, self._member_world
         self._member_round = None
         sealed = self._sealed
         fresh_read = False
@@ -460,7 +462,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             key = keys.join_key(target, self._node_id)
             self._joined = _Joined(target, key)
             log.debug("node %s joined round %d at revision %d", self._node_id, target, outcome.revision)
-            waited = self._wait(target, outcome, sealed, deadline)
+            recovering = self._settings.fast_recovery and prior_round == target - 1
+            waited = self._wait(target, outcome, sealed, deadline, prior_world if recovering else None)
             if isinstance(waited, RoundResult):
                 self._joined = _Joined(target, key, member=True)
                 return waited
@@ -475,8 +478,15 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         outcome: protocol.JoinOutcome,
         previous: Sealed,
         deadline: _JoinDeadline,
+        recover_size: int | None = None,
     ) -> RoundResult | _Retry:
-        """Wait on the ``ctl/`` watch until round ``round_`` is sealed; seal it when due."""
+        """Wait on the ``ctl/`` watch until round ``round_`` is sealed; seal it when due.
+
+        Due: the previous round is vacated, ``min_nodes`` joined, and ``max_nodes``
+        joined, or the last call passed, or (``recover_size``: the size of the
+        group this node was a member of in the previous round) the round has no
+        more joiners than that group had, so it only re-forms the group.
+        """
         s = self._settings
         view = RoundView(
             self._keys, round_, self._node_id, outcome.create_revision, outcome.before,
@@ -503,7 +513,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 elif not barrier:
                     last_call_at = None
                 ready = barrier and (
-                    view.count >= s.max_nodes or (last_call_at is not None and now >= last_call_at)
+                    view.count >= s.max_nodes
+                    or (recover_size is not None and view.count <= recover_size)
+                    or (last_call_at is not None and now >= last_call_at)
                 )
                 ready_since = (ready_since or now) if ready else None
                 attempt_at = None

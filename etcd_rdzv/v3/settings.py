@@ -8,6 +8,12 @@ keep the names and defaults of torch's ``DynamicRendezvousHandler`` (seconds):
 * ``join_timeout`` (600): how long ``next_rendezvous`` may take; not counted
   down while a full, running group keeps the node out (torch's redundancy list).
 * ``last_call_timeout`` (30): extra wait for more nodes once ``min_nodes`` joined.
+* ``fast_recovery`` (true): a round that re-forms a group without growing it
+  (this node was a member of the previous round, and the new round has no more
+  joiners than that group had) is sealed as soon as the previous group has left,
+  without the last call: every surviving member is back by then (leaving the old
+  round and joining the new one is one transaction), so waiting longer only
+  delays training. A round that grows still waits ``last_call_timeout``.
 * ``close_timeout`` (30): deadline of ``set_closed`` / ``shutdown``.
 * ``heartbeat``: the TTL of each node's lease, i.e. how long after its last
   keep-alive a node counts as dead. Default ``keep_alive_interval`` (5) x
@@ -60,6 +66,8 @@ class _Params(Protocol):
 
     def get(self, key: str, default: Any = None) -> Any: ...
 
+    def get_as_bool(self, key: str, default: bool | None = None) -> bool | None: ...
+
 
 @dataclass(frozen=True)
 class V3Settings:
@@ -80,6 +88,7 @@ class V3Settings:
     lease_ttl: int = DEFAULT_LEASE_TTL
     state_ttl: int = DEFAULT_STATE_TTL
     key_prefix: str = DEFAULT_KEY_PREFIX
+    fast_recovery: bool = True
 
     def __post_init__(self) -> None:
         if not self.run_id:
@@ -149,5 +158,6 @@ def parse_settings(params: _Params) -> tuple[V3Settings, EtcdClientOptions]:
         lease_ttl=lease_ttl,
         state_ttl=config.state_ttl,
         key_prefix=config.key_prefix,
+        fast_recovery=bool(params.get_as_bool("fast_recovery", True)),
     )
     return settings, config.client
