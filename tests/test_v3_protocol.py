@@ -412,6 +412,22 @@ def test_backup_sealer_takes_over_a_silent_first_node(nodes: Nodes) -> None:
         keeper.close()
 
 
+def test_the_join_that_fills_the_round_seals_it(nodes: Nodes, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last joiner learns from its join's answer that the round is full and
+    seals at once; it does not wait for its place in the backup order."""
+    import etcd_rdzv.v3.rendezvous as rendezvous
+
+    monkeypatch.setattr(rendezvous, "SEAL_BACKUP_DELAY", 3600.0)  # position 1 would wait an hour
+    keeper = nodes.client.keeper(10)
+    try:
+        nodes.client.put(nodes.keys.join_key(1, "silent"), b"{}", lease=keeper.id)
+        (h,) = nodes.many(1, 2, 2)
+        r = nodes.start(h)[0].result(timeout=WAIT)
+        assert (r.rank, r.world_size) == (1, 2)
+    finally:
+        keeper.close()
+
+
 def test_previous_round_must_be_empty_to_seal(nodes: Nodes) -> None:
     (h,) = nodes.many(1, 1, 1)
     run_lease = nodes.client.lease_grant(30)

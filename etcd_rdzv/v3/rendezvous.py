@@ -62,7 +62,13 @@ SEAL_BACKUP_DELAY = 1.0
 joiner tries at once, the k-th joiner after ``k * SEAL_BACKUP_DELAY`` (it stands
 in for earlier joiners that are alive but slow; a dead one's key is gone, which
 moves everyone up a place at once). This keeps a round at about one seal
-transaction, not one per node, even when the first joiner lags behind."""
+transaction, not one per node, even when the first joiner lags behind.
+
+One exception: the node whose join filled the round (its join answer showed
+``max_nodes`` joiners and the previous round empty) seals at once, from that
+answer, before any watch event; the others then stand in one place later. It is
+the only node that knows the round is full without first reading every other
+join from its watch, which at hundreds of nodes takes longer than the seal."""
 
 _local_ids = itertools.count()
 
@@ -499,6 +505,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 watch.cancel()
                 raise RendezvousClosedError(f"the handler of node {self._node_id} was shut down")
             self._watch = watch
+        # Our own join filled the round: seal from the join's answer (see SEAL_BACKUP_DELAY).
+        filled_it = view.vacated and view.count >= s.max_nodes
         last_call_at: float | None = None
         ready_since: float | None = None
         tried_at_change = -1
@@ -520,7 +528,12 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 ready_since = (ready_since or now) if ready else None
                 attempt_at = None
                 if ready_since is not None and not i_sealed and tried_at_change != view.changes:
-                    attempt_at = ready_since + view.before * SEAL_BACKUP_DELAY
+                    place = view.before
+                    if filled_it:
+                        place = 0
+                    elif view.count >= s.max_nodes:
+                        place += 1  # the node that filled the round seals first
+                    attempt_at = ready_since + place * SEAL_BACKUP_DELAY
                 if attempt_at is not None and now >= attempt_at:
                     tried_at_change = view.changes
                     i_sealed = self._try_seal(round_, previous)
