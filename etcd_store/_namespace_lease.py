@@ -148,3 +148,25 @@ class NamespaceLease:
                 except EtcdError as e:
                     log.info("could not renew namespace lease of %r: %s", self._key, e)
                     pause = min(interval, 1.0)
+
+
+class GivenLease:
+    """A lease the caller owns and keeps alive (``EtcdStore(lease=...)``): no RPC here.
+
+    Writes are attached to it; if etcd no longer knows it, the write fails with
+    that error (the store cannot renew a lease it does not own).
+    """
+
+    def __init__(self, lease_id: int) -> None:
+        if not isinstance(lease_id, int) or isinstance(lease_id, bool) or lease_id <= 0:
+            raise ValueError(f"EtcdStore lease must be a positive lease id, got {lease_id!r}")
+        self._id = lease_id
+
+    def current(self, timeout: float) -> int:
+        return self._id
+
+    def lost(self, lease_id: int, timeout: float) -> int:
+        raise EtcdError(f"{LEASE_NOT_FOUND}: lease {lease_id:x}, given to this EtcdStore, expired")
+
+    def close(self) -> None:
+        pass

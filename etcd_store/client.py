@@ -323,8 +323,15 @@ def _range_request(
     limit: int,
     revision: int = 0,
     serializable: bool = False,
+    sort_by: str | None = None,
+    descending: bool = False,
 ) -> Any:
     end = prefix_range_end(key) if prefix else range_end
+    sort: dict[str, int] = {}
+    if sort_by is not None:
+        if sort_by not in _SORT_TARGETS:
+            raise ValueError(f"sort_by must be one of {sorted(_SORT_TARGETS)}, got {sort_by!r}")
+        sort = {"sort_target": _SORT_TARGETS[sort_by], "sort_order": 2 if descending else 1}
     return rpc_pb2.RangeRequest(
         key=key,
         range_end=end or b"",
@@ -333,7 +340,12 @@ def _range_request(
         limit=limit,
         revision=revision,
         serializable=serializable,
+        **sort,
     )
+
+
+# RangeRequest.SortTarget; sort_order 1 = ASCEND, 2 = DESCEND.
+_SORT_TARGETS = {"key": 0, "version": 1, "create": 2, "mod": 3, "value": 4}
 
 
 # --------------------------------------------------------------------------- RPC counting
@@ -728,11 +740,19 @@ class EtcdClient:
         limit: int = 0,
         revision: int = 0,
         serializable: bool = False,
+        sort_by: str | None = None,
+        descending: bool = False,
         timeout: float | None = None,
     ) -> RangeResult:
-        """Read a key, a range, or a prefix. One Range RPC."""
+        """Read a key, a range, or a prefix. One Range RPC.
+
+        ``sort_by`` (``"key"``, ``"version"``, ``"create"``, ``"mod"``, ``"value"``)
+        orders the keys etcd returns (ascending unless ``descending``); with
+        ``limit`` that picks, say, the earliest-created key of a prefix.
+        """
         req = _range_request(
-            key, range_end, prefix, keys_only, count_only, limit, revision, serializable
+            key, range_end, prefix, keys_only, count_only, limit, revision, serializable,
+            sort_by, descending,
         )
         resp = self._call("KV", "Range", req, timeout=timeout, what=f"read {key!r}")
         return _range_result(resp)

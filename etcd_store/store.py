@@ -59,7 +59,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from ._layout import DEFAULT_CHUNK_BYTES, MAGIC, Layout, Manifest
-from ._namespace_lease import NamespaceLease, is_lease_missing
+from ._namespace_lease import GivenLease, NamespaceLease, is_lease_missing
 from .client import (
     DeleteResult,
     EtcdClient,
@@ -221,7 +221,7 @@ class _Patient:
 class _Shared:
     """What a store and its clones share: the client, the namespace lease, a reference count."""
 
-    def __init__(self, client: EtcdClient, owns_client: bool, lease: NamespaceLease) -> None:
+    def __init__(self, client: EtcdClient, owns_client: bool, lease: NamespaceLease | GivenLease) -> None:
         self.client = client
         self.owns_client = owns_client
         self.lease = lease
@@ -256,6 +256,9 @@ class EtcdStore(dist.Store):
             store timeout, 300 s, when not given). ``set_timeout`` changes it.
         ca_cert, cert, key, user, password, protocol: TLS and auth options of
             :class:`~etcd_store.client.EtcdClient` (only with an endpoint string).
+        lease: attach every key to this lease instead, which the caller owns and
+            keeps alive (the store then grants, records and refreshes nothing, and
+            opening it costs no RPC); ``lease_ttl`` is ignored.
         lease_ttl: seconds the namespace survives its last live store (see the
             module docstring); at least 2.
         chunk_bytes: values above this size are stored in chunks of this size.
@@ -281,6 +284,7 @@ class EtcdStore(dist.Store):
         lease_ttl: int = DEFAULT_LEASE_TTL,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         client_timeout: float = 30.0,
+        lease: int | None = None,
     ) -> None:
         super().__init__()
         layout = Layout(prefix)
@@ -307,11 +311,12 @@ class EtcdStore(dist.Store):
             raise TypeError(
                 f"EtcdStore endpoints must be a str or an EtcdClient, got {type(endpoints).__name__}"
             )
-        lease = NamespaceLease(client, layout.lease_key, lease_ttl)
-        self._setup(_Shared(client, owns, lease), layout, datetime.timedelta(seconds=seconds), chunk_bytes)
+        keeper: NamespaceLease | GivenLease
+        keeper = NamespaceLease(client, layout.lease_key, lease_ttl) if lease is None else GivenLease(lease)
+        self._setup(_Shared(client, owns, keeper), layout, datetime.timedelta(seconds=seconds), chunk_bytes)
         try:
             with _dist_errors(f"__init__(prefix={layout.prefix!r})"):
-                lease.current(self._rpc_timeout())
+                keeper.current(self._rpc_timeout())
         except BaseException:
             self.close()
             raise

@@ -175,6 +175,33 @@ def test_a_lost_namespace_lease_is_replaced_and_writes_go_on(etcd_endpoint: str)
         client.close()
 
 
+def test_a_given_lease_carries_every_key_and_its_loss_is_an_error(etcd_endpoint: str) -> None:
+    """EtcdStore(lease=L): keys ride on the caller's lease; the store records and
+    refreshes nothing; once etcd drops L, writes fail clearly instead of renewing."""
+    counter = RpcCounter()
+    client = EtcdClient(etcd_endpoint, interceptors=[counter])
+    lease = client.lease_grant(30)
+    counter.reset()
+    store = EtcdStore(client, prefix="given-lease", timeout=datetime.timedelta(seconds=5), lease=lease)
+    try:
+        assert counter.total() == 0  # opening the store cost no RPC
+        store.set("k", "v")
+        assert store.add("n", 2) == 2
+        store.queue_push("q", "item")
+        res = client.range(b"given-lease", prefix=True)
+        assert {kv.lease for kv in res.kvs} == {lease}
+        assert client.get(b"given-lease\0lease") is None
+        client.lease_revoke(lease)
+        assert not store.check(["k"])
+        with pytest.raises(dist.DistStoreError, match="lease"):
+            store.set("k2", "v")
+    finally:
+        store.close()
+        client.close()
+    with pytest.raises(ValueError, match="lease"):
+        EtcdStore(etcd_endpoint, prefix="bad-lease", lease=0)
+
+
 @pytest.mark.parametrize("threads", [16])
 def test_one_store_shared_by_many_threads(etcd_endpoint: str, threads: int) -> None:
     with EtcdStore(etcd_endpoint, prefix="threads", timeout=datetime.timedelta(seconds=30)) as store:

@@ -567,6 +567,30 @@ def test_next_rendezvous_store_and_bootstrap_per_round(nodes: Nodes) -> None:
     del first_port
 
 
+def test_bootstrap_is_rank0s_join_value_and_the_store_rides_the_run_lease(nodes: Nodes) -> None:
+    """Members read MASTER_ADDR/PORT from rank 0's join key at the seal revision (the
+    port rank 0 put there when joining), and the round's store writes its keys
+    under the run lease, with no namespace lease of its own."""
+    a, b = nodes.many(2, 2, 2)
+    infos = [f.result(timeout=WAIT) for f in [nodes.pool.submit(h.next_rendezvous) for h in (a, b)]]
+    by_rank = {i.rank: (h, i) for h, i in zip((a, b), infos, strict=True)}
+    host, _ = by_rank[0]
+    joined = nodes.client.get(nodes.keys.join_key(1, host.node_id))
+    assert joined is not None
+    value = json.loads(joined.value)
+    for _, info in by_rank.values():
+        assert (info.bootstrap_store_info.master_addr, info.bootstrap_store_info.master_port) == (
+            value["addr"], value["port"])
+    # Rank 0 also published both in the store, where torch's build() would look.
+    assert int(infos[0].store.get("MASTER_PORT")) == value["port"]
+    infos[1].store.set("mine", "1")
+    run_lease = protocol.read_meta(nodes.client, nodes.keys).run_lease
+    assert run_lease is not None
+    res = nodes.client.range(nodes.keys.store_prefix(1).encode(), prefix=True)
+    assert res.kvs and {kv.lease for kv in res.kvs} == {run_lease}
+    assert not any(b"\0lease" in kv.key for kv in res.kvs)
+
+
 def test_unreachable_etcd_is_a_connection_error_naming_it() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -37,6 +37,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousStoreInfo,
     RendezvousTimeoutError,
 )
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 from etcd_store.client import EtcdClient, LeaseKeeper, Watch
 from etcd_store.errors import EtcdCompactedError, EtcdError, EtcdTimeoutError
@@ -47,7 +48,6 @@ from .protocol import ProtocolStateError, RoundView, Sealed, Signal, SignalKind
 from .settings import V3Settings
 
 if TYPE_CHECKING:
-    from torch.distributed import Store
 
     from etcd_store import EtcdStore
 
@@ -127,6 +127,19 @@ class _JoinDeadline:
         return not self.suspended and now >= self.at
 
 
+def _address_of(value: bytes) -> tuple[str | None, int | None]:
+    """``(addr, port)`` of a join value; None for what it lacks or what is malformed."""
+    try:
+        doc = json.loads(value)
+    except ValueError:
+        return None, None
+    if not isinstance(doc, dict):
+        return None, None
+    addr, port = doc.get("addr"), doc.get("port")
+    return (addr if isinstance(addr, str) and addr else None,
+            port if isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536 else None)
+
+
 def _lease_gone(err: EtcdError) -> bool:
     return "lease not found" in str(err)
 
@@ -151,7 +164,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._keys = RunKeys.for_run(settings.key_prefix, settings.run_id)
         addr = settings.node_addr.replace("/", "_")
         self._node_id = f"{addr}_{os.getpid()}_{next(_local_ids)}_{uuid.uuid4().hex[:6]}"
-        self._node_value = json.dumps({"addr": settings.node_addr, "pid": os.getpid()}).encode()
+        self._node_value = b""  # set per next_round: see _join_value
         self._rdzv_lock = threading.Lock()
         self._lock = threading.Lock()
         self._keeper: LeaseKeeper | None = None
@@ -202,15 +215,48 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         result = self.next_round()
         store = self._round_store(result.round)
         try:
-            bootstrap = RendezvousStoreInfo.build(
-                result.rank, store, local_addr=self._settings.node_addr
-            )
+            bootstrap = self._bootstrap_info(result, store)
         except Exception as e:
             raise RendezvousConnectionError(
                 f"Round {result.round} of the rendezvous {self._settings.run_id!r} was sealed, "
                 f"but exchanging MASTER_ADDR/MASTER_PORT through its store failed: {e}"
             ) from e
         return RendezvousInfo(store, result.rank, result.world_size, bootstrap)
+
+    def _bootstrap_info(self, result: RoundResult, store: EtcdStore) -> RendezvousStoreInfo:
+        """``MASTER_ADDR``/``MASTER_PORT`` of the round: rank 0's address and the free
+        port it put in its join key. One Range per node, no waiting on rank 0.
+
+        Others read the earliest join key at the seal revision (rank 0 by the
+        membership rule); rank 0 reads its own key and also publishes both values
+        in the round's store (one Txn), where torch's ``RendezvousStoreInfo.build``
+        looks for them: the fallback when the seal revision is unknown or
+        compacted, or an old join value carries no port.
+        """
+        keys, client = self._keys, self._client
+        if result.rank == 0:
+            kv = client.get(keys.join_key(result.round, self._node_id))
+            addr, port = _address_of(kv.value if kv is not None else b"")
+            if addr is None or port is None:
+                addr, port = self._settings.node_addr, get_free_port()
+            store.multi_set(
+                [RendezvousStoreInfo.MASTER_ADDR_KEY, RendezvousStoreInfo.MASTER_PORT_KEY],
+                [addr.encode(), str(port).encode()],
+            )
+            return RendezvousStoreInfo(addr, port)
+        if result.seal_revision:
+            try:
+                res = client.range(
+                    keys.join_prefix(result.round), prefix=True, sort_by="create", limit=1,
+                    revision=result.seal_revision,
+                )
+            except EtcdCompactedError:
+                res = None
+            if res is not None and res.kvs:
+                addr, port = _address_of(res.kvs[0].value)
+                if addr is not None and port is not None:
+                    return RendezvousStoreInfo(addr, port)
+        return RendezvousStoreInfo.build(result.rank, store, local_addr=self._settings.node_addr)
 
     def next_round(self) -> RoundResult:
         """The barrier of :meth:`next_rendezvous`, without the store (tests, benchmarks).
@@ -366,6 +412,14 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     # ------------------------------------------------------------------ leases
 
+    def _join_value(self) -> bytes:
+        """What this node's join key holds: its address, pid, and a free port of its
+        host picked now. If it becomes rank 0, that port is the round's
+        ``MASTER_PORT`` (torch picks it the same way, once the round is known)."""
+        return json.dumps(
+            {"addr": self._settings.node_addr, "pid": os.getpid(), "port": get_free_port()}
+        ).encode()
+
     def _check_not_shut_down(self) -> None:
         if self._shut_down:
             raise RendezvousClosedError(f"the handler of node {self._node_id} was shut down")
@@ -423,6 +477,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         costs one failed join, whose answer carries the current record.
         """
         keys, client = self._keys, self._client
+        self._node_value = self._join_value()
         # The group this node leaves: a round that only re-forms it may skip the last call.
         prior_round, prior_world = self._member_round, self._member_world
         self._member_round = None
@@ -687,18 +742,24 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     # ------------------------------------------------------------------ the store
 
-    def _round_store(self, round_: int) -> Store:
-        """The round's ``EtcdStore``; the store of our previous round is closed (its
-        namespace lease then expires ``state_ttl`` after its last user closed it)."""
+    def _round_store(self, round_: int) -> EtcdStore:
+        """The round's ``EtcdStore``; the store of our previous round is closed.
+
+        Its keys are bound to the run lease (they go when a later seal deletes old
+        rounds, when the last node leaves, or with the run lease); without a known
+        run lease the store keeps a namespace lease of TTL ``state_ttl`` instead."""
         from etcd_store import EtcdStore
 
         self._close_store()
         try:
+            # The round's keys ride on the run lease, which every node keeps alive
+            # already: opening the store costs no RPC and no keep-alive of its own.
             store = EtcdStore(
                 self._client,
                 prefix=self._keys.store_prefix(round_),
                 timeout=timedelta(seconds=self._client.timeout),
                 lease_ttl=max(self._settings.state_ttl, 2),
+                lease=self._run_lease,
             )
         except Exception as e:
             raise RendezvousConnectionError(
