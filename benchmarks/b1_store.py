@@ -311,46 +311,68 @@ def _op_fn(c: Contender, op: str, rep: int) -> Callable[[int], Any]:
     raise ValueError(op)
 
 
-def _batch(c: Contender, op: str, rep: int, ops: int, warmup: int, late: _LateWriter | None,
-           budget: float) -> tuple[list[float], float | None]:
-    """Latencies (seconds) of ``ops`` calls, and RPCs per call (None when not countable).
+def _late_fn(c: Contender, late: _LateWriter, rep: int) -> Callable[[int], Any]:
+    """One ``wait`` on a key that ``late`` writes ``LATE_DELAY`` after being asked."""
 
-    A batch stops early once it has run ``budget`` seconds (torch's v2
-    ``multi_get`` of 256 keys takes seconds per call), after at least one call.
+    def call(i: int) -> Any:
+        key = f"late/{rep}/{i}"
+        late.requests.put(key)
+        return c.waiter.wait([key])
+
+    return call
+
+
+def _interleaved(cs: dict[str, Contender], op: str, rep: int, ops: int, warmup: int,
+                 writers: dict[str, _LateWriter], budget: float,
+                 errors: dict[str, dict[str, str]]) -> dict[str, tuple[list[float], float | None]]:
+    """Latencies (seconds) of ``ops`` calls per contender, and RPCs per call (None when not countable).
+
+    The contenders take turns call by call (the order rotates every call), so slow
+    drifts of the machine hit them alike. A contender stops early once its calls
+    took ``budget`` seconds in all (torch's v2 ``multi_get`` of 256 keys takes
+    about a second per call), after at least one call. A contender whose call
+    raises is dropped for this op, its error recorded in ``errors``.
     """
-    times: list[float] = []
-    stop_at = time.perf_counter() + budget
-    if op == "wait_later":
-        assert late is not None
-        for i in range(warmup + ops):
-            key = f"late/{rep}/{i}"
-            if i == warmup and c.counter is not None:
-                c.counter.reset()
-            t0 = time.perf_counter()
-            late.requests.put(key)
-            c.waiter.wait([key])
-            t1 = time.perf_counter()
-            if i >= warmup:
-                times.append(t1 - t0)
-                if t1 > stop_at:
-                    break
-    else:
-        fn = _op_fn(c, op, rep)
-        for i in range(warmup):
-            fn(i)
-            if time.perf_counter() > stop_at:
-                break
+    fns: dict[str, Callable[[int], Any]] = {}
+    for name, c in cs.items():
+        try:
+            fn = _late_fn(c, writers[name], rep) if op == "wait_later" else _op_fn(c, op, rep)
+            for i in range(warmup):
+                fn(-1 - i if op != "wait_later" else ops + i)
+        except Exception as e:
+            errors[name][op] = f"{type(e).__name__}: {e}"
+            say(f"B1 {name} {op}: FAILED {errors[name][op][:200]}")
+            continue
         if c.counter is not None:
             c.counter.reset()
-        for i in range(ops):
+        fns[name] = fn
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    spent = dict.fromkeys(fns, 0.0)
+    live = list(fns)
+    for i in range(ops):
+        if not live:
+            break
+        for name in rotated(live, i):
             t0 = time.perf_counter()
-            fn(i)
-            t1 = time.perf_counter()
-            times.append(t1 - t0)
-            if t1 > stop_at:
-                break
-    rpcs = c.counter.total() / len(times) if c.counter is not None and times else None
-    return times, rpcs
+            try:
+                fns[name](i)
+            except Exception as e:
+                errors[name][op] = f"{type(e).__name__}: {e}"
+                say(f"B1 {name} {op}: FAILED {errors[name][op][:200]}")
+                live.remove(name)
+                continue
+            elapsed = time.perf_counter() - t0
+            times[name].append(elapsed)
+            spent[name] += elapsed
+            if spent[name] > budget:
+                live.remove(name)
+    out: dict[str, tuple[list[float], float | None]] = {}
+    for name, ts in times.items():
+        if op in errors[name] or not ts:
+            continue
+        counter = cs[name].counter
+        out[name] = (ts, counter.total() / len(ts) if counter is not None else None)
+    return out
 
 
 def run_b1(farm: EtcdFarm, tcp_endpoint: str, contenders: list[str], reps: int, ops: int, late_ops: int,
@@ -369,22 +391,17 @@ def run_b1(farm: EtcdFarm, tcp_endpoint: str, contenders: list[str], reps: int, 
         gc_was = gc.isenabled()
         for rep in range(reps):
             gc.collect()
-            for k, op in enumerate(OPS):
-                for name in rotated(contenders, rep + k):
-                    c = objs[name]
-                    if op in c.unsupported or op in errors[name]:
-                        continue
-                    n = late_ops if op == "wait_later" else ops
-                    gc.disable()
-                    try:
-                        times, per_call = _batch(c, op, rep, n, 2, writers[name], batch_budget)
-                    except Exception as e:
-                        errors[name][op] = f"{type(e).__name__}: {e}"
-                        say(f"B1 {name} {op}: FAILED {errors[name][op][:200]}")
-                        continue
-                    finally:
-                        if gc_was:
-                            gc.enable()
+            for op in OPS:
+                cs = {name: objs[name] for name in contenders
+                      if op not in objs[name].unsupported and op not in errors[name]}
+                n = late_ops if op == "wait_later" else ops
+                gc.disable()
+                try:
+                    measured = _interleaved(cs, op, rep, n, 2, writers, batch_budget, errors)
+                finally:
+                    if gc_was:
+                        gc.enable()
+                for name, (times, per_call) in measured.items():
                     series[name][op].add_run(times)
                     if per_call is not None:
                         rpcs[name][op].append(per_call)

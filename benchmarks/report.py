@@ -231,7 +231,8 @@ def markdown(results: dict[str, Any]) -> str:
                       "RPCs per op (" + " / ".join(cs) + ")"], rows),
             "",
             f"{b1['reps']} runs × up to {b1['ops_per_batch']} calls ({b1['late_ops_per_batch']} for the "
-            f"late write; a batch stops after {b1['batch_budget_s']} s), {b1['value_bytes']}-byte values, "
+            f"late write; the contenders take turns call by call, each stopping after {b1['batch_budget_s']} s "
+            f"of calls), {b1['value_bytes']}-byte values, "
             f"{b1['keys_in_namespace']} keys in the namespace. {b1['note']}",
             "",
             "![B1](b1_store.png)",
