@@ -1133,7 +1133,6 @@ class LeaseKeeper:
         self._stop = threading.Event()
         self._call: Any = None
         self._also: frozenset[int] = frozenset()
-        self._just_granted = True
         self._thread = threading.Thread(target=self._run, name=f"etcd-lease-{self.id:x}", daemon=True)
         self._thread.start()
 
@@ -1149,13 +1148,6 @@ class LeaseKeeper:
     def _requests(self) -> Iterator[Any]:
         interval = max(self.ttl / 3.0, 0.2)
         request = rpc_pb2.LeaseKeepAliveRequest(ID=self.id)
-        if self._just_granted:
-            # The lease was granted with its full TTL a moment ago: the first refresh
-            # can wait one interval (this spares etcd a renewal per lease in a burst
-            # of grants). A reopened stream refreshes at once.
-            self._just_granted = False
-            if self._stop.wait(interval):
-                return
         while True:
             yield request
             for extra in self._also:
@@ -1165,6 +1157,12 @@ class LeaseKeeper:
 
     def _run(self) -> None:
         client = self._client
+        # The lease was granted with its full TTL a moment ago: the stream opens when
+        # the first refresh is due, one interval later (a burst of grants, such as a
+        # rendezvous of many nodes, then opens no streams at all). A reopened stream
+        # refreshes at once.
+        if self._stop.wait(max(self.ttl / 3.0, 0.2)):
+            return
         while not self._stop.is_set():
             index, member = client._stream_member()
             try:
