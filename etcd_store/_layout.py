@@ -8,11 +8,14 @@ For a namespace ``ns`` (the store's prefix, UTF-8):
 ``ns\\0lease``                                  the id of the namespace lease
 ``ns\\0c/<gen>/<index>``                        one chunk of a value too big for one request
 ``ns\\0w/<store>/<thread>``                     the last add/append/queue_pop of one store thread
+``ns\\0queues``                                 exists once a queue item was pushed in the namespace
 =============================================  =========================================
 
 User keys live under ``ns/`` and contain no NUL byte, so every internal key is
 either outside that range (``ns\\0...`` sorts before ``ns/``) or contains a NUL
-(queue items). A queue's items sit right after its key, so one range
+(queue items). ``num_keys`` is one count-only range over ``ns/`` as long as
+``ns\\0queues`` does not exist (no queue item was ever pushed: nothing to leave
+out); after that it lists the keys. A queue's items sit right after its key, so one range
 ``[ns/<key>, ns/<key>\\1)`` covers a key and its queue: ``check`` and ``wait``
 read or watch one range per key.
 
@@ -73,6 +76,7 @@ class Layout:
         self.user_start = self.ns + b"/"
         self.user_end = self.ns + b"0"  # "/" + 1: the end of the user range
         self.lease_key = self.ns + b"\0lease"
+        self.queues_key = self.ns + b"\0queues"
         self._chunks = self.ns + b"\0c/"
         self._markers = self.ns + b"\0w/"
 

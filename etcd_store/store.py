@@ -211,10 +211,10 @@ class _Patient:
 
     def txn(
         self, compare: Sequence[Any], success: Sequence[Any], failure: Sequence[Any] = (), *,
-        timeout: float,
+        timeout: float, idempotent: bool = False,
     ) -> TxnResult:
         return self._retry(
-            lambda t: self.raw.txn(compare, success, failure, timeout=t, ), timeout
+            lambda t: self.raw.txn(compare, success, failure, timeout=t, idempotent=idempotent), timeout
         )
 
 
@@ -470,10 +470,26 @@ class EtcdStore(dist.Store):
             return res.deleted > 0
 
     def num_keys(self) -> int:  # type: ignore[override]
-        """How many keys this namespace holds (queues and internal keys not counted). One Range.
+        """How many keys this namespace holds (queues and internal keys not counted).
 
-        TCPStore counts one internal key more; this store counts only user keys.
+        One Txn of two count-only ranges while no queue item was ever pushed in the
+        namespace; after that one more Range listing the keys (queue items share the
+        user key range and must be left out). TCPStore counts one internal key more;
+        this store counts only user keys.
         """
+        layout = self._layout
+        with _dist_errors("num_keys()"):
+            res = self._client.txn(
+                [],
+                [op_get(layout.user_start, layout.user_end, count_only=True),
+                 op_get(layout.queues_key, count_only=True)],
+                timeout=self._rpc_timeout(),
+                idempotent=True,
+            )
+        users, queues = res.responses
+        assert isinstance(users, RangeResult) and isinstance(queues, RangeResult)
+        if queues.count == 0:
+            return users.count
         return len(self._user_keys("num_keys()"))
 
     def list_keys(self) -> list[str]:  # type: ignore[override]
@@ -716,14 +732,22 @@ class EtcdStore(dist.Store):
     # ------------------------------------------------------------------ queues
 
     def queue_push(self, key: str | bytes, value: str | bytes) -> None:  # type: ignore[override]
-        """Append ``value`` to the queue ``key``. One Put."""
+        """Append ``value`` to the queue ``key``. One Txn: put the item, and mark the
+        namespace as holding queues (see :meth:`num_keys`)."""
         k = self._layout.key(key)
         v = _as_bytes(value, "value")
         item = self._layout.new_queue_item(k)
+        queues_key = self._layout.queues_key
         with _dist_errors(f"queue_push({key!r})"):
             t = self._rpc_timeout()
             res = self._with_lease(
-                lambda lease: self._client.put(item, self._encode(v, lease, t), lease=lease, timeout=t), t
+                lambda lease: self._client.txn(
+                    [],
+                    [op_put(item, self._encode(v, lease, t), lease=lease), op_put(queues_key, b"1", lease=lease)],
+                    timeout=t,
+                    idempotent=True,  # the item key is unique: a replay writes the same two keys
+                ),
+                t,
             )
         # Remember the item: a later queue_pop by this store can guess it is the oldest.
         qp = Layout.queue_prefix(k)
