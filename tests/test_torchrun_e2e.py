@@ -12,12 +12,7 @@ Python processes (~20-40 s on two busy cores).
 from __future__ import annotations
 
 import itertools
-import json
 import os
-import signal
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -25,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from torchrun_agents import TorchrunAgents
 
 from etcd_server import EtcdServer
 from etcd_store.client import EtcdClient
@@ -42,93 +38,22 @@ V2_CONF = (
 LEGACY_CONF = "timeout=120,last_call_timeout=60,etcd_prefix=/e2e/legacy,read_timeout=10"
 
 
-class Agents:
-    """torchrun agents started by one test; :meth:`kill` ends their process groups."""
-
-    def __init__(self, tmp_path: Path) -> None:
-        self.tmp_path = tmp_path
-        self.out_dir = tmp_path / "results"
-        self.out_dir.mkdir()
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.logs: list[Path] = []
+class Agents(TorchrunAgents):
+    """torchrun agents running ``scripts/check_ranks.py``; :meth:`kill` ends their process groups."""
 
     def start(
         self, n: int, *, backend: str, endpoint: str, nnodes: str, conf: str, run_id: str,
         env: dict[str, str] | None = None,
     ) -> None:  # fmt: skip
-        child_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo",
-                     "LOGLEVEL": "INFO", "PYTHONFAULTHANDLER": "1"}
-        child_env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
-        child_env.update(env or {})
-        for _ in range(n):
-            log = self.tmp_path / f"agent-{len(self.procs)}.log"
-            cmd = [
-                sys.executable, "-m", "torch.distributed.run",
-                f"--nnodes={nnodes}", f"--nproc-per-node={NPROC}",
-                f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
-                f"--rdzv-conf={conf}", "--monitor-interval=0.5", "--max-restarts=0",
-                "--local-addr=127.0.0.1", str(SCRIPT), str(self.out_dir),
-            ]  # fmt: skip
-            with open(log, "wb") as f:
-                self.procs.append(
-                    subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env, start_new_session=True)
-                )
-            self.logs.append(log)
-
-    def wait(self, timeout: float) -> list[int | None]:
-        """Exit codes (None for an agent still running at the deadline)."""
-        deadline = time.monotonic() + timeout
-        codes: list[int | None] = []
-        for proc in self.procs:
-            try:
-                codes.append(proc.wait(timeout=max(deadline - time.monotonic(), 0.01)))
-            except subprocess.TimeoutExpired:
-                codes.append(None)
-        if None in codes:
-            self.dump_stacks()  # into the logs, for the failure message
-        return codes
-
-    def dump_stacks(self) -> None:
-        """SIGABRT the agents and workers still running: faulthandler prints their stacks."""
-        for proc in self.procs:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGABRT)
-                except ProcessLookupError:
-                    pass
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-
-    def log_tails(self, lines: int = 60) -> str:
-        parts = []
-        for log in self.logs:
-            text = log.read_text(errors="replace").splitlines()
-            parts.append(f"----- {log.name}\n" + "\n".join(text[-lines:]))
-        return "\n".join(parts)
+        self.launch(n, [
+            f"--nnodes={nnodes}", f"--nproc-per-node={NPROC}",
+            f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
+            f"--rdzv-conf={conf}", "--monitor-interval=0.5", "--max-restarts=0",
+            "--local-addr=127.0.0.1", str(SCRIPT), str(self.out_dir),
+        ], env=env)  # fmt: skip
 
     def results(self) -> list[dict[str, Any]]:
-        return [json.loads(p.read_text()) for p in sorted(self.out_dir.glob("rank-*.json"))]
-
-    def kill(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
-            try:  # workers left behind in the agent's group
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        return self.read_results("rank-*.json")
 
 
 @pytest.fixture

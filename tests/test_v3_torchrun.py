@@ -14,17 +14,15 @@ Cost: each agent and worker imports torch (three agents = nine processes,
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from torchrun_agents import TorchrunAgents
 
 from etcd_server import EtcdServer
 from etcd_store.client import EtcdClient
@@ -84,77 +82,28 @@ sys.exit(1 if problems else 0)
 CONF = "join_timeout=120,last_call_timeout=60,close_timeout=10,heartbeat=3,read_timeout=10"
 
 
-class Agents:
-    """torchrun agents started by one test; :meth:`kill` ends their process groups."""
+class Agents(TorchrunAgents):
+    """torchrun agents (etcd-v3, ``--nnodes=2:3``) running :data:`WORKER`."""
 
     def __init__(self, tmp_path: Path) -> None:
-        self.tmp_path = tmp_path
-        self.out_dir = tmp_path / "results"
-        self.out_dir.mkdir()
+        super().__init__(tmp_path)
         self.script = tmp_path / "worker.py"
         self.script.write_text(WORKER)
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.logs: list[Path] = []
 
     def start(
         self, n: int, *, endpoint: str, run_id: str, conf: str, key_prefix: str,
         max_restarts: int = 0, kill_rank0_host: bool = False,
     ) -> None:  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo"}
-        for _ in range(n):
-            log = self.tmp_path / f"agent-{len(self.procs)}.log"
-            cmd = [
-                sys.executable, "-m", "torch.distributed.run",
-                "--nnodes=2:3", f"--nproc-per-node={NPROC}",
-                "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
-                f"--rdzv-conf={conf},key_prefix={key_prefix}", "--monitor-interval=0.5",
-                f"--max-restarts={max_restarts}", "--local-addr=127.0.0.1",
-                str(self.script), str(self.out_dir), "1" if kill_rank0_host else "0",
-            ]  # fmt: skip
-            with open(log, "wb") as f:
-                self.procs.append(
-                    subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-                )
-            self.logs.append(log)
-
-    def wait(self, timeout: float) -> list[int | None]:
-        """Exit codes (None for an agent still running at the deadline)."""
-        deadline = time.monotonic() + timeout
-        codes: list[int | None] = []
-        for proc in self.procs:
-            try:
-                codes.append(proc.wait(timeout=max(deadline - time.monotonic(), 0.01)))
-            except subprocess.TimeoutExpired:
-                codes.append(None)
-        return codes
-
-    def log_tails(self, lines: int = 40) -> str:
-        parts = []
-        for log in self.logs:
-            text = log.read_text(errors="replace").splitlines()
-            parts.append(f"----- {log.name}\n" + "\n".join(text[-lines:]))
-        return "\n".join(parts)
+        self.launch(n, [
+            "--nnodes=2:3", f"--nproc-per-node={NPROC}",
+            "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
+            f"--rdzv-conf={conf},key_prefix={key_prefix}", "--monitor-interval=0.5",
+            f"--max-restarts={max_restarts}", "--local-addr=127.0.0.1",
+            str(self.script), str(self.out_dir), "1" if kill_rank0_host else "0",
+        ])  # fmt: skip
 
     def results(self, world: int) -> list[dict[str, Any]]:
-        return [json.loads(p.read_text()) for p in sorted(self.out_dir.glob(f"world-{world}-rank-*.json"))]
-
-    def kill(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
-            try:  # workers left behind in the agent's group
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        return self.read_results(f"world-{world}-rank-*.json")
 
 
 @pytest.fixture
