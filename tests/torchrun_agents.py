@@ -61,14 +61,18 @@ class TorchrunAgents:
             self.dump_stacks()
         return codes
 
-    def dump_stacks(self) -> None:
-        """SIGABRT the agents and workers still running: faulthandler prints their stacks."""
+    def _signal_running(self, sig: signal.Signals) -> None:
+        """Send ``sig`` to the process group of every agent still running."""
         for proc in self.procs:
             if proc.poll() is None:
                 try:
-                    os.killpg(proc.pid, signal.SIGABRT)
+                    os.killpg(proc.pid, sig)
                 except ProcessLookupError:
                     pass
+
+    def dump_stacks(self) -> None:
+        """SIGABRT the agents and workers still running: faulthandler prints their stacks."""
+        self._signal_running(signal.SIGABRT)
         for proc in self.procs:
             try:
                 proc.wait(timeout=10)
@@ -88,12 +92,7 @@ class TorchrunAgents:
 
     def kill(self) -> None:
         """End every agent's process group (SIGTERM, then SIGKILL), workers left behind included."""
-        for proc in self.procs:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+        self._signal_running(signal.SIGTERM)
         for proc in self.procs:
             try:
                 proc.wait(timeout=10)
