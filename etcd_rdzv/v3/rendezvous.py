@@ -48,7 +48,6 @@ from .protocol import ProtocolStateError, RoundView, Sealed, Signal, SignalKind
 from .settings import V3Settings
 
 if TYPE_CHECKING:
-
     from etcd_store import EtcdStore
 
 log = logging.getLogger(__name__)
