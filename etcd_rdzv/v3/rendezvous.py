@@ -163,7 +163,6 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._keys = RunKeys.for_run(settings.key_prefix, settings.run_id)
         addr = settings.node_addr.replace("/", "_")
         self._node_id = f"{addr}_{os.getpid()}_{next(_local_ids)}_{uuid.uuid4().hex[:6]}"
-        self._node_value = b""  # set per next_round: see _join_value
         self._rdzv_lock = threading.Lock()
         self._lock = threading.Lock()
         self._keeper: LeaseKeeper | None = None
@@ -476,7 +475,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         costs one failed join, whose answer carries the current record.
         """
         keys, client = self._keys, self._client
-        self._node_value = self._join_value()
+        value = self._join_value()  # one free port per next_round call
         # The group this node leaves: a round that only re-forms it may skip the last call.
         prior_round, prior_world = self._member_round, self._member_world
         self._member_round = None
@@ -500,7 +499,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             previous = self._joined.key if self._joined is not None else None
             try:
                 outcome = protocol.join(
-                    client, keys, self._node_id, self._node_value, lease, sealed,
+                    client, keys, self._node_id, value, lease, sealed,
                     previous_key=previous,
                 )
             except EtcdError as e:
