@@ -1133,6 +1133,7 @@ class LeaseKeeper:
         self._stop = threading.Event()
         self._call: Any = None
         self._also: frozenset[int] = frozenset()
+        self._interval = max(self.ttl / 3.0, 0.2)  # between keep-alives
         self._thread = threading.Thread(target=self._run, name=f"etcd-lease-{self.id:x}", daemon=True)
         self._thread.start()
 
@@ -1146,7 +1147,7 @@ class LeaseKeeper:
         return self._also
 
     def _requests(self) -> Iterator[Any]:
-        interval = max(self.ttl / 3.0, 0.2)
+        interval = self._interval
         request = rpc_pb2.LeaseKeepAliveRequest(ID=self.id)
         while True:
             yield request
@@ -1161,7 +1162,7 @@ class LeaseKeeper:
         # the first refresh is due, one interval later (a burst of grants, such as a
         # rendezvous of many nodes, then opens no streams at all). A reopened stream
         # refreshes at once.
-        if self._stop.wait(max(self.ttl / 3.0, 0.2)):
+        if self._stop.wait(self._interval):
             return
         while not self._stop.is_set():
             index, member = client._stream_member()
