@@ -74,6 +74,9 @@ class Stress:
         self.handlers: list[EtcdV3RendezvousHandler] = []
         self.waiting: set[EtcdV3RendezvousHandler] = set()
         self.fakes: set[str] = set()
+        # lease id -> time the chaos thread revoked it: a node whose lease ends
+        # has left its group then, even if its thread still "runs" the group.
+        self.revoked_at: dict[int, float] = {}
         self.stop = threading.Event()
         self.errors: list[BaseException] = []
         self.deaths = self.rejoins = self.lease_kills = 0
@@ -106,20 +109,28 @@ class Stress:
                     with self.lock:
                         self.waiting.discard(handler)
                 entry = Entry(result, time.monotonic())
+                lease = handler._keeper.id if handler._keeper is not None else None
                 with self.lock:
                     self.entries.append(entry)
                 self.stop.wait(rng.uniform(0.0, 0.15))  # the group "runs"
                 if rng.random() < P_DIE:
-                    entry.t_out = time.monotonic()
+                    entry.t_out = self.left_at(lease)
                     self.kill(handler)
                     self.stop.wait(rng.uniform(0.0, 0.3))
                     handler = self.new_handler(slot)
                     self.deaths += 1
                 else:
-                    entry.t_out = time.monotonic()  # about to leave the group: re-join
+                    entry.t_out = self.left_at(lease)  # about to leave the group: re-join
                     self.rejoins += 1
         except BaseException as e:  # recorded, re-raised by the test
             self.errors.append(e)
+
+    def left_at(self, lease: int | None) -> float:
+        """Now, or earlier if the chaos thread revoked the node's lease meanwhile
+        (chaos picks waiting nodes, but one may be admitted as it picks)."""
+        with self.lock:
+            revoked = self.revoked_at.get(lease, float("inf")) if lease is not None else float("inf")
+        return min(time.monotonic(), revoked)
 
     def kill(self, handler: EtcdV3RendezvousHandler) -> None:
         """The node dies: no shutdown (that would close the run), its lease just ends."""
@@ -141,6 +152,8 @@ class Stress:
                     if waiting:
                         keeper = rng.choice(waiting)._keeper
                         if keeper is not None:
+                            with self.lock:
+                                self.revoked_at.setdefault(keeper.id, time.monotonic())
                             self.client.lease_revoke(keeper.id)
                             self.lease_kills += 1
             except Exception as e:
