@@ -105,6 +105,23 @@ def tagged_pids(tag: str) -> set[int]:
     return found
 
 
+def _all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is stopped (state ``T``/``t``) or gone."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return True
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                state = f.read().rpartition(b")")[2].split()[0]
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue  # the thread ended
+        if state not in (b"T", b"t", b"Z", b"X"):
+            return False
+    return True
+
+
 def _signal(pids: set[int], sig: int) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
@@ -249,9 +266,20 @@ class LocalAgent:
             stopped |= new
         return stopped
 
-    def freeze(self) -> set[int]:
-        """SIGSTOP the agent and all its processes (a hung node); returns their pids."""
-        return self._stop_all()
+    def freeze(self, timeout: float = 10.0) -> set[int]:
+        """SIGSTOP the agent and all its processes (a hung node); returns their pids.
+
+        Returns once every thread of those processes is stopped (so anything
+        they log carries an earlier time than the moment this returns).
+        Raises ``RuntimeError`` if one is still running after ``timeout``.
+        """
+        pids = self._stop_all()
+        deadline = time.monotonic() + timeout
+        while running := {pid for pid in pids if not _all_threads_stopped(pid)}:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"node {self.name}: processes {sorted(running)} did not stop")
+            time.sleep(0.005)  # the kernel signals no event when a process has stopped
+        return pids
 
     def thaw(self) -> None:
         """SIGCONT every process of the node (after :meth:`freeze`)."""

@@ -11,7 +11,8 @@ What one worker does: joins a gloo process group (``env://``, from torchrun's
 ``MASTER_ADDR``/``MASTER_PORT``), trains a one-layer model under
 DistributedDataParallel on synthetic data, and every ``--ckpt-every`` steps
 rank 0 saves the model and the step to ``<ckpt-dir>/checkpoint.pt``
-(atomically: written aside, then renamed). A worker group started after a
+(atomically: written aside, then renamed; not at all once a newer group has
+started, so a stale group never overwrites a newer checkpoint). A worker group started after a
 restart or a re-rendezvous resumes from that checkpoint, so a node loss costs
 at most ``--ckpt-every`` steps. ``--step-time`` stretches each step to stand in
 for real compute, so that faults can land mid-training. The job ends when the
@@ -190,14 +191,19 @@ def _target_steps(args: argparse.Namespace) -> int:
     return int(args.steps)
 
 
+def _current_round(ckpt_dir: str) -> int:
+    """The generation counter: the round of the newest worker group (0 before any)."""
+    try:
+        with open(os.path.join(ckpt_dir, ROUND_NAME)) as f:
+            return int(f.read().strip() or 0)
+    except FileNotFoundError:
+        return 0
+
+
 def _next_round(ckpt_dir: str) -> int:
     """Bump and return the generation counter (rank 0 only)."""
     path = os.path.join(ckpt_dir, ROUND_NAME)
-    try:
-        with open(path) as f:
-            last = int(f.read().strip() or 0)
-    except FileNotFoundError:
-        last = 0
+    last = _current_round(ckpt_dir)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
         f.write(str(last + 1))
@@ -280,6 +286,15 @@ def run(args: argparse.Namespace) -> int:
         if rank == 0 and step % args.ckpt_every == 0:
             tmp = f"{ckpt_path}.{os.getpid()}.tmp"
             torch.save({"model": model.state_dict(), "step": step}, tmp)
+            # Fenced by the round: a group that a newer one replaced (this node
+            # was frozen, say, and is thawed before its agent stops it) must not
+            # put an older checkpoint over the newer group's.
+            if _current_round(args.ckpt_dir) != base["round"]:
+                os.unlink(tmp)
+                log.error("round %d was superseded; checkpoint of step %d dropped", base["round"], step)
+                writer.close()
+                logging.shutdown()
+                os._exit(1)  # skips gloo's destructors, which can hang on a dead group
             os.replace(tmp, ckpt_path)
             writer.write(Record(kind="ckpt", t=time.time(), step=step, **base))
 
