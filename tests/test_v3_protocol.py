@@ -262,10 +262,10 @@ def test_over_max_nodes_move_to_the_next_round(nodes: Nodes) -> None:
 # --------------------------------------------------------------------------- failures
 
 
-def _fake_join(nodes: Nodes, round_: int, name: str, ttl: int) -> int:
+def _fake_join(nodes: Nodes, round_: int, name: str, ttl: int, value: bytes = b"{}") -> int:
     """A node that joins and then dies: a join key bound to a lease nobody refreshes."""
     lease = nodes.client.lease_grant(ttl)
-    nodes.client.put(nodes.keys.join_key(round_, name), b"{}", lease=lease)
+    nodes.client.put(nodes.keys.join_key(round_, name), value, lease=lease)
     return lease
 
 
@@ -589,6 +589,31 @@ def test_bootstrap_is_rank0s_join_value_and_the_store_rides_the_run_lease(nodes:
     res = nodes.client.range(nodes.keys.store_prefix(1).encode(), prefix=True)
     assert res.kvs and {kv.lease for kv in res.kvs} == {run_lease}
     assert not any(b"\0lease" in kv.key for kv in res.kvs)
+
+
+def test_bootstrap_after_the_earliest_joiner_left(nodes: Nodes) -> None:
+    """The earliest joiner leaves before the seal: every member gets the address
+    and port of the new rank 0 (the earliest join key at the seal revision), none
+    the leaver's."""
+    b, c, d, e = nodes.many(4, 4, 4)
+    prefix = nodes.join_prefix(1)
+    leaver = json.dumps({"addr": "192.0.2.1", "port": 4242, "pid": 1}).encode()
+    lease = _fake_join(nodes, 1, "early-leaver", ttl=30, value=leaver)  # the earliest joiner, for now
+    futures = [nodes.pool.submit(b.next_rendezvous)]
+    wait_count(nodes.client, prefix, 2)
+    futures.append(nodes.pool.submit(c.next_rendezvous))
+    wait_count(nodes.client, prefix, 3)
+    nodes.client.lease_revoke(lease)  # leaves before the seal: b becomes rank 0
+    wait_count(nodes.client, prefix, 2)
+    futures += [nodes.pool.submit(h.next_rendezvous) for h in (d, e)]
+    infos = [f.result(timeout=WAIT) for f in futures]
+    assert infos[0].rank == 0
+    joined = nodes.client.get(nodes.keys.join_key(1, b.node_id))
+    assert joined is not None
+    value = json.loads(joined.value)
+    for info in infos:
+        boot = info.bootstrap_store_info
+        assert (boot.master_addr, boot.master_port) == (value["addr"], value["port"])
 
 
 def test_unreachable_etcd_is_a_connection_error_naming_it() -> None:
