@@ -442,6 +442,63 @@ def test_previous_round_must_be_empty_to_seal(nodes: Nodes) -> None:
     assert protocol.seal(nodes.client, keys, 2, sealed, run_lease).ok
 
 
+def test_seal_names_rank0_only_while_its_join_key_is_unchanged(nodes: Nodes) -> None:
+    """The sealed record carries rank 0's address and port, fenced by the mod
+    revision of the join key they were read from; a stale read fails the seal
+    on that compare alone (the caller then seals without them)."""
+    (h,) = nodes.many(1, 1, 1)
+    keys = h.keys
+    run_lease = nodes.client.lease_grant(30)
+    node_lease = nodes.client.lease_grant(30)
+    key = keys.join_key(1, "rank0")
+    put = nodes.client.put(key, json.dumps({"addr": "10.0.0.7", "port": 29500}).encode(), lease=node_lease)
+    stale = protocol.Master(key, put.revision, "10.0.0.7", 29500)
+    nodes.client.put(key, json.dumps({"addr": "10.0.0.7", "port": 29611}).encode(), lease=node_lease)
+    out = protocol.seal(nodes.client, keys, 1, Sealed(), run_lease, master=stale)
+    assert not out.ok
+    assert (out.sealed, out.closed, out.prev_count) == (Sealed(), False, 0)  # failed on master alone
+    kv = nodes.client.get(key)
+    assert kv is not None
+    fresh = protocol.Master(key, kv.mod_revision, "10.0.0.7", 29611)
+    assert protocol.seal(nodes.client, keys, 1, Sealed(), run_lease, master=fresh).ok
+    sealed = protocol.read_meta(nodes.client, keys).sealed
+    assert (sealed.round, sealed.master) == (1, ("10.0.0.7", 29611))
+
+
+def test_members_take_master_from_the_sealed_record(nodes: Nodes) -> None:
+    """Whoever seals (here the node that filled the round, not rank 0) names rank 0's
+    address and port in the sealed record; every member's bootstrap info is that."""
+    hs = nodes.many(3, 3, 3)
+    infos = [f.result(timeout=WAIT) for f in [nodes.pool.submit(h.next_rendezvous) for h in hs]]
+    sealed = protocol.read_meta(nodes.client, nodes.keys).sealed
+    rank0 = next(h for h, i in zip(hs, infos, strict=True) if i.rank == 0)
+    joined = nodes.client.get(nodes.keys.join_key(1, rank0.node_id))
+    assert joined is not None
+    value = json.loads(joined.value)
+    assert sealed.master == (value["addr"], value["port"])
+    assert {(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port) for i in infos} == {
+        sealed.master
+    }
+
+
+def test_without_master_in_the_sealed_record_members_read_rank0s_key(
+    nodes: Nodes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sealed record without rank 0's address (its key changed under the sealer):
+    members read the earliest join key at the seal revision instead."""
+    monkeypatch.setattr(EtcdV3RendezvousHandler, "_master_of", lambda self, view, value: None)
+    hs = nodes.many(3, 3, 3)
+    infos = [f.result(timeout=WAIT) for f in [nodes.pool.submit(h.next_rendezvous) for h in hs]]
+    assert protocol.read_meta(nodes.client, nodes.keys).sealed.master is None
+    rank0 = next(h for h, i in zip(hs, infos, strict=True) if i.rank == 0)
+    joined = nodes.client.get(nodes.keys.join_key(1, rank0.node_id))
+    assert joined is not None
+    value = json.loads(joined.value)
+    assert {(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port) for i in infos} == {
+        (value["addr"], value["port"])
+    }
+
+
 def test_a_join_whose_answer_was_lost_is_found_again(nodes: Nodes, monkeypatch: pytest.MonkeyPatch) -> None:
     """The join applied, its answer was lost, the round got sealed, the replay failed:
     the node must find itself in the sealed round rather than orphan its key."""

@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "JoinOutcome",
+    "Master",
     "Meta",
     "Occupancy",
     "RoundView",
@@ -89,17 +90,35 @@ class Sealed:
     round: int = 0
     revision: int = 0
     run_lease: int | None = None
+    master: tuple[str, int] | None = None  # rank 0's (addr, port), when the sealer knew it
 
     @classmethod
     def from_kv(cls, kv: KeyValue | None) -> Sealed:
         if kv is None:
             return cls()
-        round_, run_lease = decode_sealed(kv.value, kv.key)
-        return cls(round_, kv.mod_revision, run_lease)
+        round_, run_lease, master = decode_sealed(kv.value, kv.key)
+        return cls(round_, kv.mod_revision, run_lease, master)
 
 
-def decode_sealed(value: bytes, key: bytes = b"ctl/sealed") -> tuple[int, int | None]:
-    """``(round, run lease)`` of a ``ctl/sealed`` value; errors name ``key`` (the full etcd key)."""
+@dataclass(frozen=True)
+class Master:
+    """Rank 0's address and port for the ``sealed`` record, read from its join key.
+
+    ``key`` and ``mod_revision`` identify that key as read: the seal compares its
+    mod revision, so the record names rank 0 only if that key is still the one
+    read (an earlier join key cannot appear later, so it is still the earliest).
+    """
+
+    key: bytes
+    mod_revision: int
+    addr: str
+    port: int
+
+
+def decode_sealed(value: bytes, key: bytes = b"ctl/sealed") -> tuple[int, int | None, tuple[str, int] | None]:
+    """``(round, run lease, rank 0's (addr, port) or None)`` of a ``ctl/sealed`` value;
+    errors name ``key`` (the full etcd key). A malformed ``master`` is ignored (the
+    members then read rank 0's join key instead)."""
     where = key.decode("utf-8", "replace")
     try:
         record = json.loads(value)
@@ -111,11 +130,24 @@ def decode_sealed(value: bytes, key: bytes = b"ctl/sealed") -> tuple[int, int | 
         ) from None
     if not isinstance(number, int) or number < 1:
         raise ProtocolStateError(f"{where} holds round {number!r}, not a positive integer")
-    return number, run_lease
+    return number, run_lease, _master_in(record.get("master"))
 
 
-def _encode_sealed(number: int, run_lease: int) -> bytes:
-    return json.dumps({"round": number, "run_lease": f"{run_lease:x}"}).encode()
+def _master_in(value: object) -> tuple[str, int] | None:
+    """``(addr, port)`` of a sealed record's ``master`` field; None if absent or malformed."""
+    if not isinstance(value, list) or len(value) != 2:
+        return None
+    addr, port = value
+    if not isinstance(addr, str) or not addr or isinstance(port, bool) or not isinstance(port, int):
+        return None
+    return (addr, port) if 0 < port < 65536 else None
+
+
+def _encode_sealed(number: int, run_lease: int, master: Master | None) -> bytes:
+    record: dict[str, object] = {"round": number, "run_lease": f"{run_lease:x}"}
+    if master is not None:
+        record["master"] = [master.addr, master.port]
+    return json.dumps(record).encode()
 
 
 def decode_members(value: bytes, key: bytes = b"a members record") -> list[str]:
@@ -396,6 +428,7 @@ def seal(
     previous: Sealed,
     run_lease: int,
     *,
+    master: Master | None = None,
     timeout: float | None = None,
 ) -> SealOutcome:
     """Seal ``round_`` (= ``previous.round + 1``). One Txn::
@@ -403,22 +436,31 @@ def seal(
         if   mod(sealed) == previous.revision           (nobody sealed since)
              and version(closed) == 0
              and version(join/(T-1)/ ...) == 0           (previous round vacated)
-        then put sealed = T (run lease); delete rounds/ older than T-1
+             [and mod(master.key) == master.mod_revision]
+        then put sealed = T (run lease, master's addr and port); delete rounds/ older than T-1
         else get sealed; get closed; count join/(T-1)/
 
-    The members are the join keys that exist at the returned revision.
+    The members are the join keys that exist at the returned revision. A failure
+    whose answer shows ``sealed`` unchanged, the run open and the previous round
+    vacated failed on ``master`` alone: seal again without it.
     """
     if round_ != previous.round + 1:
         raise ValueError(f"cannot seal round {round_} after round {previous.round}")
     prev_prefix = keys.join_prefix(round_ - 1)
     start, end = keys.rounds_before(round_ - 1)
+    compare = [
+        compare_mod(keys.sealed, "==", previous.revision),
+        compare_version(keys.closed, "==", 0),
+        compare_version(prev_prefix, "==", 0, range_end=prefix_range_end(prev_prefix)),
+    ]
+    if master is not None:
+        compare.append(compare_mod(master.key, "==", master.mod_revision))
     res = client.txn(
+        compare,
         [
-            compare_mod(keys.sealed, "==", previous.revision),
-            compare_version(keys.closed, "==", 0),
-            compare_version(prev_prefix, "==", 0, range_end=prefix_range_end(prev_prefix)),
+            op_put(keys.sealed, _encode_sealed(round_, run_lease, master), lease=run_lease),
+            op_delete(start, end),
         ],
-        [op_put(keys.sealed, _encode_sealed(round_, run_lease), lease=run_lease), op_delete(start, end)],
         [
             op_get(keys.sealed),
             op_get(keys.closed, count_only=True),
@@ -525,6 +567,7 @@ class Signal:
     round: int = 0
     revision: int = 0
     run_lease: int | None = None
+    master: tuple[str, int] | None = None
 
 
 class RoundView:
@@ -556,6 +599,7 @@ class RoundView:
         self.after: dict[str, int] = {}
         self.prev_count = prev_count
         self.revision = revision
+        self.join_revision = revision  # our join's revision: our key's mod revision
         self.changes = 0
 
     @property
@@ -580,8 +624,8 @@ class RoundView:
         if key == self.keys.sealed:
             if event.type == "DELETE":
                 return Signal(SignalKind.RESET, revision=kv.mod_revision)
-            round_, run_lease = decode_sealed(kv.value, key)
-            return Signal(SignalKind.SEALED, round_, kv.mod_revision, run_lease)
+            round_, run_lease, master = decode_sealed(kv.value, key)
+            return Signal(SignalKind.SEALED, round_, kv.mod_revision, run_lease, master)
         if key == self.keys.closed:
             return Signal(SignalKind.CLOSED, revision=kv.mod_revision) if event.type == "PUT" else None
         if key == self.keys.run:

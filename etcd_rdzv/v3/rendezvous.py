@@ -10,7 +10,10 @@ See :mod:`etcd_rdzv.v3.protocol` and the README's design note.
 
 Cost of an uncontended ``next_rendezvous`` (node already holding its lease): one
 read-only Txn, one join Txn, one watch; one seal Txn for one node per round;
-plus the store bootstrap (``RendezvousStoreInfo.build``).
+plus the store bootstrap: one Txn for rank 0 (it publishes MASTER_ADDR/PORT in
+the round's store), nothing for the others (the sealed record names rank 0's
+address and port; the sealer reads rank 0's join key first, one Range, unless it
+is rank 0).
 """
 
 from __future__ import annotations
@@ -139,6 +142,11 @@ def _address_of(value: bytes) -> tuple[str | None, int | None]:
             port if isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536 else None)
 
 
+def _failed_on_master_alone(res: protocol.SealOutcome, previous: Sealed) -> bool:
+    """Whether a failed seal's answer shows every condition but ``master``'s held."""
+    return res.sealed.revision == previous.revision and not res.closed and res.prev_count == 0
+
+
 def _lease_gone(err: EtcdError) -> bool:
     return "lease not found" in str(err)
 
@@ -171,6 +179,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._joined: _Joined | None = None
         self._member_round: int | None = None
         self._member_world = 0
+        self._round_master: tuple[str, int] | None = None  # from the sealed record of our round
         self._watch: Watch | None = None
         self._shut_down = False
         self._store: EtcdStore | None = None
@@ -223,18 +232,27 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     def _bootstrap_info(self, result: RoundResult, store: EtcdStore) -> RendezvousStoreInfo:
         """``MASTER_ADDR``/``MASTER_PORT`` of the round: rank 0's address and the free
-        port it put in its join key. One Range per node, no waiting on rank 0.
+        port it put in its join key. No waiting on rank 0, and usually no RPC: the
+        sealed record names them (see :meth:`_master_of`).
 
-        Others read the earliest join key at the seal revision (rank 0 by the
-        membership rule); rank 0 reads its own key and also publishes both values
-        in the round's store (one Txn), where torch's ``RendezvousStoreInfo.build``
-        looks for them: the fallback when the seal revision is unknown or
-        compacted, or an old join value carries no port.
+        When it does not, the others read the earliest join key at the seal
+        revision (rank 0 by the membership rule) and rank 0 reads its own key.
+        Rank 0 also publishes both values in the round's store (one Txn), where
+        torch's ``RendezvousStoreInfo.build`` looks for them: the fallback when the
+        seal revision is unknown or compacted, or an old join value carries no port.
         """
         keys, client = self._keys, self._client
+        master = self._round_master
+        if master is not None and result.rank != 0:
+            return RendezvousStoreInfo(*master)
         if result.rank == 0:
-            kv = client.get(keys.join_key(result.round, self._node_id))
-            addr, port = _address_of(kv.value if kv is not None else b"")
+            addr: str | None
+            port: int | None
+            if master is not None:
+                addr, port = master
+            else:
+                kv = client.get(keys.join_key(result.round, self._node_id))
+                addr, port = _address_of(kv.value if kv is not None else b"")
             if addr is None or port is None:
                 addr, port = self._settings.node_addr, get_free_port()
             store.multi_set(
@@ -479,6 +497,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         # The group this node leaves: a round that only re-forms it may skip the last call.
         prior_round, prior_world = self._member_round, self._member_world
         self._member_round = None
+        self._round_master = None
         sealed = self._sealed
         fresh_read = False
         while True:
@@ -522,7 +541,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             self._joined = _Joined(target, key)
             log.debug("node %s joined round %d at revision %d", self._node_id, target, outcome.revision)
             recovering = self._settings.fast_recovery and prior_round == target - 1
-            waited = self._wait(target, outcome, sealed, deadline, prior_world if recovering else None)
+            waited = self._wait(target, outcome, sealed, deadline, value, prior_world if recovering else None)
             if isinstance(waited, RoundResult):
                 self._joined = _Joined(target, key, member=True)
                 return waited
@@ -537,6 +556,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         outcome: protocol.JoinOutcome,
         previous: Sealed,
         deadline: _JoinDeadline,
+        value: bytes,
         recover_size: int | None = None,
     ) -> RoundResult | _Retry:
         """Wait on the ``ctl/`` watch until round ``round_`` is sealed; seal it when due.
@@ -589,7 +609,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     attempt_at = ready_since + place * SEAL_BACKUP_DELAY
                 if attempt_at is not None and now >= attempt_at:
                     tried_at_change = view.changes
-                    i_sealed = self._try_seal(round_, previous)
+                    i_sealed = self._try_seal(round_, previous, view, value)
                     continue
                 deadline.suspend(view.prev_count >= s.max_nodes)
                 if deadline.expired(now) and not timing_out:
@@ -622,21 +642,46 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     self._watch = None
             watch.cancel()
 
-    def _try_seal(self, round_: int, previous: Sealed) -> bool:
-        """One seal attempt (and the run lease, the first time); whether we sealed."""
+    def _try_seal(self, round_: int, previous: Sealed, view: RoundView, value: bytes) -> bool:
+        """One seal attempt (and the run lease, the first time); whether we sealed.
+
+        The sealed record also names rank 0's address and port (see
+        :meth:`_master_of`), so that no member has to read them after the seal.
+        """
         run_lease = self._run_lease
         if run_lease is None:
             run_lease = self._create_run_lease()
+        master = self._master_of(view, value)
         try:
-            res = protocol.seal(self._client, self._keys, round_, previous, run_lease)
+            res = protocol.seal(self._client, self._keys, round_, previous, run_lease, master=master)
         except EtcdError as e:
             if not _lease_gone(e):
                 raise
             self._run_lease = None  # expired: ``ctl/run`` went with it
-            res = protocol.seal(self._client, self._keys, round_, previous, self._create_run_lease())
+            run_lease = self._create_run_lease()
+            res = protocol.seal(self._client, self._keys, round_, previous, run_lease, master=master)
+        if not res.ok and master is not None and _failed_on_master_alone(res, previous):
+            # Rank 0's key changed since we read it: seal without naming it.
+            res = protocol.seal(self._client, self._keys, round_, previous, run_lease)
         if res.ok:
             log.debug("node %s sealed round %d at revision %d", self._node_id, round_, res.revision)
         return res.ok
+
+    def _master_of(self, view: RoundView, value: bytes) -> protocol.Master | None:
+        """Rank 0's join key as the sealed record should name it: our own (no RPC) when
+        no earlier joiner is left, else the earliest join key (one Range)."""
+        keys = self._keys
+        if view.before == 0:
+            key, mod_revision = keys.join_key(view.round, self._node_id), view.join_revision
+        else:
+            res = self._client.range(keys.join_prefix(view.round), prefix=True, sort_by="create", limit=1)
+            if not res.kvs:
+                return None
+            key, mod_revision, value = res.kvs[0].key, res.kvs[0].mod_revision, res.kvs[0].value
+        addr, port = _address_of(value)
+        if addr is None or port is None:
+            return None
+        return protocol.Master(key, mod_revision, addr, port)
 
     def _on_signal(
         self,
@@ -661,7 +706,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             return _Retry(previous)
         if signal.kind is SignalKind.RESET or signal.round != view.round:
             return _Retry(None)
-        sealed = Sealed(signal.round, signal.revision, signal.run_lease)
+        sealed = Sealed(signal.round, signal.revision, signal.run_lease, signal.master)
         self._learn(sealed)
         world_size = min(view.count, s.max_nodes)
         if i_sealed:
@@ -673,6 +718,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             )
         elif view.before < s.max_nodes:
             self._member_round, self._member_world = view.round, world_size
+            self._round_master = signal.master
             return RoundResult(view.round, view.before, world_size, signal.revision, self._node_id)
         self._joined = _Joined(view.round, self._keys.join_key(view.round, self._node_id), member=False)
         if timing_out:
