@@ -252,8 +252,13 @@ class LocalAgent:
         except subprocess.TimeoutExpired:
             return None
 
-    def _stop_all(self) -> set[int]:
-        """SIGSTOP the node's processes until no new one appears; return them."""
+    def _stop_all(self, timeout: float = 10.0, *, must_stop: bool = True) -> set[int]:
+        """SIGSTOP the node's processes until no new one appears; return them.
+
+        Returns once every thread of those processes is stopped (so anything
+        they log carries an earlier time than the moment this returns), or
+        after ``timeout``: then raises ``RuntimeError`` if ``must_stop``.
+        """
         stopped: set[int] = set()
         if self.running():
             os.kill(self.pid, signal.SIGSTOP)  # a stopped agent starts no new worker
@@ -264,22 +269,19 @@ class LocalAgent:
                 break
             _signal(new, signal.SIGSTOP)
             stopped |= new
+        deadline = time.monotonic() + timeout
+        while running := {pid for pid in stopped if not _all_threads_stopped(pid)}:
+            if time.monotonic() > deadline:
+                if not must_stop:
+                    break
+                raise RuntimeError(f"node {self.name}: processes {sorted(running)} did not stop")
+            time.sleep(0.005)  # the kernel signals no event when a process has stopped
         return stopped
 
     def freeze(self, timeout: float = 10.0) -> set[int]:
-        """SIGSTOP the agent and all its processes (a hung node); returns their pids.
-
-        Returns once every thread of those processes is stopped (so anything
-        they log carries an earlier time than the moment this returns).
-        Raises ``RuntimeError`` if one is still running after ``timeout``.
-        """
-        pids = self._stop_all()
-        deadline = time.monotonic() + timeout
-        while running := {pid for pid in pids if not _all_threads_stopped(pid)}:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"node {self.name}: processes {sorted(running)} did not stop")
-            time.sleep(0.005)  # the kernel signals no event when a process has stopped
-        return pids
+        """SIGSTOP the agent and all its processes (a hung node); returns their pids
+        once all are stopped. Raises ``RuntimeError`` if one still runs after ``timeout``."""
+        return self._stop_all(timeout)
 
     def thaw(self) -> None:
         """SIGCONT every process of the node (after :meth:`freeze`)."""
@@ -295,7 +297,7 @@ class LocalAgent:
         SIGKILLs them; blocks until none is alive. Returns ``time.time()`` of
         the kill. Raises ``RuntimeError`` if a process survives ``timeout``.
         """
-        pids = self._stop_all()
+        pids = self._stop_all(min(timeout, 5.0), must_stop=False)
         killed_at = time.time()
         _signal(pids, signal.SIGKILL)
         deadline = time.monotonic() + timeout
