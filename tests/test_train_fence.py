@@ -11,13 +11,13 @@ for the newer group's start.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 from etcd_rdzv.demo import LocalAgent
 from etcd_rdzv.train import CHECKPOINT_NAME, ROUND_NAME, Record, read_records
@@ -27,16 +27,10 @@ pytestmark = pytest.mark.timeout(180)
 REPO = str(Path(__file__).resolve().parent.parent)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _worker(tmp_path: Path, steps: int, step_time: float) -> subprocess.Popen[bytes]:
     env = {
         **os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
+        "MASTER_PORT": str(get_free_port()), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
         "PYTHONPATH": REPO,
     }  # fmt: skip
     return subprocess.Popen(

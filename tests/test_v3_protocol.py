@@ -13,12 +13,12 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from typing import Any
 
 import pytest
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -133,6 +133,24 @@ def lease_of(handler: EtcdV3RendezvousHandler) -> int:
     keeper = handler._keeper
     assert keeper is not None
     return keeper.id
+
+
+def rendezvous_all(nodes: Nodes, handlers: Iterable[EtcdV3RendezvousHandler]) -> list[RendezvousInfo]:
+    """``next_rendezvous`` of every handler at once, in threads; their results in order."""
+    return [f.result(timeout=WAIT) for f in [nodes.pool.submit(h.next_rendezvous) for h in handlers]]
+
+
+def masters(infos: Iterable[RendezvousInfo]) -> set[tuple[str, int]]:
+    """The distinct (MASTER_ADDR, MASTER_PORT) the members were given."""
+    return {(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port) for i in infos}
+
+
+def joined_address(nodes: Nodes, handler: EtcdV3RendezvousHandler, round_: int = 1) -> tuple[str, int]:
+    """(addr, port) that ``handler`` put in its join key of ``round_``."""
+    kv = nodes.client.get(nodes.keys.join_key(round_, handler.node_id))
+    assert kv is not None
+    value = json.loads(kv.value)
+    return value["addr"], value["port"]
 
 
 # --------------------------------------------------------------------------- barrier
@@ -469,16 +487,11 @@ def test_members_take_master_from_the_sealed_record(nodes: Nodes) -> None:
     """Whoever seals (here the node that filled the round, not rank 0) names rank 0's
     address and port in the sealed record; every member's bootstrap info is that."""
     hs = nodes.many(3, 3, 3)
-    infos = [f.result(timeout=WAIT) for f in [nodes.pool.submit(h.next_rendezvous) for h in hs]]
+    infos = rendezvous_all(nodes, hs)
     sealed = protocol.read_meta(nodes.client, nodes.keys).sealed
     rank0 = next(h for h, i in zip(hs, infos, strict=True) if i.rank == 0)
-    joined = nodes.client.get(nodes.keys.join_key(1, rank0.node_id))
-    assert joined is not None
-    value = json.loads(joined.value)
-    assert sealed.master == (value["addr"], value["port"])
-    assert {(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port) for i in infos} == {
-        sealed.master
-    }
+    assert sealed.master == joined_address(nodes, rank0)
+    assert masters(infos) == {sealed.master}
 
 
 def test_without_master_in_the_sealed_record_members_read_rank0s_key(
@@ -488,15 +501,10 @@ def test_without_master_in_the_sealed_record_members_read_rank0s_key(
     members read the earliest join key at the seal revision instead."""
     monkeypatch.setattr(EtcdV3RendezvousHandler, "_master_of", lambda self, view, value: None)
     hs = nodes.many(3, 3, 3)
-    infos = [f.result(timeout=WAIT) for f in [nodes.pool.submit(h.next_rendezvous) for h in hs]]
+    infos = rendezvous_all(nodes, hs)
     assert protocol.read_meta(nodes.client, nodes.keys).sealed.master is None
     rank0 = next(h for h, i in zip(hs, infos, strict=True) if i.rank == 0)
-    joined = nodes.client.get(nodes.keys.join_key(1, rank0.node_id))
-    assert joined is not None
-    value = json.loads(joined.value)
-    assert {(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port) for i in infos} == {
-        (value["addr"], value["port"])
-    }
+    assert masters(infos) == {joined_address(nodes, rank0)}
 
 
 def test_a_join_whose_answer_was_lost_is_found_again(nodes: Nodes, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -600,9 +608,9 @@ def test_each_handler_may_own_its_client(etcd_endpoint: str) -> None:
 
 def test_next_rendezvous_store_and_bootstrap_per_round(nodes: Nodes) -> None:
     a, b, c = nodes.many(3, 2, 3)
-    infos = [f.result(timeout=WAIT) for f in [nodes.pool.submit(h.next_rendezvous) for h in (a, b, c)]]
+    infos = rendezvous_all(nodes, (a, b, c))
     ranks = {h: i.rank for h, i in zip((a, b, c), infos, strict=True)}
-    boot = {(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port) for i in infos}
+    boot = masters(infos)
     assert len(boot) == 1 and next(iter(boot))[0] == "127.0.0.1"
     infos[0].store.set("k", "v")
     assert infos[1].store.get("k") == b"v"
@@ -612,9 +620,9 @@ def test_next_rendezvous_store_and_bootstrap_per_round(nodes: Nodes) -> None:
     host._close_store()
     nodes.client.lease_revoke(lease_of(host))
     rest = [h for h in (a, b, c) if h is not host]
-    infos2 = [f.result(timeout=WAIT) for f in [nodes.pool.submit(h.next_rendezvous) for h in rest]]
+    infos2 = rendezvous_all(nodes, rest)
     assert sorted(i.rank for i in infos2) == [0, 1] and {i.world_size for i in infos2} == {2}
-    boot2 = {(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port) for i in infos2}
+    boot2 = masters(infos2)
     assert len(boot2) == 1
     new_rank0 = next(h for h, i in zip(rest, infos2, strict=True) if i.rank == 0)
     assert new_rank0 is not host
@@ -629,17 +637,12 @@ def test_bootstrap_is_rank0s_join_value_and_the_store_rides_the_run_lease(nodes:
     port rank 0 put there when joining), and the round's store writes its keys
     under the run lease, with no namespace lease of its own."""
     a, b = nodes.many(2, 2, 2)
-    infos = [f.result(timeout=WAIT) for f in [nodes.pool.submit(h.next_rendezvous) for h in (a, b)]]
-    by_rank = {i.rank: (h, i) for h, i in zip((a, b), infos, strict=True)}
-    host, _ = by_rank[0]
-    joined = nodes.client.get(nodes.keys.join_key(1, host.node_id))
-    assert joined is not None
-    value = json.loads(joined.value)
-    for _, info in by_rank.values():
-        assert (info.bootstrap_store_info.master_addr, info.bootstrap_store_info.master_port) == (
-            value["addr"], value["port"])
+    infos = rendezvous_all(nodes, (a, b))
+    host = next(h for h, i in zip((a, b), infos, strict=True) if i.rank == 0)
+    address = joined_address(nodes, host)
+    assert masters(infos) == {address}
     # Rank 0 also published both in the store, where torch's build() would look.
-    assert int(infos[0].store.get("MASTER_PORT")) == value["port"]
+    assert int(infos[0].store.get("MASTER_PORT")) == address[1]
     infos[1].store.set("mine", "1")
     run_lease = protocol.read_meta(nodes.client, nodes.keys).run_lease
     assert run_lease is not None
@@ -665,12 +668,7 @@ def test_bootstrap_after_the_earliest_joiner_left(nodes: Nodes) -> None:
     futures += [nodes.pool.submit(h.next_rendezvous) for h in (d, e)]
     infos = [f.result(timeout=WAIT) for f in futures]
     assert infos[0].rank == 0
-    joined = nodes.client.get(nodes.keys.join_key(1, b.node_id))
-    assert joined is not None
-    value = json.loads(joined.value)
-    for info in infos:
-        boot = info.bootstrap_store_info
-        assert (boot.master_addr, boot.master_port) == (value["addr"], value["port"])
+    assert masters(infos) == {joined_address(nodes, b)}
 
 
 def test_unreachable_etcd_is_a_connection_error_naming_it() -> None:

@@ -70,14 +70,20 @@ class TorchrunAgents:
                 except ProcessLookupError:
                     pass
 
+    def _wait_each(self, timeout: float) -> list[subprocess.Popen[bytes]]:
+        """Wait up to ``timeout`` for each agent in turn; the ones still running."""
+        running = []
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                running.append(proc)
+        return running
+
     def dump_stacks(self) -> None:
         """SIGABRT the agents and workers still running: faulthandler prints their stacks."""
         self._signal_running(signal.SIGABRT)
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
+        self._wait_each(10)
 
     def log_tails(self, lines: int = 60) -> str:
         parts = []
@@ -93,12 +99,10 @@ class TorchrunAgents:
     def kill(self) -> None:
         """End every agent's process group (SIGTERM, then SIGKILL), workers left behind included."""
         self._signal_running(signal.SIGTERM)
+        for proc in self._wait_each(10):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
         for proc in self.procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
             try:  # workers left behind in the agent's group
                 os.killpg(proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
