@@ -14,7 +14,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .backend import EtcdRendezvousBackend, create_backend
+    from .dynamic.backend import EtcdRendezvousBackend, create_backend
+    from .dynamic.handler import EtcdRendezvousHandler
     from .handlers import (
         create_etcd_legacy_handler,
         create_etcd_legacy_rdzv_handler,
@@ -22,7 +23,6 @@ if TYPE_CHECKING:
         create_etcd_v2_rdzv_handler,
     )
     from .params import EtcdClientOptions, RdzvConfig, parse_client_options, parse_rdzv_config
-    from .rdzv_handler import EtcdRendezvousHandler
 
 __all__ = [
     "EtcdClientOptions",
@@ -39,9 +39,9 @@ __all__ = [
 ]
 
 _HOMES = {
-    "EtcdRendezvousBackend": "backend",
-    "create_backend": "backend",
-    "EtcdRendezvousHandler": "rdzv_handler",
+    "EtcdRendezvousBackend": "dynamic.backend",
+    "create_backend": "dynamic.backend",
+    "EtcdRendezvousHandler": "dynamic.handler",
     "EtcdClientOptions": "params",
     "RdzvConfig": "params",
     "parse_client_options": "params",

@@ -86,7 +86,7 @@ def _registration(name: str, ours: Creator) -> Creator:
 def _load_creator(name: str) -> Callable[..., RendezvousHandler]:
     """Import the heavy part of the plugin; raise a clear error if it cannot load."""
     try:
-        from .rdzv_handler import create_handler_from_params
+        from .dynamic.handler import create_handler_from_params
     except Exception as e:
         raise EtcdRdzvPluginError(
             f"The rendezvous backend {name!r} of etcd-rdzv cannot be used: importing its "

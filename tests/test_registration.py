@@ -150,7 +150,7 @@ def test_registry_creates_our_handler_with_the_requested_name(etcd_endpoint: str
 def test_plugin_that_cannot_import_grpc_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     # Simulate a broken grpc install: importing it fails, as do the modules built on it.
     monkeypatch.setitem(sys.modules, "grpc", None)
-    for name in ("etcd_store.client", "etcd_rdzv.backend", "etcd_rdzv.rdzv_handler"):
+    for name in ("etcd_store.client", "etcd_rdzv.dynamic.backend", "etcd_rdzv.dynamic.handler"):
         if name in sys.modules:
             monkeypatch.delitem(sys.modules, name)
     with pytest.raises(handlers.EtcdRdzvPluginError) as ei:

@@ -30,8 +30,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousTimeout,
 )
 
+from ..params import get_seconds, translate_legacy_params
 from .backend import create_backend
-from .params import get_seconds, translate_legacy_params
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
