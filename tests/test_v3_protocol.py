@@ -26,8 +26,8 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
+from etcd_rdzv.plugin import create_etcd_v3_handler, create_etcd_v3_rdzv_handler
 from etcd_rdzv.v3 import protocol
-from etcd_rdzv.v3.handler import create_etcd_v3_handler, create_etcd_v3_rdzv_handler
 from etcd_rdzv.v3.keys import RunKeys
 from etcd_rdzv.v3.protocol import Sealed
 from etcd_rdzv.v3.rendezvous import EtcdV3RendezvousHandler, RoundResult

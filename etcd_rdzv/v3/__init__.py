@@ -1,11 +1,10 @@
 """``etcd-v3``: a rendezvous handler built on etcd v3 leases, transactions and watches.
 
 ``torchrun --rdzv-backend=etcd-v3 --rdzv-endpoint=HOST:2379 ...`` reaches it through
-the ``torchrun.handlers`` entry point :func:`etcd_rdzv.v3.handler.create_etcd_v3_handler`.
+the ``torchrun.handlers`` entry point :func:`etcd_rdzv.plugin.create_etcd_v3_handler`.
 
 Modules: :mod:`.settings` (rdzv-conf), :mod:`.keys` (key layout), :mod:`.protocol`
-(one function per transition), :mod:`.rendezvous` (the handler), :mod:`.handler`
-(entry point). Importing this package is light; names load on first access.
+(one function per transition), :mod:`.rendezvous` (the handler). Importing this package is light; names load on first access.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .handler import create_etcd_v3_handler, create_etcd_v3_rdzv_handler
     from .rendezvous import EtcdV3RendezvousHandler, RoundResult
     from .settings import V3Settings, parse_settings
 
@@ -22,8 +20,6 @@ __all__ = [
     "EtcdV3RendezvousHandler",
     "RoundResult",
     "V3Settings",
-    "create_etcd_v3_handler",
-    "create_etcd_v3_rdzv_handler",
     "parse_settings",
 ]
 
@@ -32,8 +28,6 @@ _HOMES = {
     "RoundResult": "rendezvous",
     "V3Settings": "settings",
     "parse_settings": "settings",
-    "create_etcd_v3_handler": "handler",
-    "create_etcd_v3_rdzv_handler": "handler",
 }
 
 
