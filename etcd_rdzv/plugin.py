@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 
-    from .v3.rendezvous import EtcdV3RendezvousHandler
+    from .native.handler import EtcdV3RendezvousHandler
 
 log = logging.getLogger(__name__)
 
@@ -154,13 +154,13 @@ def create_etcd_v3_rdzv_handler(
 ) -> EtcdV3RendezvousHandler:
     """Create an ``etcd-v3`` handler from torchrun's parameters (the registered creator).
 
-    Reads the rdzv-conf keys of :mod:`etcd_rdzv.v3.settings` and
+    Reads the rdzv-conf keys of :mod:`etcd_rdzv.native.settings` and
     :mod:`etcd_rdzv.params`; raises ``ValueError`` naming a bad key. No RPC is
     made here. ``client`` (an ``EtcdClient``) is used instead of a new one when
     given, and is then not closed by ``shutdown()``.
     """
-    from .v3.rendezvous import EtcdV3RendezvousHandler
-    from .v3.settings import parse_settings
+    from .native.handler import EtcdV3RendezvousHandler
+    from .native.settings import parse_settings
 
     settings, options = parse_settings(params)
     if client is not None:

@@ -26,12 +26,12 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
+from etcd_rdzv.native import protocol
+from etcd_rdzv.native.handler import EtcdV3RendezvousHandler, RoundResult
+from etcd_rdzv.native.keys import RunKeys
+from etcd_rdzv.native.protocol import Sealed
+from etcd_rdzv.native.settings import DEFAULT_LEASE_TTL, parse_settings
 from etcd_rdzv.plugin import create_etcd_v3_handler, create_etcd_v3_rdzv_handler
-from etcd_rdzv.v3 import protocol
-from etcd_rdzv.v3.keys import RunKeys
-from etcd_rdzv.v3.protocol import Sealed
-from etcd_rdzv.v3.rendezvous import EtcdV3RendezvousHandler, RoundResult
-from etcd_rdzv.v3.settings import DEFAULT_LEASE_TTL, parse_settings
 from etcd_store.client import EtcdClient, RpcCounter
 
 pytestmark = pytest.mark.timeout(120)
@@ -433,7 +433,7 @@ def test_backup_sealer_takes_over_a_silent_first_node(nodes: Nodes) -> None:
 def test_the_join_that_fills_the_round_seals_it(nodes: Nodes, monkeypatch: pytest.MonkeyPatch) -> None:
     """The last joiner learns from its join's answer that the round is full and
     seals at once; it does not wait for its place in the backup order."""
-    import etcd_rdzv.v3.rendezvous as rendezvous
+    import etcd_rdzv.native.handler as rendezvous
 
     monkeypatch.setattr(rendezvous, "SEAL_BACKUP_DELAY", 3600.0)  # position 1 would wait an hour
     keeper = nodes.client.keeper(10)

@@ -1,10 +1,11 @@
-"""``etcd-v3``: a rendezvous handler built on etcd v3 leases, transactions and watches.
+"""``etcd-v3``, the etcd-native rendezvous: a handler built on etcd v3 leases, transactions and watches.
 
 ``torchrun --rdzv-backend=etcd-v3 --rdzv-endpoint=HOST:2379 ...`` reaches it through
 the ``torchrun.handlers`` entry point :func:`etcd_rdzv.plugin.create_etcd_v3_handler`.
 
 Modules: :mod:`.settings` (rdzv-conf), :mod:`.keys` (key layout), :mod:`.protocol`
-(one function per transition), :mod:`.rendezvous` (the handler). Importing this package is light; names load on first access.
+(one function per transition), :mod:`.handler` (the handler). Importing this
+package is light; names load on first access.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .rendezvous import EtcdV3RendezvousHandler, RoundResult
+    from .handler import EtcdV3RendezvousHandler, RoundResult
     from .settings import V3Settings, parse_settings
 
 __all__ = [
@@ -24,8 +25,8 @@ __all__ = [
 ]
 
 _HOMES = {
-    "EtcdV3RendezvousHandler": "rendezvous",
-    "RoundResult": "rendezvous",
+    "EtcdV3RendezvousHandler": "handler",
+    "RoundResult": "handler",
     "V3Settings": "settings",
     "parse_settings": "settings",
 }
@@ -34,5 +35,5 @@ _HOMES = {
 def __getattr__(name: str) -> Any:
     home = _HOMES.get(name)
     if home is None:
-        raise AttributeError(f"module 'etcd_rdzv.v3' has no attribute {name!r}")
+        raise AttributeError(f"module 'etcd_rdzv.native' has no attribute {name!r}")
     return getattr(importlib.import_module(f".{home}", __name__), name)

@@ -5,8 +5,8 @@ returns plain data; none of them sleeps or loops. Every transaction here may be
 replayed when its outcome is unknown (``idempotent=True``): a replayed join
 re-puts the same key (its create revision, hence its place, is kept), a replayed
 seal or close fails its compare, deletes are idempotent. The handler
-(:mod:`etcd_rdzv.v3.rendezvous`) strings them together and waits on watches.
-Key names come from :class:`~etcd_rdzv.v3.keys.RunKeys`; see the design note
+(:mod:`etcd_rdzv.native.handler`) strings them together and waits on watches.
+Key names come from :class:`~etcd_rdzv.native.keys.RunKeys`; see the design note
 in the README for why each compare makes its transition safe.
 
 Membership rule (the single source of truth): round ``T`` is sealed at the

@@ -6,7 +6,7 @@ bound to that lease; waiting is a watch on the run's ``ctl/`` keys that starts
 right after the join's revision; sealing a round is one transaction fenced by
 the ``sealed`` record's mod revision and by "the previous round is empty".
 No node rewrites anything while a job runs: liveness is the lease alone.
-See :mod:`etcd_rdzv.v3.protocol` and the README's design note.
+See :mod:`etcd_rdzv.native.protocol` and the README's design note.
 
 Cost of an uncontended ``next_rendezvous`` (node already holding its lease): one
 read-only Txn, one join Txn, one watch; one seal Txn for one node per round;
@@ -155,7 +155,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     """A rendezvous over etcd v3 leases, transactions and watches (``--rdzv-backend=etcd-v3``).
 
     Args:
-        settings: the rendezvous settings (:func:`~etcd_rdzv.v3.settings.parse_settings`).
+        settings: the rendezvous settings (:func:`~etcd_rdzv.native.settings.parse_settings`).
         client: the etcd client. Several handlers may share one; each keeps its own
             lease, watch and keep-alive stream on it.
         owns_client: close ``client`` in :meth:`shutdown`.
