@@ -108,6 +108,18 @@ def test_disable_env_keeps_torch_builtins(monkeypatch: pytest.MonkeyPatch) -> No
         assert table[name] is builtin
 
 
+def test_entry_point_modules_import_neither_torch_nor_grpc() -> None:
+    """torch imports the entry points while it is itself being imported: they must stay light."""
+    code = (
+        "import sys\n"
+        "import etcd_rdzv, etcd_rdzv.plugin, etcd_rdzv.dynamic, etcd_rdzv.native, etcd_rdzv.testing\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'grpc', 'etcd3')))\n"
+        "print(etcd_rdzv.create_etcd_v3_handler is etcd_rdzv.plugin.create_etcd_v3_handler)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split("\n")[:2] == ["[]", "True"], out.stderr
+
+
 def test_disable_env_in_a_fresh_torch_process() -> None:
     """The real loading path: torch imports its registry and calls our factories."""
     code = (
