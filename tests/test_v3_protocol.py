@@ -433,9 +433,9 @@ def test_backup_sealer_takes_over_a_silent_first_node(nodes: Nodes) -> None:
 def test_the_join_that_fills_the_round_seals_it(nodes: Nodes, monkeypatch: pytest.MonkeyPatch) -> None:
     """The last joiner learns from its join's answer that the round is full and
     seals at once; it does not wait for its place in the backup order."""
-    import etcd_rdzv.native.handler as rendezvous
+    from etcd_rdzv.native import barrier
 
-    monkeypatch.setattr(rendezvous, "SEAL_BACKUP_DELAY", 3600.0)  # position 1 would wait an hour
+    monkeypatch.setattr(barrier, "SEAL_BACKUP_DELAY", 3600.0)  # position 1 would wait an hour
     keeper = nodes.client.keeper(10)
     try:
         nodes.client.put(nodes.keys.join_key(1, "silent"), b"{}", lease=keeper.id)

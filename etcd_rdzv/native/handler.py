@@ -46,6 +46,7 @@ from etcd_store.client import EtcdClient, LeaseKeeper, Watch
 from etcd_store.errors import EtcdCompactedError, EtcdError, EtcdTimeoutError
 
 from . import protocol
+from .barrier import Admitted, Barrier, JoinClock, Seal, Tally, TimeOut, Void, decide, verdict
 from .keys import RunKeys
 from .protocol import ProtocolStateError, RoundView, Sealed, Signal, SignalKind
 from .settings import V3Settings
@@ -55,22 +56,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BACKEND_NAME", "SEAL_BACKUP_DELAY", "EtcdV3RendezvousHandler", "RoundResult"]
+__all__ = ["BACKEND_NAME", "EtcdV3RendezvousHandler", "RoundResult"]
 
 BACKEND_NAME = "etcd-v3"
-
-SEAL_BACKUP_DELAY = 1.0
-"""Seconds between seal attempts by position: once the round is ready, the first
-joiner tries at once, the k-th joiner after ``k * SEAL_BACKUP_DELAY`` (it stands
-in for earlier joiners that are alive but slow; a dead one's key is gone, which
-moves everyone up a place at once). This keeps a round at about one seal
-transaction, not one per node, even when the first joiner lags behind.
-
-One exception: the node whose join filled the round (its join answer showed
-``max_nodes`` joiners and the previous round empty) seals at once, from that
-answer, before any watch event; the others then stand in one place later. It is
-the only node that knows the round is full without first reading every other
-join from its watch, which at hundreds of nodes takes longer than the seal."""
 
 _local_ids = itertools.count()
 
@@ -106,27 +94,15 @@ class _Joined:
 
 @dataclass(frozen=True)
 class _Retry:
-    """Join again: from ``sealed`` when known, else after re-reading the run's records."""
+    """Join again: from ``sealed`` when known, else after re-reading the run's records;
+    ``clock`` is the ``join_timeout`` deadline as the wait left it."""
 
-    sealed: Sealed | None = None
+    sealed: Sealed | None
+    clock: JoinClock
 
 
-class _JoinDeadline:
-    """The ``join_timeout`` deadline; suspended while a full group runs (torch's redundancy list)."""
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-        self.at = time.monotonic() + seconds
-        self.suspended = False
-
-    def suspend(self, flag: bool) -> None:
-        if flag != self.suspended:
-            self.suspended = flag
-            if not flag:
-                self.at = time.monotonic() + self.seconds
-
-    def expired(self, now: float) -> bool:
-        return not self.suspended and now >= self.at
+def _tally(view: RoundView) -> Tally:
+    return Tally(view.count, view.before, view.prev_count, view.changes)
 
 
 def _address_of(value: bytes) -> tuple[str | None, int | None]:
@@ -286,9 +262,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """
         with self._rdzv_lock:
             self._check_not_shut_down()
-            deadline = _JoinDeadline(self._settings.join_timeout)
+            clock = JoinClock.start(self._settings.join_timeout, time.monotonic())
             try:
-                result = self._rendezvous(deadline)
+                result = self._rendezvous(clock)
             except EtcdTimeoutError as e:
                 raise RendezvousConnectionError(f"etcd did not answer in time: {e}") from e
             except EtcdError as e:
@@ -486,7 +462,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     # ------------------------------------------------------------------ the barrier
 
-    def _rendezvous(self, deadline: _JoinDeadline) -> RoundResult:
+    def _rendezvous(self, clock: JoinClock) -> RoundResult:
         """Join rounds until one that includes us is sealed.
 
         The first join assumes the last sealed record this node saw; a stale guess
@@ -541,10 +517,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             self._joined = _Joined(target, key)
             log.debug("node %s joined round %d at revision %d", self._node_id, target, outcome.revision)
             recovering = self._settings.fast_recovery and prior_round == target - 1
-            waited = self._wait(target, outcome, sealed, deadline, value, prior_world if recovering else None)
+            waited = self._wait(target, outcome, sealed, clock, value, prior_world if recovering else None)
             if isinstance(waited, RoundResult):
                 self._joined = _Joined(target, key, member=True)
                 return waited
+            clock = waited.clock
             if waited.sealed is None:
                 fresh_read = True
             else:
@@ -555,16 +532,15 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         round_: int,
         outcome: protocol.JoinOutcome,
         previous: Sealed,
-        deadline: _JoinDeadline,
+        clock: JoinClock,
         value: bytes,
         recover_size: int | None = None,
     ) -> RoundResult | _Retry:
         """Wait on the ``ctl/`` watch until round ``round_`` is sealed; seal it when due.
 
-        Due: the previous round is vacated, ``min_nodes`` joined, and ``max_nodes``
-        joined, or the last call passed, or (``recover_size``: the size of the
-        group this node was a member of in the previous round) the round has no
-        more joiners than that group had, so it only re-forms the group.
+        Acts on what :func:`~etcd_rdzv.native.barrier.decide` says (when a round
+        is due is defined there); ``recover_size`` is the size of the group this
+        node was a member of in the previous round (``fast_recovery``).
         """
         s = self._settings
         view = RoundView(
@@ -578,41 +554,14 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 watch.cancel()
                 raise RendezvousClosedError(f"the handler of node {self._node_id} was shut down")
             self._watch = watch
-        # Our own join filled the round: seal from the join's answer (see SEAL_BACKUP_DELAY).
-        filled_it = view.vacated and view.count >= s.max_nodes
-        last_call_at: float | None = None
-        ready_since: float | None = None
-        tried_at_change = -1
-        i_sealed = False
-        timing_out = False
+        state = Barrier.start(clock, _tally(view), s, recover_size)
         try:
             while True:
-                now = time.monotonic()
-                barrier = view.vacated and view.count >= s.min_nodes
-                if barrier and last_call_at is None:
-                    last_call_at = now + s.last_call_timeout
-                elif not barrier:
-                    last_call_at = None
-                ready = barrier and (
-                    view.count >= s.max_nodes
-                    or (recover_size is not None and view.count <= recover_size)
-                    or (last_call_at is not None and now >= last_call_at)
-                )
-                ready_since = (ready_since or now) if ready else None
-                attempt_at = None
-                if ready_since is not None and not i_sealed and tried_at_change != view.changes:
-                    place = view.before
-                    if filled_it:
-                        place = 0
-                    elif view.count >= s.max_nodes:
-                        place += 1  # the node that filled the round seals first
-                    attempt_at = ready_since + place * SEAL_BACKUP_DELAY
-                if attempt_at is not None and now >= attempt_at:
-                    tried_at_change = view.changes
-                    i_sealed = self._try_seal(round_, previous, view, value)
+                state, action = decide(state, _tally(view), s, time.monotonic())
+                if isinstance(action, Seal):
+                    state = state.sealed(self._try_seal(round_, previous, view, value))
                     continue
-                deadline.suspend(view.prev_count >= s.max_nodes)
-                if deadline.expired(now) and not timing_out:
+                if isinstance(action, TimeOut):
                     if self._withdraw_if_unsealed(previous):
                         raise RendezvousTimeoutError(
                             f"node {self._node_id}: round {round_} of the rendezvous "
@@ -620,18 +569,16 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                             f"({view.count} of min_nodes={s.min_nodes} joined"
                             f"{'' if view.vacated else ', previous round still running'})"
                         )
-                    timing_out = True  # sealed meanwhile: its event is on the way
-                wake = [t for t in (last_call_at if not ready else None, attempt_at) if t is not None]
-                if not deadline.suspended and not timing_out:
-                    wake.append(deadline.at)
-                timeout = max(min(wake) - now, 0.0) if wake else None
+                    state = state.timed_out_late()  # sealed meanwhile: its event is on the way
+                    continue
+                timeout = None if action.at is None else max(action.at - time.monotonic(), 0.0)
                 for event in watch.get(timeout=timeout):
                     signal = view.apply(event)
                     if signal is not None:
-                        return self._on_signal(signal, view, previous, i_sealed, timing_out)
+                        return self._on_signal(signal, view, previous, state)
         except EtcdCompactedError:
             log.warning("node %s: watch history compacted; re-reading the rendezvous", self._node_id)
-            return _Retry(None)
+            return _Retry(None, state.clock)
         except EtcdError:
             if self._shut_down:
                 raise RendezvousClosedError(f"the handler of node {self._node_id} was shut down") from None
@@ -683,18 +630,12 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             return None
         return protocol.Master(key, mod_revision, addr, port)
 
-    def _on_signal(
-        self,
-        signal: Signal,
-        view: RoundView,
-        previous: Sealed,
-        i_sealed: bool,
-        timing_out: bool,
-    ) -> RoundResult | _Retry:
+    def _on_signal(self, signal: Signal, view: RoundView, previous: Sealed, state: Barrier) -> RoundResult | _Retry:
         s = self._settings
+        tally = _tally(view)
         if signal.kind is SignalKind.CLOSED:
             self._withdraw()
-            if view.prev_count >= s.max_nodes:
+            if tally.kept_out(s):
                 raise RendezvousGracefulExitError(
                     f"the rendezvous {s.run_id!r} was closed while node {self._node_id} waited "
                     "for room in a full group"
@@ -703,31 +644,31 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if signal.kind is SignalKind.LOST:
             self._joined = None
             self._drop_lease()
-            return _Retry(previous)
+            return _Retry(previous, state.clock)
         if signal.kind is SignalKind.RESET or signal.round != view.round:
-            return _Retry(None)
+            return _Retry(None, state.clock)
         sealed = Sealed(signal.round, signal.revision, signal.run_lease, signal.master)
         self._learn(sealed)
-        world_size = min(view.count, s.max_nodes)
-        if i_sealed:
+        if state.sealed_by_me:
             self._record_members(view, sealed)
-        if world_size < s.min_nodes:
+        place = verdict(tally, s)
+        if isinstance(place, Void):
             log.warning(
                 "round %d of %r sealed with %d joiners (< min_nodes=%d): void, joining the next",
-                view.round, s.run_id, world_size, s.min_nodes,
+                view.round, s.run_id, place.world_size, s.min_nodes,
             )
-        elif view.before < s.max_nodes:
-            self._member_round, self._member_world = view.round, world_size
+        elif isinstance(place, Admitted):
+            self._member_round, self._member_world = view.round, place.world_size
             self._round_master = signal.master
-            return RoundResult(view.round, view.before, world_size, signal.revision, self._node_id)
+            return RoundResult(view.round, place.rank, place.world_size, signal.revision, self._node_id)
         self._joined = _Joined(view.round, self._keys.join_key(view.round, self._node_id), member=False)
-        if timing_out:
+        if state.timing_out:
             self._withdraw()
             raise RendezvousTimeoutError(
                 f"node {self._node_id} was not admitted to a round of {s.run_id!r} within "
                 f"join_timeout={s.join_timeout:g} s"
             )
-        return _Retry(sealed)
+        return _Retry(sealed, state.clock)
 
     def _record_members(self, view: RoundView, sealed: Sealed) -> None:
         """Write the members record of a round we sealed (for resync and inspection)."""
