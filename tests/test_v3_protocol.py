@@ -26,7 +26,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-from etcd_rdzv.native import protocol
+from etcd_rdzv.native import bootstrap, protocol
 from etcd_rdzv.native.handler import EtcdV3RendezvousHandler, RoundResult
 from etcd_rdzv.native.keys import RunKeys
 from etcd_rdzv.native.protocol import Sealed
@@ -499,7 +499,7 @@ def test_without_master_in_the_sealed_record_members_read_rank0s_key(
 ) -> None:
     """A sealed record without rank 0's address (its key changed under the sealer):
     members read the earliest join key at the seal revision instead."""
-    monkeypatch.setattr(EtcdV3RendezvousHandler, "_master_of", lambda self, view, value: None)
+    monkeypatch.setattr(bootstrap, "master_of", lambda *args: None)
     hs = nodes.many(3, 3, 3)
     infos = rendezvous_all(nodes, hs)
     assert protocol.read_meta(nodes.client, nodes.keys).sealed.master is None

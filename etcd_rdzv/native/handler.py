@@ -19,7 +19,6 @@ is rank 0).
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 import threading
@@ -37,16 +36,15 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousHandler,
     RendezvousInfo,
     RendezvousStateError,
-    RendezvousStoreInfo,
     RendezvousTimeoutError,
 )
-from torch.distributed.elastic.utils.distributed import get_free_port
 
 from etcd_store.client import EtcdClient, LeaseKeeper, Watch
 from etcd_store.errors import EtcdCompactedError, EtcdError, EtcdTimeoutError
 
-from . import protocol
+from . import bootstrap, protocol
 from .barrier import Admitted, Barrier, JoinClock, Seal, Tally, TimeOut, Void, decide, verdict
+from .bootstrap import bootstrap_info, join_value
 from .keys import RunKeys
 from .protocol import ProtocolStateError, RoundView, Sealed, Signal, SignalKind
 from .settings import V3Settings
@@ -103,19 +101,6 @@ class _Retry:
 
 def _tally(view: RoundView) -> Tally:
     return Tally(view.count, view.before, view.prev_count, view.changes)
-
-
-def _address_of(value: bytes) -> tuple[str | None, int | None]:
-    """``(addr, port)`` of a join value; None for what it lacks or what is malformed."""
-    try:
-        doc = json.loads(value)
-    except ValueError:
-        return None, None
-    if not isinstance(doc, dict):
-        return None, None
-    addr, port = doc.get("addr"), doc.get("port")
-    return (addr if isinstance(addr, str) and addr else None,
-            port if isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536 else None)
 
 
 def _failed_on_master_alone(res: protocol.SealOutcome, previous: Sealed) -> bool:
@@ -198,57 +183,16 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         result = self.next_round()
         store = self._round_store(result.round)
         try:
-            bootstrap = self._bootstrap_info(result, store)
+            bootstrap = bootstrap_info(
+                self._client, self._keys, result.round, result.rank, result.seal_revision, store,
+                self._round_master, self._node_id, self._settings.node_addr,
+            )
         except Exception as e:
             raise RendezvousConnectionError(
                 f"Round {result.round} of the rendezvous {self._settings.run_id!r} was sealed, "
                 f"but exchanging MASTER_ADDR/MASTER_PORT through its store failed: {e}"
             ) from e
         return RendezvousInfo(store, result.rank, result.world_size, bootstrap)
-
-    def _bootstrap_info(self, result: RoundResult, store: EtcdStore) -> RendezvousStoreInfo:
-        """``MASTER_ADDR``/``MASTER_PORT`` of the round: rank 0's address and the free
-        port it put in its join key. No waiting on rank 0, and usually no RPC: the
-        sealed record names them (see :meth:`_master_of`).
-
-        When it does not, the others read the earliest join key at the seal
-        revision (rank 0 by the membership rule) and rank 0 reads its own key.
-        Rank 0 also publishes both values in the round's store (one Txn), where
-        torch's ``RendezvousStoreInfo.build`` looks for them: the fallback when the
-        seal revision is unknown or compacted, or an old join value carries no port.
-        """
-        keys, client = self._keys, self._client
-        master = self._round_master
-        if master is not None and result.rank != 0:
-            return RendezvousStoreInfo(*master)
-        if result.rank == 0:
-            addr: str | None
-            port: int | None
-            if master is not None:
-                addr, port = master
-            else:
-                kv = client.get(keys.join_key(result.round, self._node_id))
-                addr, port = _address_of(kv.value if kv is not None else b"")
-            if addr is None or port is None:
-                addr, port = self._settings.node_addr, get_free_port()
-            store.multi_set(
-                [RendezvousStoreInfo.MASTER_ADDR_KEY, RendezvousStoreInfo.MASTER_PORT_KEY],
-                [addr.encode(), str(port).encode()],
-            )
-            return RendezvousStoreInfo(addr, port)
-        if result.seal_revision:
-            try:
-                res = client.range(
-                    keys.join_prefix(result.round), prefix=True, sort_by="create", limit=1,
-                    revision=result.seal_revision,
-                )
-            except EtcdCompactedError:
-                res = None
-            if res is not None and res.kvs:
-                addr, port = _address_of(res.kvs[0].value)
-                if addr is not None and port is not None:
-                    return RendezvousStoreInfo(addr, port)
-        return RendezvousStoreInfo.build(result.rank, store, local_addr=self._settings.node_addr)
 
     def next_round(self) -> RoundResult:
         """The barrier of :meth:`next_rendezvous`, without the store (tests, benchmarks).
@@ -404,14 +348,6 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     # ------------------------------------------------------------------ leases
 
-    def _join_value(self) -> bytes:
-        """What this node's join key holds: its address, pid, and a free port of its
-        host picked now. If it becomes rank 0, that port is the round's
-        ``MASTER_PORT`` (torch picks it the same way, once the round is known)."""
-        return json.dumps(
-            {"addr": self._settings.node_addr, "pid": os.getpid(), "port": get_free_port()}
-        ).encode()
-
     def _check_not_shut_down(self) -> None:
         if self._shut_down:
             raise RendezvousClosedError(f"the handler of node {self._node_id} was shut down")
@@ -469,7 +405,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         costs one failed join, whose answer carries the current record.
         """
         keys, client = self._keys, self._client
-        value = self._join_value()  # one free port per next_round call
+        value = join_value(self._settings.node_addr)  # one free port per next_round call
         # The group this node leaves: a round that only re-forms it may skip the last call.
         prior_round, prior_world = self._member_round, self._member_world
         self._member_round = None
@@ -593,12 +529,12 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """One seal attempt (and the run lease, the first time); whether we sealed.
 
         The sealed record also names rank 0's address and port (see
-        :meth:`_master_of`), so that no member has to read them after the seal.
+        :func:`~etcd_rdzv.native.bootstrap.master_of`), so that no member has to read them after the seal.
         """
         run_lease = self._run_lease
         if run_lease is None:
             run_lease = self._create_run_lease()
-        master = self._master_of(view, value)
+        master = bootstrap.master_of(self._client, self._keys, view, self._node_id, value)
         try:
             res = protocol.seal(self._client, self._keys, round_, previous, run_lease, master=master)
         except EtcdError as e:
@@ -613,22 +549,6 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if res.ok:
             log.debug("node %s sealed round %d at revision %d", self._node_id, round_, res.revision)
         return res.ok
-
-    def _master_of(self, view: RoundView, value: bytes) -> protocol.Master | None:
-        """Rank 0's join key as the sealed record should name it: our own (no RPC) when
-        no earlier joiner is left, else the earliest join key (one Range)."""
-        keys = self._keys
-        if view.before == 0:
-            key, mod_revision = keys.join_key(view.round, self._node_id), view.join_revision
-        else:
-            res = self._client.range(keys.join_prefix(view.round), prefix=True, sort_by="create", limit=1)
-            if not res.kvs:
-                return None
-            key, mod_revision, value = res.kvs[0].key, res.kvs[0].mod_revision, res.kvs[0].value
-        addr, port = _address_of(value)
-        if addr is None or port is None:
-            return None
-        return protocol.Master(key, mod_revision, addr, port)
 
     def _on_signal(self, signal: Signal, view: RoundView, previous: Sealed, state: Barrier) -> RoundResult | _Retry:
         s = self._settings
