@@ -4,8 +4,11 @@
 the ``torchrun.handlers`` entry point :func:`etcd_rdzv.plugin.create_etcd_v3_handler`.
 
 Modules: :mod:`.settings` (rdzv-conf), :mod:`.keys` (key layout), :mod:`.protocol`
-(one function per transition), :mod:`.handler` (the handler). Importing this
-package is light; names load on first access.
+(the records and one function per transition), :mod:`.view` (the round as a
+node's watch shows it), :mod:`.barrier` (the pure decision of the wait loop),
+:mod:`.bootstrap` (``MASTER_ADDR``/``MASTER_PORT`` of a round), :mod:`.handler`
+(the handler, which acts). Importing this package is light; names load on
+first access.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from etcd_store.client import EtcdClient
 
     from .keys import RunKeys
-    from .protocol import RoundView
+    from .view import RoundView
 
 log = logging.getLogger(__name__)
 

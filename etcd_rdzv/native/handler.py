@@ -46,8 +46,9 @@ from . import bootstrap, protocol
 from .barrier import Admitted, Barrier, JoinClock, Seal, Tally, TimeOut, Void, decide, verdict
 from .bootstrap import bootstrap_info, join_value
 from .keys import RunKeys
-from .protocol import ProtocolStateError, RoundView, Sealed, Signal, SignalKind
+from .protocol import ProtocolStateError, Sealed
 from .settings import V3Settings
+from .view import RoundView, Signal, SignalKind
 
 if TYPE_CHECKING:
     from etcd_store import EtcdStore
