@@ -241,6 +241,7 @@ def test_user_and_password_from_environment(monkeypatch: pytest.MonkeyPatch) -> 
         ({"join_timeout": "-5"}, None, "join"),
         ({"keep_alive_interval": "x"}, None, "'keep_alive_interval'"),
         ({"keep_alive_max_attempt": "0"}, None, "'keep_alive_max_attempt'"),
+        ({"keep_alive_max_attempt": "many"}, None, "'keep_alive_max_attempt' must be a positive integer"),
     ],
 )
 def test_invalid_values_raise_value_error_naming_the_key(
