@@ -270,8 +270,7 @@ PRELOAD = (
     "torch.distributed.elastic.rendezvous.etcd_rendezvous_backend",
     "etcd_store.client",
     "etcd_store.store",
-    "etcd_rdzv.handlers",
-    "etcd_rdzv.v3.handler",
+    "etcd_rdzv.plugin",
     "benchmarks.nodes",
 )
 

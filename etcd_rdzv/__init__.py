@@ -1,7 +1,7 @@
 """PyTorch elastic rendezvous (torchrun) over the etcd v3 API.
 
 ``torchrun --rdzv-backend=etcd-v2 --rdzv-endpoint=HOST:2379 ...`` uses this
-package through its ``torchrun.handlers`` entry points (:mod:`etcd_rdzv.handlers`).
+package through its ``torchrun.handlers`` entry points (:mod:`etcd_rdzv.plugin`).
 
 ``import etcd_rdzv`` is light (no torch, no gRPC): torch loads the entry points
 while it is itself being imported, so the public names below are imported on
@@ -14,15 +14,17 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .backend import EtcdRendezvousBackend, create_backend
-    from .handlers import (
+    from .dynamic.backend import EtcdRendezvousBackend, create_backend
+    from .dynamic.handler import EtcdRendezvousHandler
+    from .params import EtcdClientOptions, RdzvConfig, parse_client_options, parse_rdzv_config
+    from .plugin import (
         create_etcd_legacy_handler,
         create_etcd_legacy_rdzv_handler,
         create_etcd_v2_handler,
         create_etcd_v2_rdzv_handler,
+        create_etcd_v3_handler,
+        create_etcd_v3_rdzv_handler,
     )
-    from .params import EtcdClientOptions, RdzvConfig, parse_client_options, parse_rdzv_config
-    from .rdzv_handler import EtcdRendezvousHandler
 
 __all__ = [
     "EtcdClientOptions",
@@ -34,22 +36,26 @@ __all__ = [
     "create_etcd_legacy_rdzv_handler",
     "create_etcd_v2_handler",
     "create_etcd_v2_rdzv_handler",
+    "create_etcd_v3_handler",
+    "create_etcd_v3_rdzv_handler",
     "parse_client_options",
     "parse_rdzv_config",
 ]
 
 _HOMES = {
-    "EtcdRendezvousBackend": "backend",
-    "create_backend": "backend",
-    "EtcdRendezvousHandler": "rdzv_handler",
+    "EtcdRendezvousBackend": "dynamic.backend",
+    "create_backend": "dynamic.backend",
+    "EtcdRendezvousHandler": "dynamic.handler",
     "EtcdClientOptions": "params",
     "RdzvConfig": "params",
     "parse_client_options": "params",
     "parse_rdzv_config": "params",
-    "create_etcd_legacy_handler": "handlers",
-    "create_etcd_legacy_rdzv_handler": "handlers",
-    "create_etcd_v2_handler": "handlers",
-    "create_etcd_v2_rdzv_handler": "handlers",
+    "create_etcd_legacy_handler": "plugin",
+    "create_etcd_legacy_rdzv_handler": "plugin",
+    "create_etcd_v2_handler": "plugin",
+    "create_etcd_v2_rdzv_handler": "plugin",
+    "create_etcd_v3_handler": "plugin",
+    "create_etcd_v3_rdzv_handler": "plugin",
 }
 
 

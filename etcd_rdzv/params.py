@@ -57,8 +57,10 @@ __all__ = [
     "USER_ENV",
     "EtcdClientOptions",
     "RdzvConfig",
+    "RdzvParams",
     "get_positive_int",
     "get_seconds",
+    "get_seconds_or",
     "parse_client_options",
     "parse_rdzv_config",
     "translate_legacy_params",
@@ -83,7 +85,7 @@ LEGACY_ALIASES: Mapping[str, str] = {
 """Legacy ``etcd`` conf key -> the key it means here. The new name wins when both are given."""
 
 
-class _Params(Protocol):
+class RdzvParams(Protocol):
     """The part of ``RendezvousParameters`` read here."""
 
     endpoint: str
@@ -144,7 +146,7 @@ class RdzvConfig:
 # --------------------------------------------------------------------------- value parsing
 
 
-def _text(params: _Params, key: str) -> str | None:
+def _text(params: RdzvParams, key: str) -> str | None:
     value = params.get(key)
     if value is None:
         return None
@@ -156,7 +158,11 @@ def _text(params: _Params, key: str) -> str | None:
     return value or None
 
 
-def _positive_seconds(params: _Params, key: str, default: float) -> float:
+def get_seconds_or(params: RdzvParams, key: str, default: float) -> float:
+    """The positive number of seconds ``key`` holds (``default`` when absent or blank).
+
+    Raises ``ValueError`` naming the key (also for booleans, NaN and infinities).
+    """
     value = params.get(key)
     if value is None or (isinstance(value, str) and not value.strip()):
         return default
@@ -172,13 +178,13 @@ def _positive_seconds(params: _Params, key: str, default: float) -> float:
     return seconds
 
 
-def get_seconds(params: _Params, key: str) -> float | None:
+def get_seconds(params: RdzvParams, key: str) -> float | None:
     """The positive number of seconds ``key`` holds, or None when absent. ``ValueError`` if bad."""
-    seconds = _positive_seconds(params, key, math.nan)
+    seconds = get_seconds_or(params, key, math.nan)
     return None if math.isnan(seconds) else seconds
 
 
-def get_positive_int(params: _Params, key: str, default: int, *, unit: str = "") -> int:
+def get_positive_int(params: RdzvParams, key: str, default: int, *, unit: str = "") -> int:
     """The conf value ``key`` as a positive integer (``default`` when absent or blank).
 
     Raises ``ValueError`` naming the key; ``unit`` (e.g. ``"seconds"``) is shown in it.
@@ -198,7 +204,7 @@ def get_positive_int(params: _Params, key: str, default: int, *, unit: str = "")
     return number
 
 
-def _readable_file(params: _Params, key: str) -> str | None:
+def _readable_file(params: RdzvParams, key: str) -> str | None:
     path = _text(params, key)
     if path is not None and not os.path.isfile(path):
         raise ValueError(
@@ -219,7 +225,7 @@ def _holds_private_key(path: str) -> bool:
 # --------------------------------------------------------------------------- public
 
 
-def parse_client_options(params: _Params) -> EtcdClientOptions:
+def parse_client_options(params: RdzvParams) -> EtcdClientOptions:
     """Read the endpoint(s), ``read_timeout``, TLS and auth keys. See the module docstring.
 
     ``user``/``password`` fall back to ``$ETCD_RDZV_USER``/``$ETCD_RDZV_PASSWORD`` so
@@ -233,7 +239,7 @@ def parse_client_options(params: _Params) -> EtcdClientOptions:
     except ValueError as e:
         raise ValueError(f"Invalid --rdzv-endpoint {spec!r}: {e}") from None
 
-    read_timeout = _positive_seconds(params, "read_timeout", DEFAULT_READ_TIMEOUT)
+    read_timeout = get_seconds_or(params, "read_timeout", DEFAULT_READ_TIMEOUT)
 
     protocol = _text(params, "protocol")
     if protocol is not None:
@@ -292,7 +298,7 @@ def parse_client_options(params: _Params) -> EtcdClientOptions:
 
 
 def parse_rdzv_config(
-    params: _Params, *, default_key_prefix: str = DEFAULT_KEY_PREFIX
+    params: RdzvParams, *, default_key_prefix: str = DEFAULT_KEY_PREFIX
 ) -> RdzvConfig:
     """Client options plus ``key_prefix`` and ``state_ttl``. Raises ``ValueError`` naming the key."""
     client = parse_client_options(params)

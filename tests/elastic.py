@@ -2,7 +2,7 @@
 
 A :class:`Job` is one elastic torchrun job: a run id, a training log and a
 checkpoint directory under ``tmp_path``, and any number of nodes
-(:class:`etcd_rdzv.demo.LocalAgent`: a torchrun agent plus every process it
+(:class:`etcd_rdzv.testing.agents.LocalAgent`: a torchrun agent plus every process it
 starts, found by an environment tag). :meth:`Job.close` kills every node and
 fails if any process of the job is still alive afterwards.
 
@@ -23,8 +23,8 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
-from etcd_rdzv.demo import LocalAgent, summarize, torchrun_command
-from etcd_rdzv.train import Record, read_records
+from etcd_rdzv.testing.agents import LocalAgent, summarize, torchrun_command
+from etcd_rdzv.testing.train import Record, read_records
 
 T = TypeVar("T")
 
@@ -90,7 +90,7 @@ class Job:
             :meth:`finish` rewrites (by default the job runs until told).
         step_time, ckpt_every, pg_timeout: passed to the training script.
         conf: ``--rdzv-conf`` entries added to (or replacing) :data:`FAST_CONF`.
-        module: run the script as ``-m etcd_rdzv.train`` instead of by path.
+        module: run the script as ``-m etcd_rdzv.testing.train`` instead of by path.
         max_restarts: ``--max-restarts``.
     """
 

@@ -20,8 +20,9 @@ from typing import Any
 
 import pytest
 
-from etcd_rdzv.demo import LocalAgent, View, summarize
-from etcd_rdzv.train import Record, read_records
+from etcd_rdzv.demo import View
+from etcd_rdzv.testing.agents import LocalAgent, summarize
+from etcd_rdzv.testing.train import Record, read_records
 
 MARK = "ETCD_RDZV_DEMO_TEST"
 

@@ -1,6 +1,6 @@
 """Fault scenarios with real torchrun agents, real workers and a real etcd.
 
-Every scenario runs the training script (etcd_rdzv/train.py: DDP on gloo,
+Every scenario runs the training script (etcd_rdzv/testing/train.py: DDP on gloo,
 checkpoint every 3 steps, a JSON-lines step log) under local torchrun agents
 (tests/elastic.py) and judges the job by its log and its agents' exit codes.
 Recovery times go to benchmarks/results/recovery.json.
@@ -51,8 +51,8 @@ from elastic import (
     steps_of,
 )
 
-from etcd_rdzv.demo import LocalAgent, summarize, torchrun_command
-from etcd_rdzv.train import Record
+from etcd_rdzv.testing.agents import LocalAgent, summarize, torchrun_command
+from etcd_rdzv.testing.train import Record
 from etcd_server import EtcdCluster, EtcdServer, TLSConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

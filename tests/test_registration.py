@@ -21,7 +21,7 @@ from torch.distributed.elastic.rendezvous.api import (
     rendezvous_handler_registry,
 )
 
-from etcd_rdzv import EtcdRendezvousBackend, handlers
+from etcd_rdzv import EtcdRendezvousBackend, plugin
 from etcd_rdzv.params import (
     DEFAULT_KEY_PREFIX,
     DEFAULT_READ_TIMEOUT,
@@ -60,24 +60,23 @@ def _closed_port() -> int:
 def _no_auth_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(USER_ENV, raising=False)
     monkeypatch.delenv(PASSWORD_ENV, raising=False)
-    monkeypatch.delenv(handlers.DISABLE_OVERRIDE_ENV, raising=False)
+    monkeypatch.delenv(plugin.DISABLE_OVERRIDE_ENV, raising=False)
 
 
 # ------------------------------------------------------------------ entry points and registry
 
 
-def test_entry_points_declare_etcd_v2_and_etcd() -> None:
+def test_entry_points_declare_all_three_backends_in_one_module() -> None:
     eps = {ep.name: ep.value for ep in entry_points(group="torchrun.handlers")}
-    assert eps.get("etcd-v2") == "etcd_rdzv.handlers:create_etcd_v2_handler"
-    assert eps.get("etcd") == "etcd_rdzv.handlers:create_etcd_legacy_handler"
-    # etcd-v3 is the etcd-native handler's own entry point, not one of these factories.
-    assert not eps.get("etcd-v3", "").startswith("etcd_rdzv.handlers:")
+    assert eps.get("etcd-v2") == "etcd_rdzv.plugin:create_etcd_v2_handler"
+    assert eps.get("etcd") == "etcd_rdzv.plugin:create_etcd_legacy_handler"
+    assert eps.get("etcd-v3") == "etcd_rdzv.plugin:create_etcd_v3_handler"
 
 
 def test_torch_registry_holds_our_creators_after_import() -> None:
     table = rendezvous_handler_registry._registry
-    assert table["etcd-v2"] is handlers.create_etcd_v2_rdzv_handler
-    assert table["etcd"] is handlers.create_etcd_legacy_rdzv_handler
+    assert table["etcd-v2"] is plugin.create_etcd_v2_rdzv_handler
+    assert table["etcd"] is plugin.create_etcd_legacy_rdzv_handler
     # torch's other built-ins are untouched.
     assert table["c10d"] is torch_registry._create_c10d_handler
     assert table["static"] is torch_registry._create_static_handler
@@ -86,7 +85,7 @@ def test_torch_registry_holds_our_creators_after_import() -> None:
 def test_factories_take_no_argument_and_replace_the_builtin(monkeypatch: pytest.MonkeyPatch) -> None:
     table = rendezvous_handler_registry._registry
     builtins = {"etcd-v2": torch_registry._create_etcd_v2_handler, "etcd": torch_registry._create_etcd_handler}
-    factories = {"etcd-v2": handlers.create_etcd_v2_handler, "etcd": handlers.create_etcd_legacy_handler}
+    factories = {"etcd-v2": plugin.create_etcd_v2_handler, "etcd": plugin.create_etcd_legacy_handler}
     for name, builtin in builtins.items():
         # As torch does: built-ins first, then the entry point's factory() result.
         monkeypatch.setitem(table, name, builtin)
@@ -97,16 +96,28 @@ def test_factories_take_no_argument_and_replace_the_builtin(monkeypatch: pytest.
 
 def test_disable_env_keeps_torch_builtins(monkeypatch: pytest.MonkeyPatch) -> None:
     table = rendezvous_handler_registry._registry
-    monkeypatch.setenv(handlers.DISABLE_OVERRIDE_ENV, "1")
+    monkeypatch.setenv(plugin.DISABLE_OVERRIDE_ENV, "1")
     for name, builtin, factory in (
-        ("etcd-v2", torch_registry._create_etcd_v2_handler, handlers.create_etcd_v2_handler),
-        ("etcd", torch_registry._create_etcd_handler, handlers.create_etcd_legacy_handler),
+        ("etcd-v2", torch_registry._create_etcd_v2_handler, plugin.create_etcd_v2_handler),
+        ("etcd", torch_registry._create_etcd_handler, plugin.create_etcd_legacy_handler),
     ):
         monkeypatch.setitem(table, name, builtin)
         creator = factory()
         assert creator is builtin
         rendezvous_handler_registry.register(name, creator)
         assert table[name] is builtin
+
+
+def test_entry_point_modules_import_neither_torch_nor_grpc() -> None:
+    """torch imports the entry points while it is itself being imported: they must stay light."""
+    code = (
+        "import sys\n"
+        "import etcd_rdzv, etcd_rdzv.plugin, etcd_rdzv.dynamic, etcd_rdzv.native, etcd_rdzv.testing\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'grpc', 'etcd3')))\n"
+        "print(etcd_rdzv.create_etcd_v3_handler is etcd_rdzv.plugin.create_etcd_v3_handler)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split("\n")[:2] == ["[]", "True"], out.stderr
 
 
 def test_disable_env_in_a_fresh_torch_process() -> None:
@@ -116,10 +127,10 @@ def test_disable_env_in_a_fresh_torch_process() -> None:
         "t = r.rendezvous_handler_registry._registry\n"
         "print(t['etcd-v2'].__module__, t['etcd'].__module__)\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != handlers.DISABLE_OVERRIDE_ENV}
+    env = {k: v for k, v in os.environ.items() if k != plugin.DISABLE_OVERRIDE_ENV}
     off = subprocess.run(
         [sys.executable, "-c", code],
-        env={**env, handlers.DISABLE_OVERRIDE_ENV: "1"},
+        env={**env, plugin.DISABLE_OVERRIDE_ENV: "1"},
         capture_output=True,
         text=True,
         timeout=120,
@@ -133,7 +144,7 @@ def test_disable_env_in_a_fresh_torch_process() -> None:
 
 
 def test_factory_called_with_params_creates_the_handler(etcd_endpoint: str) -> None:
-    handler = handlers.create_etcd_v2_handler(_params(endpoint=etcd_endpoint))
+    handler = plugin.create_etcd_v2_handler(_params(endpoint=etcd_endpoint))
     assert handler.get_backend() == "etcd-v2"
 
 
@@ -150,14 +161,14 @@ def test_registry_creates_our_handler_with_the_requested_name(etcd_endpoint: str
 def test_plugin_that_cannot_import_grpc_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     # Simulate a broken grpc install: importing it fails, as do the modules built on it.
     monkeypatch.setitem(sys.modules, "grpc", None)
-    for name in ("etcd_store.client", "etcd_rdzv.backend", "etcd_rdzv.rdzv_handler"):
+    for name in ("etcd_store.client", "etcd_rdzv.dynamic.backend", "etcd_rdzv.dynamic.handler"):
         if name in sys.modules:
             monkeypatch.delitem(sys.modules, name)
-    with pytest.raises(handlers.EtcdRdzvPluginError) as ei:
+    with pytest.raises(plugin.EtcdRdzvPluginError) as ei:
         torch_registry.get_rendezvous_handler(_params())
     text = str(ei.value)
     assert "'etcd-v2'" in text and "grpc" in text
-    assert "pip install" in text and handlers.DISABLE_OVERRIDE_ENV in text
+    assert "pip install" in text and plugin.DISABLE_OVERRIDE_ENV in text
     assert isinstance(ei.value, ImportError)
 
 
@@ -230,6 +241,7 @@ def test_user_and_password_from_environment(monkeypatch: pytest.MonkeyPatch) -> 
         ({"join_timeout": "-5"}, None, "join"),
         ({"keep_alive_interval": "x"}, None, "'keep_alive_interval'"),
         ({"keep_alive_max_attempt": "0"}, None, "'keep_alive_max_attempt'"),
+        ({"keep_alive_max_attempt": "many"}, None, "'keep_alive_max_attempt' must be a positive integer"),
     ],
 )
 def test_invalid_values_raise_value_error_naming_the_key(

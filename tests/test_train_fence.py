@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.utils.distributed import get_free_port
 
-from etcd_rdzv.demo import LocalAgent
-from etcd_rdzv.train import CHECKPOINT_NAME, ROUND_NAME, Record, read_records
+from etcd_rdzv.testing.agents import LocalAgent
+from etcd_rdzv.testing.train import CHECKPOINT_NAME, ROUND_NAME, Record, read_records
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -34,7 +34,7 @@ def _worker(tmp_path: Path, steps: int, step_time: float) -> subprocess.Popen[by
         "PYTHONPATH": REPO,
     }  # fmt: skip
     return subprocess.Popen(
-        [sys.executable, "-m", "etcd_rdzv.train", "--log-file", str(tmp_path / "log.jsonl"),
+        [sys.executable, "-m", "etcd_rdzv.testing.train", "--log-file", str(tmp_path / "log.jsonl"),
          "--ckpt-dir", str(tmp_path / "ckpt"), "--steps", str(steps), "--ckpt-every", "3",
          "--step-time", str(step_time)],
         env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

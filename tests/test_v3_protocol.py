@@ -26,12 +26,12 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-from etcd_rdzv.v3 import protocol
-from etcd_rdzv.v3.handler import create_etcd_v3_handler, create_etcd_v3_rdzv_handler
-from etcd_rdzv.v3.keys import RunKeys
-from etcd_rdzv.v3.protocol import Sealed
-from etcd_rdzv.v3.rendezvous import EtcdV3RendezvousHandler, RoundResult
-from etcd_rdzv.v3.settings import DEFAULT_LEASE_TTL, parse_settings
+from etcd_rdzv.native import bootstrap, protocol
+from etcd_rdzv.native.handler import EtcdV3RendezvousHandler, RoundResult
+from etcd_rdzv.native.keys import RunKeys
+from etcd_rdzv.native.protocol import Sealed
+from etcd_rdzv.native.settings import DEFAULT_LEASE_TTL, parse_settings
+from etcd_rdzv.plugin import create_etcd_v3_handler, create_etcd_v3_rdzv_handler
 from etcd_store.client import EtcdClient, RpcCounter
 
 pytestmark = pytest.mark.timeout(120)
@@ -433,9 +433,9 @@ def test_backup_sealer_takes_over_a_silent_first_node(nodes: Nodes) -> None:
 def test_the_join_that_fills_the_round_seals_it(nodes: Nodes, monkeypatch: pytest.MonkeyPatch) -> None:
     """The last joiner learns from its join's answer that the round is full and
     seals at once; it does not wait for its place in the backup order."""
-    import etcd_rdzv.v3.rendezvous as rendezvous
+    from etcd_rdzv.native import barrier
 
-    monkeypatch.setattr(rendezvous, "SEAL_BACKUP_DELAY", 3600.0)  # position 1 would wait an hour
+    monkeypatch.setattr(barrier, "SEAL_BACKUP_DELAY", 3600.0)  # position 1 would wait an hour
     keeper = nodes.client.keeper(10)
     try:
         nodes.client.put(nodes.keys.join_key(1, "silent"), b"{}", lease=keeper.id)
@@ -499,7 +499,7 @@ def test_without_master_in_the_sealed_record_members_read_rank0s_key(
 ) -> None:
     """A sealed record without rank 0's address (its key changed under the sealer):
     members read the earliest join key at the seal revision instead."""
-    monkeypatch.setattr(EtcdV3RendezvousHandler, "_master_of", lambda self, view, value: None)
+    monkeypatch.setattr(bootstrap, "master_of", lambda *args: None)
     hs = nodes.many(3, 3, 3)
     infos = rendezvous_all(nodes, hs)
     assert protocol.read_meta(nodes.client, nodes.keys).sealed.master is None

@@ -36,9 +36,9 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousGracefulExitError,
 )
 
-from etcd_rdzv.v3.handler import create_etcd_v3_rdzv_handler
-from etcd_rdzv.v3.keys import RunKeys
-from etcd_rdzv.v3.rendezvous import EtcdV3RendezvousHandler, RoundResult
+from etcd_rdzv.native.handler import EtcdV3RendezvousHandler, RoundResult
+from etcd_rdzv.native.keys import RunKeys
+from etcd_rdzv.plugin import create_etcd_v3_rdzv_handler
 from etcd_store.client import EtcdClient
 
 pytestmark = pytest.mark.timeout(180)

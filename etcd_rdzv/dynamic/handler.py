@@ -30,8 +30,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousTimeout,
 )
 
+from ..params import get_positive_int, get_seconds, translate_legacy_params
 from .backend import create_backend
-from .params import get_seconds, translate_legacy_params
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -112,12 +112,7 @@ def create_handler_from_params(
         heartbeat=_timeout(params, "heartbeat"),
     )
     keep_alive_interval = get_seconds(params, "keep_alive_interval")
-    max_attempt = params.get_as_int("keep_alive_max_attempt", 3)
-    if max_attempt is None or max_attempt < 1:
-        raise ValueError(
-            "The rendezvous configuration option 'keep_alive_max_attempt' must be a positive "
-            f"integer, got {params.get('keep_alive_max_attempt')!r}."
-        )
+    max_attempt = get_positive_int(params, "keep_alive_max_attempt", 3)
     backend, store = create_backend(params)
     handler = EtcdRendezvousHandler.from_backend(
         params.run_id,

@@ -1,24 +1,33 @@
-"""torchrun entry points and rendezvous handler creators for ``etcd-v2`` and ``etcd``.
+"""torchrun entry points and rendezvous handler creators of all three backends.
+
+``setup.cfg`` declares one ``torchrun.handlers`` entry point per backend, all here:
+``etcd-v2`` and ``etcd`` (torch's dynamic rendezvous over our backend,
+:mod:`etcd_rdzv.dynamic`) and ``etcd-v3`` (the etcd-native handler,
+:mod:`etcd_rdzv.native`).
 
 Two kinds of callables live here:
 
-* **Factories** (the ``torchrun.handlers`` entry points): :func:`create_etcd_v2_handler`
-  and :func:`create_etcd_legacy_handler`. torch's registry
-  (``registry._register_out_of_tree_handlers``) calls each with no argument and
-  registers the returned *creator* under the entry-point name. torch has already
-  registered its built-in ``etcd-v2``/``etcd`` creators by then and refuses a
-  second, different creator for a name, so a factory first removes torch's
-  registration for its name. With ``ETCD_RDZV_DISABLE_OVERRIDE=1`` a factory
-  instead returns torch's current creator, leaving the built-in in place.
+* **Factories** (the entry points): :func:`create_etcd_v2_handler`,
+  :func:`create_etcd_legacy_handler` and :func:`create_etcd_v3_handler`. torch's
+  registry (``registry._register_out_of_tree_handlers``) calls each with no
+  argument and registers the returned *creator* under the entry-point name.
+  torch has already registered its built-in ``etcd-v2``/``etcd`` creators by then
+  and refuses a second, different creator for a name, so those two factories
+  first remove torch's registration for their name. With
+  ``ETCD_RDZV_DISABLE_OVERRIDE=1`` they instead return torch's current creator,
+  leaving the built-in in place. ``etcd-v3`` is not a torch name: its factory
+  just returns its creator.
 * **Creators** (``RendezvousParameters -> RendezvousHandler``):
-  :func:`create_etcd_v2_rdzv_handler` and :func:`create_etcd_legacy_rdzv_handler`.
+  :func:`create_etcd_v2_rdzv_handler`, :func:`create_etcd_legacy_rdzv_handler`
+  and :func:`create_etcd_v3_rdzv_handler`.
 
 This module imports only the standard library at import time: torch loads it
 while ``torch.distributed.elastic.rendezvous`` is still being imported, and a
 failing import here would only be logged by torch as a warning followed by an
 "unknown backend" error. The heavy modules (gRPC, the etcd client, torch's
-rendezvous) are imported when a handler is created; if that fails the creator
-raises :class:`EtcdRdzvPluginError` naming the cause and the fix.
+rendezvous) are imported when a handler is created; if that fails the
+``etcd-v2``/``etcd`` creators raise :class:`EtcdRdzvPluginError` naming the cause
+and the fix.
 """
 
 from __future__ import annotations
@@ -31,6 +40,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 
+    from .native.handler import EtcdV3RendezvousHandler
+
 log = logging.getLogger(__name__)
 
 __all__ = [
@@ -40,6 +51,8 @@ __all__ = [
     "create_etcd_legacy_rdzv_handler",
     "create_etcd_v2_handler",
     "create_etcd_v2_rdzv_handler",
+    "create_etcd_v3_handler",
+    "create_etcd_v3_rdzv_handler",
 ]
 
 DISABLE_OVERRIDE_ENV = "ETCD_RDZV_DISABLE_OVERRIDE"
@@ -86,7 +99,7 @@ def _registration(name: str, ours: Creator) -> Creator:
 def _load_creator(name: str) -> Callable[..., RendezvousHandler]:
     """Import the heavy part of the plugin; raise a clear error if it cannot load."""
     try:
-        from .rdzv_handler import create_handler_from_params
+        from .dynamic.handler import create_handler_from_params
     except Exception as e:
         raise EtcdRdzvPluginError(
             f"The rendezvous backend {name!r} of etcd-rdzv cannot be used: importing its "
@@ -134,3 +147,27 @@ def create_etcd_legacy_handler(params: RendezvousParameters | None = None) -> An
     if params is not None:
         return create_etcd_legacy_rdzv_handler(params)
     return _registration("etcd", create_etcd_legacy_rdzv_handler)
+
+
+def create_etcd_v3_rdzv_handler(
+    params: RendezvousParameters, *, client: Any = None
+) -> EtcdV3RendezvousHandler:
+    """Create an ``etcd-v3`` handler from torchrun's parameters (the registered creator).
+
+    Reads the rdzv-conf keys of :mod:`etcd_rdzv.native.settings` and
+    :mod:`etcd_rdzv.params`; raises ``ValueError`` naming a bad key. No RPC is
+    made here. ``client`` (an ``EtcdClient``) is used instead of a new one when
+    given, and is then not closed by ``shutdown()``.
+    """
+    from .native.handler import EtcdV3RendezvousHandler
+    from .native.settings import parse_settings
+
+    settings, options = parse_settings(params)
+    if client is not None:
+        return EtcdV3RendezvousHandler(settings, client, owns_client=False)
+    return EtcdV3RendezvousHandler(settings, options.create_client(), owns_client=True)
+
+
+def create_etcd_v3_handler() -> Any:
+    """``torchrun.handlers`` entry point for ``etcd-v3``: returns :func:`create_etcd_v3_rdzv_handler`."""
+    return create_etcd_v3_rdzv_handler

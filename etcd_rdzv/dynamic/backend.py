@@ -50,7 +50,7 @@ from etcd_store.client import (
 )
 from etcd_store.errors import EtcdError
 
-from .params import DEFAULT_KEY_PREFIX, DEFAULT_STATE_TTL, parse_rdzv_config
+from ..params import DEFAULT_KEY_PREFIX, DEFAULT_STATE_TTL, parse_rdzv_config
 
 if TYPE_CHECKING:
     from torch.distributed import Store

@@ -31,13 +31,15 @@ import logging
 import math
 import socket
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from ..params import (
     DEFAULT_KEY_PREFIX,
     DEFAULT_STATE_TTL,
     EtcdClientOptions,
+    RdzvParams,
     get_positive_int,
+    get_seconds_or,
     parse_rdzv_config,
 )
 
@@ -53,18 +55,13 @@ DEFAULT_KEEP_ALIVE_MAX_ATTEMPT = 3
 DEFAULT_LEASE_TTL = DEFAULT_KEEP_ALIVE_INTERVAL * DEFAULT_KEEP_ALIVE_MAX_ATTEMPT
 
 
-class _Params(Protocol):
+class _Params(RdzvParams, Protocol):
     """The part of torch's ``RendezvousParameters`` read here."""
 
-    backend: str
-    endpoint: str
     run_id: str
     min_nodes: int
     max_nodes: int
     local_addr: str | None
-    config: dict[str, Any]
-
-    def get(self, key: str, default: Any = None) -> Any: ...
 
     def get_as_bool(self, key: str, default: bool | None = None) -> bool | None: ...
 
@@ -117,22 +114,6 @@ class V3Settings:
         return self.local_addr or socket.getfqdn()
 
 
-def _seconds(params: _Params, key: str, default: float) -> float:
-    value = params.get(key)
-    if value is None or (isinstance(value, str) and not value.strip()):
-        return default
-    try:
-        seconds = float(value) if not isinstance(value, bool) else math.nan
-    except (TypeError, ValueError):
-        seconds = math.nan
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(
-            f"The rendezvous configuration option {key!r} must be a positive number of "
-            f"seconds, got {value!r}."
-        )
-    return seconds
-
-
 def parse_settings(params: _Params) -> tuple[V3Settings, EtcdClientOptions]:
     """Read the settings and the client options of an ``etcd-v3`` rendezvous.
 
@@ -142,7 +123,7 @@ def parse_settings(params: _Params) -> tuple[V3Settings, EtcdClientOptions]:
     """
     config = parse_rdzv_config(params)
     if "heartbeat" in params.config and params.get("heartbeat") is not None:
-        lease_ttl = math.ceil(_seconds(params, "heartbeat", DEFAULT_LEASE_TTL))
+        lease_ttl = math.ceil(get_seconds_or(params, "heartbeat", DEFAULT_LEASE_TTL))
     else:
         interval = get_positive_int(params, "keep_alive_interval", DEFAULT_KEEP_ALIVE_INTERVAL)
         attempts = get_positive_int(params, "keep_alive_max_attempt", DEFAULT_KEEP_ALIVE_MAX_ATTEMPT)
@@ -152,9 +133,9 @@ def parse_settings(params: _Params) -> tuple[V3Settings, EtcdClientOptions]:
         min_nodes=params.min_nodes,
         max_nodes=params.max_nodes,
         local_addr=params.local_addr,
-        join_timeout=_seconds(params, "join_timeout", DEFAULT_JOIN_TIMEOUT),
-        last_call_timeout=_seconds(params, "last_call_timeout", DEFAULT_LAST_CALL_TIMEOUT),
-        close_timeout=_seconds(params, "close_timeout", DEFAULT_CLOSE_TIMEOUT),
+        join_timeout=get_seconds_or(params, "join_timeout", DEFAULT_JOIN_TIMEOUT),
+        last_call_timeout=get_seconds_or(params, "last_call_timeout", DEFAULT_LAST_CALL_TIMEOUT),
+        close_timeout=get_seconds_or(params, "close_timeout", DEFAULT_CLOSE_TIMEOUT),
         lease_ttl=lease_ttl,
         state_ttl=config.state_ttl,
         key_prefix=config.key_prefix,

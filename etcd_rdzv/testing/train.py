@@ -4,8 +4,8 @@ Run it under torchrun, as a file or as a module::
 
     torchrun --nnodes=2:3 --nproc-per-node=2 --rdzv-backend=etcd-v2 \\
         --rdzv-endpoint=127.0.0.1:2379 --rdzv-id=job1 --max-restarts=3 \\
-        etcd_rdzv/train.py --log-file /tmp/job1/log.jsonl --ckpt-dir /tmp/job1 --steps 40
-    torchrun ... -m etcd_rdzv.train --log-file ... --ckpt-dir ... --steps 40
+        etcd_rdzv/testing/train.py --log-file /tmp/job1/log.jsonl --ckpt-dir /tmp/job1 --steps 40
+    torchrun ... -m etcd_rdzv.testing.train --log-file ... --ckpt-dir ... --steps 40
 
 What one worker does: joins a gloo process group (``env://``, from torchrun's
 ``MASTER_ADDR``/``MASTER_PORT``), trains a one-layer model under
@@ -133,7 +133,7 @@ def group_order(records: Iterable[Record]) -> list[str]:
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="etcd_rdzv.train", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="etcd_rdzv.testing.train", description=__doc__.split("\n\n")[0])
     p.add_argument("--log-file", required=True, help="JSON-lines log every rank appends to")
     p.add_argument("--ckpt-dir", required=True, help="directory of the checkpoint and round counter")
     p.add_argument("--steps", type=int, default=30, help="train until this step (default 30)")
@@ -310,14 +310,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m etcd_rdzv.train`` (under torchrun)."""
+    """Entry point of ``python -m etcd_rdzv.testing.train`` (under torchrun)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = _parse_args(argv)
     return run(args)
 
 
 def _describe(records: Sequence[Record]) -> dict[str, Any]:
-    """Compact per-group summary (used by ``python -m etcd_rdzv.train --summary LOG``)."""
+    """Compact per-group summary (used by ``python -m etcd_rdzv.testing.train --summary LOG``)."""
     out: dict[str, Any] = {}
     for gid in group_order(records):
         rs = [r for r in records if r.group == gid]

@@ -6,7 +6,7 @@ bound to that lease; waiting is a watch on the run's ``ctl/`` keys that starts
 right after the join's revision; sealing a round is one transaction fenced by
 the ``sealed`` record's mod revision and by "the previous round is empty".
 No node rewrites anything while a job runs: liveness is the lease alone.
-See :mod:`etcd_rdzv.v3.protocol` and the README's design note.
+See :mod:`etcd_rdzv.native.protocol` and the README's design note.
 
 Cost of an uncontended ``next_rendezvous`` (node already holding its lease): one
 read-only Txn, one join Txn, one watch; one seal Txn for one node per round;
@@ -19,7 +19,6 @@ is rank 0).
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 import threading
@@ -37,40 +36,28 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousHandler,
     RendezvousInfo,
     RendezvousStateError,
-    RendezvousStoreInfo,
     RendezvousTimeoutError,
 )
-from torch.distributed.elastic.utils.distributed import get_free_port
 
 from etcd_store.client import EtcdClient, LeaseKeeper, Watch
 from etcd_store.errors import EtcdCompactedError, EtcdError, EtcdTimeoutError
 
-from . import protocol
+from . import bootstrap, protocol
+from .barrier import Admitted, Barrier, JoinClock, Seal, Tally, TimeOut, Void, decide, verdict
+from .bootstrap import bootstrap_info, join_value
 from .keys import RunKeys
-from .protocol import ProtocolStateError, RoundView, Sealed, Signal, SignalKind
+from .protocol import ProtocolStateError, Sealed
 from .settings import V3Settings
+from .view import RoundView, Signal, SignalKind
 
 if TYPE_CHECKING:
     from etcd_store import EtcdStore
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BACKEND_NAME", "SEAL_BACKUP_DELAY", "EtcdV3RendezvousHandler", "RoundResult"]
+__all__ = ["BACKEND_NAME", "EtcdV3RendezvousHandler", "RoundResult"]
 
 BACKEND_NAME = "etcd-v3"
-
-SEAL_BACKUP_DELAY = 1.0
-"""Seconds between seal attempts by position: once the round is ready, the first
-joiner tries at once, the k-th joiner after ``k * SEAL_BACKUP_DELAY`` (it stands
-in for earlier joiners that are alive but slow; a dead one's key is gone, which
-moves everyone up a place at once). This keeps a round at about one seal
-transaction, not one per node, even when the first joiner lags behind.
-
-One exception: the node whose join filled the round (its join answer showed
-``max_nodes`` joiners and the previous round empty) seals at once, from that
-answer, before any watch event; the others then stand in one place later. It is
-the only node that knows the round is full without first reading every other
-join from its watch, which at hundreds of nodes takes longer than the seal."""
 
 _local_ids = itertools.count()
 
@@ -106,40 +93,15 @@ class _Joined:
 
 @dataclass(frozen=True)
 class _Retry:
-    """Join again: from ``sealed`` when known, else after re-reading the run's records."""
+    """Join again: from ``sealed`` when known, else after re-reading the run's records;
+    ``clock`` is the ``join_timeout`` deadline as the wait left it."""
 
-    sealed: Sealed | None = None
-
-
-class _JoinDeadline:
-    """The ``join_timeout`` deadline; suspended while a full group runs (torch's redundancy list)."""
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-        self.at = time.monotonic() + seconds
-        self.suspended = False
-
-    def suspend(self, flag: bool) -> None:
-        if flag != self.suspended:
-            self.suspended = flag
-            if not flag:
-                self.at = time.monotonic() + self.seconds
-
-    def expired(self, now: float) -> bool:
-        return not self.suspended and now >= self.at
+    sealed: Sealed | None
+    clock: JoinClock
 
 
-def _address_of(value: bytes) -> tuple[str | None, int | None]:
-    """``(addr, port)`` of a join value; None for what it lacks or what is malformed."""
-    try:
-        doc = json.loads(value)
-    except ValueError:
-        return None, None
-    if not isinstance(doc, dict):
-        return None, None
-    addr, port = doc.get("addr"), doc.get("port")
-    return (addr if isinstance(addr, str) and addr else None,
-            port if isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536 else None)
+def _tally(view: RoundView) -> Tally:
+    return Tally(view.count, view.before, view.prev_count, view.changes)
 
 
 def _failed_on_master_alone(res: protocol.SealOutcome, previous: Sealed) -> bool:
@@ -155,7 +117,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     """A rendezvous over etcd v3 leases, transactions and watches (``--rdzv-backend=etcd-v3``).
 
     Args:
-        settings: the rendezvous settings (:func:`~etcd_rdzv.v3.settings.parse_settings`).
+        settings: the rendezvous settings (:func:`~etcd_rdzv.native.settings.parse_settings`).
         client: the etcd client. Several handlers may share one; each keeps its own
             lease, watch and keep-alive stream on it.
         owns_client: close ``client`` in :meth:`shutdown`.
@@ -222,57 +184,16 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         result = self.next_round()
         store = self._round_store(result.round)
         try:
-            bootstrap = self._bootstrap_info(result, store)
+            bootstrap = bootstrap_info(
+                self._client, self._keys, result.round, result.rank, result.seal_revision, store,
+                self._round_master, self._node_id, self._settings.node_addr,
+            )
         except Exception as e:
             raise RendezvousConnectionError(
                 f"Round {result.round} of the rendezvous {self._settings.run_id!r} was sealed, "
                 f"but exchanging MASTER_ADDR/MASTER_PORT through its store failed: {e}"
             ) from e
         return RendezvousInfo(store, result.rank, result.world_size, bootstrap)
-
-    def _bootstrap_info(self, result: RoundResult, store: EtcdStore) -> RendezvousStoreInfo:
-        """``MASTER_ADDR``/``MASTER_PORT`` of the round: rank 0's address and the free
-        port it put in its join key. No waiting on rank 0, and usually no RPC: the
-        sealed record names them (see :meth:`_master_of`).
-
-        When it does not, the others read the earliest join key at the seal
-        revision (rank 0 by the membership rule) and rank 0 reads its own key.
-        Rank 0 also publishes both values in the round's store (one Txn), where
-        torch's ``RendezvousStoreInfo.build`` looks for them: the fallback when the
-        seal revision is unknown or compacted, or an old join value carries no port.
-        """
-        keys, client = self._keys, self._client
-        master = self._round_master
-        if master is not None and result.rank != 0:
-            return RendezvousStoreInfo(*master)
-        if result.rank == 0:
-            addr: str | None
-            port: int | None
-            if master is not None:
-                addr, port = master
-            else:
-                kv = client.get(keys.join_key(result.round, self._node_id))
-                addr, port = _address_of(kv.value if kv is not None else b"")
-            if addr is None or port is None:
-                addr, port = self._settings.node_addr, get_free_port()
-            store.multi_set(
-                [RendezvousStoreInfo.MASTER_ADDR_KEY, RendezvousStoreInfo.MASTER_PORT_KEY],
-                [addr.encode(), str(port).encode()],
-            )
-            return RendezvousStoreInfo(addr, port)
-        if result.seal_revision:
-            try:
-                res = client.range(
-                    keys.join_prefix(result.round), prefix=True, sort_by="create", limit=1,
-                    revision=result.seal_revision,
-                )
-            except EtcdCompactedError:
-                res = None
-            if res is not None and res.kvs:
-                addr, port = _address_of(res.kvs[0].value)
-                if addr is not None and port is not None:
-                    return RendezvousStoreInfo(addr, port)
-        return RendezvousStoreInfo.build(result.rank, store, local_addr=self._settings.node_addr)
 
     def next_round(self) -> RoundResult:
         """The barrier of :meth:`next_rendezvous`, without the store (tests, benchmarks).
@@ -286,9 +207,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """
         with self._rdzv_lock:
             self._check_not_shut_down()
-            deadline = _JoinDeadline(self._settings.join_timeout)
+            clock = JoinClock.start(self._settings.join_timeout, time.monotonic())
             try:
-                result = self._rendezvous(deadline)
+                result = self._rendezvous(clock)
             except EtcdTimeoutError as e:
                 raise RendezvousConnectionError(f"etcd did not answer in time: {e}") from e
             except EtcdError as e:
@@ -428,14 +349,6 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     # ------------------------------------------------------------------ leases
 
-    def _join_value(self) -> bytes:
-        """What this node's join key holds: its address, pid, and a free port of its
-        host picked now. If it becomes rank 0, that port is the round's
-        ``MASTER_PORT`` (torch picks it the same way, once the round is known)."""
-        return json.dumps(
-            {"addr": self._settings.node_addr, "pid": os.getpid(), "port": get_free_port()}
-        ).encode()
-
     def _check_not_shut_down(self) -> None:
         if self._shut_down:
             raise RendezvousClosedError(f"the handler of node {self._node_id} was shut down")
@@ -486,14 +399,14 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     # ------------------------------------------------------------------ the barrier
 
-    def _rendezvous(self, deadline: _JoinDeadline) -> RoundResult:
+    def _rendezvous(self, clock: JoinClock) -> RoundResult:
         """Join rounds until one that includes us is sealed.
 
         The first join assumes the last sealed record this node saw; a stale guess
         costs one failed join, whose answer carries the current record.
         """
         keys, client = self._keys, self._client
-        value = self._join_value()  # one free port per next_round call
+        value = join_value(self._settings.node_addr)  # one free port per next_round call
         # The group this node leaves: a round that only re-forms it may skip the last call.
         prior_round, prior_world = self._member_round, self._member_world
         self._member_round = None
@@ -541,10 +454,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             self._joined = _Joined(target, key)
             log.debug("node %s joined round %d at revision %d", self._node_id, target, outcome.revision)
             recovering = self._settings.fast_recovery and prior_round == target - 1
-            waited = self._wait(target, outcome, sealed, deadline, value, prior_world if recovering else None)
+            waited = self._wait(target, outcome, sealed, clock, value, prior_world if recovering else None)
             if isinstance(waited, RoundResult):
                 self._joined = _Joined(target, key, member=True)
                 return waited
+            clock = waited.clock
             if waited.sealed is None:
                 fresh_read = True
             else:
@@ -555,16 +469,15 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         round_: int,
         outcome: protocol.JoinOutcome,
         previous: Sealed,
-        deadline: _JoinDeadline,
+        clock: JoinClock,
         value: bytes,
         recover_size: int | None = None,
     ) -> RoundResult | _Retry:
         """Wait on the ``ctl/`` watch until round ``round_`` is sealed; seal it when due.
 
-        Due: the previous round is vacated, ``min_nodes`` joined, and ``max_nodes``
-        joined, or the last call passed, or (``recover_size``: the size of the
-        group this node was a member of in the previous round) the round has no
-        more joiners than that group had, so it only re-forms the group.
+        Acts on what :func:`~etcd_rdzv.native.barrier.decide` says (when a round
+        is due is defined there); ``recover_size`` is the size of the group this
+        node was a member of in the previous round (``fast_recovery``).
         """
         s = self._settings
         view = RoundView(
@@ -578,41 +491,14 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 watch.cancel()
                 raise RendezvousClosedError(f"the handler of node {self._node_id} was shut down")
             self._watch = watch
-        # Our own join filled the round: seal from the join's answer (see SEAL_BACKUP_DELAY).
-        filled_it = view.vacated and view.count >= s.max_nodes
-        last_call_at: float | None = None
-        ready_since: float | None = None
-        tried_at_change = -1
-        i_sealed = False
-        timing_out = False
+        state = Barrier.start(clock, _tally(view), s, recover_size)
         try:
             while True:
-                now = time.monotonic()
-                barrier = view.vacated and view.count >= s.min_nodes
-                if barrier and last_call_at is None:
-                    last_call_at = now + s.last_call_timeout
-                elif not barrier:
-                    last_call_at = None
-                ready = barrier and (
-                    view.count >= s.max_nodes
-                    or (recover_size is not None and view.count <= recover_size)
-                    or (last_call_at is not None and now >= last_call_at)
-                )
-                ready_since = (ready_since or now) if ready else None
-                attempt_at = None
-                if ready_since is not None and not i_sealed and tried_at_change != view.changes:
-                    place = view.before
-                    if filled_it:
-                        place = 0
-                    elif view.count >= s.max_nodes:
-                        place += 1  # the node that filled the round seals first
-                    attempt_at = ready_since + place * SEAL_BACKUP_DELAY
-                if attempt_at is not None and now >= attempt_at:
-                    tried_at_change = view.changes
-                    i_sealed = self._try_seal(round_, previous, view, value)
+                state, action = decide(state, _tally(view), s, time.monotonic())
+                if isinstance(action, Seal):
+                    state = state.sealed(self._try_seal(round_, previous, view, value))
                     continue
-                deadline.suspend(view.prev_count >= s.max_nodes)
-                if deadline.expired(now) and not timing_out:
+                if isinstance(action, TimeOut):
                     if self._withdraw_if_unsealed(previous):
                         raise RendezvousTimeoutError(
                             f"node {self._node_id}: round {round_} of the rendezvous "
@@ -620,18 +506,16 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                             f"({view.count} of min_nodes={s.min_nodes} joined"
                             f"{'' if view.vacated else ', previous round still running'})"
                         )
-                    timing_out = True  # sealed meanwhile: its event is on the way
-                wake = [t for t in (last_call_at if not ready else None, attempt_at) if t is not None]
-                if not deadline.suspended and not timing_out:
-                    wake.append(deadline.at)
-                timeout = max(min(wake) - now, 0.0) if wake else None
+                    state = state.timed_out_late()  # sealed meanwhile: its event is on the way
+                    continue
+                timeout = None if action.at is None else max(action.at - time.monotonic(), 0.0)
                 for event in watch.get(timeout=timeout):
                     signal = view.apply(event)
                     if signal is not None:
-                        return self._on_signal(signal, view, previous, i_sealed, timing_out)
+                        return self._on_signal(signal, view, previous, state)
         except EtcdCompactedError:
             log.warning("node %s: watch history compacted; re-reading the rendezvous", self._node_id)
-            return _Retry(None)
+            return _Retry(None, state.clock)
         except EtcdError:
             if self._shut_down:
                 raise RendezvousClosedError(f"the handler of node {self._node_id} was shut down") from None
@@ -646,12 +530,12 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """One seal attempt (and the run lease, the first time); whether we sealed.
 
         The sealed record also names rank 0's address and port (see
-        :meth:`_master_of`), so that no member has to read them after the seal.
+        :func:`~etcd_rdzv.native.bootstrap.master_of`), so that no member has to read them after the seal.
         """
         run_lease = self._run_lease
         if run_lease is None:
             run_lease = self._create_run_lease()
-        master = self._master_of(view, value)
+        master = bootstrap.master_of(self._client, self._keys, view, self._node_id, value)
         try:
             res = protocol.seal(self._client, self._keys, round_, previous, run_lease, master=master)
         except EtcdError as e:
@@ -667,34 +551,12 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             log.debug("node %s sealed round %d at revision %d", self._node_id, round_, res.revision)
         return res.ok
 
-    def _master_of(self, view: RoundView, value: bytes) -> protocol.Master | None:
-        """Rank 0's join key as the sealed record should name it: our own (no RPC) when
-        no earlier joiner is left, else the earliest join key (one Range)."""
-        keys = self._keys
-        if view.before == 0:
-            key, mod_revision = keys.join_key(view.round, self._node_id), view.join_revision
-        else:
-            res = self._client.range(keys.join_prefix(view.round), prefix=True, sort_by="create", limit=1)
-            if not res.kvs:
-                return None
-            key, mod_revision, value = res.kvs[0].key, res.kvs[0].mod_revision, res.kvs[0].value
-        addr, port = _address_of(value)
-        if addr is None or port is None:
-            return None
-        return protocol.Master(key, mod_revision, addr, port)
-
-    def _on_signal(
-        self,
-        signal: Signal,
-        view: RoundView,
-        previous: Sealed,
-        i_sealed: bool,
-        timing_out: bool,
-    ) -> RoundResult | _Retry:
+    def _on_signal(self, signal: Signal, view: RoundView, previous: Sealed, state: Barrier) -> RoundResult | _Retry:
         s = self._settings
+        tally = _tally(view)
         if signal.kind is SignalKind.CLOSED:
             self._withdraw()
-            if view.prev_count >= s.max_nodes:
+            if tally.kept_out(s):
                 raise RendezvousGracefulExitError(
                     f"the rendezvous {s.run_id!r} was closed while node {self._node_id} waited "
                     "for room in a full group"
@@ -703,31 +565,31 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if signal.kind is SignalKind.LOST:
             self._joined = None
             self._drop_lease()
-            return _Retry(previous)
+            return _Retry(previous, state.clock)
         if signal.kind is SignalKind.RESET or signal.round != view.round:
-            return _Retry(None)
+            return _Retry(None, state.clock)
         sealed = Sealed(signal.round, signal.revision, signal.run_lease, signal.master)
         self._learn(sealed)
-        world_size = min(view.count, s.max_nodes)
-        if i_sealed:
+        if state.sealed_by_me:
             self._record_members(view, sealed)
-        if world_size < s.min_nodes:
+        place = verdict(tally, s)
+        if isinstance(place, Void):
             log.warning(
                 "round %d of %r sealed with %d joiners (< min_nodes=%d): void, joining the next",
-                view.round, s.run_id, world_size, s.min_nodes,
+                view.round, s.run_id, place.world_size, s.min_nodes,
             )
-        elif view.before < s.max_nodes:
-            self._member_round, self._member_world = view.round, world_size
+        elif isinstance(place, Admitted):
+            self._member_round, self._member_world = view.round, place.world_size
             self._round_master = signal.master
-            return RoundResult(view.round, view.before, world_size, signal.revision, self._node_id)
+            return RoundResult(view.round, place.rank, place.world_size, signal.revision, self._node_id)
         self._joined = _Joined(view.round, self._keys.join_key(view.round, self._node_id), member=False)
-        if timing_out:
+        if state.timing_out:
             self._withdraw()
             raise RendezvousTimeoutError(
                 f"node {self._node_id} was not admitted to a round of {s.run_id!r} within "
                 f"join_timeout={s.join_timeout:g} s"
             )
-        return _Retry(sealed)
+        return _Retry(sealed, state.clock)
 
     def _record_members(self, view: RoundView, sealed: Sealed) -> None:
         """Write the members record of a round we sealed (for resync and inspection)."""

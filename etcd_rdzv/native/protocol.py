@@ -5,8 +5,8 @@ returns plain data; none of them sleeps or loops. Every transaction here may be
 replayed when its outcome is unknown (``idempotent=True``): a replayed join
 re-puts the same key (its create revision, hence its place, is kept), a replayed
 seal or close fails its compare, deletes are idempotent. The handler
-(:mod:`etcd_rdzv.v3.rendezvous`) strings them together and waits on watches.
-Key names come from :class:`~etcd_rdzv.v3.keys.RunKeys`; see the design note
+(:mod:`etcd_rdzv.native.handler`) strings them together and waits on watches.
+Key names come from :class:`~etcd_rdzv.native.keys.RunKeys`; see the design note
 in the README for why each compare makes its transition safe.
 
 Membership rule (the single source of truth): round ``T`` is sealed at the
@@ -16,12 +16,11 @@ first ``max_nodes`` of them; rank = position. If fewer than ``min_nodes`` keys
 exist at ``S`` (a joiner died in the instant before sealing) the round is
 *void*: it forms no group and its joiners move on to ``T + 1``. Every waiting
 node rebuilds the join set at ``S`` from its own gap-free watch
-(:class:`RoundView`), so no node needs to read the member list.
+(:class:`~etcd_rdzv.native.view.RoundView`), so no node needs to read the member list.
 """
 
 from __future__ import annotations
 
-import enum
 import json
 import logging
 from dataclasses import dataclass, field
@@ -29,7 +28,6 @@ from dataclasses import dataclass, field
 from etcd_store.client import (
     DeleteResult,
     EtcdClient,
-    Event,
     KeyValue,
     RangeResult,
     compare_mod,
@@ -49,11 +47,8 @@ __all__ = [
     "Master",
     "Meta",
     "Occupancy",
-    "RoundView",
     "SealOutcome",
     "Sealed",
-    "Signal",
-    "SignalKind",
     "close",
     "count_waiting",
     "decode_members",
@@ -549,109 +544,3 @@ def remove_round_records_if_idle(
         assert isinstance(deleted, DeleteResult)
         log.debug("removed %d round records of %s", deleted.deleted, keys.root)
     return res.succeeded
-
-
-# --------------------------------------------------------------------------- the round view
-
-
-class SignalKind(enum.Enum):
-    SEALED = "sealed"  # ctl/sealed changed: see Signal.round / .revision / .run_lease
-    CLOSED = "closed"  # ctl/closed appeared
-    LOST = "lost"  # our own join key vanished (our lease expired)
-    RESET = "reset"  # ctl/sealed or ctl/run vanished (the run lease expired)
-
-
-@dataclass(frozen=True)
-class Signal:
-    kind: SignalKind
-    round: int = 0
-    revision: int = 0
-    run_lease: int | None = None
-    master: tuple[str, int] | None = None
-
-
-class RoundView:
-    """What a node waiting in round ``T`` knows, rebuilt from its gap-free watch on ``ctl/``.
-
-    Starts from the counts of :func:`join` (``before``: join keys of ``T`` created
-    before ours; ``prev_count``: join keys of ``T - 1``) and applies every event
-    after the join revision in order. At the revision ``S`` of the ``sealed``
-    event for ``T`` the view equals the join set at ``S``: our rank is
-    ``before``, the round's size ``min(count, max_nodes)``. Keys created after
-    ours are tracked by name (their deletion must not lower ``before``).
-    """
-
-    def __init__(
-        self,
-        keys: RunKeys,
-        round_: int,
-        node_id: str,
-        create_revision: int,
-        before: int,
-        prev_count: int,
-        revision: int,
-    ) -> None:
-        self.keys = keys
-        self.round = round_
-        self.node_id = node_id
-        self.create_revision = create_revision
-        self.before = before
-        self.after: dict[str, int] = {}
-        self.prev_count = prev_count
-        self.revision = revision
-        self.join_revision = revision  # our join's revision: our key's mod revision
-        self.changes = 0
-
-    @property
-    def count(self) -> int:
-        """Join keys of this round, ours included."""
-        return self.before + 1 + len(self.after)
-
-    @property
-    def vacated(self) -> bool:
-        """Whether no node remains in the previous round (so this one may be sealed)."""
-        return self.prev_count <= 0
-
-    def members_after_us(self) -> list[str]:
-        """Node ids that joined after us, in join order."""
-        return [name for name, _ in sorted(self.after.items(), key=lambda item: item[1])]
-
-    def apply(self, event: Event) -> Signal | None:
-        """Fold one watch event into the view; a :class:`Signal` when it ends the wait."""
-        kv = event.kv
-        self.revision = max(self.revision, kv.mod_revision)
-        key = kv.key
-        if key == self.keys.sealed:
-            if event.type == "DELETE":
-                return Signal(SignalKind.RESET, revision=kv.mod_revision)
-            round_, run_lease, master = decode_sealed(kv.value, key)
-            return Signal(SignalKind.SEALED, round_, kv.mod_revision, run_lease, master)
-        if key == self.keys.closed:
-            return Signal(SignalKind.CLOSED, revision=kv.mod_revision) if event.type == "PUT" else None
-        if key == self.keys.run:
-            return Signal(SignalKind.RESET, revision=kv.mod_revision) if event.type == "DELETE" else None
-        parsed = self.keys.parse_join_key(key)
-        if parsed is None:
-            return None
-        round_, name = parsed
-        if round_ == self.round - 1:
-            self.changes += 1
-            self.prev_count += -1 if event.type == "DELETE" else (1 if kv.version == 1 else 0)
-            return None
-        if round_ != self.round:
-            return None
-        if name == self.node_id:
-            if event.type == "DELETE":
-                return Signal(SignalKind.LOST, revision=kv.mod_revision)
-            return None
-        self.changes += 1
-        if event.type == "PUT":
-            if kv.create_revision > self.create_revision:
-                self.after[name] = kv.create_revision
-        elif self.after.pop(name, None) is None:
-            self.before -= 1
-            if self.before < 0:
-                raise ProtocolStateError(
-                    f"round {self.round}: more earlier joiners left than had joined"
-                )
-        return None
