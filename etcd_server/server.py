@@ -5,11 +5,13 @@
 ``start``/``stop``/``get_host``/``get_port``/``get_endpoint``/``get_client``
 methods) with these differences:
 
-* it talks the etcd **v3** API; the v2 API is off unless ``enable_v2=True``;
-* readiness is a real v3 request (``/v3/maintenance/status`` then a
-  linearizable ``/v3/kv/range``) through etcd's JSON gateway, polled against a
-  deadline; a process that exits during start-up is noticed at once and
-  reported with its exit code and the tail of its log (:class:`EtcdStartError`);
+* it talks the etcd **v3** API; the v2 API is off unless ``enable_v2=True``
+  (etcd 3.4 and 3.5 only: asking for it with etcd 3.6 or later, which removed
+  the v2 API, raises ``ValueError`` at construction, before anything runs);
+* readiness is polled against a deadline with ``GET /health`` (see
+  *Readiness* below); a process that exits during start-up is noticed at once
+  and reported with its exit code and the tail of its log
+  (:class:`EtcdStartError`);
 * it listens on ``127.0.0.1`` only, on free ports; when a port is taken
   between probing and binding the start is retried on new ports;
 * ``start()`` may be called again after ``stop()`` (and :meth:`EtcdServer.restart`
@@ -21,6 +23,31 @@ methods) with these differences:
   kernel kills it even when Python itself is SIGKILLed;
 * optional TLS serving (:class:`TLSConfig`) and auth (:class:`AuthConfig`,
   set up through the JSON gateway; passwords travel in request bodies only).
+
+Readiness
+---------
+etcd is ready when ``GET /health`` on its client URL answers
+``{"health": "true"}``. etcd 3.4 to 3.7 all serve it, with that same body, and
+answer true only when the member has a leader, no alarm, and a read through
+raft succeeded (3.4: a quorum read; 3.5+: a linearizable range). It was chosen
+over the alternatives because it does not depend on what changed between
+versions:
+
+* ``/readyz`` and ``/livez`` exist only from 3.6 on;
+* requests through the JSON gateway (``/v3/...``) need a token once auth is on
+  (3.6+ even for ``/v3/maintenance/status``), are refused outright (plain-text
+  HTTP 400) for a TLS client whose certificate has a CommonName while auth is
+  on, and their error bodies changed in 3.6 (``{"error", "message", "code"}``
+  before, ``{"code", "message"}`` since); only the ``code`` field and the HTTP
+  status are common to all versions;
+* a gRPC request works everywhere but needs grpc, and this package is
+  standard-library only.
+
+``/health`` is not behind the gateway, so none of that applies. Leader
+discovery (:meth:`etcd_server.EtcdCluster.leader`) likewise reads the
+``etcd_server_is_leader`` gauge from ``/metrics`` (all versions, no auth). The
+auth set-up still uses the gateway and tells answers apart by HTTP status and
+gRPC ``code`` only (see :func:`setup_auth`).
 
 .. note:: ``PR_SET_PDEATHSIG`` fires when the *thread* that forked the child
    exits, not only when the process does. So etcd is never forked from the
@@ -63,7 +90,7 @@ from concurrent.futures import Future
 from types import TracebackType
 from typing import IO, Any, TextIO, TypeVar
 
-from .binary import etcd_version, find_etcd_binary
+from .binary import etcd_version, find_etcd_binary, has_v2_api
 
 __all__ = [
     "AuthConfig",
@@ -208,15 +235,28 @@ class EtcdStartTimeoutError(EtcdStartError, TimeoutError):
     """etcd was still running but not ready when the start-up deadline passed."""
 
 
+# gRPC status codes etcd reports in the gateway's ``code`` field.
+GRPC_INVALID_ARGUMENT = 3
+GRPC_PERMISSION_DENIED = 7
+GRPC_FAILED_PRECONDITION = 9
+GRPC_UNAUTHENTICATED = 16
+_NO_CODE = -1
+
+
 class EtcdGatewayError(RuntimeError):
     """An error answer from etcd's JSON gateway (``/v3/...``).
+
+    Every etcd version from 3.4 to 3.7 puts the gRPC status code in the
+    answer's ``code`` field (the rest of the body changed in 3.6), so errors
+    are told apart by :attr:`code` and :attr:`http_status` only, never by
+    message text.
 
     Attributes:
         path: the gateway path requested.
         http_status: HTTP status code of the answer.
-        code: the gRPC status code etcd reported (e.g. 7 PERMISSION_DENIED).
-        etcd_message: etcd's error message, e.g.
-            ``"etcdserver: authentication failed, invalid user ID or password"``.
+        code: the gRPC status code etcd reported (e.g. 9 FAILED_PRECONDITION),
+            or -1 when the answer carried none (not a gRPC error).
+        etcd_message: etcd's error message (for people; do not parse it).
     """
 
     def __init__(self, path: str, http_status: int, code: int, etcd_message: str):
@@ -230,19 +270,23 @@ class EtcdGatewayError(RuntimeError):
 
     @property
     def is_auth_error(self) -> bool:
-        """True for authentication/permission failures."""
-        msg = self.etcd_message.lower()
-        return self.code in (7, 16) or "user name is empty" in msg or "auth" in msg
+        """True for PERMISSION_DENIED (7) and UNAUTHENTICATED (16, e.g. a stale token).
+
+        etcd reports a missing token and a wrong password as INVALID_ARGUMENT
+        (3), which by code alone cannot be told from a malformed request.
+        """
+        return self.code in (GRPC_PERMISSION_DENIED, GRPC_UNAUTHENTICATED)
 
     @property
-    def gateway_refused_cn(self) -> bool:
-        """True when the gateway refused a client certificate with a CommonName.
+    def refused_by_gateway(self) -> bool:
+        """True when the gateway refused the request before it reached etcd's gRPC API.
 
-        With auth enabled, etcd's JSON gateway answers HTTP 400 ("CommonName of
-        client sending a request against gateway will be ignored ...") to any
-        TLS client whose certificate has a CN, instead of serving the request.
+        That is an HTTP 400 with no gRPC code. In etcd 3.4 to 3.7 the one such
+        refusal is for a TLS client whose certificate has a CommonName while
+        auth is enabled ("CommonName of client sending a request against
+        gateway will be ignored ..."), so it also says auth is on.
         """
-        return "CommonName of client" in self.etcd_message
+        return self.http_status == 400 and self.code == _NO_CODE
 
 
 # --------------------------------------------------------------------------
@@ -314,38 +358,70 @@ class _Gateway:
             data = json.loads(raw or b"{}")
         except ValueError:
             text = raw[:500].decode("utf-8", "replace").strip() or f"empty answer, HTTP {status}"
-            raise EtcdGatewayError(path, status, -1, text) from None
+            raise EtcdGatewayError(path, status, _NO_CODE, text) from None
         if not isinstance(data, dict):
-            raise EtcdGatewayError(path, status, -1, f"unexpected answer {raw[:200]!r}")
-        if status >= 400 or "error" in data:
+            raise EtcdGatewayError(path, status, _NO_CODE, f"unexpected answer {raw[:200]!r}")
+        if status >= 400:
+            # 3.4/3.5: {"error", "message", "code"}; 3.6+: {"code", "message"}.
             msg = str(data.get("message") or data.get("error") or f"HTTP {status}")
-            raise EtcdGatewayError(path, status, int(data.get("code", -1)), msg)
+            code = data.get("code", _NO_CODE)
+            raise EtcdGatewayError(path, status, code if isinstance(code, int) else _NO_CODE, msg)
         return data
 
-    def health(self, *, timeout: float = 5.0) -> bool:
-        """``GET /health``: True when etcd reports ``"health": "true"``.
+    def get(self, path: str, *, timeout: float = 5.0) -> tuple[int, bytes]:
+        """``GET path`` (outside the gateway): ``(HTTP status, body)``.
 
-        Not part of the gRPC gateway, so it works where the gateway refuses a
-        client certificate (see ``EtcdGatewayError.gateway_refused_cn``). etcd
-        answers healthy only with a leader and a successful read through raft.
+        Raises:
+            OSError: no answer (refused, TLS failure, time-out).
         """
         try:
-            with self._opener.open(self.base_url + "/health", timeout=timeout) as resp:
-                data = json.loads(resp.read() or b"{}")
-        except urllib.error.HTTPError:
+            with self._opener.open(self.base_url + path, timeout=timeout) as resp:
+                return int(resp.status), resp.read()
+        except urllib.error.HTTPError as e:
+            return int(e.code), e.read()
+
+    def health(self, *, timeout: float = 5.0) -> str | None:
+        """``GET /health``: None when etcd reports ``"health": "true"``, else why not.
+
+        See the module docstring (*Readiness*) for why this is the probe.
+
+        Raises:
+            OSError: no answer.
+        """
+        status, body = self.get("/health", timeout=timeout)
+        try:
+            data = json.loads(body or b"{}")
+        except ValueError:
+            data = None
+        if status == 200 and isinstance(data, dict) and str(data.get("health")) == "true":
+            return None
+        return f"/health answered HTTP {status}: {body[:200].decode('utf-8', 'replace').strip()}"
+
+    def is_leader(self, *, timeout: float = 5.0) -> bool:
+        """True if this member's ``/metrics`` says ``etcd_server_is_leader 1``.
+
+        Needs no auth token and no gateway; the gauge exists in etcd 3.4 to 3.7.
+
+        Raises:
+            OSError: no answer.
+        """
+        status, body = self.get("/metrics", timeout=timeout)
+        if status != 200:
             return False
-        return isinstance(data, dict) and str(data.get("health")) == "true"
+        for line in body.splitlines():
+            if line.startswith(b"etcd_server_is_leader "):
+                return line.split()[1] in (b"1", b"1.0")
+        return False
 
 
-def setup_auth(gateway: _Gateway, auth: AuthConfig, *, timeout: float = 10.0) -> None:
-    """Create the root user/role (and the limited user) and enable auth.
+def _auth_enabled(gateway: _Gateway, auth: AuthConfig, timeout: float) -> bool:
+    """Whether auth is on, asked with ``Authenticate`` as root (one round trip).
 
-    Idempotent: if auth is already enabled (the root password authenticates),
-    nothing is changed. Blocks for a handful of gateway round trips.
-
-    Raises:
-        EtcdGatewayError: etcd refused a step (e.g. auth is already enabled
-            with a different root password).
+    Told apart by gRPC code, which is the same in etcd 3.4 to 3.7: success
+    means on; FAILED_PRECONDITION is what ``Authenticate`` answers when auth
+    is off (its only use of that code); a gateway refusal without a code
+    happens only with auth on (see ``EtcdGatewayError.refused_by_gateway``).
+    Anything else, e.g. INVALID_ARGUMENT for another root password, is raised.
     """
     try:
         gateway.call(
@@ -353,34 +429,50 @@ def setup_auth(gateway: _Gateway, auth: AuthConfig, *, timeout: float = 10.0) ->
             {"name": "root", "password": auth.root_password},
             timeout=timeout,
         )
+        return True
+    except EtcdGatewayError as e:
+        if e.code == GRPC_FAILED_PRECONDITION:
+            return False
+        if e.refused_by_gateway:
+            return True
+        raise
+
+
+def setup_auth(gateway: _Gateway, auth: AuthConfig, *, timeout: float = 10.0) -> None:
+    """Create the root user/role (and the limited user) and enable auth.
+
+    Idempotent: if auth is already enabled (the root password authenticates),
+    nothing is changed; users and roles left by an interrupted earlier set-up
+    are kept (existing ones are listed first, never re-added, so no error text
+    has to be matched). Blocks for about ten gateway round trips, each bounded
+    by ``timeout``.
+
+    Raises:
+        EtcdGatewayError: etcd refused a step (e.g. auth is already enabled
+            with a different root password: INVALID_ARGUMENT).
+        OSError: the gateway did not answer.
+    """
+    if _auth_enabled(gateway, auth, timeout):
         logger.info("etcd auth is already enabled; leaving users and roles as they are")
         return
-    except EtcdGatewayError as e:
-        if e.gateway_refused_cn:  # only happens when auth is enabled
-            logger.info("etcd auth is already enabled (gateway refuses CN client certificates)")
-            return
-        if "not enabled" not in e.etcd_message:
-            raise
 
-    def call_ignoring_exists(path: str, body: dict[str, Any]) -> None:
-        try:
-            gateway.call(path, body, timeout=timeout)
-        except EtcdGatewayError as e:
-            if "already exists" not in e.etcd_message:
-                raise
+    def call(path: str, body: dict[str, Any]) -> dict[str, Any]:
+        return gateway.call(path, body, timeout=timeout)
 
-    call_ignoring_exists(
-        "/v3/auth/user/add", {"name": "root", "password": auth.root_password}
-    )
-    call_ignoring_exists("/v3/auth/role/add", {"name": "root"})
-    gateway.call("/v3/auth/user/grant", {"user": "root", "role": "root"}, timeout=timeout)
+    users = set(call("/v3/auth/user/list", {}).get("users") or ())
+    roles = set(call("/v3/auth/role/list", {}).get("roles") or ())
+    if "root" not in users:
+        call("/v3/auth/user/add", {"name": "root", "password": auth.root_password})
+    if "root" not in roles:
+        call("/v3/auth/role/add", {"name": "root"})
+    call("/v3/auth/user/grant", {"user": "root", "role": "root"})  # no-op when granted
     if auth.user is not None and auth.role_name is not None:
         prefix = auth.prefix_bytes
-        call_ignoring_exists(
-            "/v3/auth/user/add", {"name": auth.user, "password": auth.password}
-        )
-        call_ignoring_exists("/v3/auth/role/add", {"name": auth.role_name})
-        gateway.call(
+        if auth.user not in users:
+            call("/v3/auth/user/add", {"name": auth.user, "password": auth.password})
+        if auth.role_name not in roles:
+            call("/v3/auth/role/add", {"name": auth.role_name})
+        call(
             "/v3/auth/role/grant",
             {
                 "name": auth.role_name,
@@ -390,14 +482,9 @@ def setup_auth(gateway: _Gateway, auth: AuthConfig, *, timeout: float = 10.0) ->
                     "range_end": _b64(prefix_range_end(prefix)),
                 },
             },
-            timeout=timeout,
         )
-        gateway.call(
-            "/v3/auth/user/grant",
-            {"user": auth.user, "role": auth.role_name},
-            timeout=timeout,
-        )
-    gateway.call("/v3/auth/enable", {}, timeout=timeout)
+        call("/v3/auth/user/grant", {"user": auth.user, "role": auth.role_name})
+    call("/v3/auth/enable", {})
     logger.info(
         "etcd auth enabled (root%s)",
         f", user {auth.user!r} limited to prefix {auth.prefix_bytes!r}" if auth.user else "",
@@ -632,6 +719,12 @@ class _EtcdMember:
             "--initial-cluster-token", self.cluster_token,
         ]  # fmt: skip
         given = {a.split("=", 1)[0] for a in self.extra_args}
+        # zap is etcd 3.5+'s only logger; 3.4 defaults to capnslog and warns that it is
+        # deprecated. Same JSON log lines on every version, always to stderr (our log file).
+        if "--logger" not in given:
+            cmd.append("--logger=zap")
+        if "--log-outputs" not in given:
+            cmd.append("--log-outputs=stderr")
         if self.heartbeat_ms is not None and "--heartbeat-interval" not in given:
             cmd.append(f"--heartbeat-interval={self.heartbeat_ms}")
         if self.election_timeout_ms is not None and "--election-timeout" not in given:
@@ -696,7 +789,12 @@ class _EtcdMember:
         _register_live(self)
 
     def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
-        """The last ``lines`` lines etcd logged since the latest launch."""
+        """The last ``lines`` lines etcd logged since the latest launch.
+
+        When lines were cut, the first line is kept too, above a ``...``: a
+        flag error is etcd's first line, followed by a usage text that is
+        longer than the tail in etcd 3.7.
+        """
         if not self.log_path:
             return ""
         try:
@@ -705,8 +803,10 @@ class _EtcdMember:
                 data = f.read()
         except OSError:
             return ""
-        text = data.decode("utf-8", "replace").rstrip("\n")
-        return "\n".join(text.splitlines()[-lines:])
+        all_lines = data.decode("utf-8", "replace").rstrip("\n").splitlines()
+        if len(all_lines) <= lines + 1:
+            return "\n".join(all_lines)
+        return "\n".join([all_lines[0], "...", *all_lines[-lines:]])
 
     def terminate(self, *, grace: float = 10.0, graceful: bool = True, quiet: bool = False) -> int | None:
         """Stop the process: SIGTERM, then SIGKILL after ``grace`` seconds.
@@ -740,39 +840,15 @@ class _EtcdMember:
 
     # -- readiness --------------------------------------------------------
 
-    def status(self, timeout: float = 2.0) -> dict[str, Any]:
-        """``/v3/maintenance/status`` of this member (no auth needed)."""
-        return self.gateway.call("/v3/maintenance/status", {}, timeout=timeout)
+    def _probe(self, timeout: float) -> str | None:
+        """One readiness probe (``GET /health``): None when ready, else why not.
 
-    def _probe(self, timeout: float) -> bool:
-        """One readiness probe: status has a leader and a linearizable read works.
-
-        An auth error from the read counts as ready (etcd checks permissions
-        after the linearizable read barrier). See ``_Gateway.health`` for the
-        TLS + auth case.
+        See the module docstring (*Readiness*) for why ``/health``.
         """
         try:
-            st = self.status(timeout)
-            if str(st.get("leader", "0")) in ("", "0"):
-                return False
-            self.gateway.call(
-                "/v3/kv/range",
-                {"key": _b64(b"\0etcd-server-readiness-probe"), "count_only": True},
-                timeout=timeout,
-            )
-            return True
-        except EtcdGatewayError as e:
-            if e.gateway_refused_cn:
-                # TLS + auth enabled: the gateway serves nobody whose cert has a
-                # CN; fall back to /health (leader + a read through raft).
-                try:
-                    return self.gateway.health(timeout=timeout)
-                except (OSError, ValueError, http.client.HTTPException):
-                    return False
-            # Auth errors come after the linearizable read barrier: serving.
-            return e.is_auth_error
-        except (OSError, ValueError, http.client.HTTPException):
-            return False
+            return self.gateway.health(timeout=timeout)
+        except (OSError, http.client.HTTPException) as e:
+            return f"{type(e).__name__}: {e}"
 
     def wait_ready(self, deadline: float) -> None:
         """Poll until the member serves v3 requests or ``deadline`` (monotonic).
@@ -788,6 +864,7 @@ class _EtcdMember:
         if proc is None:
             raise RuntimeError("wait_ready() before launch()")
         delay = 0.02
+        why_not: str | None = "none made"
         while True:
             rc = proc.poll()
             if rc is not None:
@@ -804,12 +881,13 @@ class _EtcdMember:
                 tail = self.log_tail()
                 raise EtcdStartTimeoutError(
                     f"etcd {self.name} (pid {proc.pid}) not ready at {self.client_url} "
-                    "before the start-up deadline",
+                    f"before the start-up deadline (last probe: {why_not})",
                     returncode=None,
                     log_tail=tail,
                     cmd=self.cmd,
                 )
-            if self._probe(min(remaining, 1.0)):
+            why_not = self._probe(min(remaining, 1.0))
+            if why_not is None:
                 return
             remaining = deadline - time.monotonic()
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -833,6 +911,7 @@ class EtcdServer:
             for the search order when None.
         enable_v2: also serve the v2 API (``--enable-v2=true``); only for
             side-by-side benchmarks with torch's built-in ``etcd`` backend.
+            etcd 3.4 and 3.5 only (3.6 removed the v2 API).
         extra_args: extra etcd command-line flags, appended last.
         tls: serve https with these certificates (see :class:`TLSConfig`).
         auth: enable authentication after the first start (:class:`AuthConfig`).
@@ -849,6 +928,8 @@ class EtcdServer:
 
     Raises:
         EtcdBinaryNotFoundError: (at construction) no etcd binary was found.
+        ValueError: (at construction) ``enable_v2=True`` with etcd 3.6 or
+            later, which has no v2 API; the message names the version.
     """
 
     def __init__(
@@ -869,6 +950,8 @@ class EtcdServer:
         election_timeout_ms: int | None = 100,
     ) -> None:
         self.binary = find_etcd_binary(binary)
+        if enable_v2:
+            check_v2_support(self.binary)
         self.enable_v2 = enable_v2
         self.extra_args = tuple(extra_args)
         self.tls = tls
@@ -1126,6 +1209,19 @@ class EtcdServer:
         if self._member is None:
             raise RuntimeError("etcd server not started")
         return self._member.gateway.call(path, body, timeout=timeout, token=token)
+
+
+def check_v2_support(binary: str) -> None:
+    """Raise ``ValueError`` naming the version if ``binary`` has no v2 API (3.6+).
+
+    Runs ``binary --version`` once (cached).
+    """
+    version = etcd_version(binary)
+    if not has_v2_api(version):
+        raise ValueError(
+            f"enable_v2=True needs etcd 3.5 or older, but {binary} is etcd {version}: "
+            "etcd 3.6 removed the v2 API and its --enable-v2 flag"
+        )
 
 
 def _client_target(urls: list[str], tls: TLSConfig | None) -> str | list[str]:
