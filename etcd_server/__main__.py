@@ -20,7 +20,8 @@ from types import FrameType
 
 from .binary import ENV_VAR, EtcdBinaryNotFoundError
 from .cluster import EtcdCluster
-from .server import EtcdGatewayError, EtcdServer, EtcdStartError
+from .errors import EtcdGatewayError, EtcdStartError
+from .server import EtcdServer
 
 __all__ = ["build_parser", "main"]
 

@@ -22,10 +22,9 @@ from types import TracebackType
 from typing import Any
 
 from .binary import etcd_version, find_etcd_binary
+from .config import AuthConfig, TLSConfig
+from .errors import EtcdStartError
 from .server import (
-    AuthConfig,
-    EtcdStartError,
-    TLSConfig,
     _EtcdMember,
     _free_ports,
     _make_client,

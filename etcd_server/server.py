@@ -66,7 +66,6 @@ import base64
 import contextlib
 import ctypes
 import ctypes.util
-import dataclasses
 import http.client
 import importlib
 import json
@@ -91,202 +90,21 @@ from types import TracebackType
 from typing import IO, Any, TextIO, TypeVar
 
 from .binary import etcd_version, find_etcd_binary, has_v2_api
+from .config import HOST, AuthConfig, TLSConfig
+from .errors import (
+    GRPC_FAILED_PRECONDITION,
+    NO_CODE,
+    EtcdGatewayError,
+    EtcdStartError,
+    EtcdStartTimeoutError,
+)
 
-__all__ = [
-    "AuthConfig",
-    "EtcdGatewayError",
-    "EtcdServer",
-    "EtcdStartError",
-    "EtcdStartTimeoutError",
-    "TLSConfig",
-]
+__all__ = ["EtcdServer"]
 
 logger = logging.getLogger(__name__)
 
-HOST = "127.0.0.1"
 _LOG_TAIL_LINES = 20
 _PR_SET_PDEATHSIG = 1
-
-
-# --------------------------------------------------------------------------
-# configuration and errors
-# --------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class TLSConfig:
-    """Serve the client API over https.
-
-    Attributes:
-        cert_file, key_file: the server certificate and key (PEM). The
-            certificate should name ``IP:127.0.0.1`` in its subjectAltName.
-            etcd's JSON gateway dials the server with this same certificate,
-            so when ``client_cert_auth`` is on it must also allow
-            ``clientAuth`` (extendedKeyUsage serverAuth + clientAuth).
-        ca_file: CA bundle that signed the server (and client) certificates;
-            passed as ``--trusted-ca-file`` and used by our probes/clients.
-        client_cert_auth: require clients to present a certificate signed by
-            ``ca_file`` (``--client-cert-auth``).
-        client_cert_file, client_key_file: the certificate our readiness
-            probes and :meth:`EtcdServer.get_client` present; default to the
-            server certificate and key.
-    """
-
-    cert_file: str
-    key_file: str
-    ca_file: str
-    client_cert_auth: bool = True
-    client_cert_file: str | None = None
-    client_key_file: str | None = None
-
-    @property
-    def client_cert(self) -> str:
-        """Certificate presented by our own clients."""
-        return self.client_cert_file or self.cert_file
-
-    @property
-    def client_key(self) -> str:
-        """Key of :attr:`client_cert`."""
-        return self.client_key_file or self.key_file
-
-    def ssl_context(self) -> ssl.SSLContext:
-        """A client-side context trusting ``ca_file`` and presenting the client cert."""
-        ctx = ssl.create_default_context(cafile=self.ca_file)
-        ctx.load_cert_chain(self.client_cert, self.client_key)
-        return ctx
-
-
-@dataclasses.dataclass(frozen=True)
-class AuthConfig:
-    """Turn on etcd authentication once the server is first ready.
-
-    A ``root`` user with ``root_password`` and the ``root`` role is created and
-    ``auth enable`` is issued. When ``user`` is set, that user is created with
-    ``password`` and a role (``role``, default ``"<user>-rw"``) granting
-    READWRITE on the keys starting with ``prefix`` only (all keys when
-    ``prefix`` is empty).
-
-    Passwords are excluded from ``repr`` and are only ever sent in request
-    bodies to the server's JSON gateway.
-    """
-
-    root_password: str = dataclasses.field(repr=False)
-    user: str | None = None
-    password: str | None = dataclasses.field(default=None, repr=False)
-    prefix: bytes | str = b""
-    role: str | None = None
-
-    def __post_init__(self) -> None:
-        if not self.root_password:
-            raise ValueError("AuthConfig.root_password must not be empty")
-        if self.user is not None and not self.password:
-            raise ValueError("AuthConfig.user needs a password")
-        if self.user == "root":
-            raise ValueError("AuthConfig.user must not be 'root'")
-
-    @property
-    def prefix_bytes(self) -> bytes:
-        """``prefix`` as bytes (UTF-8 if given as str)."""
-        p = self.prefix
-        return p.encode() if isinstance(p, str) else bytes(p)
-
-    @property
-    def role_name(self) -> str | None:
-        """Name of the limited user's role, or None without a limited user."""
-        if self.user is None:
-            return None
-        return self.role or f"{self.user}-rw"
-
-
-class EtcdStartError(RuntimeError):
-    """etcd did not come up.
-
-    Attributes:
-        returncode: exit status of the etcd process (negative: killed by that
-            signal), or None if it was still running (a time-out).
-        log_tail: the last lines etcd wrote to its stderr log ("" when the
-            caller redirected stderr elsewhere).
-        cmd: the command line that was run.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        returncode: int | None = None,
-        log_tail: str = "",
-        cmd: Sequence[str] = (),
-    ) -> None:
-        self.returncode = returncode
-        self.log_tail = log_tail
-        self.cmd = list(cmd)
-        full = message
-        if log_tail:
-            full += "\n--- last lines of the etcd log ---\n" + log_tail
-        super().__init__(full)
-
-    @property
-    def address_in_use(self) -> bool:
-        """True if the log says a listen port was already taken."""
-        return "address already in use" in self.log_tail
-
-
-class EtcdStartTimeoutError(EtcdStartError, TimeoutError):
-    """etcd was still running but not ready when the start-up deadline passed."""
-
-
-# gRPC status codes etcd reports in the gateway's ``code`` field.
-GRPC_INVALID_ARGUMENT = 3
-GRPC_PERMISSION_DENIED = 7
-GRPC_FAILED_PRECONDITION = 9
-GRPC_UNAUTHENTICATED = 16
-_NO_CODE = -1
-
-
-class EtcdGatewayError(RuntimeError):
-    """An error answer from etcd's JSON gateway (``/v3/...``).
-
-    Every etcd version from 3.4 to 3.7 puts the gRPC status code in the
-    answer's ``code`` field (the rest of the body changed in 3.6), so errors
-    are told apart by :attr:`code` and :attr:`http_status` only, never by
-    message text.
-
-    Attributes:
-        path: the gateway path requested.
-        http_status: HTTP status code of the answer.
-        code: the gRPC status code etcd reported (e.g. 9 FAILED_PRECONDITION),
-            or -1 when the answer carried none (not a gRPC error).
-        etcd_message: etcd's error message (for people; do not parse it).
-    """
-
-    def __init__(self, path: str, http_status: int, code: int, etcd_message: str):
-        self.path = path
-        self.http_status = http_status
-        self.code = code
-        self.etcd_message = etcd_message
-        super().__init__(
-            f"etcd {path} failed: {etcd_message} (grpc code {code}, HTTP {http_status})"
-        )
-
-    @property
-    def is_auth_error(self) -> bool:
-        """True for PERMISSION_DENIED (7) and UNAUTHENTICATED (16, e.g. a stale token).
-
-        etcd reports a missing token and a wrong password as INVALID_ARGUMENT
-        (3), which by code alone cannot be told from a malformed request.
-        """
-        return self.code in (GRPC_PERMISSION_DENIED, GRPC_UNAUTHENTICATED)
-
-    @property
-    def refused_by_gateway(self) -> bool:
-        """True when the gateway refused the request before it reached etcd's gRPC API.
-
-        That is an HTTP 400 with no gRPC code. In etcd 3.4 to 3.7 the one such
-        refusal is for a TLS client whose certificate has a CommonName while
-        auth is enabled ("CommonName of client sending a request against
-        gateway will be ignored ..."), so it also says auth is on.
-        """
-        return self.http_status == 400 and self.code == _NO_CODE
 
 
 # --------------------------------------------------------------------------
@@ -358,14 +176,14 @@ class _Gateway:
             data = json.loads(raw or b"{}")
         except ValueError:
             text = raw[:500].decode("utf-8", "replace").strip() or f"empty answer, HTTP {status}"
-            raise EtcdGatewayError(path, status, _NO_CODE, text) from None
+            raise EtcdGatewayError(path, status, NO_CODE, text) from None
         if not isinstance(data, dict):
-            raise EtcdGatewayError(path, status, _NO_CODE, f"unexpected answer {raw[:200]!r}")
+            raise EtcdGatewayError(path, status, NO_CODE, f"unexpected answer {raw[:200]!r}")
         if status >= 400:
             # 3.4/3.5: {"error", "message", "code"}; 3.6+: {"code", "message"}.
             msg = str(data.get("message") or data.get("error") or f"HTTP {status}")
-            code = data.get("code", _NO_CODE)
-            raise EtcdGatewayError(path, status, code if isinstance(code, int) else _NO_CODE, msg)
+            code = data.get("code", NO_CODE)
+            raise EtcdGatewayError(path, status, code if isinstance(code, int) else NO_CODE, msg)
         return data
 
     def get(self, path: str, *, timeout: float = 5.0) -> tuple[int, bytes]:

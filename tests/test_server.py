@@ -32,7 +32,7 @@ from etcd_server import (
     find_etcd_binary,
 )
 from etcd_server.binary import has_v2_api, is_native_executable
-from etcd_server.server import GRPC_INVALID_ARGUMENT, GRPC_UNAUTHENTICATED
+from etcd_server.errors import GRPC_INVALID_ARGUMENT, GRPC_UNAUTHENTICATED
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
