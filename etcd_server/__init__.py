@@ -12,7 +12,7 @@ from .binary import ENV_VAR, EtcdBinaryNotFoundError, etcd_version, find_etcd_bi
 from .cluster import EtcdCluster
 from .config import AuthConfig, TLSConfig
 from .errors import EtcdGatewayError, EtcdStartError, EtcdStartTimeoutError
-from .server import EtcdServer, prefix_range_end
+from .server import EtcdServer
 
 __all__ = [
     "ENV_VAR",
@@ -26,5 +26,4 @@ __all__ = [
     "TLSConfig",
     "etcd_version",
     "find_etcd_binary",
-    "prefix_range_end",
 ]

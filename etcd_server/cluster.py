@@ -24,6 +24,7 @@ from typing import Any
 from .binary import etcd_version, find_etcd_binary
 from .config import AuthConfig, TLSConfig
 from .errors import EtcdStartError
+from .gateway import setup_auth
 from .server import (
     _EtcdMember,
     _free_ports,
@@ -31,7 +32,6 @@ from .server import (
     check_v2_support,
     make_temp_dir,
     remove_temp_dir,
-    setup_auth,
 )
 
 __all__ = ["EtcdCluster"]
