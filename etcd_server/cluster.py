@@ -21,17 +21,15 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
+from . import process
 from .binary import etcd_version, find_etcd_binary
 from .config import AuthConfig, TLSConfig
 from .errors import EtcdStartError
 from .gateway import setup_auth
 from .server import (
     _EtcdMember,
-    _free_ports,
     _make_client,
     check_v2_support,
-    make_temp_dir,
-    remove_temp_dir,
 )
 
 __all__ = ["EtcdCluster"]
@@ -150,7 +148,7 @@ class EtcdCluster:
             if any(m.running() for m in self._members):
                 raise RuntimeError("etcd cluster already running; call stop() first")
             if self._work_dir is None:
-                self._work_dir = make_temp_dir("etcd-cluster-")
+                self._work_dir = process.make_temp_dir("etcd-cluster-")
             first = not self._members
             attempts = max(1, num_retries)
             for attempt in range(1, attempts + 1):
@@ -196,7 +194,7 @@ class EtcdCluster:
     def _new_members(self) -> list[_EtcdMember]:
         assert self._work_dir is not None
         base = self._given_data_dir or os.path.join(self._work_dir, "data")
-        ports = _free_ports(2 * self.size)
+        ports = process.free_ports(2 * self.size)
         token = "etcd-cluster-" + uuid.uuid4().hex[:12]
         members = [
             _EtcdMember(
@@ -247,7 +245,7 @@ class EtcdCluster:
         if first:
             self._members = []
             if self._work_dir:
-                remove_temp_dir(self._work_dir)
+                process.remove_temp_dir(self._work_dir)
                 self._work_dir = None
 
     def stop(self, *, keep_data: bool = False, graceful: bool = True) -> None:
@@ -259,7 +257,7 @@ class EtcdCluster:
         with self._lock:
             self._terminate_all(graceful=graceful)
             if not keep_data and self._work_dir:
-                remove_temp_dir(self._work_dir)
+                process.remove_temp_dir(self._work_dir)
                 self._work_dir = None
                 if not self._given_data_dir:
                     self._members = []

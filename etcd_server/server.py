@@ -49,41 +49,30 @@ discovery (:meth:`etcd_server.EtcdCluster.leader`) likewise reads the
 auth set-up still uses the gateway and tells answers apart by HTTP status and
 gRPC ``code`` only (see :func:`setup_auth`).
 
-.. note:: ``PR_SET_PDEATHSIG`` fires when the *thread* that forked the child
-   exits, not only when the process does. So etcd is never forked from the
-   calling thread: every launch is handed to one daemon "spawner" thread that
-   lives until the process ends, and ``start()`` may be called from any
-   thread (a short-lived worker thread included). Pass
-   ``die_with_parent=False`` to opt out of the death signal altogether.
+The process handling (spawner thread, ``atexit`` hook, death signal) is in
+:mod:`etcd_server.process`.
 
 This module imports only the standard library (no torch, grpc or etcd_store).
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import ctypes
-import ctypes.util
 import http.client
 import importlib
 import logging
 import os
-import queue
 import shutil
 import signal
-import socket
 import subprocess
-import sys
-import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from collections.abc import Sequence
 from types import TracebackType
-from typing import IO, Any, TextIO, TypeVar
+from typing import IO, Any, TextIO
 
+from . import process
 from .binary import etcd_version, find_etcd_binary, has_v2_api
 from .config import HOST, AuthConfig, TLSConfig
 from .errors import EtcdStartError, EtcdStartTimeoutError
@@ -94,146 +83,6 @@ __all__ = ["EtcdServer"]
 logger = logging.getLogger(__name__)
 
 _LOG_TAIL_LINES = 20
-_PR_SET_PDEATHSIG = 1
-
-
-# --------------------------------------------------------------------------
-# ports, process start and cleanup
-# --------------------------------------------------------------------------
-
-
-def _free_ports(n: int) -> list[int]:
-    """Return ``n`` distinct ports that were free on 127.0.0.1 a moment ago.
-
-    Binds port 0 ``n`` times (holding all sockets until all are chosen, so the
-    ports differ) and closes them. Another process may still take a port
-    before etcd binds it; callers retry on "address already in use".
-    """
-    socks: list[socket.socket] = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            socks.append(s)
-            s.bind((HOST, 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def _make_preexec(die_with_parent: bool) -> Callable[[], None] | None:
-    """A ``preexec_fn`` setting ``PR_SET_PDEATHSIG=SIGKILL`` (Linux), else None.
-
-    libc and ``prctl`` are resolved here, before the fork, so the child only
-    makes the system call. If the parent already died between ``fork`` and
-    ``prctl`` the child kills itself.
-    """
-    if not die_with_parent or not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        prctl = libc.prctl
-    except (OSError, AttributeError):
-        logger.warning("prctl unavailable; etcd will not die with its parent")
-        return None
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    prctl.restype = ctypes.c_int
-    parent = os.getpid()
-    sigkill = int(signal.SIGKILL)
-
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, sigkill, 0, 0, 0)
-        if os.getppid() != parent:
-            os.kill(os.getpid(), sigkill)
-
-    return preexec
-
-
-_T = TypeVar("_T")
-_spawn_lock = threading.Lock()
-_spawn_queue: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] | None = None
-
-
-def _spawner_loop(q: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]]) -> None:
-    while True:
-        fn, fut = q.get()
-        if not fut.set_running_or_notify_cancel():
-            continue
-        try:
-            fut.set_result(fn())
-        except BaseException as e:  # handed to the caller
-            fut.set_exception(e)
-
-
-def _in_spawner_thread(fn: Callable[[], _T]) -> _T:
-    """Run ``fn`` (a fork) on the process-lifetime daemon spawner thread; block for it.
-
-    ``PR_SET_PDEATHSIG`` is tied to the forking thread, so children forked
-    there die with the process, not with whichever thread asked.
-    """
-    global _spawn_queue
-    with _spawn_lock:
-        if _spawn_queue is None:
-            q: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
-            threading.Thread(
-                target=_spawner_loop, args=(q,), name="etcd-server-spawner", daemon=True
-            ).start()
-            _spawn_queue = q
-        fut: Future[_T] = Future()
-        _spawn_queue.put((fn, fut))
-    return fut.result()
-
-
-_live_lock = threading.Lock()
-_live: set[_EtcdMember] = set()
-_temp_dirs: set[str] = set()
-_atexit_registered = False
-
-
-def _ensure_atexit() -> None:
-    global _atexit_registered
-    if not _atexit_registered:
-        atexit.register(_stop_all_at_exit)
-        _atexit_registered = True
-
-
-def make_temp_dir(prefix: str) -> str:
-    """``mkdtemp`` that the atexit hook removes if the owner never does."""
-    path = tempfile.mkdtemp(prefix=prefix)
-    with _live_lock:
-        _temp_dirs.add(path)
-        _ensure_atexit()
-    return path
-
-
-def remove_temp_dir(path: str) -> None:
-    """Remove a directory made by :func:`make_temp_dir`."""
-    shutil.rmtree(path, ignore_errors=True)
-    with _live_lock:
-        _temp_dirs.discard(path)
-
-
-def _register_live(member: _EtcdMember) -> None:
-    with _live_lock:
-        _live.add(member)
-        _ensure_atexit()
-
-
-def _unregister_live(member: _EtcdMember) -> None:
-    with _live_lock:
-        _live.discard(member)
-
-
-def _stop_all_at_exit() -> None:
-    """atexit hook: stop every etcd this process started and still runs."""
-    with _live_lock:
-        members = list(_live)
-        dirs = list(_temp_dirs)
-    for m in members:
-        with contextlib.suppress(Exception):
-            m.terminate(grace=5.0)
-    for d in dirs:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------
@@ -365,7 +214,7 @@ class _EtcdMember:
             raise RuntimeError(f"etcd member {self.name} is already running")
         os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
         self.cmd = self.command()
-        preexec = _make_preexec(self.die_with_parent)
+        preexec = process.make_preexec(self.die_with_parent)
         logger.info("starting etcd: %s", " ".join(self.cmd))
         with contextlib.ExitStack() as stack:
             out: int | IO[Any]
@@ -380,7 +229,7 @@ class _EtcdMember:
             cmd = self.cmd
 
             def popen() -> subprocess.Popen[bytes]:
-                # preexec_fn only makes the prctl system call (see _make_preexec).
+                # preexec_fn only makes the prctl system call (see make_preexec).
                 return subprocess.Popen(
                     cmd,
                     stdin=subprocess.DEVNULL,
@@ -391,8 +240,8 @@ class _EtcdMember:
                     preexec_fn=preexec,
                 )
 
-            self.proc = _in_spawner_thread(popen) if preexec is not None else popen()
-        _register_live(self)
+            self.proc = process.in_spawner_thread(popen) if preexec is not None else popen()
+        process.register_live(self)
 
     def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
         """The last ``lines`` lines etcd logged since the latest launch.
@@ -441,7 +290,7 @@ class _EtcdMember:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 proc.wait()
-        _unregister_live(self)
+        process.unregister_live(self)
         return proc.returncode
 
     # -- readiness --------------------------------------------------------
@@ -474,7 +323,7 @@ class _EtcdMember:
         while True:
             rc = proc.poll()
             if rc is not None:
-                _unregister_live(self)
+                process.unregister_live(self)
                 raise EtcdStartError(
                     f"etcd {self.name} exited during start-up with code {rc} "
                     f"(command: {' '.join(self.cmd)})",
@@ -668,7 +517,7 @@ class EtcdServer:
             if self.is_running():
                 raise RuntimeError("etcd server already running; call stop() first")
             if self._work_dir is None:
-                self._work_dir = make_temp_dir("etcd-server-")
+                self._work_dir = process.make_temp_dir("etcd-server-")
             data_dir = self.data_dir
             assert data_dir is not None
             attempts = max(1, num_retries)
@@ -715,7 +564,7 @@ class EtcdServer:
 
     def _pick_ports(self) -> tuple[int, int]:
         need = [p is None for p in (self._given_port, self._given_peer_port)]
-        free = iter(_free_ports(sum(need)))
+        free = iter(process.free_ports(sum(need)))
         client = self._given_port if self._given_port is not None else next(free)
         peer = self._given_peer_port if self._given_peer_port is not None else next(free)
         return client, peer
@@ -745,7 +594,7 @@ class EtcdServer:
         if first_start:
             self._ports = None
         if self._member is None and self._work_dir:
-            remove_temp_dir(self._work_dir)
+            process.remove_temp_dir(self._work_dir)
             self._work_dir = None
 
     def stop(self, *, keep_data: bool = False, graceful: bool = True) -> None:
@@ -763,7 +612,7 @@ class EtcdServer:
                 member.terminate(grace=self.stop_grace, graceful=graceful)
             if not keep_data and self._work_dir:
                 logger.info("removing etcd work dir %s", self._work_dir)
-                remove_temp_dir(self._work_dir)
+                process.remove_temp_dir(self._work_dir)
                 self._work_dir = None
                 self._member = None
                 if not self._given_data_dir:

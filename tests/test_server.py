@@ -270,13 +270,13 @@ def test_exit_at_start_reports_code_and_log(etcd_binary: str) -> None:
 def test_port_collision_is_retried(etcd_binary: str, monkeypatch: pytest.MonkeyPatch) -> None:
     import socket
 
-    import etcd_server.server as server_mod
+    import etcd_server.process as process_mod
 
     blocker = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     blocker.bind(("127.0.0.1", 0))
     blocker.listen(1)
     taken = blocker.getsockname()[1]
-    real = server_mod._free_ports
+    real = process_mod.free_ports
     calls: list[list[int]] = []
 
     def picker(n: int) -> list[int]:
@@ -286,7 +286,7 @@ def test_port_collision_is_retried(etcd_binary: str, monkeypatch: pytest.MonkeyP
         calls.append(ports)
         return ports
 
-    monkeypatch.setattr(server_mod, "_free_ports", picker)
+    monkeypatch.setattr(process_mod, "free_ports", picker)
     server = EtcdServer(binary=etcd_binary)
     try:
         server.start(timeout=30, num_retries=3)
@@ -302,14 +302,14 @@ def test_port_collision_is_retried(etcd_binary: str, monkeypatch: pytest.MonkeyP
 def test_port_collision_gives_up_after_num_retries(monkeypatch: pytest.MonkeyPatch) -> None:
     import socket
 
-    import etcd_server.server as server_mod
+    import etcd_server.process as process_mod
 
     blocker = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     blocker.bind(("127.0.0.1", 0))
     blocker.listen(1)
     taken = blocker.getsockname()[1]
-    real = server_mod._free_ports
-    monkeypatch.setattr(server_mod, "_free_ports", lambda n: [taken, *real(n)[1:]])
+    real = process_mod.free_ports
+    monkeypatch.setattr(process_mod, "free_ports", lambda n: [taken, *real(n)[1:]])
     server = EtcdServer()
     try:
         with pytest.raises(EtcdStartError, match="address already in use") as ei:
