@@ -26,11 +26,8 @@ from .binary import etcd_version, find_etcd_binary
 from .config import AuthConfig, TLSConfig
 from .errors import EtcdStartError
 from .gateway import setup_auth
-from .server import (
-    _EtcdMember,
-    _make_client,
-    check_v2_support,
-)
+from .member import EtcdMember
+from .server import _make_client, check_v2_support
 
 __all__ = ["EtcdCluster"]
 
@@ -88,7 +85,7 @@ class EtcdCluster:
         self.election_timeout_ms = election_timeout_ms
         self._given_data_dir = os.path.abspath(data_dir) if data_dir else None
         self._work_dir: str | None = None
-        self._members: list[_EtcdMember] = []
+        self._members: list[EtcdMember] = []
         self._auth_done = False
         self._lock = threading.RLock()
 
@@ -191,13 +188,13 @@ class EtcdCluster:
                     raise
                 self._auth_done = True
 
-    def _new_members(self) -> list[_EtcdMember]:
+    def _new_members(self) -> list[EtcdMember]:
         assert self._work_dir is not None
         base = self._given_data_dir or os.path.join(self._work_dir, "data")
         ports = process.free_ports(2 * self.size)
         token = "etcd-cluster-" + uuid.uuid4().hex[:12]
         members = [
-            _EtcdMember(
+            EtcdMember(
                 binary=self.binary,
                 name=f"member-{i}",
                 data_dir=os.path.join(base, f"member-{i}"),
