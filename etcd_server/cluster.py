@@ -22,12 +22,12 @@ from types import TracebackType
 from typing import Any
 
 from . import process
-from .binary import etcd_version, find_etcd_binary
+from .binary import check_v2_support, etcd_version, find_etcd_binary
+from .client import make_client
 from .config import AuthConfig, TLSConfig
 from .errors import EtcdStartError
 from .gateway import setup_auth
 from .member import EtcdMember
-from .server import _make_client, check_v2_support
 
 __all__ = ["EtcdCluster"]
 
@@ -323,9 +323,10 @@ class EtcdCluster:
         """An ``etcd_store.client.EtcdClient`` over all members' endpoints.
 
         TLS files and root credentials (with auth) are filled in; ``overrides``
-        replace them. Imports etcd_store only when called.
+        replace them. Imports etcd_store only when called (in
+        :func:`etcd_server.client.make_client`).
         """
-        return _make_client(self.client_urls, self.tls, self.auth, overrides)
+        return make_client(self.client_urls, self.tls, self.auth, overrides)
 
     def __enter__(self) -> EtcdCluster:
         self.start()

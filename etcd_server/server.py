@@ -33,7 +33,6 @@ This module imports only the standard library (no torch, grpc or etcd_store).
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import shutil
@@ -44,7 +43,8 @@ from types import TracebackType
 from typing import Any, TextIO
 
 from . import process
-from .binary import etcd_version, find_etcd_binary, has_v2_api
+from .binary import check_v2_support, etcd_version, find_etcd_binary
+from .client import make_client
 from .config import HOST, AuthConfig, TLSConfig
 from .errors import EtcdStartError
 from .gateway import setup_auth
@@ -351,14 +351,13 @@ class EtcdServer:
     def get_client(self, **overrides: Any) -> Any:
         """Return an ``etcd_store.client.EtcdClient`` connected to this server.
 
-        (Typed ``Any`` so that type-checking etcd_server does not pull in
-        etcd_store.)
-
         TLS files and (with auth) the root credentials are filled in;
         ``overrides`` (e.g. ``user=..., password=..., timeout=...``) replace
-        them. Imports ``etcd_store`` (and grpc) only when called.
+        them. Imports ``etcd_store`` (and grpc) on the first call, in
+        :func:`etcd_server.client.make_client`, the one place etcd_server
+        depends on etcd_store.
         """
-        return _make_client([self.get_client_url()], self.tls, self.auth, overrides)
+        return make_client([self.get_client_url()], self.tls, self.auth, overrides)
 
     def gateway_call(
         self, path: str, body: dict[str, Any] | None = None, *, timeout: float = 5.0,
@@ -368,44 +367,3 @@ class EtcdServer:
         if self._member is None:
             raise RuntimeError("etcd server not started")
         return self._member.gateway.call(path, body, timeout=timeout, token=token)
-
-
-def check_v2_support(binary: str) -> None:
-    """Raise ``ValueError`` naming the version if ``binary`` has no v2 API (3.6+).
-
-    Runs ``binary --version`` once (cached).
-    """
-    version = etcd_version(binary)
-    if not has_v2_api(version):
-        raise ValueError(
-            f"enable_v2=True needs etcd 3.5 or older, but {binary} is etcd {version}: "
-            "etcd 3.6 removed the v2 API and its --enable-v2 flag"
-        )
-
-
-def _client_target(urls: list[str], tls: TLSConfig | None) -> str | list[str]:
-    """Endpoints for EtcdClient: "host:port" without TLS, https URLs with it."""
-    if tls is None:
-        urls = [u.split("://", 1)[1] for u in urls]
-    return urls[0] if len(urls) == 1 else urls
-
-
-def _make_client(
-    urls: list[str],
-    tls: TLSConfig | None,
-    auth: AuthConfig | None,
-    overrides: dict[str, Any],
-) -> Any:
-    """``etcd_store.client.EtcdClient`` for ``urls`` with TLS/auth filled in.
-
-    Imported with importlib at call time: etcd_server itself must not import
-    etcd_store (or grpc), nor make type checkers follow it.
-    """
-    kwargs: dict[str, Any] = {}
-    if tls is not None:
-        kwargs.update(ca_cert=tls.ca_file, cert=tls.client_cert, key=tls.client_key)
-    if auth is not None:
-        kwargs.update(user="root", password=auth.root_password)
-    kwargs.update(overrides)
-    client_cls = importlib.import_module("etcd_store.client").EtcdClient
-    return client_cls(_client_target(urls, tls), **kwargs)

@@ -535,6 +535,20 @@ def test_same_data_dir_with_tls_and_auth(etcd_binary: str, certs: CertPaths, tmp
             assert kv is not None and kv.value == b"kept"
 
 
+def test_import_is_standard_library_only() -> None:
+    """etcd_server pulls in neither etcd_store, grpc nor torch until get_client() is called."""
+    code = (
+        "import sys, etcd_server, etcd_server.__main__\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('etcd_store', 'grpc', 'torch'))\n"
+        "assert not bad, bad\n"
+        "from etcd_server.client import make_client\n"
+        "make_client(['http://127.0.0.1:1'], None, None, {}).close()\n"
+        "assert 'etcd_store.client' in sys.modules\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=_REPO, check=False)
+    assert out.returncode == 0, out.stderr
+
+
 def test_cli_help() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "etcd_server", "--help"],
