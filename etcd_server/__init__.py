@@ -10,15 +10,9 @@ Standard library only at import time (no torch, grpc or etcd_store)::
 
 from .binary import ENV_VAR, EtcdBinaryNotFoundError, etcd_version, find_etcd_binary
 from .cluster import EtcdCluster
-from .server import (
-    AuthConfig,
-    EtcdGatewayError,
-    EtcdServer,
-    EtcdStartError,
-    EtcdStartTimeoutError,
-    TLSConfig,
-    prefix_range_end,
-)
+from .config import AuthConfig, TLSConfig
+from .errors import EtcdGatewayError, EtcdStartError, EtcdStartTimeoutError
+from .server import EtcdServer
 
 __all__ = [
     "ENV_VAR",
@@ -32,5 +26,4 @@ __all__ = [
     "TLSConfig",
     "etcd_version",
     "find_etcd_binary",
-    "prefix_range_end",
 ]

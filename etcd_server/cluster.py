@@ -10,6 +10,7 @@ Standard library only.
 
 from __future__ import annotations
 
+import http.client
 import logging
 import os
 import shutil
@@ -20,19 +21,13 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
-from .binary import etcd_version, find_etcd_binary
-from .server import (
-    AuthConfig,
-    EtcdGatewayError,
-    EtcdStartError,
-    TLSConfig,
-    _EtcdMember,
-    _free_ports,
-    _make_client,
-    make_temp_dir,
-    remove_temp_dir,
-    setup_auth,
-)
+from . import process
+from .binary import check_v2_support, etcd_version, find_etcd_binary
+from .client import make_client
+from .config import AuthConfig, TLSConfig
+from .errors import EtcdStartError
+from .gateway import setup_auth
+from .member import EtcdMember
 
 __all__ = ["EtcdCluster"]
 
@@ -56,7 +51,7 @@ class EtcdCluster:
 
     Raises:
         EtcdBinaryNotFoundError: (at construction) no etcd binary found.
-        ValueError: ``size`` < 1.
+        ValueError: ``size`` < 1, or ``enable_v2=True`` with etcd 3.6+ (no v2 API).
     """
 
     def __init__(
@@ -78,6 +73,8 @@ class EtcdCluster:
             raise ValueError(f"cluster size must be >= 1, got {size}")
         self.size = size
         self.binary = find_etcd_binary(binary)
+        if enable_v2:
+            check_v2_support(self.binary)
         self.enable_v2 = enable_v2
         self.extra_args = tuple(extra_args)
         self.tls = tls
@@ -88,7 +85,7 @@ class EtcdCluster:
         self.election_timeout_ms = election_timeout_ms
         self._given_data_dir = os.path.abspath(data_dir) if data_dir else None
         self._work_dir: str | None = None
-        self._members: list[_EtcdMember] = []
+        self._members: list[EtcdMember] = []
         self._auth_done = False
         self._lock = threading.RLock()
 
@@ -148,7 +145,7 @@ class EtcdCluster:
             if any(m.running() for m in self._members):
                 raise RuntimeError("etcd cluster already running; call stop() first")
             if self._work_dir is None:
-                self._work_dir = make_temp_dir("etcd-cluster-")
+                self._work_dir = process.make_temp_dir("etcd-cluster-")
             first = not self._members
             attempts = max(1, num_retries)
             for attempt in range(1, attempts + 1):
@@ -191,13 +188,13 @@ class EtcdCluster:
                     raise
                 self._auth_done = True
 
-    def _new_members(self) -> list[_EtcdMember]:
+    def _new_members(self) -> list[EtcdMember]:
         assert self._work_dir is not None
         base = self._given_data_dir or os.path.join(self._work_dir, "data")
-        ports = _free_ports(2 * self.size)
+        ports = process.free_ports(2 * self.size)
         token = "etcd-cluster-" + uuid.uuid4().hex[:12]
         members = [
-            _EtcdMember(
+            EtcdMember(
                 binary=self.binary,
                 name=f"member-{i}",
                 data_dir=os.path.join(base, f"member-{i}"),
@@ -245,7 +242,7 @@ class EtcdCluster:
         if first:
             self._members = []
             if self._work_dir:
-                remove_temp_dir(self._work_dir)
+                process.remove_temp_dir(self._work_dir)
                 self._work_dir = None
 
     def stop(self, *, keep_data: bool = False, graceful: bool = True) -> None:
@@ -257,7 +254,7 @@ class EtcdCluster:
         with self._lock:
             self._terminate_all(graceful=graceful)
             if not keep_data and self._work_dir:
-                remove_temp_dir(self._work_dir)
+                process.remove_temp_dir(self._work_dir)
                 self._work_dir = None
                 if not self._given_data_dir:
                     self._members = []
@@ -291,10 +288,12 @@ class EtcdCluster:
                 raise
 
     def leader(self, timeout: float = 10.0) -> int:
-        """Index of the current leader, asking live members' maintenance/status.
+        """Index of the current leader, asking live members' ``/metrics``.
 
-        A member is the leader when its status' ``leader`` equals its own
-        ``header.member_id``. Polls (blocking) until one is found.
+        A member is the leader when its ``etcd_server_is_leader`` gauge is 1
+        (served by etcd 3.4 to 3.7 without auth, also when the JSON gateway
+        would need a token or refuse the client certificate). Polls (blocking)
+        until one is found.
 
         Raises:
             TimeoutError: no leader within ``timeout`` seconds.
@@ -314,21 +313,20 @@ class EtcdCluster:
             if not m.running():
                 continue
             try:
-                st = m.status(timeout=1.0)
-            except (OSError, ValueError, EtcdGatewayError):
+                if m.gateway.is_leader(timeout=1.0):
+                    return i
+            except (OSError, http.client.HTTPException):
                 continue
-            member_id = str(st.get("header", {}).get("member_id", ""))
-            if member_id and member_id == str(st.get("leader", "0")):
-                return i
         return None
 
     def get_client(self, **overrides: Any) -> Any:
         """An ``etcd_store.client.EtcdClient`` over all members' endpoints.
 
         TLS files and root credentials (with auth) are filled in; ``overrides``
-        replace them. Imports etcd_store only when called.
+        replace them. Imports etcd_store only when called (in
+        :func:`etcd_server.client.make_client`).
         """
-        return _make_client(self.client_urls, self.tls, self.auth, overrides)
+        return make_client(self.client_urls, self.tls, self.auth, overrides)
 
     def __enter__(self) -> EtcdCluster:
         self.start()

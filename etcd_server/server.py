@@ -5,11 +5,13 @@
 ``start``/``stop``/``get_host``/``get_port``/``get_endpoint``/``get_client``
 methods) with these differences:
 
-* it talks the etcd **v3** API; the v2 API is off unless ``enable_v2=True``;
-* readiness is a real v3 request (``/v3/maintenance/status`` then a
-  linearizable ``/v3/kv/range``) through etcd's JSON gateway, polled against a
-  deadline; a process that exits during start-up is noticed at once and
-  reported with its exit code and the tail of its log (:class:`EtcdStartError`);
+* it talks the etcd **v3** API; the v2 API is off unless ``enable_v2=True``
+  (etcd 3.4 and 3.5 only: asking for it with etcd 3.6 or later, which removed
+  the v2 API, raises ``ValueError`` at construction, before anything runs);
+* readiness is polled against a deadline with ``GET /health`` (see
+  :mod:`etcd_server.member` for why); a process that exits during start-up
+  is noticed at once and reported with its exit code and the tail of its
+  log (:class:`~etcd_server.errors.EtcdStartError`);
 * it listens on ``127.0.0.1`` only, on free ports; when a port is taken
   between probing and binding the start is retried on new ports;
 * ``start()`` may be called again after ``stop()`` (and :meth:`EtcdServer.restart`
@@ -19,803 +21,38 @@ methods) with these differences:
   then SIGKILL, an ``atexit`` hook stops whatever is still running, and on
   Linux the child is started with ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` so the
   kernel kills it even when Python itself is SIGKILLed;
-* optional TLS serving (:class:`TLSConfig`) and auth (:class:`AuthConfig`,
-  set up through the JSON gateway; passwords travel in request bodies only).
+* optional TLS serving (:class:`~etcd_server.config.TLSConfig`) and auth
+  (:class:`~etcd_server.config.AuthConfig`, set up through the JSON gateway;
+  passwords travel in request bodies only).
 
-.. note:: ``PR_SET_PDEATHSIG`` fires when the *thread* that forked the child
-   exits, not only when the process does. So etcd is never forked from the
-   calling thread: every launch is handed to one daemon "spawner" thread that
-   lives until the process ends, and ``start()`` may be called from any
-   thread (a short-lived worker thread included). Pass
-   ``die_with_parent=False`` to opt out of the death signal altogether.
+The process handling (spawner thread, ``atexit`` hook, death signal) is in
+:mod:`etcd_server.process`.
 
 This module imports only the standard library (no torch, grpc or etcd_store).
 """
 
 from __future__ import annotations
 
-import atexit
-import base64
-import contextlib
-import ctypes
-import ctypes.util
-import dataclasses
-import http.client
-import importlib
-import json
 import logging
 import os
-import queue
 import shutil
-import signal
-import socket
-import ssl
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
-import uuid
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from collections.abc import Sequence
 from types import TracebackType
-from typing import IO, Any, TextIO, TypeVar
+from typing import Any, TextIO
 
-from .binary import etcd_version, find_etcd_binary
+from . import process
+from .binary import check_v2_support, etcd_version, find_etcd_binary
+from .client import make_client
+from .config import HOST, AuthConfig, TLSConfig
+from .errors import EtcdStartError
+from .gateway import setup_auth
+from .member import EtcdMember
 
-__all__ = [
-    "AuthConfig",
-    "EtcdGatewayError",
-    "EtcdServer",
-    "EtcdStartError",
-    "EtcdStartTimeoutError",
-    "TLSConfig",
-]
+__all__ = ["EtcdServer"]
 
 logger = logging.getLogger(__name__)
-
-HOST = "127.0.0.1"
-_LOG_TAIL_LINES = 20
-_PR_SET_PDEATHSIG = 1
-
-
-# --------------------------------------------------------------------------
-# configuration and errors
-# --------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class TLSConfig:
-    """Serve the client API over https.
-
-    Attributes:
-        cert_file, key_file: the server certificate and key (PEM). The
-            certificate should name ``IP:127.0.0.1`` in its subjectAltName.
-            etcd's JSON gateway dials the server with this same certificate,
-            so when ``client_cert_auth`` is on it must also allow
-            ``clientAuth`` (extendedKeyUsage serverAuth + clientAuth).
-        ca_file: CA bundle that signed the server (and client) certificates;
-            passed as ``--trusted-ca-file`` and used by our probes/clients.
-        client_cert_auth: require clients to present a certificate signed by
-            ``ca_file`` (``--client-cert-auth``).
-        client_cert_file, client_key_file: the certificate our readiness
-            probes and :meth:`EtcdServer.get_client` present; default to the
-            server certificate and key.
-    """
-
-    cert_file: str
-    key_file: str
-    ca_file: str
-    client_cert_auth: bool = True
-    client_cert_file: str | None = None
-    client_key_file: str | None = None
-
-    @property
-    def client_cert(self) -> str:
-        """Certificate presented by our own clients."""
-        return self.client_cert_file or self.cert_file
-
-    @property
-    def client_key(self) -> str:
-        """Key of :attr:`client_cert`."""
-        return self.client_key_file or self.key_file
-
-    def ssl_context(self) -> ssl.SSLContext:
-        """A client-side context trusting ``ca_file`` and presenting the client cert."""
-        ctx = ssl.create_default_context(cafile=self.ca_file)
-        ctx.load_cert_chain(self.client_cert, self.client_key)
-        return ctx
-
-
-@dataclasses.dataclass(frozen=True)
-class AuthConfig:
-    """Turn on etcd authentication once the server is first ready.
-
-    A ``root`` user with ``root_password`` and the ``root`` role is created and
-    ``auth enable`` is issued. When ``user`` is set, that user is created with
-    ``password`` and a role (``role``, default ``"<user>-rw"``) granting
-    READWRITE on the keys starting with ``prefix`` only (all keys when
-    ``prefix`` is empty).
-
-    Passwords are excluded from ``repr`` and are only ever sent in request
-    bodies to the server's JSON gateway.
-    """
-
-    root_password: str = dataclasses.field(repr=False)
-    user: str | None = None
-    password: str | None = dataclasses.field(default=None, repr=False)
-    prefix: bytes | str = b""
-    role: str | None = None
-
-    def __post_init__(self) -> None:
-        if not self.root_password:
-            raise ValueError("AuthConfig.root_password must not be empty")
-        if self.user is not None and not self.password:
-            raise ValueError("AuthConfig.user needs a password")
-        if self.user == "root":
-            raise ValueError("AuthConfig.user must not be 'root'")
-
-    @property
-    def prefix_bytes(self) -> bytes:
-        """``prefix`` as bytes (UTF-8 if given as str)."""
-        p = self.prefix
-        return p.encode() if isinstance(p, str) else bytes(p)
-
-    @property
-    def role_name(self) -> str | None:
-        """Name of the limited user's role, or None without a limited user."""
-        if self.user is None:
-            return None
-        return self.role or f"{self.user}-rw"
-
-
-class EtcdStartError(RuntimeError):
-    """etcd did not come up.
-
-    Attributes:
-        returncode: exit status of the etcd process (negative: killed by that
-            signal), or None if it was still running (a time-out).
-        log_tail: the last lines etcd wrote to its stderr log ("" when the
-            caller redirected stderr elsewhere).
-        cmd: the command line that was run.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        returncode: int | None = None,
-        log_tail: str = "",
-        cmd: Sequence[str] = (),
-    ) -> None:
-        self.returncode = returncode
-        self.log_tail = log_tail
-        self.cmd = list(cmd)
-        full = message
-        if log_tail:
-            full += "\n--- last lines of the etcd log ---\n" + log_tail
-        super().__init__(full)
-
-    @property
-    def address_in_use(self) -> bool:
-        """True if the log says a listen port was already taken."""
-        return "address already in use" in self.log_tail
-
-
-class EtcdStartTimeoutError(EtcdStartError, TimeoutError):
-    """etcd was still running but not ready when the start-up deadline passed."""
-
-
-class EtcdGatewayError(RuntimeError):
-    """An error answer from etcd's JSON gateway (``/v3/...``).
-
-    Attributes:
-        path: the gateway path requested.
-        http_status: HTTP status code of the answer.
-        code: the gRPC status code etcd reported (e.g. 7 PERMISSION_DENIED).
-        etcd_message: etcd's error message, e.g.
-            ``"etcdserver: authentication failed, invalid user ID or password"``.
-    """
-
-    def __init__(self, path: str, http_status: int, code: int, etcd_message: str):
-        self.path = path
-        self.http_status = http_status
-        self.code = code
-        self.etcd_message = etcd_message
-        super().__init__(
-            f"etcd {path} failed: {etcd_message} (grpc code {code}, HTTP {http_status})"
-        )
-
-    @property
-    def is_auth_error(self) -> bool:
-        """True for authentication/permission failures."""
-        msg = self.etcd_message.lower()
-        return self.code in (7, 16) or "user name is empty" in msg or "auth" in msg
-
-    @property
-    def gateway_refused_cn(self) -> bool:
-        """True when the gateway refused a client certificate with a CommonName.
-
-        With auth enabled, etcd's JSON gateway answers HTTP 400 ("CommonName of
-        client sending a request against gateway will be ignored ...") to any
-        TLS client whose certificate has a CN, instead of serving the request.
-        """
-        return "CommonName of client" in self.etcd_message
-
-
-# --------------------------------------------------------------------------
-# JSON gateway (stdlib only)
-# --------------------------------------------------------------------------
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
-def prefix_range_end(prefix: bytes) -> bytes:
-    """The etcd ``range_end`` covering every key that starts with ``prefix``.
-
-    An empty prefix gives ``b"\\0"`` (all keys), as ``etcdctl --prefix`` does.
-    """
-    p = bytearray(prefix)
-    while p:
-        if p[-1] < 0xFF:
-            p[-1] += 1
-            return bytes(p)
-        p.pop()
-    return b"\0"
-
-
-class _Gateway:
-    """Minimal client for etcd's v3 JSON gateway (POST + JSON, no proxies)."""
-
-    def __init__(self, base_url: str, ssl_context: ssl.SSLContext | None = None):
-        self.base_url = base_url.rstrip("/")
-        handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]
-        if ssl_context is not None:
-            handlers.append(urllib.request.HTTPSHandler(context=ssl_context))
-        self._opener = urllib.request.build_opener(*handlers)
-
-    def call(
-        self,
-        path: str,
-        body: dict[str, Any] | None = None,
-        *,
-        timeout: float = 5.0,
-        token: str | None = None,
-    ) -> dict[str, Any]:
-        """POST ``body`` to ``path`` and return the decoded JSON answer.
-
-        Blocks up to ``timeout`` seconds.
-
-        Raises:
-            EtcdGatewayError: etcd answered with an error.
-            OSError: (incl. ``urllib.error.URLError``, ``ssl.SSLError``,
-                ``TimeoutError``) the request did not get an answer.
-        """
-        req = urllib.request.Request(
-            self.base_url + path,
-            data=json.dumps(body or {}).encode(),
-            method="POST",
-            headers={"Content-Type": "application/json"},
-        )
-        if token:
-            req.add_header("Authorization", token)
-        try:
-            with self._opener.open(req, timeout=timeout) as resp:
-                raw = resp.read()
-                status = int(resp.status)
-        except urllib.error.HTTPError as e:
-            raw = e.read()
-            status = e.code
-        try:
-            data = json.loads(raw or b"{}")
-        except ValueError:
-            text = raw[:500].decode("utf-8", "replace").strip() or f"empty answer, HTTP {status}"
-            raise EtcdGatewayError(path, status, -1, text) from None
-        if not isinstance(data, dict):
-            raise EtcdGatewayError(path, status, -1, f"unexpected answer {raw[:200]!r}")
-        if status >= 400 or "error" in data:
-            msg = str(data.get("message") or data.get("error") or f"HTTP {status}")
-            raise EtcdGatewayError(path, status, int(data.get("code", -1)), msg)
-        return data
-
-    def health(self, *, timeout: float = 5.0) -> bool:
-        """``GET /health``: True when etcd reports ``"health": "true"``.
-
-        Not part of the gRPC gateway, so it works where the gateway refuses a
-        client certificate (see ``EtcdGatewayError.gateway_refused_cn``). etcd
-        answers healthy only with a leader and a successful read through raft.
-        """
-        try:
-            with self._opener.open(self.base_url + "/health", timeout=timeout) as resp:
-                data = json.loads(resp.read() or b"{}")
-        except urllib.error.HTTPError:
-            return False
-        return isinstance(data, dict) and str(data.get("health")) == "true"
-
-
-def setup_auth(gateway: _Gateway, auth: AuthConfig, *, timeout: float = 10.0) -> None:
-    """Create the root user/role (and the limited user) and enable auth.
-
-    Idempotent: if auth is already enabled (the root password authenticates),
-    nothing is changed. Blocks for a handful of gateway round trips.
-
-    Raises:
-        EtcdGatewayError: etcd refused a step (e.g. auth is already enabled
-            with a different root password).
-    """
-    try:
-        gateway.call(
-            "/v3/auth/authenticate",
-            {"name": "root", "password": auth.root_password},
-            timeout=timeout,
-        )
-        logger.info("etcd auth is already enabled; leaving users and roles as they are")
-        return
-    except EtcdGatewayError as e:
-        if e.gateway_refused_cn:  # only happens when auth is enabled
-            logger.info("etcd auth is already enabled (gateway refuses CN client certificates)")
-            return
-        if "not enabled" not in e.etcd_message:
-            raise
-
-    def call_ignoring_exists(path: str, body: dict[str, Any]) -> None:
-        try:
-            gateway.call(path, body, timeout=timeout)
-        except EtcdGatewayError as e:
-            if "already exists" not in e.etcd_message:
-                raise
-
-    call_ignoring_exists(
-        "/v3/auth/user/add", {"name": "root", "password": auth.root_password}
-    )
-    call_ignoring_exists("/v3/auth/role/add", {"name": "root"})
-    gateway.call("/v3/auth/user/grant", {"user": "root", "role": "root"}, timeout=timeout)
-    if auth.user is not None and auth.role_name is not None:
-        prefix = auth.prefix_bytes
-        call_ignoring_exists(
-            "/v3/auth/user/add", {"name": auth.user, "password": auth.password}
-        )
-        call_ignoring_exists("/v3/auth/role/add", {"name": auth.role_name})
-        gateway.call(
-            "/v3/auth/role/grant",
-            {
-                "name": auth.role_name,
-                "perm": {
-                    "permType": "READWRITE",
-                    "key": _b64(prefix or b"\0"),
-                    "range_end": _b64(prefix_range_end(prefix)),
-                },
-            },
-            timeout=timeout,
-        )
-        gateway.call(
-            "/v3/auth/user/grant",
-            {"user": auth.user, "role": auth.role_name},
-            timeout=timeout,
-        )
-    gateway.call("/v3/auth/enable", {}, timeout=timeout)
-    logger.info(
-        "etcd auth enabled (root%s)",
-        f", user {auth.user!r} limited to prefix {auth.prefix_bytes!r}" if auth.user else "",
-    )
-
-
-# --------------------------------------------------------------------------
-# ports, process start and cleanup
-# --------------------------------------------------------------------------
-
-
-def _free_ports(n: int) -> list[int]:
-    """Return ``n`` distinct ports that were free on 127.0.0.1 a moment ago.
-
-    Binds port 0 ``n`` times (holding all sockets until all are chosen, so the
-    ports differ) and closes them. Another process may still take a port
-    before etcd binds it; callers retry on "address already in use".
-    """
-    socks: list[socket.socket] = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            socks.append(s)
-            s.bind((HOST, 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def _make_preexec(die_with_parent: bool) -> Callable[[], None] | None:
-    """A ``preexec_fn`` setting ``PR_SET_PDEATHSIG=SIGKILL`` (Linux), else None.
-
-    libc and ``prctl`` are resolved here, before the fork, so the child only
-    makes the system call. If the parent already died between ``fork`` and
-    ``prctl`` the child kills itself.
-    """
-    if not die_with_parent or not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        prctl = libc.prctl
-    except (OSError, AttributeError):
-        logger.warning("prctl unavailable; etcd will not die with its parent")
-        return None
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    prctl.restype = ctypes.c_int
-    parent = os.getpid()
-    sigkill = int(signal.SIGKILL)
-
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, sigkill, 0, 0, 0)
-        if os.getppid() != parent:
-            os.kill(os.getpid(), sigkill)
-
-    return preexec
-
-
-_T = TypeVar("_T")
-_spawn_lock = threading.Lock()
-_spawn_queue: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] | None = None
-
-
-def _spawner_loop(q: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]]) -> None:
-    while True:
-        fn, fut = q.get()
-        if not fut.set_running_or_notify_cancel():
-            continue
-        try:
-            fut.set_result(fn())
-        except BaseException as e:  # handed to the caller
-            fut.set_exception(e)
-
-
-def _in_spawner_thread(fn: Callable[[], _T]) -> _T:
-    """Run ``fn`` (a fork) on the process-lifetime daemon spawner thread; block for it.
-
-    ``PR_SET_PDEATHSIG`` is tied to the forking thread, so children forked
-    there die with the process, not with whichever thread asked.
-    """
-    global _spawn_queue
-    with _spawn_lock:
-        if _spawn_queue is None:
-            q: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
-            threading.Thread(
-                target=_spawner_loop, args=(q,), name="etcd-server-spawner", daemon=True
-            ).start()
-            _spawn_queue = q
-        fut: Future[_T] = Future()
-        _spawn_queue.put((fn, fut))
-    return fut.result()
-
-
-_live_lock = threading.Lock()
-_live: set[_EtcdMember] = set()
-_temp_dirs: set[str] = set()
-_atexit_registered = False
-
-
-def _ensure_atexit() -> None:
-    global _atexit_registered
-    if not _atexit_registered:
-        atexit.register(_stop_all_at_exit)
-        _atexit_registered = True
-
-
-def make_temp_dir(prefix: str) -> str:
-    """``mkdtemp`` that the atexit hook removes if the owner never does."""
-    path = tempfile.mkdtemp(prefix=prefix)
-    with _live_lock:
-        _temp_dirs.add(path)
-        _ensure_atexit()
-    return path
-
-
-def remove_temp_dir(path: str) -> None:
-    """Remove a directory made by :func:`make_temp_dir`."""
-    shutil.rmtree(path, ignore_errors=True)
-    with _live_lock:
-        _temp_dirs.discard(path)
-
-
-def _register_live(member: _EtcdMember) -> None:
-    with _live_lock:
-        _live.add(member)
-        _ensure_atexit()
-
-
-def _unregister_live(member: _EtcdMember) -> None:
-    with _live_lock:
-        _live.discard(member)
-
-
-def _stop_all_at_exit() -> None:
-    """atexit hook: stop every etcd this process started and still runs."""
-    with _live_lock:
-        members = list(_live)
-        dirs = list(_temp_dirs)
-    for m in members:
-        with contextlib.suppress(Exception):
-            m.terminate(grace=5.0)
-    for d in dirs:
-        shutil.rmtree(d, ignore_errors=True)
-
-
-# --------------------------------------------------------------------------
-# one etcd process (shared by EtcdServer and EtcdCluster)
-# --------------------------------------------------------------------------
-
-
-class _EtcdMember:
-    """One etcd process: command line, launch, readiness, stop, log.
-
-    Not thread-safe; owned by an :class:`EtcdServer` or ``EtcdCluster``.
-    """
-
-    def __init__(
-        self,
-        *,
-        binary: str,
-        name: str,
-        data_dir: str,
-        work_dir: str,
-        client_port: int,
-        peer_port: int,
-        tls: TLSConfig | None,
-        enable_v2: bool,
-        extra_args: Sequence[str],
-        die_with_parent: bool,
-        heartbeat_ms: int | None = None,
-        election_timeout_ms: int | None = None,
-    ) -> None:
-        self.binary = binary
-        self.name = name
-        self.data_dir = data_dir
-        self.work_dir = work_dir
-        self.client_port = client_port
-        self.peer_port = peer_port
-        self.tls = tls
-        self.enable_v2 = enable_v2
-        self.extra_args = list(extra_args)
-        self.die_with_parent = die_with_parent
-        self.heartbeat_ms = heartbeat_ms
-        self.election_timeout_ms = election_timeout_ms
-        self.initial_cluster = ""
-        self.cluster_token = "etcd-server-" + uuid.uuid4().hex[:12]
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.cmd: list[str] = []
-        self.log_path: str | None = None
-        self._log_offset = 0
-        self._gateway: _Gateway | None = None
-
-    # -- addresses --------------------------------------------------------
-
-    @property
-    def scheme(self) -> str:
-        return "https" if self.tls else "http"
-
-    @property
-    def endpoint(self) -> str:
-        return f"{HOST}:{self.client_port}"
-
-    @property
-    def client_url(self) -> str:
-        return f"{self.scheme}://{HOST}:{self.client_port}"
-
-    @property
-    def peer_url(self) -> str:
-        return f"http://{HOST}:{self.peer_port}"
-
-    @property
-    def gateway(self) -> _Gateway:
-        if self._gateway is None or self._gateway.base_url != self.client_url:
-            ctx = self.tls.ssl_context() if self.tls else None
-            self._gateway = _Gateway(self.client_url, ctx)
-        return self._gateway
-
-    # -- process ----------------------------------------------------------
-
-    def command(self) -> list[str]:
-        """The etcd command line (contains no secrets)."""
-        cmd = [
-            self.binary,
-            "--name", self.name,
-            "--data-dir", self.data_dir,
-            "--listen-client-urls", self.client_url,
-            "--advertise-client-urls", self.client_url,
-            "--listen-peer-urls", self.peer_url,
-            "--initial-advertise-peer-urls", self.peer_url,
-            "--initial-cluster", self.initial_cluster or f"{self.name}={self.peer_url}",
-            "--initial-cluster-state", "new",
-            "--initial-cluster-token", self.cluster_token,
-        ]  # fmt: skip
-        given = {a.split("=", 1)[0] for a in self.extra_args}
-        if self.heartbeat_ms is not None and "--heartbeat-interval" not in given:
-            cmd.append(f"--heartbeat-interval={self.heartbeat_ms}")
-        if self.election_timeout_ms is not None and "--election-timeout" not in given:
-            cmd.append(f"--election-timeout={self.election_timeout_ms}")
-        if self.enable_v2:
-            cmd.append("--enable-v2=true")
-        if self.tls:
-            cmd += [
-                "--cert-file", self.tls.cert_file,
-                "--key-file", self.tls.key_file,
-                "--trusted-ca-file", self.tls.ca_file,
-            ]  # fmt: skip
-            if self.tls.client_cert_auth:
-                cmd.append("--client-cert-auth=true")
-        cmd += self.extra_args
-        return cmd
-
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.running() and self.proc else None
-
-    def launch(self, stderr: int | IO[Any] | None = None) -> None:
-        """Start the process (does not wait for readiness).
-
-        etcd's stdout and stderr go to ``<work_dir>/<name>.log`` (appended)
-        unless ``stderr`` is given, in which case both go there.
-        """
-        if self.running():
-            raise RuntimeError(f"etcd member {self.name} is already running")
-        os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
-        self.cmd = self.command()
-        preexec = _make_preexec(self.die_with_parent)
-        logger.info("starting etcd: %s", " ".join(self.cmd))
-        with contextlib.ExitStack() as stack:
-            out: int | IO[Any]
-            if stderr is None:
-                self.log_path = os.path.join(self.work_dir, f"{self.name}.log")
-                log = stack.enter_context(open(self.log_path, "ab"))
-                self._log_offset = log.tell()
-                out = log
-            else:
-                self.log_path = None
-                out = stderr
-            cmd = self.cmd
-
-            def popen() -> subprocess.Popen[bytes]:
-                # preexec_fn only makes the prctl system call (see _make_preexec).
-                return subprocess.Popen(
-                    cmd,
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=out,
-                    close_fds=True,
-                    start_new_session=True,
-                    preexec_fn=preexec,
-                )
-
-            self.proc = _in_spawner_thread(popen) if preexec is not None else popen()
-        _register_live(self)
-
-    def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
-        """The last ``lines`` lines etcd logged since the latest launch."""
-        if not self.log_path:
-            return ""
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(self._log_offset)
-                data = f.read()
-        except OSError:
-            return ""
-        text = data.decode("utf-8", "replace").rstrip("\n")
-        return "\n".join(text.splitlines()[-lines:])
-
-    def terminate(self, *, grace: float = 10.0, graceful: bool = True, quiet: bool = False) -> int | None:
-        """Stop the process: SIGTERM, then SIGKILL after ``grace`` seconds.
-
-        With ``graceful=False`` sends SIGKILL at once; ``quiet`` logs the
-        escalation to SIGKILL at INFO instead of WARNING. Blocks until the
-        process has exited (and is reaped). Returns its exit status, or None
-        if no process was started. Idempotent.
-        """
-        proc = self.proc
-        if proc is None:
-            return None
-        if proc.poll() is None:
-            sig = signal.SIGTERM if graceful else signal.SIGKILL
-            logger.info("stopping etcd %s (pid %d) with %s", self.name, proc.pid, sig.name)
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(sig)
-            try:
-                proc.wait(timeout=grace if graceful else 30.0)
-            except subprocess.TimeoutExpired:
-                logger.log(
-                    logging.INFO if quiet else logging.WARNING,
-                    "etcd %s (pid %d) ignored SIGTERM for %.1fs; sending SIGKILL",
-                    self.name, proc.pid, grace,
-                )  # fmt: skip
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                proc.wait()
-        _unregister_live(self)
-        return proc.returncode
-
-    # -- readiness --------------------------------------------------------
-
-    def status(self, timeout: float = 2.0) -> dict[str, Any]:
-        """``/v3/maintenance/status`` of this member (no auth needed)."""
-        return self.gateway.call("/v3/maintenance/status", {}, timeout=timeout)
-
-    def _probe(self, timeout: float) -> bool:
-        """One readiness probe: status has a leader and a linearizable read works.
-
-        An auth error from the read counts as ready (etcd checks permissions
-        after the linearizable read barrier). See ``_Gateway.health`` for the
-        TLS + auth case.
-        """
-        try:
-            st = self.status(timeout)
-            if str(st.get("leader", "0")) in ("", "0"):
-                return False
-            self.gateway.call(
-                "/v3/kv/range",
-                {"key": _b64(b"\0etcd-server-readiness-probe"), "count_only": True},
-                timeout=timeout,
-            )
-            return True
-        except EtcdGatewayError as e:
-            if e.gateway_refused_cn:
-                # TLS + auth enabled: the gateway serves nobody whose cert has a
-                # CN; fall back to /health (leader + a read through raft).
-                try:
-                    return self.gateway.health(timeout=timeout)
-                except (OSError, ValueError, http.client.HTTPException):
-                    return False
-            # Auth errors come after the linearizable read barrier: serving.
-            return e.is_auth_error
-        except (OSError, ValueError, http.client.HTTPException):
-            return False
-
-    def wait_ready(self, deadline: float) -> None:
-        """Poll until the member serves v3 requests or ``deadline`` (monotonic).
-
-        Between probes it waits on the process (``proc.wait(timeout=...)``) so
-        an exit is noticed at once.
-
-        Raises:
-            EtcdStartError: the process exited (exit code and log tail).
-            EtcdStartTimeoutError: still not ready at ``deadline``.
-        """
-        proc = self.proc
-        if proc is None:
-            raise RuntimeError("wait_ready() before launch()")
-        delay = 0.02
-        while True:
-            rc = proc.poll()
-            if rc is not None:
-                _unregister_live(self)
-                raise EtcdStartError(
-                    f"etcd {self.name} exited during start-up with code {rc} "
-                    f"(command: {' '.join(self.cmd)})",
-                    returncode=rc,
-                    log_tail=self.log_tail(),
-                    cmd=self.cmd,
-                )
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                tail = self.log_tail()
-                raise EtcdStartTimeoutError(
-                    f"etcd {self.name} (pid {proc.pid}) not ready at {self.client_url} "
-                    "before the start-up deadline",
-                    returncode=None,
-                    log_tail=tail,
-                    cmd=self.cmd,
-                )
-            if self._probe(min(remaining, 1.0)):
-                return
-            remaining = deadline - time.monotonic()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.0, min(delay, remaining)))
-            delay = min(delay * 2, 0.2)
-
 
 # --------------------------------------------------------------------------
 # EtcdServer
@@ -833,6 +70,7 @@ class EtcdServer:
             for the search order when None.
         enable_v2: also serve the v2 API (``--enable-v2=true``); only for
             side-by-side benchmarks with torch's built-in ``etcd`` backend.
+            etcd 3.4 and 3.5 only (3.6 removed the v2 API).
         extra_args: extra etcd command-line flags, appended last.
         tls: serve https with these certificates (see :class:`TLSConfig`).
         auth: enable authentication after the first start (:class:`AuthConfig`).
@@ -849,6 +87,8 @@ class EtcdServer:
 
     Raises:
         EtcdBinaryNotFoundError: (at construction) no etcd binary was found.
+        ValueError: (at construction) ``enable_v2=True`` with etcd 3.6 or
+            later, which has no v2 API; the message names the version.
     """
 
     def __init__(
@@ -869,6 +109,8 @@ class EtcdServer:
         election_timeout_ms: int | None = 100,
     ) -> None:
         self.binary = find_etcd_binary(binary)
+        if enable_v2:
+            check_v2_support(self.binary)
         self.enable_v2 = enable_v2
         self.extra_args = tuple(extra_args)
         self.tls = tls
@@ -883,7 +125,7 @@ class EtcdServer:
         self._given_peer_port = peer_port
         self._ports: tuple[int, int] | None = None
         self._work_dir: str | None = None
-        self._member: _EtcdMember | None = None
+        self._member: EtcdMember | None = None
         self._auth_done = False
         self._lock = threading.RLock()
 
@@ -979,7 +221,7 @@ class EtcdServer:
             if self.is_running():
                 raise RuntimeError("etcd server already running; call stop() first")
             if self._work_dir is None:
-                self._work_dir = make_temp_dir("etcd-server-")
+                self._work_dir = process.make_temp_dir("etcd-server-")
             data_dir = self.data_dir
             assert data_dir is not None
             attempts = max(1, num_retries)
@@ -1026,14 +268,14 @@ class EtcdServer:
 
     def _pick_ports(self) -> tuple[int, int]:
         need = [p is None for p in (self._given_port, self._given_peer_port)]
-        free = iter(_free_ports(sum(need)))
+        free = iter(process.free_ports(sum(need)))
         client = self._given_port if self._given_port is not None else next(free)
         peer = self._given_peer_port if self._given_peer_port is not None else next(free)
         return client, peer
 
-    def _new_member(self, data_dir: str) -> _EtcdMember:
+    def _new_member(self, data_dir: str) -> EtcdMember:
         assert self._ports is not None and self._work_dir is not None
-        member = _EtcdMember(
+        member = EtcdMember(
             binary=self.binary,
             name=self.name,
             data_dir=data_dir,
@@ -1056,7 +298,7 @@ class EtcdServer:
         if first_start:
             self._ports = None
         if self._member is None and self._work_dir:
-            remove_temp_dir(self._work_dir)
+            process.remove_temp_dir(self._work_dir)
             self._work_dir = None
 
     def stop(self, *, keep_data: bool = False, graceful: bool = True) -> None:
@@ -1074,7 +316,7 @@ class EtcdServer:
                 member.terminate(grace=self.stop_grace, graceful=graceful)
             if not keep_data and self._work_dir:
                 logger.info("removing etcd work dir %s", self._work_dir)
-                remove_temp_dir(self._work_dir)
+                process.remove_temp_dir(self._work_dir)
                 self._work_dir = None
                 self._member = None
                 if not self._given_data_dir:
@@ -1109,48 +351,19 @@ class EtcdServer:
     def get_client(self, **overrides: Any) -> Any:
         """Return an ``etcd_store.client.EtcdClient`` connected to this server.
 
-        (Typed ``Any`` so that type-checking etcd_server does not pull in
-        etcd_store.)
-
         TLS files and (with auth) the root credentials are filled in;
         ``overrides`` (e.g. ``user=..., password=..., timeout=...``) replace
-        them. Imports ``etcd_store`` (and grpc) only when called.
+        them. Imports ``etcd_store`` (and grpc) on the first call, in
+        :func:`etcd_server.client.make_client`, the one place etcd_server
+        depends on etcd_store.
         """
-        return _make_client([self.get_client_url()], self.tls, self.auth, overrides)
+        return make_client([self.get_client_url()], self.tls, self.auth, overrides)
 
     def gateway_call(
         self, path: str, body: dict[str, Any] | None = None, *, timeout: float = 5.0,
         token: str | None = None,
     ) -> dict[str, Any]:
-        """POST to this server's JSON gateway (``/v3/...``); see ``_Gateway.call``."""
+        """POST to this server's JSON gateway (``/v3/...``); see ``Gateway.call``."""
         if self._member is None:
             raise RuntimeError("etcd server not started")
         return self._member.gateway.call(path, body, timeout=timeout, token=token)
-
-
-def _client_target(urls: list[str], tls: TLSConfig | None) -> str | list[str]:
-    """Endpoints for EtcdClient: "host:port" without TLS, https URLs with it."""
-    if tls is None:
-        urls = [u.split("://", 1)[1] for u in urls]
-    return urls[0] if len(urls) == 1 else urls
-
-
-def _make_client(
-    urls: list[str],
-    tls: TLSConfig | None,
-    auth: AuthConfig | None,
-    overrides: dict[str, Any],
-) -> Any:
-    """``etcd_store.client.EtcdClient`` for ``urls`` with TLS/auth filled in.
-
-    Imported with importlib at call time: etcd_server itself must not import
-    etcd_store (or grpc), nor make type checkers follow it.
-    """
-    kwargs: dict[str, Any] = {}
-    if tls is not None:
-        kwargs.update(ca_cert=tls.ca_file, cert=tls.client_cert, key=tls.client_key)
-    if auth is not None:
-        kwargs.update(user="root", password=auth.root_password)
-    kwargs.update(overrides)
-    client_cls = importlib.import_module("etcd_store.client").EtcdClient
-    return client_cls(_client_target(urls, tls), **kwargs)

@@ -1,9 +1,12 @@
-"""Tests of etcd_server.EtcdServer against real etcd 3.4 / 3.5 processes."""
+"""Tests of etcd_server.EtcdServer against real etcd 3.4, 3.5, 3.6 and 3.7 processes."""
 
 from __future__ import annotations
 
 import base64
+import glob
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -11,6 +14,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 
 import pytest
 from certs import CertPaths, have_openssl, make_certs
@@ -19,14 +23,62 @@ from conftest import ETCD_BINARIES, etcd_pids, pid_alive
 from etcd_server import (
     AuthConfig,
     EtcdBinaryNotFoundError,
+    EtcdCluster,
     EtcdGatewayError,
     EtcdServer,
     EtcdStartError,
     TLSConfig,
+    etcd_version,
     find_etcd_binary,
 )
+from etcd_server.binary import has_v2_api, is_native_executable
+from etcd_server.errors import GRPC_INVALID_ARGUMENT, GRPC_UNAUTHENTICATED
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def all_etcd_binaries() -> dict[str, str]:
+    """``ETCD_BINARIES`` (3.4/3.5) plus the 3.6/3.7 binaries ``.ci/build-etcd`` caches.
+
+    Temporary: once tests/conftest.py's ``ETCD_BINARIES`` covers 3.6 and 3.7 this
+    and the ``etcd_binary``/``fresh_etcd`` overrides below can go.
+    """
+    cache = os.environ.get("ETCD_RDZV_ETCD_CACHE") or os.path.expanduser("~/.cache/etcd-rdzv/etcd")
+    found = dict(ETCD_BINARIES)
+    for path in sorted(glob.glob(os.path.join(cache, "v*", "etcd")), reverse=True):
+        if is_native_executable(path):
+            found.setdefault(".".join(etcd_version(path).split(".")[:2]), os.path.abspath(path))
+    return dict(sorted(found.items()))
+
+
+ALL_ETCD = all_etcd_binaries()
+_ALL = sorted(ALL_ETCD)
+_ALL_IDS = [f"etcd{v}" for v in _ALL]
+NO_V2 = [v for v in ("3.6", "3.7") if v in ALL_ETCD]
+
+
+def binary_of(version: str) -> str:
+    """The binary of ``"major.minor"``, or skip the test when this machine has none."""
+    if version not in ALL_ETCD:
+        pytest.skip(f"no etcd {version} binary on this machine (bash .ci/build-etcd builds 3.6/3.7)")
+    return ALL_ETCD[version]
+
+
+@pytest.fixture(params=_ALL, ids=_ALL_IDS)
+def etcd_binary(request: pytest.FixtureRequest) -> str:
+    """Overrides conftest's: every version from 3.4 to 3.7 found here."""
+    return ALL_ETCD[request.param]
+
+
+@pytest.fixture(params=_ALL, ids=_ALL_IDS)
+def fresh_etcd(request: pytest.FixtureRequest) -> Iterator[EtcdServer]:
+    """Overrides conftest's: a new started server per test, every version found."""
+    server = EtcdServer(binary=ALL_ETCD[request.param])
+    server.start(timeout=30)
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def _b64(b: bytes) -> str:
@@ -42,11 +94,9 @@ def _get(server: EtcdServer, key: bytes, token: str | None = None) -> bytes | No
     return base64.b64decode(kvs[0]["value"]) if kvs else None
 
 
-@pytest.mark.parametrize("version", ["3.4", "3.5"])
+@pytest.mark.parametrize("version", ["3.4", "3.5", "3.6", "3.7"])
 def test_start_stop_each_version(version: str) -> None:
-    if version not in ETCD_BINARIES:
-        pytest.skip(f"no etcd {version} binary on this machine")
-    server = EtcdServer(binary=ETCD_BINARIES[version])
+    server = EtcdServer(binary=binary_of(version))
     try:
         server.start(timeout=30)
         assert server.version.startswith(version + ".")
@@ -71,9 +121,67 @@ def test_shared_fixture_serves_v3(etcd_server: EtcdServer, etcd_endpoint: str) -
     assert _get(etcd_server, b"fixture/key") == b"1"
 
 
+def test_version_is_the_binarys_and_the_servers(etcd_binary: str) -> None:
+    out = subprocess.run([etcd_binary, "--version"], capture_output=True, text=True, timeout=30, check=True)
+    printed = re.search(r"etcd Version: (\S+)", out.stdout)
+    assert printed is not None
+    server = EtcdServer(binary=etcd_binary)
+    assert server.version == printed.group(1)  # known before start (no process needed)
+    assert re.fullmatch(r"3\.[4-9]\.\d+", server.version)
+    hits = etcd_version.cache_info().hits
+    assert server.version == server.version and etcd_version.cache_info().hits >= hits + 2  # cached
+    assert EtcdCluster(3, binary=etcd_binary).version == server.version
+    with server:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(server.get_client_url() + "/version", timeout=5) as resp:
+            assert json.loads(resp.read())["etcdserver"] == server.version
+
+
+@pytest.mark.parametrize("version", ["3.6", "3.7"])
+def test_enable_v2_without_a_v2_api_raises_at_once(version: str, tmp_path: os.PathLike[str]) -> None:
+    binary = binary_of(version)
+    full = etcd_version(binary)
+    assert not has_v2_api(full)
+    before = etcd_pids(os.getpid())
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=re.escape(f"etcd {full}")) as ei:
+        EtcdServer(binary=binary, enable_v2=True)
+    assert "v2" in str(ei.value) and "3.5 or older" in str(ei.value)
+    with pytest.raises(ValueError, match=re.escape(f"etcd {full}")):
+        EtcdCluster(3, binary=binary, enable_v2=True)
+    assert time.monotonic() - t0 < 5.0
+    assert etcd_pids(os.getpid()) == before  # nothing was spawned
+    out = subprocess.run(
+        [sys.executable, "-m", "etcd_server", "--binary", binary, "--enable-v2"],
+        capture_output=True, text=True, timeout=60, cwd=_REPO, check=False,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert f"etcd {full}" in out.stderr and "Traceback" not in out.stderr and out.stdout == ""
+
+
+def test_flags_are_not_deprecated(etcd_binary: str, certs: CertPaths) -> None:
+    """Every flag we pass (TLS and raft timing included) starts etcd without a deprecation warning.
+
+    (Not ``enable_v2``: etcd 3.5 itself warns that ``--enable-v2`` goes away in 3.6.)
+    """
+    tls = TLSConfig(certs.server_cert, certs.server_key, certs.ca,
+                    client_cert_file=certs.client_cert, client_key_file=certs.client_key)  # fmt: skip
+    with EtcdServer(binary=etcd_binary, tls=tls) as server:
+        assert server.log_path is not None
+        with open(server.log_path) as f:
+            lines = f.read().splitlines()
+    assert any("starting an etcd server" in ln for ln in lines)
+    # info lines list config fields such as "v2-deprecation"; anything else naming a
+    # deprecation (a JSON warning, or 3.4's plain "[WARNING] Deprecated ...") fails
+    warned = [ln for ln in lines if "deprecat" in ln.lower() and not ln.startswith('{"level":"info"')]
+    assert warned == []
+    assert all(ln.startswith("{") for ln in lines if ln.strip())  # --logger=zap: JSON on every version
+
+
 def test_v2_off_by_default_and_on_when_asked(etcd_binary: str) -> None:
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    for enable in (False, True):
+    v2 = has_v2_api(etcd_version(etcd_binary))
+    for enable in (False, True) if v2 else (False,):
         with EtcdServer(binary=etcd_binary, enable_v2=enable) as server:
             url = f"{server.get_client_url()}/v2/keys/"
             if enable:
@@ -162,13 +270,13 @@ def test_exit_at_start_reports_code_and_log(etcd_binary: str) -> None:
 def test_port_collision_is_retried(etcd_binary: str, monkeypatch: pytest.MonkeyPatch) -> None:
     import socket
 
-    import etcd_server.server as server_mod
+    import etcd_server.process as process_mod
 
     blocker = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     blocker.bind(("127.0.0.1", 0))
     blocker.listen(1)
     taken = blocker.getsockname()[1]
-    real = server_mod._free_ports
+    real = process_mod.free_ports
     calls: list[list[int]] = []
 
     def picker(n: int) -> list[int]:
@@ -178,7 +286,7 @@ def test_port_collision_is_retried(etcd_binary: str, monkeypatch: pytest.MonkeyP
         calls.append(ports)
         return ports
 
-    monkeypatch.setattr(server_mod, "_free_ports", picker)
+    monkeypatch.setattr(process_mod, "free_ports", picker)
     server = EtcdServer(binary=etcd_binary)
     try:
         server.start(timeout=30, num_retries=3)
@@ -194,14 +302,14 @@ def test_port_collision_is_retried(etcd_binary: str, monkeypatch: pytest.MonkeyP
 def test_port_collision_gives_up_after_num_retries(monkeypatch: pytest.MonkeyPatch) -> None:
     import socket
 
-    import etcd_server.server as server_mod
+    import etcd_server.process as process_mod
 
     blocker = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     blocker.bind(("127.0.0.1", 0))
     blocker.listen(1)
     taken = blocker.getsockname()[1]
-    real = server_mod._free_ports
-    monkeypatch.setattr(server_mod, "_free_ports", lambda n: [taken, *real(n)[1:]])
+    real = process_mod.free_ports
+    monkeypatch.setattr(process_mod, "free_ports", lambda n: [taken, *real(n)[1:]])
     server = EtcdServer()
     try:
         with pytest.raises(EtcdStartError, match="address already in use") as ei:
@@ -350,10 +458,14 @@ def test_auth_wrong_password_and_prefix_limits(etcd_binary: str) -> None:
         ):
             bad.get(b"/jobs/alice/x")
         assert alice_pw not in str(ei.value)
-        # without a token, the gateway refuses reads too
+        # without a token the gateway refuses reads too (INVALID_ARGUMENT "user name is
+        # empty" on every version), and a token etcd does not know is UNAUTHENTICATED
         with pytest.raises(EtcdGatewayError) as gi:
             server.gateway_call("/v3/kv/range", {"key": _b64(b"/jobs/bob/x")})
-        assert gi.value.is_auth_error
+        assert (gi.value.code, gi.value.http_status) == (GRPC_INVALID_ARGUMENT, 400)
+        with pytest.raises(EtcdGatewayError) as gi:
+            server.gateway_call("/v3/kv/range", {"key": _b64(b"/jobs/bob/x")}, token="no-such-token")
+        assert gi.value.code == GRPC_UNAUTHENTICATED and gi.value.is_auth_error
         # readiness still works with auth on (restart keeps data, auth stays on)
         server.restart(timeout=30)
         with server.get_client(user="alice", password=alice_pw, timeout=10) as alice:
@@ -368,6 +480,73 @@ def test_auth_wrong_password_and_prefix_limits(etcd_binary: str) -> None:
             log = f.read()
         for secret in (root_pw, alice_pw):
             assert secret.encode() not in cmdline and secret.encode() not in log
+
+
+def test_auth_setup_finishes_an_interrupted_one(etcd_binary: str, tmp_path: os.PathLike[str]) -> None:
+    """Users and roles left by an earlier set-up (auth not yet enabled) are kept, not re-added."""
+    from etcd_store.errors import EtcdPermissionDenied
+
+    data_dir = os.path.join(tmp_path, "data")
+    with EtcdServer(data_dir, binary=etcd_binary) as plain:
+        plain.gateway_call("/v3/auth/user/add", {"name": "root", "password": "r00t-pw"})
+        plain.gateway_call("/v3/auth/user/add", {"name": "alice", "password": "al1ce-pw"})
+        plain.gateway_call("/v3/auth/role/add", {"name": "alice-rw"})
+    auth = AuthConfig("r00t-pw", user="alice", password="al1ce-pw", prefix=b"/alice/")
+    with EtcdServer(data_dir, binary=etcd_binary, auth=auth) as server:
+        with server.get_client(user="alice", password="al1ce-pw", timeout=10) as alice:
+            alice.put(b"/alice/k", b"1")
+            with pytest.raises(EtcdPermissionDenied):
+                alice.put(b"/bob/k", b"1")
+    # A third server object over the same data: auth is on already, nothing is changed.
+    with EtcdServer(data_dir, binary=etcd_binary, auth=auth) as again:
+        with again.get_client(user="alice", password="al1ce-pw", timeout=10) as alice:
+            kv = alice.get(b"/alice/k")
+            assert kv is not None and kv.value == b"1"
+    with pytest.raises(EtcdGatewayError) as gi:  # another root password: refused, not ignored
+        EtcdServer(data_dir, binary=etcd_binary, auth=AuthConfig("other-pw")).start(timeout=30)
+    assert gi.value.code == GRPC_INVALID_ARGUMENT and gi.value.path == "/v3/auth/authenticate"
+
+
+def test_same_data_dir_with_tls_and_auth(etcd_binary: str, certs: CertPaths, tmp_path: os.PathLike[str]) -> None:
+    """A new server object over a data dir with auth on, TLS client cert with a CommonName.
+
+    The gateway refuses such a client once auth is on (HTTP 400, no gRPC code):
+    readiness (``/health``) and the set-up's "already enabled" check must cope.
+    """
+    tls = TLSConfig(certs.server_cert, certs.server_key, certs.ca,
+                    client_cert_file=certs.client_cert, client_key_file=certs.client_key)  # fmt: skip
+    auth = AuthConfig("r00t-tls-pw", user="alice", password="al1ce-tls-pw", prefix=b"/a/")
+    data_dir = os.path.join(tmp_path, "data")
+    with EtcdServer(data_dir, binary=etcd_binary, tls=tls, auth=auth) as first:
+        port = first.get_port()
+        with first.get_client(user="alice", password="al1ce-tls-pw", timeout=10) as alice:
+            alice.put(b"/a/k", b"kept")
+        with pytest.raises(EtcdGatewayError) as gi:
+            first.gateway_call("/v3/kv/range", {"key": _b64(b"/a/k")})
+        assert gi.value.refused_by_gateway and gi.value.http_status == 400
+    with EtcdServer(data_dir, binary=etcd_binary, tls=tls, auth=auth, port=port) as second:
+        assert second.get_port() == port
+        with second.get_client(user="alice", password="al1ce-tls-pw", timeout=10) as alice:
+            kv = alice.get(b"/a/k")
+            assert kv is not None and kv.value == b"kept"
+        second.restart(timeout=30)
+        with second.get_client(timeout=10) as root:
+            kv = root.get(b"/a/k")
+            assert kv is not None and kv.value == b"kept"
+
+
+def test_import_is_standard_library_only() -> None:
+    """etcd_server pulls in neither etcd_store, grpc nor torch until get_client() is called."""
+    code = (
+        "import sys, etcd_server, etcd_server.__main__\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('etcd_store', 'grpc', 'torch'))\n"
+        "assert not bad, bad\n"
+        "from etcd_server.client import make_client\n"
+        "make_client(['http://127.0.0.1:1'], None, None, {}).close()\n"
+        "assert 'etcd_store.client' in sys.modules\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=_REPO, check=False)
+    assert out.returncode == 0, out.stderr
 
 
 def test_cli_help() -> None:

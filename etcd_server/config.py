@@ -1,0 +1,100 @@
+"""Settings of a local etcd: TLS serving (:class:`TLSConfig`) and auth (:class:`AuthConfig`).
+
+Frozen dataclasses, validated at construction (``ValueError`` naming the bad
+field). Passwords are excluded from ``repr``. Standard library only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ssl
+
+__all__ = ["HOST", "AuthConfig", "TLSConfig"]
+
+#: The only address local etcd servers listen on.
+HOST = "127.0.0.1"
+
+
+@dataclasses.dataclass(frozen=True)
+class TLSConfig:
+    """Serve the client API over https.
+
+    Attributes:
+        cert_file, key_file: the server certificate and key (PEM). The
+            certificate should name ``IP:127.0.0.1`` in its subjectAltName.
+            etcd's JSON gateway dials the server with this same certificate,
+            so when ``client_cert_auth`` is on it must also allow
+            ``clientAuth`` (extendedKeyUsage serverAuth + clientAuth).
+        ca_file: CA bundle that signed the server (and client) certificates;
+            passed as ``--trusted-ca-file`` and used by our probes/clients.
+        client_cert_auth: require clients to present a certificate signed by
+            ``ca_file`` (``--client-cert-auth``).
+        client_cert_file, client_key_file: the certificate our readiness
+            probes and :meth:`EtcdServer.get_client` present; default to the
+            server certificate and key.
+    """
+
+    cert_file: str
+    key_file: str
+    ca_file: str
+    client_cert_auth: bool = True
+    client_cert_file: str | None = None
+    client_key_file: str | None = None
+
+    @property
+    def client_cert(self) -> str:
+        """Certificate presented by our own clients."""
+        return self.client_cert_file or self.cert_file
+
+    @property
+    def client_key(self) -> str:
+        """Key of :attr:`client_cert`."""
+        return self.client_key_file or self.key_file
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """A client-side context trusting ``ca_file`` and presenting the client cert."""
+        ctx = ssl.create_default_context(cafile=self.ca_file)
+        ctx.load_cert_chain(self.client_cert, self.client_key)
+        return ctx
+
+
+@dataclasses.dataclass(frozen=True)
+class AuthConfig:
+    """Turn on etcd authentication once the server is first ready.
+
+    A ``root`` user with ``root_password`` and the ``root`` role is created and
+    ``auth enable`` is issued. When ``user`` is set, that user is created with
+    ``password`` and a role (``role``, default ``"<user>-rw"``) granting
+    READWRITE on the keys starting with ``prefix`` only (all keys when
+    ``prefix`` is empty).
+
+    Passwords are excluded from ``repr`` and are only ever sent in request
+    bodies to the server's JSON gateway.
+    """
+
+    root_password: str = dataclasses.field(repr=False)
+    user: str | None = None
+    password: str | None = dataclasses.field(default=None, repr=False)
+    prefix: bytes | str = b""
+    role: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.root_password:
+            raise ValueError("AuthConfig.root_password must not be empty")
+        if self.user is not None and not self.password:
+            raise ValueError("AuthConfig.user needs a password")
+        if self.user == "root":
+            raise ValueError("AuthConfig.user must not be 'root'")
+
+    @property
+    def prefix_bytes(self) -> bytes:
+        """``prefix`` as bytes (UTF-8 if given as str)."""
+        p = self.prefix
+        return p.encode() if isinstance(p, str) else bytes(p)
+
+    @property
+    def role_name(self) -> str | None:
+        """Name of the limited user's role, or None without a limited user."""
+        if self.user is None:
+            return None
+        return self.role or f"{self.user}-rw"

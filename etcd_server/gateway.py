@@ -1,0 +1,228 @@
+"""A small client for etcd's JSON gateway and plain HTTP endpoints, and the auth set-up.
+
+:class:`Gateway` POSTs JSON to ``/v3/...`` (etcd's gRPC gateway) and GETs
+``/health`` and ``/metrics``; it never uses an HTTP proxy. Every call blocks
+for at most its ``timeout``. Gateway errors become
+:class:`~etcd_server.errors.EtcdGatewayError` (told apart by gRPC code and
+HTTP status only); no answer at all is an ``OSError``.
+
+:func:`setup_auth` creates the root user and role, the optional prefix-limited
+user, and enables auth; it is idempotent and works on etcd 3.4 to 3.7.
+Passwords travel in request bodies only, never in URLs, argv or logs.
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import ssl
+import urllib.error
+import urllib.request
+from typing import Any
+
+from .config import AuthConfig
+from .errors import GRPC_FAILED_PRECONDITION, NO_CODE, EtcdGatewayError
+
+__all__ = ["Gateway", "setup_auth"]
+
+logger = logging.getLogger(__name__)
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    """The ``range_end`` of the keys starting with ``prefix`` (``b"\\0"``: all keys).
+
+    For the role grant only; ``etcd_store.client.prefix_range_end`` is the
+    public one (etcd_server cannot import it: it is standard-library only).
+    """
+    p = bytearray(prefix)
+    while p:
+        if p[-1] < 0xFF:
+            p[-1] += 1
+            return bytes(p)
+        p.pop()
+    return b"\0"
+
+
+class Gateway:
+    """Minimal client for etcd's v3 JSON gateway (POST + JSON, no proxies)."""
+
+    def __init__(self, base_url: str, ssl_context: ssl.SSLContext | None = None):
+        self.base_url = base_url.rstrip("/")
+        handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]
+        if ssl_context is not None:
+            handlers.append(urllib.request.HTTPSHandler(context=ssl_context))
+        self._opener = urllib.request.build_opener(*handlers)
+
+    def call(
+        self,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        timeout: float = 5.0,
+        token: str | None = None,
+    ) -> dict[str, Any]:
+        """POST ``body`` to ``path`` and return the decoded JSON answer.
+
+        Blocks up to ``timeout`` seconds.
+
+        Raises:
+            EtcdGatewayError: etcd answered with an error.
+            OSError: (incl. ``urllib.error.URLError``, ``ssl.SSLError``,
+                ``TimeoutError``) the request did not get an answer.
+        """
+        req = urllib.request.Request(
+            self.base_url + path,
+            data=json.dumps(body or {}).encode(),
+            method="POST",
+            headers={"Content-Type": "application/json"},
+        )
+        if token:
+            req.add_header("Authorization", token)
+        try:
+            with self._opener.open(req, timeout=timeout) as resp:
+                raw = resp.read()
+                status = int(resp.status)
+        except urllib.error.HTTPError as e:
+            raw = e.read()
+            status = e.code
+        try:
+            data = json.loads(raw or b"{}")
+        except ValueError:
+            text = raw[:500].decode("utf-8", "replace").strip() or f"empty answer, HTTP {status}"
+            raise EtcdGatewayError(path, status, NO_CODE, text) from None
+        if not isinstance(data, dict):
+            raise EtcdGatewayError(path, status, NO_CODE, f"unexpected answer {raw[:200]!r}")
+        if status >= 400:
+            # 3.4/3.5: {"error", "message", "code"}; 3.6+: {"code", "message"}.
+            msg = str(data.get("message") or data.get("error") or f"HTTP {status}")
+            code = data.get("code", NO_CODE)
+            raise EtcdGatewayError(path, status, code if isinstance(code, int) else NO_CODE, msg)
+        return data
+
+    def get(self, path: str, *, timeout: float = 5.0) -> tuple[int, bytes]:
+        """``GET path`` (outside the gateway): ``(HTTP status, body)``.
+
+        Raises:
+            OSError: no answer (refused, TLS failure, time-out).
+        """
+        try:
+            with self._opener.open(self.base_url + path, timeout=timeout) as resp:
+                return int(resp.status), resp.read()
+        except urllib.error.HTTPError as e:
+            return int(e.code), e.read()
+
+    def health(self, *, timeout: float = 5.0) -> str | None:
+        """``GET /health``: None when etcd reports ``"health": "true"``, else why not.
+
+        See the module docstring (*Readiness*) for why this is the probe.
+
+        Raises:
+            OSError: no answer.
+        """
+        status, body = self.get("/health", timeout=timeout)
+        try:
+            data = json.loads(body or b"{}")
+        except ValueError:
+            data = None
+        if status == 200 and isinstance(data, dict) and str(data.get("health")) == "true":
+            return None
+        return f"/health answered HTTP {status}: {body[:200].decode('utf-8', 'replace').strip()}"
+
+    def is_leader(self, *, timeout: float = 5.0) -> bool:
+        """True if this member's ``/metrics`` says ``etcd_server_is_leader 1``.
+
+        Needs no auth token and no gateway; the gauge exists in etcd 3.4 to 3.7.
+
+        Raises:
+            OSError: no answer.
+        """
+        status, body = self.get("/metrics", timeout=timeout)
+        if status != 200:
+            return False
+        for line in body.splitlines():
+            if line.startswith(b"etcd_server_is_leader "):
+                return line.split()[1] in (b"1", b"1.0")
+        return False
+
+
+def _auth_enabled(gateway: Gateway, auth: AuthConfig, timeout: float) -> bool:
+    """Whether auth is on, asked with ``Authenticate`` as root (one round trip).
+
+    Told apart by gRPC code, which is the same in etcd 3.4 to 3.7: success
+    means on; FAILED_PRECONDITION is what ``Authenticate`` answers when auth
+    is off (its only use of that code); a gateway refusal without a code
+    happens only with auth on (see ``EtcdGatewayError.refused_by_gateway``).
+    Anything else, e.g. INVALID_ARGUMENT for another root password, is raised.
+    """
+    try:
+        gateway.call(
+            "/v3/auth/authenticate",
+            {"name": "root", "password": auth.root_password},
+            timeout=timeout,
+        )
+        return True
+    except EtcdGatewayError as e:
+        if e.code == GRPC_FAILED_PRECONDITION:
+            return False
+        if e.refused_by_gateway:
+            return True
+        raise
+
+
+def setup_auth(gateway: Gateway, auth: AuthConfig, *, timeout: float = 10.0) -> None:
+    """Create the root user/role (and the limited user) and enable auth.
+
+    Idempotent: if auth is already enabled (the root password authenticates),
+    nothing is changed; users and roles left by an interrupted earlier set-up
+    are kept (existing ones are listed first, never re-added, so no error text
+    has to be matched). Blocks for about ten gateway round trips, each bounded
+    by ``timeout``.
+
+    Raises:
+        EtcdGatewayError: etcd refused a step (e.g. auth is already enabled
+            with a different root password: INVALID_ARGUMENT).
+        OSError: the gateway did not answer.
+    """
+    if _auth_enabled(gateway, auth, timeout):
+        logger.info("etcd auth is already enabled; leaving users and roles as they are")
+        return
+
+    def call(path: str, body: dict[str, Any]) -> dict[str, Any]:
+        return gateway.call(path, body, timeout=timeout)
+
+    users = set(call("/v3/auth/user/list", {}).get("users") or ())
+    roles = set(call("/v3/auth/role/list", {}).get("roles") or ())
+    if "root" not in users:
+        call("/v3/auth/user/add", {"name": "root", "password": auth.root_password})
+    if "root" not in roles:
+        call("/v3/auth/role/add", {"name": "root"})
+    call("/v3/auth/user/grant", {"user": "root", "role": "root"})  # no-op when granted
+    if auth.user is not None and auth.role_name is not None:
+        prefix = auth.prefix_bytes
+        if auth.user not in users:
+            call("/v3/auth/user/add", {"name": auth.user, "password": auth.password})
+        if auth.role_name not in roles:
+            call("/v3/auth/role/add", {"name": auth.role_name})
+        call(
+            "/v3/auth/role/grant",
+            {
+                "name": auth.role_name,
+                "perm": {
+                    "permType": "READWRITE",
+                    "key": _b64(prefix or b"\0"),
+                    "range_end": _b64(_prefix_end(prefix)),
+                },
+            },
+        )
+        call("/v3/auth/user/grant", {"user": auth.user, "role": auth.role_name})
+    call("/v3/auth/enable", {})
+    logger.info(
+        "etcd auth enabled (root%s)",
+        f", user {auth.user!r} limited to prefix {auth.prefix_bytes!r}" if auth.user else "",
+    )

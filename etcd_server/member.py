@@ -1,0 +1,324 @@
+"""One etcd process: its command line, launch, readiness, log and stop.
+
+:class:`EtcdMember` is the part :class:`~etcd_server.EtcdServer` (one member)
+and :class:`~etcd_server.EtcdCluster` (several) share. ``launch()`` returns at
+once; ``wait_ready(deadline)`` blocks until etcd serves, raising
+:class:`~etcd_server.errors.EtcdStartError` (with exit code and log tail) as
+soon as the process exits, or :class:`~etcd_server.errors.EtcdStartTimeoutError`
+at the deadline; ``terminate()`` blocks until the process is reaped.
+
+Every flag on the command line exists, undeprecated, in etcd 3.4 to 3.7
+(``--enable-v2`` only when asked, which callers allow on 3.4/3.5 only); the
+command line never holds a secret.
+
+Readiness
+---------
+etcd is ready when ``GET /health`` on its client URL answers
+``{"health": "true"}``. etcd 3.4 to 3.7 all serve it, with that same body, and
+answer true only when the member has a leader, no alarm, and a read through
+raft succeeded (3.4: a quorum read; 3.5+: a linearizable range). It was chosen
+over the alternatives because it does not depend on what changed between
+versions:
+
+* ``/readyz`` and ``/livez`` exist only from 3.6 on;
+* requests through the JSON gateway (``/v3/...``) need a token once auth is on
+  (3.6+ even for ``/v3/maintenance/status``), are refused outright (plain-text
+  HTTP 400) for a TLS client whose certificate has a CommonName while auth is
+  on, and their error bodies changed in 3.6 (``{"error", "message", "code"}``
+  before, ``{"code", "message"}`` since); only the ``code`` field and the HTTP
+  status are common to all versions;
+* a gRPC request works everywhere but needs grpc, and this package is
+  standard-library only.
+
+``/health`` is not behind the gateway, so none of that applies. Leader
+discovery (:meth:`etcd_server.EtcdCluster.leader`) likewise reads the
+``etcd_server_is_leader`` gauge from ``/metrics`` (all versions, no auth). The
+auth set-up still uses the gateway and tells answers apart by HTTP status and
+gRPC ``code`` only (see :func:`etcd_server.gateway.setup_auth`).
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import logging
+import os
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Sequence
+from typing import IO, Any
+
+from . import process
+from .config import HOST, TLSConfig
+from .errors import EtcdStartError, EtcdStartTimeoutError
+from .gateway import Gateway
+
+__all__ = ["EtcdMember"]
+
+logger = logging.getLogger(__name__)
+
+_LOG_TAIL_LINES = 20
+
+
+class EtcdMember:
+    """One etcd process: command line, launch, readiness, stop, log.
+
+    Not thread-safe; owned by an :class:`EtcdServer` or ``EtcdCluster``.
+    """
+
+    def __init__(
+        self,
+        *,
+        binary: str,
+        name: str,
+        data_dir: str,
+        work_dir: str,
+        client_port: int,
+        peer_port: int,
+        tls: TLSConfig | None,
+        enable_v2: bool,
+        extra_args: Sequence[str],
+        die_with_parent: bool,
+        heartbeat_ms: int | None = None,
+        election_timeout_ms: int | None = None,
+    ) -> None:
+        self.binary = binary
+        self.name = name
+        self.data_dir = data_dir
+        self.work_dir = work_dir
+        self.client_port = client_port
+        self.peer_port = peer_port
+        self.tls = tls
+        self.enable_v2 = enable_v2
+        self.extra_args = list(extra_args)
+        self.die_with_parent = die_with_parent
+        self.heartbeat_ms = heartbeat_ms
+        self.election_timeout_ms = election_timeout_ms
+        self.initial_cluster = ""
+        self.cluster_token = "etcd-server-" + uuid.uuid4().hex[:12]
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.cmd: list[str] = []
+        self.log_path: str | None = None
+        self._log_offset = 0
+        self._gateway: Gateway | None = None
+
+    # -- addresses --------------------------------------------------------
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls else "http"
+
+    @property
+    def endpoint(self) -> str:
+        return f"{HOST}:{self.client_port}"
+
+    @property
+    def client_url(self) -> str:
+        return f"{self.scheme}://{HOST}:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://{HOST}:{self.peer_port}"
+
+    @property
+    def gateway(self) -> Gateway:
+        if self._gateway is None or self._gateway.base_url != self.client_url:
+            ctx = self.tls.ssl_context() if self.tls else None
+            self._gateway = Gateway(self.client_url, ctx)
+        return self._gateway
+
+    # -- process ----------------------------------------------------------
+
+    def command(self) -> list[str]:
+        """The etcd command line (contains no secrets)."""
+        cmd = [
+            self.binary,
+            "--name", self.name,
+            "--data-dir", self.data_dir,
+            "--listen-client-urls", self.client_url,
+            "--advertise-client-urls", self.client_url,
+            "--listen-peer-urls", self.peer_url,
+            "--initial-advertise-peer-urls", self.peer_url,
+            "--initial-cluster", self.initial_cluster or f"{self.name}={self.peer_url}",
+            "--initial-cluster-state", "new",
+            "--initial-cluster-token", self.cluster_token,
+        ]  # fmt: skip
+        given = {a.split("=", 1)[0] for a in self.extra_args}
+        # zap is etcd 3.5+'s only logger; 3.4 defaults to capnslog and warns that it is
+        # deprecated. Same JSON log lines on every version, always to stderr (our log file).
+        if "--logger" not in given:
+            cmd.append("--logger=zap")
+        if "--log-outputs" not in given:
+            cmd.append("--log-outputs=stderr")
+        if self.heartbeat_ms is not None and "--heartbeat-interval" not in given:
+            cmd.append(f"--heartbeat-interval={self.heartbeat_ms}")
+        if self.election_timeout_ms is not None and "--election-timeout" not in given:
+            cmd.append(f"--election-timeout={self.election_timeout_ms}")
+        if self.enable_v2:
+            cmd.append("--enable-v2=true")
+        if self.tls:
+            cmd += [
+                "--cert-file", self.tls.cert_file,
+                "--key-file", self.tls.key_file,
+                "--trusted-ca-file", self.tls.ca_file,
+            ]  # fmt: skip
+            if self.tls.client_cert_auth:
+                cmd.append("--client-cert-auth=true")
+        cmd += self.extra_args
+        return cmd
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.running() and self.proc else None
+
+    def launch(self, stderr: int | IO[Any] | None = None) -> None:
+        """Start the process (does not wait for readiness).
+
+        etcd's stdout and stderr go to ``<work_dir>/<name>.log`` (appended)
+        unless ``stderr`` is given, in which case both go there.
+        """
+        if self.running():
+            raise RuntimeError(f"etcd member {self.name} is already running")
+        os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
+        self.cmd = self.command()
+        preexec = process.make_preexec(self.die_with_parent)
+        logger.info("starting etcd: %s", " ".join(self.cmd))
+        with contextlib.ExitStack() as stack:
+            out: int | IO[Any]
+            if stderr is None:
+                self.log_path = os.path.join(self.work_dir, f"{self.name}.log")
+                log = stack.enter_context(open(self.log_path, "ab"))
+                self._log_offset = log.tell()
+                out = log
+            else:
+                self.log_path = None
+                out = stderr
+            cmd = self.cmd
+
+            def popen() -> subprocess.Popen[bytes]:
+                # preexec_fn only makes the prctl system call (see make_preexec).
+                return subprocess.Popen(
+                    cmd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=out,
+                    close_fds=True,
+                    start_new_session=True,
+                    preexec_fn=preexec,
+                )
+
+            self.proc = process.in_spawner_thread(popen) if preexec is not None else popen()
+        process.register_live(self)
+
+    def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
+        """The last ``lines`` lines etcd logged since the latest launch.
+
+        When lines were cut, the first line is kept too, above a ``...``: a
+        flag error is etcd's first line, followed by a usage text that is
+        longer than the tail in etcd 3.7.
+        """
+        if not self.log_path:
+            return ""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_offset)
+                data = f.read()
+        except OSError:
+            return ""
+        all_lines = data.decode("utf-8", "replace").rstrip("\n").splitlines()
+        if len(all_lines) <= lines + 1:
+            return "\n".join(all_lines)
+        return "\n".join([all_lines[0], "...", *all_lines[-lines:]])
+
+    def terminate(self, *, grace: float = 10.0, graceful: bool = True, quiet: bool = False) -> int | None:
+        """Stop the process: SIGTERM, then SIGKILL after ``grace`` seconds.
+
+        With ``graceful=False`` sends SIGKILL at once; ``quiet`` logs the
+        escalation to SIGKILL at INFO instead of WARNING. Blocks until the
+        process has exited (and is reaped). Returns its exit status, or None
+        if no process was started. Idempotent.
+        """
+        proc = self.proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            sig = signal.SIGTERM if graceful else signal.SIGKILL
+            logger.info("stopping etcd %s (pid %d) with %s", self.name, proc.pid, sig.name)
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(sig)
+            try:
+                proc.wait(timeout=grace if graceful else 30.0)
+            except subprocess.TimeoutExpired:
+                logger.log(
+                    logging.INFO if quiet else logging.WARNING,
+                    "etcd %s (pid %d) ignored SIGTERM for %.1fs; sending SIGKILL",
+                    self.name, proc.pid, grace,
+                )  # fmt: skip
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                proc.wait()
+        process.unregister_live(self)
+        return proc.returncode
+
+    # -- readiness --------------------------------------------------------
+
+    def _probe(self, timeout: float) -> str | None:
+        """One readiness probe (``GET /health``): None when ready, else why not.
+
+        See the module docstring (*Readiness*) for why ``/health``.
+        """
+        try:
+            return self.gateway.health(timeout=timeout)
+        except (OSError, http.client.HTTPException) as e:
+            return f"{type(e).__name__}: {e}"
+
+    def wait_ready(self, deadline: float) -> None:
+        """Poll until the member serves v3 requests or ``deadline`` (monotonic).
+
+        Between probes it waits on the process (``proc.wait(timeout=...)``) so
+        an exit is noticed at once.
+
+        Raises:
+            EtcdStartError: the process exited (exit code and log tail).
+            EtcdStartTimeoutError: still not ready at ``deadline``.
+        """
+        proc = self.proc
+        if proc is None:
+            raise RuntimeError("wait_ready() before launch()")
+        delay = 0.02
+        why_not: str | None = "none made"
+        while True:
+            rc = proc.poll()
+            if rc is not None:
+                process.unregister_live(self)
+                raise EtcdStartError(
+                    f"etcd {self.name} exited during start-up with code {rc} "
+                    f"(command: {' '.join(self.cmd)})",
+                    returncode=rc,
+                    log_tail=self.log_tail(),
+                    cmd=self.cmd,
+                )
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                tail = self.log_tail()
+                raise EtcdStartTimeoutError(
+                    f"etcd {self.name} (pid {proc.pid}) not ready at {self.client_url} "
+                    f"before the start-up deadline (last probe: {why_not})",
+                    returncode=None,
+                    log_tail=tail,
+                    cmd=self.cmd,
+                )
+            why_not = self._probe(min(remaining, 1.0))
+            if why_not is None:
+                return
+            remaining = deadline - time.monotonic()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.0, min(delay, remaining)))
+            delay = min(delay * 2, 0.2)

@@ -1,0 +1,195 @@
+"""Process plumbing shared by every local etcd: ports, spawning, clean-up.
+
+* :func:`free_ports` picks loopback ports that were free a moment ago (callers
+  retry on "address already in use");
+* :func:`make_preexec` + :func:`in_spawner_thread`: on Linux a child is
+  started with ``prctl(PR_SET_PDEATHSIG, SIGKILL)``, so the kernel kills etcd
+  even when Python itself is SIGKILLed;
+* :func:`register_live` / :func:`make_temp_dir`: an ``atexit`` hook stops every
+  etcd still running and removes every temporary directory still there.
+
+.. note:: ``PR_SET_PDEATHSIG`` fires when the *thread* that forked the child
+   exits, not only when the process does. So etcd is never forked from the
+   calling thread: every launch is handed to one daemon "spawner" thread that
+   lives until the process ends, and ``start()`` may be called from any
+   thread (a short-lived worker thread included). Pass
+   ``die_with_parent=False`` to opt out of the death signal altogether.
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import ctypes.util
+import logging
+import os
+import queue
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, Protocol, TypeVar
+
+from .config import HOST
+
+__all__ = [
+    "Stoppable",
+    "free_ports",
+    "in_spawner_thread",
+    "make_preexec",
+    "make_temp_dir",
+    "register_live",
+    "remove_temp_dir",
+    "unregister_live",
+]
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+class Stoppable(Protocol):
+    """What the ``atexit`` hook needs of a live etcd (``EtcdMember`` has it)."""
+
+    def terminate(self, *, grace: float = ...) -> int | None: ...
+
+
+def free_ports(n: int) -> list[int]:
+    """Return ``n`` distinct ports that were free on 127.0.0.1 a moment ago.
+
+    Binds port 0 ``n`` times (holding all sockets until all are chosen, so the
+    ports differ) and closes them. Another process may still take a port
+    before etcd binds it; callers retry on "address already in use".
+    """
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(s)
+            s.bind((HOST, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def make_preexec(die_with_parent: bool) -> Callable[[], None] | None:
+    """A ``preexec_fn`` setting ``PR_SET_PDEATHSIG=SIGKILL`` (Linux), else None.
+
+    libc and ``prctl`` are resolved here, before the fork, so the child only
+    makes the system call. If the parent already died between ``fork`` and
+    ``prctl`` the child kills itself.
+    """
+    if not die_with_parent or not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        logger.warning("prctl unavailable; etcd will not die with its parent")
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    parent = os.getpid()
+    sigkill = int(signal.SIGKILL)
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, sigkill, 0, 0, 0)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), sigkill)
+
+    return preexec
+
+
+_T = TypeVar("_T")
+_spawn_lock = threading.Lock()
+_spawn_queue: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] | None = None
+
+
+def _spawner_loop(q: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]]) -> None:
+    while True:
+        fn, fut = q.get()
+        if not fut.set_running_or_notify_cancel():
+            continue
+        try:
+            fut.set_result(fn())
+        except BaseException as e:  # handed to the caller
+            fut.set_exception(e)
+
+
+def in_spawner_thread(fn: Callable[[], _T]) -> _T:
+    """Run ``fn`` (a fork) on the process-lifetime daemon spawner thread; block for it.
+
+    ``PR_SET_PDEATHSIG`` is tied to the forking thread, so children forked
+    there die with the process, not with whichever thread asked.
+    """
+    global _spawn_queue
+    with _spawn_lock:
+        if _spawn_queue is None:
+            q: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+            threading.Thread(
+                target=_spawner_loop, args=(q,), name="etcd-server-spawner", daemon=True
+            ).start()
+            _spawn_queue = q
+        fut: Future[_T] = Future()
+        _spawn_queue.put((fn, fut))
+    return fut.result()
+
+
+_live_lock = threading.Lock()
+_live: set[Stoppable] = set()
+_temp_dirs: set[str] = set()
+_atexit_registered = False
+
+
+def _ensure_atexit() -> None:
+    global _atexit_registered
+    if not _atexit_registered:
+        atexit.register(_stop_all_at_exit)
+        _atexit_registered = True
+
+
+def make_temp_dir(prefix: str) -> str:
+    """``mkdtemp`` that the atexit hook removes if the owner never does."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    with _live_lock:
+        _temp_dirs.add(path)
+        _ensure_atexit()
+    return path
+
+
+def remove_temp_dir(path: str) -> None:
+    """Remove a directory made by :func:`make_temp_dir`."""
+    shutil.rmtree(path, ignore_errors=True)
+    with _live_lock:
+        _temp_dirs.discard(path)
+
+
+def register_live(member: Stoppable) -> None:
+    with _live_lock:
+        _live.add(member)
+        _ensure_atexit()
+
+
+def unregister_live(member: Stoppable) -> None:
+    with _live_lock:
+        _live.discard(member)
+
+
+def _stop_all_at_exit() -> None:
+    """atexit hook: stop every etcd this process started and still runs."""
+    with _live_lock:
+        members = list(_live)
+        dirs = list(_temp_dirs)
+    for m in members:
+        with contextlib.suppress(Exception):
+            m.terminate(grace=5.0)
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
