@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import grpc
 from etcd3.etcdrpc import rpc_pb2
 
-from .errors import (
+from ..errors import (
     EtcdAuthError,
     EtcdCompactedError,
     EtcdConnectionError,
