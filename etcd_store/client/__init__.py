@@ -1,26 +1,28 @@
 """The etcd v3 client layer: the only part of the project that touches gRPC.
 
-Re-exports the public API, so ``from etcd_store.client import EtcdClient, Watch,
-op_put, ...`` works whatever module of this package defines the name.
+Modules: :mod:`.transport` (channels, auth, failover, the retry policy, error
+translation: :class:`EtcdClient`), :mod:`.kv` (results, compare and op
+builders), :mod:`.watch` (:class:`Watch`), :mod:`.session` (leases kept alive),
+:mod:`.testing` (:class:`RpcCounter`). Every public name is re-exported here:
+``from etcd_store.client import EtcdClient, Watch, op_put, ...``.
 """
 
 from __future__ import annotations
 
-from .transport import (
-    DEFAULT_PORT,
-    DEFAULT_TIMEOUT,
+# grpc first: a missing or broken grpc fails ``import etcd_store.client`` itself,
+# also when its submodules are already imported.
+import grpc  # noqa: F401
+
+from .calls import EtcdClient
+from .endpoints import DEFAULT_PORT, Endpoint, parse_endpoints
+from .kv import (
     DeleteResult,
-    Endpoint,
-    EtcdClient,
     Event,
     KeyValue,
-    LeaseKeeper,
     MemberStatus,
     PutResult,
     RangeResult,
-    RpcCounter,
     TxnResult,
-    Watch,
     compare_create,
     compare_lease,
     compare_mod,
@@ -29,9 +31,12 @@ from .transport import (
     op_delete,
     op_get,
     op_put,
-    parse_endpoints,
     prefix_range_end,
 )
+from .session import LeaseKeeper
+from .testing import RpcCounter
+from .transport import DEFAULT_TIMEOUT
+from .watch import Watch
 
 __all__ = [
     "DEFAULT_PORT",
