@@ -21,17 +21,14 @@ import threading
 import time
 
 from .client import EtcdClient, compare_create, op_get, op_put
-from .errors import EtcdError
+from .errors import EtcdError, EtcdLeaseNotFound
 
 log = logging.getLogger(__name__)
-
-#: Text of etcd's error for a write that names a lease that no longer exists.
-LEASE_NOT_FOUND = "requested lease not found"
 
 
 def is_lease_missing(err: BaseException) -> bool:
     """Whether ``err`` is etcd saying the lease named by a write does not exist."""
-    return isinstance(err, EtcdError) and LEASE_NOT_FOUND in str(err)
+    return isinstance(err, EtcdLeaseNotFound)
 
 
 class NamespaceLease:
@@ -166,7 +163,7 @@ class GivenLease:
         return self._id
 
     def lost(self, lease_id: int, timeout: float) -> int:
-        raise EtcdError(f"{LEASE_NOT_FOUND}: lease {lease_id:x}, given to this EtcdStore, expired")
+        raise EtcdLeaseNotFound(f"lease {lease_id:x}, given to this EtcdStore, is gone (expired or revoked)")
 
     def close(self) -> None:
         pass

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import itertools
+import re
 import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -24,7 +26,13 @@ from etcd_store.client import (
     parse_endpoints,
     prefix_range_end,
 )
-from etcd_store.errors import EtcdConnectionError, EtcdError, EtcdRequestError, EtcdTimeoutError
+from etcd_store.errors import (
+    EtcdConnectionError,
+    EtcdError,
+    EtcdLeaseNotFound,
+    EtcdRequestError,
+    EtcdTimeoutError,
+)
 
 _ids = itertools.count()
 
@@ -225,6 +233,17 @@ def test_keeper_reports_expiry(client: EtcdClient) -> None:
         keeper.close()
 
 
+def test_a_write_on_a_revoked_lease_raises_the_typed_error(client: EtcdClient, prefix: bytes) -> None:
+    lease = client.lease_grant(30)
+    assert client.lease_revoke(lease) is True
+    with pytest.raises(EtcdLeaseNotFound, match=f"{lease:x}|lease not found"):
+        client.put(prefix + b"k", b"v", lease=lease)
+    with pytest.raises(EtcdLeaseNotFound):
+        client.txn([], [op_put(prefix + b"k", b"v", lease=lease)])
+    assert client.get(prefix + b"k") is None
+    assert client.lease_revoke(lease) is False  # revoking it again: already gone, no error
+
+
 # ------------------------------------------------------------------ failover, errors, counting
 
 
@@ -277,3 +296,30 @@ def test_auth_token_is_refreshed_after_it_expires(etcd_binary: str) -> None:
             kv = alice.get(b"/alice/k")
             assert kv is not None and kv.value == b"1"
             assert counter.counts["Auth/Authenticate"] >= 2
+
+
+# ------------------------------------------------------------------ one error translation
+
+_TEXT_MATCH = re.compile(
+    r"""(["'][^"'\n]*["']\s+(not\s+)?in\s+(str|repr|_details)\()"""  # "text" in str(e)
+    r"""|(\bin\s+(str|repr)\(\s*(e|err|exc|error)\s*\))"""  # ... in str(err)
+    r"""|(\.details\(\))"""  # reading a grpc error's text
+)
+
+
+def test_etcd_errors_are_recognised_by_text_only_in_the_client_translation() -> None:
+    """etcd errors are told apart by code in ONE place, ``etcd_store/client/transport.py``;
+    everywhere else code tests exception types (``EtcdLeaseNotFound``, ...)."""
+    root = Path(__file__).resolve().parent.parent
+    translation = root / "etcd_store" / "client" / "transport.py"
+    sources = sorted((root / "etcd_store").rglob("*.py")) + sorted((root / "etcd_rdzv").rglob("*.py"))
+    assert translation in sources
+    offenders = []
+    for path in sources:
+        if path == translation:
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if _TEXT_MATCH.search(line) or "not found" in line.lower() and " in " in line:
+                offenders.append(f"{path.relative_to(root)}:{number}: {line.strip()}")
+    assert not offenders, "etcd error text matched outside the client translation:\n" + "\n".join(offenders)
+    assert "lease not found" in translation.read_text()  # the one place that does

@@ -43,7 +43,7 @@ from torch.distributed.elastic.rendezvous.api import (
 from torch.distributed.elastic.utils.distributed import get_free_port
 
 from etcd_store.client import EtcdClient, LeaseKeeper, Watch
-from etcd_store.errors import EtcdCompactedError, EtcdError, EtcdTimeoutError
+from etcd_store.errors import EtcdCompactedError, EtcdError, EtcdLeaseNotFound, EtcdTimeoutError
 
 from . import protocol
 from .keys import RunKeys
@@ -148,7 +148,7 @@ def _failed_on_master_alone(res: protocol.SealOutcome, previous: Sealed) -> bool
 
 
 def _lease_gone(err: EtcdError) -> bool:
-    return "lease not found" in str(err)
+    return isinstance(err, EtcdLeaseNotFound)
 
 
 class EtcdV3RendezvousHandler(RendezvousHandler):

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from etcd3.etcdrpc import rpc_pb2
 
-from ..errors import EtcdError, EtcdRequestError
+from ..errors import EtcdLeaseNotFound, EtcdRequestError
 from .kv import (
     DeleteResult,
     KeyValue,
@@ -164,10 +164,8 @@ class EtcdClient(Transport):
         req = rpc_pb2.LeaseRevokeRequest(ID=lease_id)
         try:
             self._call("Lease", "LeaseRevoke", req, timeout=timeout, what=f"revoke lease {lease_id:x}")
-        except EtcdError as e:
-            if "lease not found" in str(e):
-                return False
-            raise
+        except EtcdLeaseNotFound:
+            return False
         return True
 
     def lease_time_to_live(self, lease_id: int, *, keys: bool = False, timeout: float | None = None) -> int:

@@ -27,6 +27,7 @@ from ..errors import (
     EtcdCompactedError,
     EtcdConnectionError,
     EtcdError,
+    EtcdLeaseNotFound,
     EtcdPermissionDenied,
     EtcdRequestError,
     EtcdTimeoutError,
@@ -56,6 +57,12 @@ def _details(err: grpc.RpcError) -> str:
         return str(err.details() or "")
     except Exception:  # pragma: no cover - defensive: some errors carry no details
         return str(err)
+
+
+def _is_stale_token(err: grpc.RpcError) -> bool:
+    """Whether etcd refused the request's auth token (expired or unknown): log in again."""
+    text = _details(err)
+    return "invalid auth token" in text or "user name is empty" in text
 
 
 def _is_tls_failure(err: grpc.RpcError) -> bool:
@@ -276,9 +283,7 @@ class Transport:
                     last = e
                     code = e.code()
                     text = _details(e)
-                    if ("invalid auth token" in text or "user name is empty" in text) and (
-                        self._user is not None and not reauthenticated
-                    ):
+                    if _is_stale_token(e) and self._user is not None and not reauthenticated:
                         member.token = None
                         reauthenticated = True
                         last = None
@@ -332,6 +337,8 @@ class Transport:
             )
         if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
             return EtcdRequestError(f"{where} rejected the request{op}: {text}")
+        if code == grpc.StatusCode.NOT_FOUND and "lease not found" in text:
+            return EtcdLeaseNotFound(f"{where}: {text}{op}")
         if code == grpc.StatusCode.OUT_OF_RANGE and "compacted" in text:
             return EtcdCompactedError(f"{where}: {text}{op}")
         if timed_out is not None or code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -340,6 +347,15 @@ class Transport:
         if code == grpc.StatusCode.UNAVAILABLE:
             return EtcdConnectionError(f"Cannot reach {where}{op}: {text}")
         return EtcdError(f"{where} failed{op}: {code.name}: {text}")
+
+    def _translate_cancel(self, reason: str, what: str) -> EtcdError:
+        """The error for a watch etcd cancelled, from its ``cancel_reason``."""
+        text = f"etcd at {self.describe()} cancelled the {what}: {reason}"
+        if "permission denied" in reason:
+            return EtcdPermissionDenied(text)
+        if "compacted" in reason:
+            return EtcdCompactedError(text)
+        return EtcdError(text)
 
     def close(self) -> None:
         """Close every channel. Open watches and lease keepers end."""

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from etcd3.etcdrpc import rpc_pb2
 
-from ..errors import EtcdCompactedError, EtcdError, EtcdPermissionDenied
+from ..errors import EtcdCompactedError, EtcdError
 from .kv import Event, KeyValue
-from .transport import _RETRYABLE, _details
+from .transport import _RETRYABLE, _is_stale_token
 
 if TYPE_CHECKING:
     from .calls import EtcdClient
@@ -147,7 +147,7 @@ class Watch:
                         return
                     if resp.canceled:
                         reason = resp.cancel_reason or "cancelled by etcd"
-                        self._fail(self._fatal_cancel(reason))
+                        self._fail(client._translate_cancel(reason, f"watch on {self.key!r}"))
                         return
                     if resp.events:
                         batch = [self._event(ev) for ev in resp.events]
@@ -161,7 +161,7 @@ class Watch:
                 if e.code() not in _RETRYABLE and e.code() != grpc.StatusCode.CANCELLED:
                     self._fail(client._translate(e, f"watch {self.key!r}"))
                     return
-                if "invalid auth token" in _details(e):
+                if _is_stale_token(e):
                     member.token = None
             except EtcdError as e:
                 self._fail(e)
@@ -182,14 +182,6 @@ class Watch:
             if client._closed:
                 self._fail(EtcdError(f"etcd client for {client.describe()} was closed"))
                 return
-
-    def _fatal_cancel(self, reason: str) -> EtcdError:
-        text = f"etcd at {self._client.describe()} cancelled the watch on {self.key!r}: {reason}"
-        if "permission denied" in reason:
-            return EtcdPermissionDenied(text)
-        if "compacted" in reason:
-            return EtcdCompactedError(text)
-        return EtcdError(text)
 
     def _fail(self, err: BaseException) -> None:
         self._created.set()
