@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Self
+from typing import Any, TypeVar
 
 import grpc
 from etcd3.etcdrpc import rpc_pb2
@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 __all__ = ["DEFAULT_TIMEOUT", "Transport"]
 
 DEFAULT_TIMEOUT = 30.0
+
+_Self = TypeVar("_Self", bound="Transport")
 
 
 # --------------------------------------------------------------------------- error translation
@@ -363,7 +365,7 @@ class Transport:
         for member in self._members:
             member.close()
 
-    def __enter__(self) -> Self:
+    def __enter__(self: _Self) -> _Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
