@@ -59,7 +59,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from ._layout import DEFAULT_CHUNK_BYTES, MAGIC, Layout, Manifest
-from ._namespace_lease import GivenLease, NamespaceLease, is_lease_missing
+from ._namespace_lease import GivenLease, NamespaceLease, StoreLease
 from .client import (
     DeleteResult,
     EtcdClient,
@@ -221,7 +221,7 @@ class _Patient:
 class _Shared:
     """What a store and its clones share: the client, the namespace lease, a reference count."""
 
-    def __init__(self, client: EtcdClient, owns_client: bool, lease: NamespaceLease | GivenLease) -> None:
+    def __init__(self, client: EtcdClient, owns_client: bool, lease: StoreLease) -> None:
         self.client = client
         self.owns_client = owns_client
         self.lease = lease
@@ -311,7 +311,7 @@ class EtcdStore(dist.Store):
             raise TypeError(
                 f"EtcdStore endpoints must be a str or an EtcdClient, got {type(endpoints).__name__}"
             )
-        keeper: NamespaceLease | GivenLease
+        keeper: StoreLease
         keeper = NamespaceLease(client, layout.lease_key, lease_ttl) if lease is None else GivenLease(lease)
         self._setup(_Shared(client, owns, keeper), layout, datetime.timedelta(seconds=seconds), chunk_bytes)
         try:
@@ -391,7 +391,7 @@ class EtcdStore(dist.Store):
         v = _as_bytes(value, "value")
         with _dist_errors(f"set({key!r})"):
             t = self._rpc_timeout()
-            res = self._with_lease(
+            res = self._shared.lease.attached(
                 lambda lease: self._put(k, v, lease, t), t
             )
             self._remember(k, res[0].revision, v)
@@ -556,7 +556,7 @@ class EtcdStore(dist.Store):
                         results.append((r, _gen_of(v)))
                 return results
 
-            for put, gen in self._with_lease(write, t):
+            for put, gen in self._shared.lease.attached(write, t):
                 self._drop_replaced(put.prev_kv, gen)
             with self._lock:
                 for k in pairs:
@@ -598,7 +598,6 @@ class EtcdStore(dist.Store):
 
     def _compare_set(self, k: bytes, expected: bytes, desired: bytes) -> bytes:
         t = self._rpc_timeout()
-        lease = self._shared.lease.current(t)
         guard: list[Any] | None
         if expected == b"":
             guard = [compare_create(k, "==", 0)]
@@ -617,18 +616,10 @@ class EtcdStore(dist.Store):
                 if current != expected:
                     return current
                 guard = [compare_mod(k, "==", res.kvs[0].mod_revision)]
-            stored = self._encode(desired, lease, t)
-            try:
-                txn = self._client.txn(
-                    guard, [op_put(k, stored, lease=lease, prev_kv=True)], [op_get(k)],
-                    timeout=t,
-                )
-            except EtcdError as e:
-                self._discard(stored)
-                if not is_lease_missing(e):
-                    raise
-                lease = self._shared.lease.lost(lease, t)
-                continue
+            stored, txn = self._leased_txn(
+                desired, guard, lambda stored, lease: [op_put(k, stored, lease=lease, prev_kv=True)],
+                [op_get(k)], t,
+            )
             if txn.succeeded:
                 put = txn.responses[0]
                 assert isinstance(put, PutResult)
@@ -680,26 +671,19 @@ class EtcdStore(dist.Store):
         t = self._rpc_timeout()
         marker = self._marker()
         op_id = marker.next_id()
-        lease = self._shared.lease.current(t)
         with self._lock:
             known: tuple[int, bytes | None] = self._known.get(k, (0, None))
         while True:
             base_mod, base = known
             new = compute(base)
-            stored = self._encode(new, lease, t)
-            try:
-                txn = self._client.txn(
-                    [compare_mod(k, "==", base_mod), compare_mod(marker.key, "==", marker.mod)],
-                    [op_put(k, stored, lease=lease, prev_kv=True), op_put(marker.key, op_id, lease=lease)],
-                    [op_get(k), op_get(marker.key)],
-                    timeout=t,
-                )
-            except EtcdError as e:
-                self._discard(stored)
-                if not is_lease_missing(e):
-                    raise
-                lease = self._shared.lease.lost(lease, t)
-                continue
+            stored, txn = self._leased_txn(
+                new,
+                [compare_mod(k, "==", base_mod), compare_mod(marker.key, "==", marker.mod)],
+                lambda stored, lease: [op_put(k, stored, lease=lease, prev_kv=True),
+                                       op_put(marker.key, op_id, lease=lease)],
+                [op_get(k), op_get(marker.key)],
+                t,
+            )
             if txn.succeeded:
                 marker.mod = txn.revision
                 put = txn.responses[0]
@@ -740,7 +724,7 @@ class EtcdStore(dist.Store):
         queues_key = self._layout.queues_key
         with _dist_errors(f"queue_push({key!r})"):
             t = self._rpc_timeout()
-            res = self._with_lease(
+            res = self._shared.lease.attached(
                 lambda lease: self._client.txn(
                     [],
                     [op_put(item, self._encode(v, lease, t), lease=lease), op_put(queues_key, b"1", lease=lease)],
@@ -779,7 +763,6 @@ class EtcdStore(dist.Store):
             t = self._rpc_timeout()
             marker = self._marker()
             op_id = marker.next_id()
-            lease = self._shared.lease.current(t)
             while True:
                 with self._lock:
                     items = self._queues.get(qp)
@@ -804,22 +787,18 @@ class EtcdStore(dist.Store):
                         # The first push after an empty read is the oldest item.
                         items = [(first[0].create_revision, first[0].key)]
                 created, guess = items[0]
-                try:
-                    txn = self._client.txn(
-                        # The guess still exists and no item in the queue is older.
-                        [compare_version(guess, ">", 0),
-                         compare_create(qp, ">", created - 1, range_end=end),
-                         compare_mod(marker.key, "==", marker.mod)],
-                        [op_delete(guess, prev_kv=True), op_get(qp, end, keys_only=True),
-                         op_put(marker.key, op_id, lease=lease)],
-                        [op_get(qp, end, keys_only=True), op_get(marker.key)],
-                        timeout=t,
-                    )
-                except EtcdError as e:
-                    if not is_lease_missing(e):
-                        raise
-                    lease = self._shared.lease.lost(lease, t)
-                    continue
+                _, txn = self._leased_txn(
+                    None,
+                    # The guess still exists and no item in the queue is older.
+                    [compare_version(guess, ">", 0),
+                     compare_create(qp, ">", created - 1, range_end=end),
+                     compare_mod(marker.key, "==", marker.mod)],
+                    # (called at once, in this iteration: B023 does not apply)
+                    lambda _, lease: [op_delete(guess, prev_kv=True),  # noqa: B023
+                                      op_get(qp, end, keys_only=True), op_put(marker.key, op_id, lease=lease)],
+                    [op_get(qp, end, keys_only=True), op_get(marker.key)],
+                    t,
+                )
                 if txn.succeeded:
                     deleted, rest = txn.responses[0], txn.responses[1]
                     assert isinstance(deleted, DeleteResult) and isinstance(rest, RangeResult)
@@ -921,17 +900,26 @@ class EtcdStore(dist.Store):
             self._tls.marker = marker
         return marker
 
-    def _with_lease(self, write: Callable[[int], _T], timeout: float) -> _T:
-        """Run ``write(lease_id)``; if etcd lost the namespace lease, renew it and run it again."""
-        lease = self._shared.lease.current(timeout)
-        for _ in range(3):
+    def _leased_txn(
+        self, value: bytes | None, compare: Sequence[Any],
+        success: Callable[[bytes, int], list[Any]], failure: Sequence[Any], t: float,
+    ) -> tuple[bytes, TxnResult]:
+        """One guarded Txn whose writes ride on the namespace lease; (stored value, result).
+
+        ``value`` is stored first (its chunks, when it is large: see :meth:`_encode`);
+        ``success(stored, lease)`` builds the success ops. If etcd lost the lease, the
+        lease is renewed and the Txn sent again; chunks of a Txn that failed are deleted.
+        """
+
+        def attempt(lease: int) -> tuple[bytes, TxnResult]:
+            stored = b"" if value is None else self._encode(value, lease, t)
             try:
-                return write(lease)
-            except EtcdError as e:
-                if not is_lease_missing(e):
-                    raise
-                lease = self._shared.lease.lost(lease, timeout)
-        return write(lease)
+                return stored, self._client.txn(compare, success(stored, lease), failure, timeout=t)
+            except EtcdError:
+                self._discard(stored)
+                raise
+
+        return self._shared.lease.attached(attempt, t)
 
     def _put(self, k: bytes, v: bytes, lease: int, t: float) -> tuple[PutResult, str | None]:
         stored = self._encode(v, lease, t)

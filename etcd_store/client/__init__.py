@@ -2,7 +2,7 @@
 
 Modules: :mod:`.transport` (channels, auth, failover, the retry policy, error
 translation: :class:`EtcdClient`), :mod:`.kv` (results, compare and op
-builders), :mod:`.watch` (:class:`Watch`), :mod:`.session` (leases kept alive),
+builders), :mod:`.watch` (:class:`Watch`), :mod:`.session` (:class:`Session`: a lease kept alive),
 :mod:`.testing` (:class:`RpcCounter`). Every public name is re-exported here:
 ``from etcd_store.client import EtcdClient, Watch, op_put, ...``.
 """
@@ -33,7 +33,7 @@ from .kv import (
     op_put,
     prefix_range_end,
 )
-from .session import LeaseKeeper
+from .session import LeaseKeeper, Session, renewing_lease
 from .testing import RpcCounter
 from .transport import DEFAULT_TIMEOUT
 from .watch import Watch
@@ -51,6 +51,7 @@ __all__ = [
     "PutResult",
     "RangeResult",
     "RpcCounter",
+    "Session",
     "TxnResult",
     "Watch",
     "compare_create",
@@ -63,4 +64,5 @@ __all__ = [
     "op_put",
     "parse_endpoints",
     "prefix_range_end",
+    "renewing_lease",
 ]

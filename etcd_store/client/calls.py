@@ -10,7 +10,6 @@ reconnect by themselves.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +33,7 @@ from .kv import (
 from .transport import Transport
 
 if TYPE_CHECKING:
-    from .session import LeaseKeeper
+    from .session import Session
     from .watch import Watch
 
 __all__ = ["EtcdClient"]
@@ -174,30 +173,22 @@ class EtcdClient(Transport):
         resp = self._call("Lease", "LeaseTimeToLive", req, timeout=timeout, what=f"lease {lease_id:x}")
         return int(resp.TTL)
 
-    def keep_alive_once(self, lease_id: int, *, timeout: float | None = None) -> int:
-        """Refresh a lease once; returns its new TTL (0 when it had expired)."""
-        budget = self.timeout if timeout is None else timeout
-        member = self._members[self._order()[0]]
-        deadline = time.monotonic() + budget
-        try:
-            responses = member.stub("Lease").LeaseKeepAlive(
-                iter([rpc_pb2.LeaseKeepAliveRequest(ID=lease_id)]),
-                timeout=budget,
-                metadata=self._metadata(member, deadline),
-            )
-            for resp in responses:
-                return int(resp.TTL)
-        except grpc.RpcError as e:
-            raise self._translate(e, f"keep lease {lease_id:x} alive") from None
-        return 0
+    def session(
+        self, ttl: int, *, lease_id: int = 0, on_lost: Callable[[], None] | None = None
+    ) -> Session:
+        """Grant a lease and keep it alive over one stream until the session is closed.
+
+        One LeaseGrant RPC now; see :class:`~etcd_store.client.Session`.
+        """
+        from .session import Session
+
+        return Session(self, ttl, lease_id=lease_id, on_lost=on_lost)
 
     def keeper(
         self, ttl: int, *, on_expired: Callable[[], None] | None = None, lease_id: int = 0
-    ) -> LeaseKeeper:
-        """Grant a lease and keep it alive over one stream until closed."""
-        from .session import LeaseKeeper
-
-        return LeaseKeeper(self, ttl, on_expired=on_expired, lease_id=lease_id)
+    ) -> Session:
+        """:meth:`session` under its former name (``on_expired`` is ``on_lost``)."""
+        return self.session(ttl, lease_id=lease_id, on_lost=on_expired)
 
     # ---------------------------------------------------------------- watches & status
 
