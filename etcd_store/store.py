@@ -34,6 +34,13 @@ namespace is attached to one namespace lease that every live store of the
 namespace keeps alive; ``lease_ttl`` seconds after the last store is closed or
 its process died, etcd deletes the whole namespace.
 
+Retries: one policy, the client's (:meth:`EtcdClient._call`): each RPC gets attempts
+with growing deadlines (2 s, 4 s, 8 s, ...) and fails over to the next endpoint,
+until the call's deadline (the store timeout), so a call rides through an etcd
+restart or a leader election within its timeout. Every request of the store is
+safe to resend: plain writes are idempotent and read-modify-writes are fenced
+(see ``_Marker``), so they are all sent with ``idempotent=True``.
+
 Errors: an unreachable etcd raises ``torch.distributed.DistNetworkError``
 naming the endpoints, within the store timeout; any other etcd failure raises
 ``torch.distributed.DistStoreError``; a ``get``/``wait`` that times out raises
@@ -77,7 +84,7 @@ from .client import (
     op_put,
     prefix_range_end,
 )
-from .errors import EtcdCompactedError, EtcdConnectionError, EtcdError, EtcdTimeoutError
+from .errors import EtcdCompactedError, EtcdConnectionError, EtcdError
 
 log = logging.getLogger(__name__)
 
@@ -167,55 +174,6 @@ class _Marker:
     def next_id(self) -> bytes:
         self.seq += 1
         return str(self.seq).encode()
-
-
-class _Patient:
-    """The client's unary KV calls, each split into attempts with growing deadlines.
-
-    A request that reaches a member whose leader just died waits for etcd's
-    request timeout (about 7 s) before failing, while a new leader is usually
-    elected within two seconds. Attempts of 2 s, 4 s, 8 s... retried until the
-    call's own deadline let calls go on as soon as the cluster does. Every store
-    request is safe to send again (plain writes are idempotent, read-modify-writes
-    are guarded, see :class:`_Marker`).
-    """
-
-    FIRST_ATTEMPT = 2.0
-
-    def __init__(self, client: EtcdClient) -> None:
-        self.raw = client
-        self.watch = client.watch
-        self.describe = client.describe
-
-    def _retry(self, call: Callable[[float], _T], timeout: float) -> _T:
-        deadline = time.monotonic() + timeout
-        attempt = self.FIRST_ATTEMPT
-        while True:
-            remaining = deadline - time.monotonic()
-            try:
-                return call(max(min(attempt, remaining), 0.001))
-            except EtcdTimeoutError:
-                if deadline - time.monotonic() <= 0.01:
-                    raise
-                log.info("etcd at %s did not answer within %.1f s; trying again", self.describe(), attempt)
-                attempt *= 2
-
-    def range(self, key: bytes, range_end: bytes | None = None, *, timeout: float, **kw: Any) -> RangeResult:
-        return self._retry(lambda t: self.raw.range(key, range_end, timeout=t, **kw), timeout)
-
-    def put(self, key: bytes, value: bytes, *, timeout: float, **kw: Any) -> PutResult:
-        return self._retry(lambda t: self.raw.put(key, value, timeout=t, **kw), timeout)
-
-    def delete(self, key: bytes, *, timeout: float, **kw: Any) -> DeleteResult:
-        return self._retry(lambda t: self.raw.delete(key, timeout=t, **kw), timeout)
-
-    def txn(
-        self, compare: Sequence[Any], success: Sequence[Any], failure: Sequence[Any] = (), *,
-        timeout: float, idempotent: bool = False,
-    ) -> TxnResult:
-        return self._retry(
-            lambda t: self.raw.txn(compare, success, failure, timeout=t, idempotent=idempotent), timeout
-        )
 
 
 class _Shared:
@@ -329,7 +287,7 @@ class EtcdStore(dist.Store):
         self._closer = weakref.finalize(self, shared.release)
         with _OPEN_LOCK:
             _OPEN.add(self)
-        self._client = _Patient(shared.client)
+        self._client = shared.client
         self._layout = layout
         self._chunk_bytes = chunk_bytes
         self._id = uuid.uuid4().hex[:16]
@@ -350,7 +308,7 @@ class EtcdStore(dist.Store):
     @property
     def client(self) -> EtcdClient:
         """The etcd client (shared with clones)."""
-        return self._client.raw
+        return self._client
 
     def close(self) -> None:
         """Stop keeping the namespace alive from this store; close the client if it owns it.
@@ -514,7 +472,7 @@ class EtcdStore(dist.Store):
                 revision = 0
                 for batch in _batches(unique, MAX_TXN_OPS):
                     res = self._client.txn(
-                        [], [op_get(k) for k in batch], timeout=self._budget(deadline),
+                        [], [op_get(k) for k in batch], timeout=self._budget(deadline), idempotent=True,
                     )
                     revision = revision or res.revision
                     for r in res.responses:
@@ -549,7 +507,7 @@ class EtcdStore(dist.Store):
                 for batch in _size_batches(list(stored.items()), MAX_TXN_OPS // 2, self._chunk_bytes):
                     res = self._client.txn(
                         [], [op_put(k, v, lease=lease, prev_kv=True) for k, v in batch],
-                        timeout=t,
+                        timeout=t, idempotent=True,
                     )
                     for (_, v), r in zip(batch, res.responses, strict=True):
                         assert isinstance(r, PutResult)
@@ -914,7 +872,10 @@ class EtcdStore(dist.Store):
         def attempt(lease: int) -> tuple[bytes, TxnResult]:
             stored = b"" if value is None else self._encode(value, lease, t)
             try:
-                return stored, self._client.txn(compare, success(stored, lease), failure, timeout=t)
+                # Fenced (compares on the key and the thread's marker): safe to replay.
+                return stored, self._client.txn(
+                    compare, success(stored, lease), failure, timeout=t, idempotent=True
+                )
             except EtcdError:
                 self._discard(stored)
                 raise
@@ -946,7 +907,7 @@ class EtcdStore(dist.Store):
         for batch in _batches(unique, MAX_TXN_OPS):
             res = self._client.txn(
                 [], [op_get(k, Layout.span_end(k), count_only=True) for k in batch],
-                timeout=timeout,
+                timeout=timeout, idempotent=True,
             )
             revision = revision or res.revision
             for k, r in zip(batch, res.responses, strict=True):
@@ -992,7 +953,7 @@ class EtcdStore(dist.Store):
                 # Too far behind: read the keys afresh, then watch from that read.
                 missing = [k for k in wanted if k not in found]
                 res = self._client.txn([], [op_get(k) for k in missing],
-                                       timeout=self._budget(deadline))
+                                       timeout=self._budget(deadline), idempotent=True)
                 for r in res.responses:
                     if isinstance(r, RangeResult) and r.kvs:
                         found[r.kvs[0].key] = r.kvs[0]

@@ -254,7 +254,19 @@ class Transport:
         what: str = "",
         idempotent: bool = True,
     ) -> Any:
-        """Run one unary RPC with failover, auth and a deadline; translate errors."""
+        """Run one unary RPC under the client's one retry policy; translate errors.
+
+        ``timeout`` (default: the client's) bounds the whole call, retries included.
+        An attempt that fails because a member is unreachable goes to the next member;
+        when every member failed, the next round starts after a short pause (25 ms
+        growing to 0.5 s). Requests that are safe to resend (``idempotent``: reads,
+        plain writes, and writes fenced by a compare) get per-attempt deadlines of
+        2 s, doubling after each attempt that timed out, so a member stuck on a dead
+        leader costs 2 s, not the whole deadline. Others get the whole remaining
+        deadline in one attempt and are resent only when the failure proves they
+        were not applied (connection refused; etcd: no leader, too many requests). An expired auth token is
+        renewed once, at once.
+        """
         if self._closed:
             raise EtcdError(f"The etcd client for {self.describe()} is closed.")
         budget = self.timeout if timeout is None else timeout
