@@ -35,5 +35,13 @@ class EtcdCompactedError(EtcdError):
     """A watch asked for a revision that etcd has already compacted."""
 
 
+class EtcdLeaseNotFound(EtcdError):
+    """etcd does not know the lease a request names: it expired or was revoked.
+
+    Raised for a write attached to such a lease, and by a lease
+    :class:`~etcd_store.client.Session` whose lease is gone.
+    """
+
+
 class EtcdRequestError(EtcdError, ValueError):
     """etcd rejected the request itself (too large, invalid argument, ...)."""

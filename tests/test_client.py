@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import itertools
+import re
 import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +16,7 @@ from etcd_server import EtcdServer
 from etcd_store.client import (
     EtcdClient,
     RpcCounter,
+    Session,
     compare_create,
     compare_mod,
     compare_value,
@@ -23,8 +26,15 @@ from etcd_store.client import (
     op_put,
     parse_endpoints,
     prefix_range_end,
+    renewing_lease,
 )
-from etcd_store.errors import EtcdConnectionError, EtcdError, EtcdRequestError, EtcdTimeoutError
+from etcd_store.errors import (
+    EtcdConnectionError,
+    EtcdError,
+    EtcdLeaseNotFound,
+    EtcdRequestError,
+    EtcdTimeoutError,
+)
 
 _ids = itertools.count()
 
@@ -225,6 +235,85 @@ def test_keeper_reports_expiry(client: EtcdClient) -> None:
         keeper.close()
 
 
+def test_a_write_on_a_revoked_lease_raises_the_typed_error(client: EtcdClient, prefix: bytes) -> None:
+    lease = client.lease_grant(30)
+    assert client.lease_revoke(lease) is True
+    with pytest.raises(EtcdLeaseNotFound, match=f"{lease:x}|lease not found"):
+        client.put(prefix + b"k", b"v", lease=lease)
+    with pytest.raises(EtcdLeaseNotFound):
+        client.txn([], [op_put(prefix + b"k", b"v", lease=lease)])
+    assert client.get(prefix + b"k") is None
+    assert client.lease_revoke(lease) is False  # revoking it again: already gone, no error
+
+
+def test_session_keeps_its_lease_past_the_ttl_over_one_stream(etcd_endpoint: str, prefix: bytes) -> None:
+    counter = RpcCounter()
+    with EtcdClient(etcd_endpoint, timeout=5, interceptors=[counter]) as c, c.session(1) as s:
+        c.put(prefix + b"leased", b"x", lease=s.lease_id)
+        with c.watch(prefix + b"leased") as w:
+            assert w.get(timeout=3.5) == []  # three and a half TTLs, the key stays
+        assert c.lease_time_to_live(s.id) >= 0
+        assert not s.lost.is_set() and not s.done().is_set()
+        assert counter.counts["Lease/LeaseKeepAlive"] == 1  # about ten refreshes, one stream
+
+
+def test_session_reports_a_lease_revoked_elsewhere(client: EtcdClient, prefix: bytes) -> None:
+    with client.session(30) as s:
+        client.put(prefix + b"k", b"v", lease=s.id)
+        client.lease_revoke(s.id)  # as another process (or an operator) would
+        # A write names the lease before the next refresh (10 s away) could tell:
+        # it gets the typed error at once.
+        with pytest.raises(EtcdLeaseNotFound):
+            client.put(prefix + b"k", b"w", lease=s.id)
+    assert s.done().is_set()
+
+    fired = threading.Event()
+    with Session(client, 3, on_lost=fired.set) as s:
+        client.lease_revoke(s.id)
+        assert fired.wait(5) and s.lost.is_set() and s.expired.is_set()
+        assert s.done().wait(5)
+
+
+def test_session_close_revokes_and_existing_sessions_do_not(client: EtcdClient, prefix: bytes) -> None:
+    s = client.session(30)
+    client.put(prefix + b"a", b"1", lease=s.id)
+    s.close()
+    s.close()  # idempotent
+    assert s.done().is_set() and not s.lost.is_set()
+    assert client.get(prefix + b"a") is None
+    assert client.lease_time_to_live(s.id) == -1
+
+    lease = client.lease_grant(2)  # granted elsewhere, shorter than the session expects
+    adopted = Session.existing(client, lease, ttl=60)
+    try:
+        client.put(prefix + b"b", b"1", lease=lease)
+        with client.watch(prefix + b"b") as w:
+            assert w.get(timeout=4.5) == []  # refreshed at the lease's own pace, not 60 / 3 s
+        assert adopted.ttl == 2
+    finally:
+        adopted.close()
+    assert client.lease_time_to_live(lease) > 0  # not revoked: its owner decides
+    client.lease_revoke(lease)
+
+
+def test_renewing_lease_writes_again_with_a_new_lease(client: EtcdClient, prefix: bytes) -> None:
+    leases = [client.lease_grant(30), client.lease_grant(30)]
+    client.lease_revoke(leases[0])
+    forgotten: list[int] = []
+
+    def acquire() -> int:
+        return leases[len(forgotten)]
+
+    res = renewing_lease(lambda lease: client.put(prefix + b"r", b"1", lease=lease), acquire, forgotten.append)
+    assert forgotten == [leases[0]] and res.revision > 0
+    assert client.get(prefix + b"r").lease == leases[1]  # type: ignore[union-attr]
+    client.lease_revoke(leases[1])
+    with pytest.raises(EtcdLeaseNotFound):  # the renewals run out
+        renewing_lease(lambda lease: client.put(prefix + b"r", b"1", lease=lease),
+                       lambda: leases[1], forgotten.append, renewals=2)
+    assert forgotten == [leases[0], leases[1], leases[1]]
+
+
 # ------------------------------------------------------------------ failover, errors, counting
 
 
@@ -277,3 +366,30 @@ def test_auth_token_is_refreshed_after_it_expires(etcd_binary: str) -> None:
             kv = alice.get(b"/alice/k")
             assert kv is not None and kv.value == b"1"
             assert counter.counts["Auth/Authenticate"] >= 2
+
+
+# ------------------------------------------------------------------ one error translation
+
+_TEXT_MATCH = re.compile(
+    r"""(["'][^"'\n]*["']\s+(not\s+)?in\s+(str|repr|_details)\()"""  # "text" in str(e)
+    r"""|(\bin\s+(str|repr)\(\s*(e|err|exc|error)\s*\))"""  # ... in str(err)
+    r"""|(\.details\(\))"""  # reading a grpc error's text
+)
+
+
+def test_etcd_errors_are_recognised_by_text_only_in_the_client_translation() -> None:
+    """etcd errors are told apart by code in ONE place, ``etcd_store/client/transport.py``;
+    everywhere else code tests exception types (``EtcdLeaseNotFound``, ...)."""
+    root = Path(__file__).resolve().parent.parent
+    translation = root / "etcd_store" / "client" / "transport.py"
+    sources = sorted((root / "etcd_store").rglob("*.py")) + sorted((root / "etcd_rdzv").rglob("*.py"))
+    assert translation in sources
+    offenders = []
+    for path in sources:
+        if path == translation:
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if _TEXT_MATCH.search(line) or "not found" in line.lower() and " in " in line:
+                offenders.append(f"{path.relative_to(root)}:{number}: {line.strip()}")
+    assert not offenders, "etcd error text matched outside the client translation:\n" + "\n".join(offenders)
+    assert "lease not found" in translation.read_text()  # the one place that does

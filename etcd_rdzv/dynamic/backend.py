@@ -48,7 +48,7 @@ from etcd_store.client import (
     op_get,
     op_put,
 )
-from etcd_store.errors import EtcdError
+from etcd_store.errors import EtcdError, EtcdLeaseNotFound
 
 from ..params import DEFAULT_KEY_PREFIX, DEFAULT_STATE_TTL, parse_rdzv_config
 
@@ -154,7 +154,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
                     )
                     break
                 except EtcdError as e:
-                    if attempt == 1 and "lease not found" in str(e):
+                    if attempt == 1 and isinstance(e, EtcdLeaseNotFound):
                         # Someone revoked our lease (or etcd lost it): take a new one once.
                         log.info("lease %x of %s is gone; granting a new one", lease, self.key)
                         self._forget_lease(lease)

@@ -40,7 +40,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from etcd_store.client import EtcdClient, LeaseKeeper, Watch
-from etcd_store.errors import EtcdCompactedError, EtcdError, EtcdTimeoutError
+from etcd_store.errors import EtcdCompactedError, EtcdError, EtcdLeaseNotFound, EtcdTimeoutError
 
 from . import bootstrap, protocol
 from .barrier import Admitted, Barrier, JoinClock, Seal, Tally, TimeOut, Void, decide, verdict
@@ -110,7 +110,7 @@ def _failed_on_master_alone(res: protocol.SealOutcome, previous: Sealed) -> bool
 
 
 def _lease_gone(err: EtcdError) -> bool:
-    return "lease not found" in str(err)
+    return isinstance(err, EtcdLeaseNotFound)
 
 
 class EtcdV3RendezvousHandler(RendezvousHandler):

@@ -1,0 +1,218 @@
+"""What every part of :class:`~etcd_store.EtcdStore` shares: helpers, the store state
+(declared on :class:`StoreBase`), deadlines, and waiting for keys with watches.
+
+Waiting (``_probe``, ``_watch``, ``_await_heads``) reads once, then watches from
+that read's revision: no polling, no lost wake-up; a compacted watch revision
+reads afresh. Deadlines: every RPC gets at least ``MIN_RPC_TIMEOUT`` seconds.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import datetime
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from ._layout import Layout
+from ._namespace_lease import StoreLease
+from .client import EtcdClient, Event, KeyValue, RangeResult, op_get
+from .errors import EtcdCompactedError, EtcdConnectionError, EtcdError
+
+log = logging.getLogger(__name__)
+
+#: etcd's default ``--max-txn-ops``.
+MAX_TXN_OPS = 128
+#: The shortest deadline given to one RPC, even when a wait has less time left.
+MIN_RPC_TIMEOUT = 1.0
+_T = TypeVar("_T")
+Timeout = datetime.timedelta | float | int
+
+
+@contextlib.contextmanager
+def _dist_errors(what: str) -> Iterator[None]:
+    """Re-raise client errors as the exception types torch's stores raise."""
+    try:
+        yield
+    except EtcdConnectionError as e:
+        raise dist.DistNetworkError(f"EtcdStore.{what} failed: {e}") from e
+    except EtcdError as e:
+        raise dist.DistStoreError(f"EtcdStore.{what} failed: {e}") from e
+
+
+def _as_bytes(value: Any, what: str) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    if isinstance(value, (bytearray, memoryview)):
+        return bytes(value)
+    raise TypeError(f"EtcdStore {what} must be str or bytes, got {type(value).__name__}")
+
+
+def _seconds(timeout: Timeout, what: str = "timeout") -> float:
+    if isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(f"EtcdStore {what} must be a datetime.timedelta, got {timeout!r}")
+    if seconds < 0:
+        raise ValueError(f"EtcdStore {what} must not be negative, got {timeout!r}")
+    return seconds
+
+
+def _head_of(layout: Layout, etcd_key: bytes) -> bytes:
+    """The user key an event's key belongs to (a queue item belongs to its queue's key)."""
+    nul = etcd_key.find(b"\0", len(layout.user_start))
+    return etcd_key if nul < 0 else etcd_key[:nul]
+
+
+class _Shared:
+    """What a store and its clones share: the client, the namespace lease, a reference count."""
+
+    def __init__(self, client: EtcdClient, owns_client: bool, lease: StoreLease) -> None:
+        self.client = client
+        self.owns_client = owns_client
+        self.lease = lease
+        self._refs = 0
+        self._lock = threading.Lock()
+
+    def acquire(self) -> None:
+        with self._lock:
+            self._refs += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._refs -= 1
+            last = self._refs == 0
+        if last:
+            self.lease.close()
+            if self.owns_client:
+                self.client.close()
+
+
+def _batches(items: Sequence[_T], size: int) -> Iterator[Sequence[_T]]:
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
+
+
+def _size_batches(
+    items: Sequence[tuple[bytes, bytes]], max_ops: int, max_bytes: int
+) -> Iterator[list[tuple[bytes, bytes]]]:
+    batch: list[tuple[bytes, bytes]] = []
+    size = 0
+    for k, v in items:
+        n = len(k) + len(v)
+        if batch and (len(batch) >= max_ops or size + n > max_bytes):
+            yield batch
+            batch, size = [], 0
+        batch.append((k, v))
+        size += n
+    if batch:
+        yield batch
+
+
+class StoreBase:
+    """The state of a store (set up by ``EtcdStore._setup``) and its deadline and wait helpers."""
+
+    _client: EtcdClient
+    _shared: _Shared
+    _layout: Layout
+    _chunk_bytes: int
+    _id: str
+    _lock: threading.Lock
+    _known: dict[bytes, tuple[int, bytes]]
+    _queues: dict[bytes, list[tuple[int, bytes]]]
+    _tls: threading.local
+    _thread_numbers: Iterator[int]
+
+    def _timeout(self) -> datetime.timedelta:
+        timeout: datetime.timedelta = dist.Store.timeout.__get__(self)  # type: ignore[attr-defined]
+        return timeout
+
+    def _rpc_timeout(self) -> float:
+        return max(self._timeout().total_seconds(), MIN_RPC_TIMEOUT)
+
+    @staticmethod
+    def _budget(deadline: float) -> float:
+        return max(deadline - time.monotonic(), MIN_RPC_TIMEOUT)
+
+    @staticmethod
+    def _key_list(keys: Sequence[str | bytes]) -> list[str | bytes]:
+        if isinstance(keys, (str, bytes)):
+            raise TypeError(f"EtcdStore expected a list of keys, got a single key {keys!r}")
+        return list(keys)
+
+    def _timeout_error(self, seconds: float, keys: Sequence[str | bytes]) -> dist.DistStoreError:
+        shown = ", ".join(self._layout.display(k) for k in keys)
+        return dist.DistStoreError(f"wait timeout after {int(round(seconds * 1000))}ms, keys: {shown}")
+
+    def _probe(self, ks: Sequence[bytes], timeout: float) -> tuple[builtins.set[bytes], int]:
+        """Which keys exist (or have queue items), and the revision of the read."""
+        present: builtins.set[bytes] = builtins.set()
+        revision = 0
+        unique = list(dict.fromkeys(ks))
+        for batch in _batches(unique, MAX_TXN_OPS):
+            res = self._client.txn(
+                [], [op_get(k, Layout.span_end(k), count_only=True) for k in batch],
+                timeout=timeout, idempotent=True,
+            )
+            revision = revision or res.revision
+            for k, r in zip(batch, res.responses, strict=True):
+                if isinstance(r, RangeResult) and r.count:
+                    present.add(k)
+        return present, revision
+
+    def _watch(
+        self, start: bytes, end: bytes | None, revision: int, deadline: float,
+        on_event: Callable[[Event], bool],
+    ) -> bool:
+        """Watch ``[start, end)`` from ``revision`` until ``on_event`` says done (True) or the deadline (False)."""
+        watch = self._client.watch(start, end, start_revision=revision)
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                for ev in watch.get(timeout=remaining):
+                    if on_event(ev):
+                        return True
+        finally:
+            watch.cancel()
+
+    def _await_heads(
+        self, heads: Sequence[bytes], revision: int, deadline: float, seconds: float,
+        shown: Sequence[str | bytes],
+    ) -> dict[bytes, KeyValue]:
+        """Wait until each key in ``heads`` is written; their first written KeyValues."""
+        wanted = set(heads)
+        found: dict[bytes, KeyValue] = {}
+
+        def seen(ev: Event) -> bool:
+            if ev.type == "PUT" and ev.key in wanted and ev.key not in found:
+                found[ev.key] = ev.kv
+            return len(found) == len(wanted)
+
+        while True:
+            try:
+                if self._watch(min(wanted), Layout.span_end(max(wanted)), revision, deadline, seen):
+                    return found
+            except EtcdCompactedError:
+                # Too far behind: read the keys afresh, then watch from that read.
+                missing = [k for k in wanted if k not in found]
+                res = self._client.txn([], [op_get(k) for k in missing],
+                                       timeout=self._budget(deadline), idempotent=True)
+                for r in res.responses:
+                    if isinstance(r, RangeResult) and r.kvs:
+                        found[r.kvs[0].key] = r.kvs[0]
+                if len(found) == len(wanted):
+                    return found
+                revision = res.revision + 1
+                continue
+            raise self._timeout_error(seconds, shown)

@@ -1,0 +1,149 @@
+"""Queues of :class:`~etcd_store.EtcdStore`: ``queue_push``, ``queue_pop``, ``queue_len``.
+
+An item is a key under the queue's prefix; the oldest (lowest create revision)
+is popped by a fenced Txn that also checks no older item exists. A store
+remembers candidates for the oldest item, so a pop is usually one Txn.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch.distributed as dist
+
+from ._base import _as_bytes, _dist_errors
+from ._cas import ReadModifyWrite
+from ._layout import Layout
+from .client import (
+    DeleteResult,
+    Event,
+    KeyValue,
+    RangeResult,
+    compare_create,
+    compare_mod,
+    compare_version,
+    op_delete,
+    op_get,
+    op_put,
+    prefix_range_end,
+)
+from .errors import EtcdCompactedError
+
+#: Items of a queue this store remembers as candidates for the oldest.
+_QUEUE_GUESSES = 64
+
+
+class Queues(ReadModifyWrite):
+    """The queue operations of the store."""
+
+    def queue_push(self, key: str | bytes, value: str | bytes) -> None:  # type: ignore[override]
+        """Append ``value`` to the queue ``key``. One Txn: put the item, and mark the
+        namespace as holding queues (see :meth:`num_keys`)."""
+        k = self._layout.key(key)
+        v = _as_bytes(value, "value")
+        item = self._layout.new_queue_item(k)
+        queues_key = self._layout.queues_key
+        with _dist_errors(f"queue_push({key!r})"):
+            t = self._rpc_timeout()
+            res = self._shared.lease.attached(
+                lambda lease: self._client.txn(
+                    [],
+                    [op_put(item, self._encode(v, lease, t), lease=lease), op_put(queues_key, b"1", lease=lease)],
+                    timeout=t,
+                    idempotent=True,  # the item key is unique: a replay writes the same two keys
+                ),
+                t,
+            )
+        # Remember the item: a later queue_pop by this store can guess it is the oldest.
+        qp = Layout.queue_prefix(k)
+        with self._lock:
+            known = self._queues.get(qp, [])
+            if len(known) < _QUEUE_GUESSES:  # only the oldest matters; a producer stays small
+                self._queues[qp] = sorted([*known, (res.revision, item)])
+
+    def queue_len(self, key: str | bytes) -> int:  # type: ignore[override]
+        """Items in the queue ``key`` (0 if it never existed). One Range."""
+        qp = Layout.queue_prefix(self._layout.key(key))
+        with _dist_errors(f"queue_len({key!r})"):
+            return self._client.range(qp, prefix=True, count_only=True, timeout=self._rpc_timeout()).count
+
+    def queue_pop(self, key: str | bytes, block: bool = True) -> bytes:  # type: ignore[override]
+        """Remove and return the oldest item of the queue ``key``.
+
+        With ``block`` it waits up to the store timeout for an item (``DistStoreError``
+        on timeout), else raises ``QueueEmptyError`` at once. One Txn when this store
+        knows a candidate for the oldest item (it pushed one, popped before, or was
+        woken by a push); otherwise one Range first. A wrong guess costs one more Txn,
+        whose failure branch returns the queue's items.
+        """
+        qp = Layout.queue_prefix(self._layout.key(key))
+        end = prefix_range_end(qp)
+        with _dist_errors(f"queue_pop({key!r})"):
+            timeout = self._timeout().total_seconds()
+            deadline = time.monotonic() + timeout
+            t = self._rpc_timeout()
+            marker = self._marker()
+            op_id = marker.next_id()
+            while True:
+                with self._lock:
+                    items = self._queues.get(qp)
+                if not items:
+                    res = self._client.range(qp, end, keys_only=True, timeout=self._budget(deadline))
+                    items = sorted((kv.create_revision, kv.key) for kv in res.kvs)
+                    if not items:
+                        if not block:
+                            raise dist.QueueEmptyError("queue is empty")
+                        first: list[KeyValue] = []
+
+                        def pushed(ev: Event, first: list[KeyValue] = first) -> bool:
+                            if ev.type == "PUT":
+                                first.append(ev.kv)
+                            return bool(first)
+
+                        try:
+                            if not self._watch(qp, end, res.revision + 1, deadline, pushed):
+                                raise self._timeout_error(timeout, [key])
+                        except EtcdCompactedError:
+                            continue
+                        # The first push after an empty read is the oldest item.
+                        items = [(first[0].create_revision, first[0].key)]
+                created, guess = items[0]
+                _, txn = self._leased_txn(
+                    None,
+                    # The guess still exists and no item in the queue is older.
+                    [compare_version(guess, ">", 0),
+                     compare_create(qp, ">", created - 1, range_end=end),
+                     compare_mod(marker.key, "==", marker.mod)],
+                    # (called at once, in this iteration: B023 does not apply)
+                    lambda _, lease: [op_delete(guess, prev_kv=True),  # noqa: B023
+                                      op_get(qp, end, keys_only=True), op_put(marker.key, op_id, lease=lease)],
+                    [op_get(qp, end, keys_only=True), op_get(marker.key)],
+                    t,
+                )
+                if txn.succeeded:
+                    deleted, rest = txn.responses[0], txn.responses[1]
+                    assert isinstance(deleted, DeleteResult) and isinstance(rest, RangeResult)
+                    self._set_queue(qp, rest)
+                    marker.mod = txn.revision
+                    return self._take_item(deleted.prev_kvs[0])
+                rest, mark = txn.responses
+                assert isinstance(rest, RangeResult) and isinstance(mark, RangeResult)
+                self._set_queue(qp, rest)
+                if mark.kvs and mark.kvs[0].value == op_id:
+                    # Applied by an earlier attempt whose reply was lost: read what it removed.
+                    marker.mod = mark.kvs[0].mod_revision
+                    old = self._client.range(guess, revision=marker.mod - 1, timeout=t)
+                    return self._take_item(old.kvs[0])
+                marker.mod = mark.kvs[0].mod_revision if mark.kvs else 0
+
+    def _set_queue(self, qp: bytes, rest: RangeResult) -> None:
+        items = sorted((kv.create_revision, kv.key) for kv in rest.kvs)[:_QUEUE_GUESSES]
+        with self._lock:
+            self._queues[qp] = items
+
+    def _take_item(self, kv: KeyValue) -> bytes:
+        value = self._decode(kv)
+        if value is None:
+            raise dist.DistStoreError(f"EtcdStore.queue_pop: the chunks of item {kv.key!r} are gone")
+        self._drop_replaced(kv)
+        return value

@@ -1,0 +1,68 @@
+"""The etcd v3 client layer: the only part of the project that touches gRPC.
+
+Modules: :mod:`.transport` (channels, auth, failover, the retry policy, error
+translation: :class:`EtcdClient`), :mod:`.kv` (results, compare and op
+builders), :mod:`.watch` (:class:`Watch`), :mod:`.session` (:class:`Session`: a lease kept alive),
+:mod:`.testing` (:class:`RpcCounter`). Every public name is re-exported here:
+``from etcd_store.client import EtcdClient, Watch, op_put, ...``.
+"""
+
+from __future__ import annotations
+
+# grpc first: a missing or broken grpc fails ``import etcd_store.client`` itself,
+# also when its submodules are already imported.
+import grpc  # noqa: F401
+
+from .calls import EtcdClient
+from .endpoints import DEFAULT_PORT, Endpoint, parse_endpoints
+from .kv import (
+    DeleteResult,
+    Event,
+    KeyValue,
+    MemberStatus,
+    PutResult,
+    RangeResult,
+    TxnResult,
+    compare_create,
+    compare_lease,
+    compare_mod,
+    compare_value,
+    compare_version,
+    op_delete,
+    op_get,
+    op_put,
+    prefix_range_end,
+)
+from .session import LeaseKeeper, Session, renewing_lease
+from .testing import RpcCounter
+from .transport import DEFAULT_TIMEOUT
+from .watch import Watch
+
+__all__ = [
+    "DEFAULT_PORT",
+    "DEFAULT_TIMEOUT",
+    "DeleteResult",
+    "Endpoint",
+    "EtcdClient",
+    "Event",
+    "KeyValue",
+    "LeaseKeeper",
+    "MemberStatus",
+    "PutResult",
+    "RangeResult",
+    "RpcCounter",
+    "Session",
+    "TxnResult",
+    "Watch",
+    "compare_create",
+    "compare_lease",
+    "compare_mod",
+    "compare_value",
+    "compare_version",
+    "op_delete",
+    "op_get",
+    "op_put",
+    "parse_endpoints",
+    "prefix_range_end",
+    "renewing_lease",
+]

@@ -1,0 +1,69 @@
+"""Test instruments of the client layer: :class:`RpcCounter` counts RPCs by method."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+
+__all__ = ["RpcCounter"]
+
+# --------------------------------------------------------------------------- RPC counting
+
+
+class _CallDetails(grpc.ClientCallDetails):  # type: ignore[misc]
+    pass
+
+
+class RpcCounter(
+    grpc.UnaryUnaryClientInterceptor,  # type: ignore[misc]
+    grpc.UnaryStreamClientInterceptor,  # type: ignore[misc]
+    grpc.StreamUnaryClientInterceptor,  # type: ignore[misc]
+    grpc.StreamStreamClientInterceptor,  # type: ignore[misc]
+):
+    """A client interceptor that counts RPCs by method (``"KV/Range"``, ``"Watch/Watch"``).
+
+    Streams count once when opened. Pass it as ``EtcdClient(..., interceptors=[counter])``.
+    """
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def _count(self, details: Any) -> None:
+        name = details.method.decode() if isinstance(details.method, bytes) else details.method
+        name = name.split("etcdserverpb.", 1)[-1]
+        with self._lock:
+            self.counts[name] += 1
+
+    def total(self, *, exclude: Sequence[str] = ("Auth/Authenticate",)) -> int:
+        with self._lock:
+            return sum(n for k, n in self.counts.items() if k not in exclude)
+
+    def reset(self) -> None:
+        with self._lock:
+            self.counts.clear()
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.counts)
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        self._count(details)
+        return continuation(details, request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        self._count(details)
+        return continuation(details, request)
+
+    def intercept_stream_unary(self, continuation: Any, details: Any, it: Any) -> Any:
+        self._count(details)
+        return continuation(details, it)
+
+    def intercept_stream_stream(self, continuation: Any, details: Any, it: Any) -> Any:
+        self._count(details)
+        return continuation(details, it)
+

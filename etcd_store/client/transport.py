@@ -1,0 +1,406 @@
+"""Transport of the client layer: channels, auth tokens, failover, the retry policy
+and the translation of gRPC errors into :mod:`etcd_store.errors` exceptions.
+
+Wire schema: the generated protobuf/gRPC stubs of the maintained ``python3-etcd3``
+distribution (``etcd3.etcdrpc``, regenerated for protobuf >= 5). Callers see plain
+Python objects (:mod:`.kv`) and :mod:`etcd_store.errors` exceptions, never a
+``grpc.RpcError``.
+
+Cost model: every unary method is one RPC in the uncontended, healthy case.
+A failed attempt against a dead endpoint is retried on the next endpoint until
+the call's deadline; the deadline bounds the whole call, retries included.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+from etcd3.etcdrpc import rpc_pb2
+
+from ..errors import (
+    EtcdAuthError,
+    EtcdCompactedError,
+    EtcdConnectionError,
+    EtcdError,
+    EtcdLeaseNotFound,
+    EtcdPermissionDenied,
+    EtcdRequestError,
+    EtcdTimeoutError,
+    EtcdTLSError,
+)
+from .endpoints import Endpoint, parse_endpoints
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DEFAULT_TIMEOUT", "Transport"]
+
+DEFAULT_TIMEOUT = 30.0
+
+_Self = TypeVar("_Self", bound="Transport")
+
+
+# --------------------------------------------------------------------------- error translation
+
+_TLS_MARKERS = ("ssl", "tls", "handshake", "certificate", "x509")
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+# Deadline of the first attempt of a request that is safe to resend; it doubles per timed-out attempt.
+_FIRST_ATTEMPT_TIMEOUT = 2.0
+# Server replies that guarantee the request was not applied: safe to retry a write.
+_NOT_APPLIED = ("etcdserver: no leader", "etcdserver: not capable", "etcdserver: too many requests")
+
+
+def _details(err: grpc.RpcError) -> str:
+    try:
+        return str(err.details() or "")
+    except Exception:  # pragma: no cover - defensive: some errors carry no details
+        return str(err)
+
+
+def _is_stale_token(err: grpc.RpcError) -> bool:
+    """Whether etcd refused the request's auth token (expired or unknown): log in again."""
+    text = _details(err)
+    return "invalid auth token" in text or "user name is empty" in text
+
+
+def _is_tls_failure(err: grpc.RpcError) -> bool:
+    text = _details(err).lower()
+    return any(m in text for m in _TLS_MARKERS)
+
+
+def _maybe_applied(err: grpc.RpcError) -> bool:
+    """Whether a failed write may nevertheless have been applied by etcd."""
+    text = _details(err)
+    if not text.startswith("etcdserver:"):
+        # Transport failure: with wait_for_ready=False gRPC fails before sending.
+        return err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    return not text.startswith(_NOT_APPLIED)
+
+
+# --------------------------------------------------------------------------- channels and calls
+
+
+class _Member:
+    """One endpoint's channel and stubs, created lazily."""
+
+    def __init__(self, endpoint: Endpoint, factory: Callable[[Endpoint], grpc.Channel]) -> None:
+        self.endpoint = endpoint
+        self._factory = factory
+        self._channel: grpc.Channel | None = None
+        self.stubs: dict[str, Any] = {}
+        self.token: str | None = None
+
+    def stub(self, service: str) -> Any:
+        if self._channel is None:
+            self._channel = self._factory(self.endpoint)
+        stub = self.stubs.get(service)
+        if stub is None:
+            from etcd3.etcdrpc import rpc_pb2_grpc
+
+            stub = getattr(rpc_pb2_grpc, f"{service}Stub")(self._channel)
+            self.stubs[service] = stub
+        return stub
+
+    def channel(self) -> grpc.Channel:
+        if self._channel is None:
+            self._channel = self._factory(self.endpoint)
+        return self._channel
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = None
+        self.stubs.clear()
+
+
+class Transport:
+    """Channels to the endpoints, auth tokens, failover, the retry policy, error translation.
+
+    Base of :class:`~etcd_store.client.EtcdClient` (see there for the arguments).
+    """
+
+    def __init__(
+        self,
+        endpoints: str | Sequence[str],
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        ca_cert: str | None = None,
+        cert: str | None = None,
+        key: str | None = None,
+        user: str | None = None,
+        password: str | None = None,
+        protocol: str | None = None,
+        interceptors: Sequence[Any] = (),
+    ) -> None:
+        if protocol not in (None, "http", "https"):
+            raise ValueError(f"Invalid etcd protocol {protocol!r}: use 'http' or 'https'.")
+        if (cert is None) != (key is None):
+            raise ValueError("TLS client certificate and key must be given together (cert, key).")
+        if (user is None) != (password is None) and not (user and password == ""):
+            raise ValueError("etcd user and password must be given together.")
+        if timeout <= 0:
+            raise ValueError(f"etcd client timeout must be positive, got {timeout}.")
+        secure: bool | None = None
+        if protocol is not None:
+            secure = protocol == "https"
+        elif ca_cert or cert:
+            secure = True
+        self.endpoints = parse_endpoints(endpoints, secure=secure)
+        self.timeout = float(timeout)
+        self._tls_files = (ca_cert, cert, key)
+        self._credentials: grpc.ChannelCredentials | None = None
+        self._user = user
+        self._password = password
+        self._interceptors = list(interceptors)
+        self._members = [_Member(ep, self._make_channel) for ep in self.endpoints]
+        self._current = 0
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # ---------------------------------------------------------------- plumbing
+
+    def describe(self) -> str:
+        """The endpoints as a user would write them, for error messages."""
+        return ",".join(str(ep) for ep in self.endpoints)
+
+    def __repr__(self) -> str:
+        return f"EtcdClient({self.describe()!r})"
+
+    def _make_channel(self, endpoint: Endpoint) -> grpc.Channel:
+        options = [
+            ("grpc.max_send_message_length", 256 * 1024 * 1024),
+            ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+            ("grpc.keepalive_time_ms", 10_000),
+            ("grpc.keepalive_timeout_ms", 5_000),
+            ("grpc.keepalive_permit_without_calls", 0),
+            ("grpc.enable_retries", 0),
+        ]
+        if endpoint.secure:
+            channel = grpc.secure_channel(endpoint.target, self._channel_credentials(), options)
+        else:
+            channel = grpc.insecure_channel(endpoint.target, options)
+        if self._interceptors:
+            channel = grpc.intercept_channel(channel, *self._interceptors)
+        return channel
+
+    def _channel_credentials(self) -> grpc.ChannelCredentials:
+        if self._credentials is None:
+            ca, cert, key = self._tls_files
+
+            def read(path: str | None, what: str) -> bytes | None:
+                if path is None:
+                    return None
+                try:
+                    with open(path, "rb") as f:
+                        return f.read()
+                except OSError as e:
+                    raise EtcdTLSError(f"Cannot read TLS {what} file {path!r}: {e}") from None
+
+            self._credentials = grpc.ssl_channel_credentials(
+                read(ca, "CA"), read(key, "client key"), read(cert, "client certificate")
+            )
+        return self._credentials
+
+    def _metadata(self, member: _Member, deadline: float) -> tuple[tuple[str, str], ...] | None:
+        if self._user is None:
+            return None
+        if member.token is None:
+            self._authenticate(member, deadline)
+        return (("token", member.token),) if member.token else None
+
+    def _authenticate(self, member: _Member, deadline: float) -> None:
+        request = rpc_pb2.AuthenticateRequest(name=self._user, password=self._password)
+        stub = member.stub("Auth")
+        try:
+            resp = stub.Authenticate(request, timeout=max(deadline - time.monotonic(), 0.001))
+        except grpc.RpcError as e:
+            text = _details(e)
+            if "authentication failed" in text or "invalid user" in text:
+                raise EtcdAuthError(
+                    f"etcd at {member.endpoint} rejected the credentials of user "
+                    f"{self._user!r}: wrong user name or password."
+                ) from None
+            if "authentication is not enabled" in text:
+                # Auth is off: run without a token.
+                member.token = ""
+                return
+            raise
+        member.token = resp.token
+
+    def _order(self) -> list[int]:
+        with self._lock:
+            start = self._current
+        n = len(self._members)
+        return [(start + i) % n for i in range(n)]
+
+    def _promote(self, index: int) -> None:
+        with self._lock:
+            self._current = index
+
+    def _call(
+        self,
+        service: str,
+        method: str,
+        request: Any,
+        *,
+        timeout: float | None = None,
+        what: str = "",
+        idempotent: bool = True,
+    ) -> Any:
+        """Run one unary RPC under the client's one retry policy; translate errors.
+
+        ``timeout`` (default: the client's) bounds the whole call, retries included.
+        An attempt that fails because a member is unreachable goes to the next member;
+        when every member failed, the next round starts after a short pause (25 ms
+        growing to 0.5 s). Requests that are safe to resend (``idempotent``: reads,
+        plain writes, and writes fenced by a compare) get per-attempt deadlines of
+        2 s, doubling after each attempt that timed out, so a member stuck on a dead
+        leader costs 2 s, not the whole deadline. Others get the whole remaining
+        deadline in one attempt and are resent only when the failure proves they
+        were not applied (connection refused; etcd: no leader, too many requests). An expired auth token is
+        renewed once, at once.
+        """
+        if self._closed:
+            raise EtcdError(f"The etcd client for {self.describe()} is closed.")
+        budget = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + budget
+        pause = 0.025
+        attempt_budget = _FIRST_ATTEMPT_TIMEOUT
+        last: grpc.RpcError | None = None
+        tls_failures = 0
+        reauthenticated = False
+        while True:
+            order = self._order()
+            tls_failures = 0
+            for index in order:
+                member = self._members[index]
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                # A member whose leader just died holds a request until etcd's own
+                # request timeout (~7 s). Requests that are safe to resend get growing
+                # per-attempt deadlines (2 s, 4 s, ...) so the next member is tried in
+                # time; others get the whole remaining deadline in one attempt.
+                attempt = min(remaining, attempt_budget) if idempotent else remaining
+                try:
+                    metadata = self._metadata(member, deadline)
+                    stub = member.stub(service)
+                    resp = getattr(stub, method)(request, timeout=attempt, metadata=metadata)
+                except grpc.RpcError as e:
+                    last = e
+                    code = e.code()
+                    text = _details(e)
+                    if _is_stale_token(e) and self._user is not None and not reauthenticated:
+                        member.token = None
+                        reauthenticated = True
+                        last = None
+                        break
+                    if code not in _RETRYABLE:
+                        raise self._translate(e, what) from None
+                    if _is_tls_failure(e):
+                        tls_failures += 1
+                    if not idempotent and _maybe_applied(e):
+                        raise self._translate(e, what) from None
+                    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                        attempt_budget *= 2
+                    log.debug("etcd %s at %s failed (%s): %s", method, member.endpoint, code, text)
+                    continue
+                if index != order[0]:
+                    self._promote(index)
+                return resp
+            else:
+                if tls_failures == len(order) and last is not None:
+                    raise self._translate(last, what) from None
+            if last is None:
+                continue  # re-authenticated: retry at once
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                assert last is not None
+                raise self._translate(last, what, timed_out=budget)
+            # Every endpoint failed: give reconnects (or a leader election) a moment,
+            # bounded by the deadline; the pause grows so a long outage costs few RPCs.
+            threading.Event().wait(min(pause, remaining))
+            pause = min(pause * 2, 0.5)
+
+    def _translate(self, err: grpc.RpcError, what: str, timed_out: float | None = None) -> EtcdError:
+        code = err.code()
+        text = _details(err)
+        where = f"etcd at {self.describe()}"
+        op = f" ({what})" if what else ""
+        if _is_tls_failure(err):
+            return EtcdTLSError(
+                f"TLS handshake with {where} failed{op}: {text}. Check the CA certificate "
+                "(ca_cert), the client certificate/key, and http:// versus https://."
+            )
+        if code == grpc.StatusCode.PERMISSION_DENIED:
+            return EtcdPermissionDenied(f"{where} denied permission{op}: {text}")
+        if code == grpc.StatusCode.UNAUTHENTICATED or "user name is empty" in text:
+            return EtcdAuthError(f"{where} requires authentication{op}: {text}")
+        if "authentication failed" in text:
+            return EtcdAuthError(f"{where} rejected the user name or password{op}: {text}")
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED or "too large" in text:
+            return EtcdRequestError(
+                f"{where} refused the request as too large{op} (etcd's --max-request-bytes): {text}"
+            )
+        if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+            return EtcdRequestError(f"{where} rejected the request{op}: {text}")
+        if code == grpc.StatusCode.NOT_FOUND and "lease not found" in text:
+            return EtcdLeaseNotFound(f"{where}: {text}{op}")
+        if code == grpc.StatusCode.OUT_OF_RANGE and "compacted" in text:
+            return EtcdCompactedError(f"{where}: {text}{op}")
+        if timed_out is not None or code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            budget = f" within {timed_out:g} s" if timed_out is not None else ""
+            return EtcdTimeoutError(f"No answer from {where}{budget}{op}; last error: {text}")
+        if code == grpc.StatusCode.UNAVAILABLE:
+            return EtcdConnectionError(f"Cannot reach {where}{op}: {text}")
+        return EtcdError(f"{where} failed{op}: {code.name}: {text}")
+
+    def _translate_cancel(self, reason: str, what: str) -> EtcdError:
+        """The error for a watch etcd cancelled, from its ``cancel_reason``."""
+        text = f"etcd at {self.describe()} cancelled the {what}: {reason}"
+        if "permission denied" in reason:
+            return EtcdPermissionDenied(text)
+        if "compacted" in reason:
+            return EtcdCompactedError(text)
+        return EtcdError(text)
+
+    def close(self) -> None:
+        """Close every channel. Open watches and lease keepers end."""
+        self._closed = True
+        for member in self._members:
+            member.close()
+
+    def __enter__(self: _Self) -> _Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- for streams
+
+    def _stream_member(self) -> tuple[int, _Member]:
+        index = self._order()[0]
+        return index, self._members[index]
+
+    def _rotate_from(self, index: int) -> None:
+        with self._lock:
+            if self._current == index:
+                self._current = (index + 1) % len(self._members)
+
+    def _wait_ready(self, member: _Member, timeout: float) -> bool:
+        """Block until the member's channel connects or ``timeout`` passes."""
+        try:
+            grpc.channel_ready_future(member.channel()).result(timeout=timeout)
+            return True
+        except grpc.FutureTimeoutError:
+            return False
+        except Exception:  # channel closed under us
+            return False
+

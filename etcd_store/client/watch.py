@@ -1,0 +1,194 @@
+"""Watches: a key or key range's events, delivered in order to a queue.
+
+One reader thread per :class:`Watch` owns its gRPC stream and resumes it, on the
+next reachable endpoint, from the revision after the last event it delivered.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from etcd3.etcdrpc import rpc_pb2
+
+from ..errors import EtcdCompactedError, EtcdError
+from .kv import Event, KeyValue
+from .transport import _RETRYABLE, _is_stale_token
+
+if TYPE_CHECKING:
+    from .calls import EtcdClient
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Watch"]
+
+# --------------------------------------------------------------------------- watches
+
+_CLOSED = object()
+
+
+class Watch:
+    """A watch on a key or key range, with events delivered to a queue.
+
+    A reader thread owns the gRPC stream. When the stream breaks (member down,
+    etcd restarted), the thread reopens it on the next reachable endpoint from
+    the revision after the last event it delivered, so no event is lost or
+    repeated. Errors that retrying cannot fix (compaction, permission denied)
+    are raised from :meth:`get`.
+
+    ``created_revision`` is the store revision when the watch was registered.
+    """
+
+    def __init__(
+        self, client: EtcdClient, key: bytes, range_end: bytes, start_revision: int, prev_kv: bool
+    ) -> None:
+        self._client = client
+        self.key = key
+        self.range_end = range_end
+        self._next_revision = start_revision
+        self._prev_kv = prev_kv
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._cancelled = threading.Event()
+        self._created = threading.Event()
+        self.created_revision = 0
+        self._call: Any = None
+        self._thread = threading.Thread(target=self._run, name=f"etcd-watch-{key!r}", daemon=True)
+        self._thread.start()
+
+    # -------------------------------------------------------- consumer side
+
+    def get(self, timeout: float | None = None) -> list[Event]:
+        """The next batch of events; ``[]`` when ``timeout`` passed with none.
+
+        Raises the watch's fatal error (:class:`EtcdCompactedError`, ...), or
+        :class:`EtcdError` if the watch was cancelled.
+        """
+        try:
+            item = self._queue.get(timeout=timeout) if timeout is None or timeout > 0 else self._queue.get_nowait()
+        except queue.Empty:
+            return []
+        if item is _CLOSED:
+            self._queue.put(_CLOSED)
+            raise EtcdError(f"watch on {self.key!r} was cancelled")
+        if isinstance(item, BaseException):
+            self._queue.put(item)
+            raise item
+        return list(item)
+
+    def __iter__(self) -> Iterator[Event]:
+        while True:
+            try:
+                batch = self.get()
+            except EtcdError:
+                if self._cancelled.is_set():
+                    return
+                raise
+            yield from batch
+
+    def wait_created(self, timeout: float) -> bool:
+        """Block until etcd confirmed the watch (or ``timeout``)."""
+        return self._created.wait(timeout)
+
+    def cancel(self) -> None:
+        """Stop the watch and its thread. Idempotent, never blocks long."""
+        self._cancelled.set()
+        call = self._call
+        if call is not None:
+            call.cancel()
+        self._queue.put(_CLOSED)
+
+    def __enter__(self) -> Watch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cancel()
+
+    # -------------------------------------------------------- reader thread
+
+    def _requests(self) -> Iterator[Any]:
+        create = rpc_pb2.WatchCreateRequest(
+            key=self.key,
+            range_end=self.range_end,
+            start_revision=self._next_revision,
+            prev_kv=self._prev_kv,
+        )
+        yield rpc_pb2.WatchRequest(create_request=create)
+        self._cancelled.wait()
+
+    def _run(self) -> None:
+        client = self._client
+        while not self._cancelled.is_set():
+            index, member = client._stream_member()
+            try:
+                deadline = time.monotonic() + client.timeout
+                metadata = client._metadata(member, deadline)
+                self._call = member.stub("Watch").Watch(self._requests(), metadata=metadata)
+                if self._cancelled.is_set():
+                    self._call.cancel()
+                for resp in self._call:
+                    if resp.created:
+                        self.created_revision = resp.header.revision
+                        if self._next_revision == 0:
+                            self._next_revision = resp.header.revision + 1
+                        self._created.set()
+                    if resp.compact_revision:
+                        self._fail(
+                            EtcdCompactedError(
+                                f"watch on {self.key!r} at {client.describe()}: revision "
+                                f"{self._next_revision} was compacted (oldest kept "
+                                f"{resp.compact_revision})"
+                            )
+                        )
+                        return
+                    if resp.canceled:
+                        reason = resp.cancel_reason or "cancelled by etcd"
+                        self._fail(client._translate_cancel(reason, f"watch on {self.key!r}"))
+                        return
+                    if resp.events:
+                        batch = [self._event(ev) for ev in resp.events]
+                        self._next_revision = batch[-1].kv.mod_revision + 1
+                        self._queue.put(batch)
+                if self._cancelled.is_set():
+                    return
+            except grpc.RpcError as e:
+                if self._cancelled.is_set():
+                    return
+                if e.code() not in _RETRYABLE and e.code() != grpc.StatusCode.CANCELLED:
+                    self._fail(client._translate(e, f"watch {self.key!r}"))
+                    return
+                if _is_stale_token(e):
+                    member.token = None
+            except EtcdError as e:
+                self._fail(e)
+                return
+            except ValueError:
+                # Channel closed by client.close().
+                self._fail(EtcdError(f"etcd client for {client.describe()} was closed"))
+                return
+            # The stream broke: reconnect on the next endpoint that is ready.
+            log.info("watch on %r lost %s; reconnecting", self.key, member.endpoint)
+            client._rotate_from(index)
+            _, nxt = client._stream_member()
+            while not self._cancelled.is_set() and not client._closed:
+                if client._wait_ready(nxt, timeout=1.0):
+                    break
+                client._rotate_from(client._order()[0])
+                _, nxt = client._stream_member()
+            if client._closed:
+                self._fail(EtcdError(f"etcd client for {client.describe()} was closed"))
+                return
+
+    def _fail(self, err: BaseException) -> None:
+        self._created.set()
+        self._queue.put(err)
+
+    def _event(self, ev: Any) -> Event:
+        kind = "DELETE" if ev.type == 1 else "PUT"
+        prev = KeyValue._from_pb(ev.prev_kv) if ev.HasField("prev_kv") else None
+        return Event(kind, KeyValue._from_pb(ev.kv), prev)
+
