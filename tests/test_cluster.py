@@ -8,18 +8,15 @@ import time
 import pytest
 from certs import CertPaths, have_openssl, make_certs
 from conftest import etcd_pids, pid_alive
-from test_server import ALL_ETCD, binary_of
+from test_server import binary_of
 
 from etcd_server import AuthConfig, EtcdCluster, TLSConfig
 
+#: EtcdCluster runs on every etcd version of the matrix (3.4 to 3.7).
+pytestmark = pytest.mark.etcd_matrix
+
 # etcd's default raft timing, which EtcdCluster keeps (heartbeat_ms/election_timeout_ms None).
 ELECTION_TIMEOUT_S = 1.0
-
-
-@pytest.fixture(params=sorted(ALL_ETCD), ids=[f"etcd{v}" for v in sorted(ALL_ETCD)])
-def etcd_binary(request: pytest.FixtureRequest) -> str:
-    """Overrides conftest's (3.4/3.5 today): every version from 3.4 to 3.7 found here."""
-    return ALL_ETCD[request.param]
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import glob
 import json
 import os
 import re
@@ -14,8 +13,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 
+import etcd_versions
 import pytest
 from certs import CertPaths, have_openssl, make_certs
 from conftest import ETCD_BINARIES, etcd_pids, pid_alive
@@ -31,54 +30,23 @@ from etcd_server import (
     etcd_version,
     find_etcd_binary,
 )
-from etcd_server.binary import has_v2_api, is_native_executable
+from etcd_server.binary import has_v2_api
 from etcd_server.errors import GRPC_INVALID_ARGUMENT, GRPC_UNAUTHENTICATED
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def all_etcd_binaries() -> dict[str, str]:
-    """``ETCD_BINARIES`` (3.4/3.5) plus the 3.6/3.7 binaries ``.ci/build-etcd`` caches.
+#: EtcdServer and EtcdCluster run on every etcd version of the matrix (3.4 to 3.7).
+pytestmark = pytest.mark.etcd_matrix
 
-    Temporary: once tests/conftest.py's ``ETCD_BINARIES`` covers 3.6 and 3.7 this
-    and the ``etcd_binary``/``fresh_etcd`` overrides below can go.
-    """
-    cache = os.environ.get("ETCD_RDZV_ETCD_CACHE") or os.path.expanduser("~/.cache/etcd-rdzv/etcd")
-    found = dict(ETCD_BINARIES)
-    for path in sorted(glob.glob(os.path.join(cache, "v*", "etcd")), reverse=True):
-        if is_native_executable(path):
-            found.setdefault(".".join(etcd_version(path).split(".")[:2]), os.path.abspath(path))
-    return dict(sorted(found.items()))
-
-
-ALL_ETCD = all_etcd_binaries()
-_ALL = sorted(ALL_ETCD)
-_ALL_IDS = [f"etcd{v}" for v in _ALL]
-NO_V2 = [v for v in ("3.6", "3.7") if v in ALL_ETCD]
+NO_V2 = [v for v in ("3.6", "3.7") if v in ETCD_BINARIES]
 
 
 def binary_of(version: str) -> str:
-    """The binary of ``"major.minor"``, or skip the test when this machine has none."""
-    if version not in ALL_ETCD:
-        pytest.skip(f"no etcd {version} binary on this machine (bash .ci/build-etcd builds 3.6/3.7)")
-    return ALL_ETCD[version]
-
-
-@pytest.fixture(params=_ALL, ids=_ALL_IDS)
-def etcd_binary(request: pytest.FixtureRequest) -> str:
-    """Overrides conftest's: every version from 3.4 to 3.7 found here."""
-    return ALL_ETCD[request.param]
-
-
-@pytest.fixture(params=_ALL, ids=_ALL_IDS)
-def fresh_etcd(request: pytest.FixtureRequest) -> Iterator[EtcdServer]:
-    """Overrides conftest's: a new started server per test, every version found."""
-    server = EtcdServer(binary=ALL_ETCD[request.param])
-    server.start(timeout=30)
-    try:
-        yield server
-    finally:
-        server.stop()
+    """The binary of ``"major.minor"``, or skip the test when this run has none."""
+    if version not in ETCD_BINARIES:
+        pytest.skip(etcd_versions.missing_message(version))
+    return ETCD_BINARIES[version]
 
 
 def _b64(b: bytes) -> str:
