@@ -22,14 +22,16 @@ from typing import Any
 
 import pytest
 import yaml
+from torch.distributed.run import get_args_parser
 
-kubernetes_validate = pytest.importorskip("kubernetes_validate")
+from etcd_server import EtcdServer
+from etcd_store.client import EtcdClient
+from etcd_store.errors import EtcdPermissionDenied
 
-from torch.distributed.run import get_args_parser  # noqa: E402
-
-from etcd_server import EtcdServer  # noqa: E402
-from etcd_store.client import EtcdClient  # noqa: E402
-from etcd_store.errors import EtcdPermissionDenied  # noqa: E402
+if os.environ.get("CI", "").lower() == "true":  # the test extra installs it: missing is a failure there
+    import kubernetes_validate
+else:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
 K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
 K8S_VERSION = "1.37"
