@@ -1,0 +1,14 @@
+"""``etcd-rdzv``: the operator's command for rendezvous runs kept in etcd (``python -m etcd_rdzv``).
+
+Modules: :mod:`.connect` (connection options, the command's deadline),
+:mod:`.v2state` (torch's pickled etcd-v2 state, read with a restricted unpickler),
+:mod:`.runs` (finding and reading runs), :mod:`.actions` (``close``, ``gc``),
+:mod:`.watching` (``watch``), :mod:`.render` (text output), :mod:`.main` (the
+argument parser and the exit codes). Usage: docs/cli.md.
+"""
+
+from __future__ import annotations
+
+from .main import build_parser, main
+
+__all__ = ["build_parser", "main"]

@@ -1,0 +1,188 @@
+"""What ``close`` and ``gc`` write, one fenced transaction per run.
+
+* :func:`close_v3`: the handler's own close transaction
+  (:func:`etcd_rdzv.native.protocol.close`: ``if version(ctl/closed) == 0 then put
+  ctl/closed`` bound to the run lease, which is created the way a closing node creates
+  it when no round was sealed yet). Waiting nodes see the event and raise
+  ``RendezvousClosedError``; agents of a running round learn it from
+  ``num_nodes_waiting()``.
+* :func:`close_v2`: torch's state with ``closed = True``, written with a
+  compare-and-set on the state key's mod revision (``if mod(key) == M then put``,
+  keeping the key's lease), re-read and retried at once when a heartbeat won the race.
+  torch's agents see it at their next sync and raise ``RendezvousClosedError``.
+* :func:`gc`: removes what a run left behind, only when no node can still use it:
+  an etcd-v3 run with no join key left (no live node) that is closed or whose run
+  lease is gone, in one Txn that re-checks both; a closed etcd-v2 run whose newest
+  heartbeat is older than ``grace`` seconds (state key and store), fenced by the
+  state's mod revision. Runs that are open and alive are never touched: etcd
+  expires their keys by lease on its own.
+
+Every call is bounded by the command's :class:`~.connect.Deadline`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from etcd_store.client import (
+    DeleteResult,
+    EtcdClient,
+    RangeResult,
+    compare_mod,
+    compare_version,
+    op_delete,
+    op_get,
+    op_put,
+    prefix_range_end,
+)
+from etcd_store.errors import EtcdLeaseNotFound
+
+from ..native import protocol
+from ..native.keys import RunKeys
+from .connect import CliError, Deadline
+from .runs import V2, V3, find_runs, state_key
+from .v2state import StateDecodeError, decode_state, encode_closed
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DEFAULT_STATE_TTL", "Removal", "close_v2", "close_v3", "gc"]
+
+DEFAULT_STATE_TTL = 7200
+_CAS_ATTEMPTS = 20  # heartbeats rewrite a v2 state about once per keep_alive_interval per node
+
+
+def close_v3(client: EtcdClient, prefix: str, run_id: str, deadline: Deadline,
+             *, state_ttl: int = DEFAULT_STATE_TTL) -> bool:
+    """Close an etcd-v3 run; True if this call closed it, False if it was closed already."""
+    keys = RunKeys.for_run(prefix, run_id)
+    if client.range(f"{keys.root}/".encode(), prefix=True, count_only=True, timeout=deadline.left()).count == 0:
+        raise CliError(f"no etcd-v3 run {run_id!r} under {prefix or '/'}")
+    for attempt in (1, 2):
+        lease = protocol.ensure_run_lease(client, keys, state_ttl, timeout=deadline.left())
+        try:
+            return protocol.close(client, keys, lease, timeout=deadline.left())
+        except EtcdLeaseNotFound:
+            if attempt == 2:
+                raise
+            log.info("run lease %x of %s expired meanwhile; taking a new one", lease, run_id)
+    raise AssertionError("unreachable")
+
+
+def close_v2(client: EtcdClient, prefix: str, run_id: str, deadline: Deadline) -> bool:
+    """Close an etcd-v2 run; True if this call closed it, False if it was closed already."""
+    key = state_key(prefix, run_id)
+    raw = key.encode()
+    kv = client.get(raw, timeout=deadline.left())
+    for _ in range(_CAS_ATTEMPTS):
+        if kv is None:
+            raise CliError(f"no etcd-v2 run {run_id!r} (no state key {key})")
+        state = decode_state(kv.value, key)
+        if state.closed:
+            return False
+        try:
+            res = client.txn(
+                [compare_mod(raw, "==", kv.mod_revision)],
+                [op_put(raw, encode_closed(state), lease=kv.lease)],
+                [op_get(raw)],
+                timeout=deadline.left(),
+                idempotent=True,
+            )
+        except EtcdLeaseNotFound:
+            raise CliError(f"the state of {run_id!r} expired while closing it") from None
+        if res.succeeded:
+            return True
+        found = res.responses[0]
+        assert isinstance(found, RangeResult)
+        kv = found.kvs[0] if found.kvs else None
+    raise CliError(f"the state of {run_id!r} changed {_CAS_ATTEMPTS} times while closing it; try again")
+
+
+@dataclass(frozen=True)
+class Removal:
+    """One run ``gc`` removed (or, with ``dry_run``, would remove)."""
+
+    run_id: str
+    backend: str
+    reason: str
+    keys: int  # keys deleted (dry run: keys that would be)
+
+
+def gc(client: EtcdClient, prefix: str, deadline: Deadline, *, grace: float = 60.0,
+       dry_run: bool = False, now: datetime | None = None) -> list[Removal]:
+    """Remove what closed or dead runs left under ``prefix`` (see the module doc)."""
+    removed: list[Removal] = []
+    for run_id, backends in sorted(find_runs(client, prefix, deadline).items()):
+        if V3 in backends:
+            r = _gc_v3(client, prefix, run_id, deadline, dry_run)
+            if r is not None:
+                removed.append(r)
+        if V2 in backends:
+            r = _gc_v2(client, prefix, run_id, deadline, grace, dry_run, now or datetime.now(timezone.utc))
+            if r is not None:
+                removed.append(r)
+    return removed
+
+
+def _gc_v3(client: EtcdClient, prefix: str, run_id: str, deadline: Deadline, dry_run: bool) -> Removal | None:
+    keys = RunKeys.for_run(prefix, run_id)
+    root = f"{keys.root}/".encode()
+    join_end = prefix_range_end(keys.join_root)
+    res = client.txn(
+        [],
+        [op_get(keys.join_root, prefix=True, count_only=True), op_get(keys.closed, count_only=True),
+         op_get(keys.run, count_only=True), op_get(root, prefix=True, count_only=True)],
+        timeout=deadline.left(), idempotent=True,
+    )
+    joins, closed, run, total = (r.count for r in res.responses if isinstance(r, RangeResult))
+    if joins or total == 0 or not (closed or not run):
+        return None
+    reason = "closed, no live node" if closed else "run lease gone, no live node"
+    if dry_run:
+        return Removal(run_id, V3, reason, total)
+    guard = compare_version(keys.closed, ">", 0) if closed else compare_version(keys.run, "==", 0)
+    done = client.txn(
+        [compare_version(keys.join_root, "==", 0, range_end=join_end), guard],
+        [op_delete(root, prefix=True)],
+        timeout=deadline.left(), idempotent=True,
+    )
+    if not done.succeeded:
+        log.info("etcd-v3 run %s changed before gc could remove it; kept", run_id)
+        return None
+    deleted = done.responses[0]
+    assert isinstance(deleted, DeleteResult)
+    return Removal(run_id, V3, reason, deleted.deleted)
+
+
+def _gc_v2(client: EtcdClient, prefix: str, run_id: str, deadline: Deadline, grace: float,
+           dry_run: bool, now: datetime) -> Removal | None:
+    key = state_key(prefix, run_id)
+    raw = key.encode()
+    kv = client.get(raw, timeout=deadline.left())
+    if kv is None:
+        return None
+    try:
+        state = decode_state(kv.value, key)
+    except StateDecodeError as e:
+        log.warning("gc skips %s: %s", key, e)
+        return None
+    newest = state.newest_heartbeat()
+    if newest is not None and newest.tzinfo is None:
+        newest = newest.replace(tzinfo=timezone.utc)
+    if not state.closed or (newest is not None and (now - newest).total_seconds() < grace):
+        return None
+    reason = f"closed, no heartbeat for {(now - newest).total_seconds():.0f} s" if newest else "closed"
+    store = f"{key}/store".encode()
+    if dry_run:
+        count = client.range(store, prefix=True, count_only=True, timeout=deadline.left()).count
+        return Removal(run_id, V2, reason, 1 + count)
+    done = client.txn(
+        [compare_mod(raw, "==", kv.mod_revision)],
+        [op_delete(raw), op_delete(store, prefix=True)],
+        timeout=deadline.left(), idempotent=True,
+    )
+    if not done.succeeded:
+        log.info("etcd-v2 run %s changed before gc could remove it; kept", run_id)
+        return None
+    return Removal(run_id, V2, reason, sum(r.deleted for r in done.responses if isinstance(r, DeleteResult)))

@@ -1,0 +1,122 @@
+"""Connection options of the ``etcd-rdzv`` command, as the rendezvous takes them, and its deadline.
+
+Options (accepted before or after the sub-command): ``--endpoints`` (comma list;
+default ``$ETCDCTL_ENDPOINTS``, else ``localhost:2379``), ``--cacert``/``--cert``/``--key``
+(TLS files), ``--key-prefix`` (default ``/torch/elastic/rendezvous``, the rendezvous'
+default) and ``--timeout`` (seconds, default 10: the bound of the whole command's etcd
+work, retries included). The user name and password come from ``$ETCD_RDZV_USER`` and
+``$ETCD_RDZV_PASSWORD`` only, never from the command line, where other users could
+read them. Nothing here contacts etcd; bad values raise :class:`CliError`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from etcd_store.client import EtcdClient
+
+__all__ = [
+    "DEFAULT_KEY_PREFIX",
+    "DEFAULT_TIMEOUT",
+    "CliError",
+    "ConnectOptions",
+    "Deadline",
+    "add_connect_arguments",
+    "connect_options",
+]
+
+DEFAULT_KEY_PREFIX = "/torch/elastic/rendezvous"
+DEFAULT_TIMEOUT = 10.0
+ENDPOINTS_ENV = "ETCDCTL_ENDPOINTS"
+USER_ENV = "ETCD_RDZV_USER"
+PASSWORD_ENV = "ETCD_RDZV_PASSWORD"
+
+
+class CliError(Exception):
+    """Bad input or an etcd failure, reported as one line and exit code 2."""
+
+
+class Deadline:
+    """The command's time budget: :meth:`left` is the timeout of the next etcd call."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        remaining = self._end - time.monotonic()
+        if remaining <= 0:
+            raise CliError(f"etcd did not answer within --timeout={self.seconds:g} s")
+        return remaining
+
+
+@dataclass(frozen=True)
+class ConnectOptions:
+    endpoints: str
+    key_prefix: str
+    timeout: float
+    ca_cert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+
+    def create_client(self) -> EtcdClient:
+        from etcd_store.client import EtcdClient
+
+        try:
+            return EtcdClient(
+                self.endpoints, timeout=self.timeout, ca_cert=self.ca_cert, cert=self.cert,
+                key=self.key, user=self.user, password=self.password,
+            )
+        except ValueError as e:
+            raise CliError(str(e)) from None
+
+
+def add_connect_arguments(parser: argparse.ArgumentParser) -> None:
+    """The connection options; defaults are resolved by :func:`connect_options` (SUPPRESS here,
+    so that the same options may stand before and after the sub-command)."""
+    group = parser.add_argument_group("etcd connection")
+    s = argparse.SUPPRESS
+    group.add_argument("--endpoints", default=s, metavar="H:P,...",
+                       help=f"etcd endpoints (default ${ENDPOINTS_ENV}, else localhost:2379)")
+    group.add_argument("--cacert", default=s, metavar="FILE", help="CA bundle that signed etcd's certificate")
+    group.add_argument("--cert", default=s, metavar="FILE", help="client certificate (PEM)")
+    group.add_argument("--key", default=s, metavar="FILE", help="private key of --cert")
+    group.add_argument("--key-prefix", default=s, metavar="PREFIX",
+                       help=f"the rendezvous' key_prefix (default {DEFAULT_KEY_PREFIX})")
+    group.add_argument("--timeout", default=s, type=float, metavar="S",
+                       help=f"bound of the command's etcd calls in seconds (default {DEFAULT_TIMEOUT:g})")
+
+
+def connect_options(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> ConnectOptions:
+    """Resolve the parsed options and the environment into :class:`ConnectOptions`."""
+    env = os.environ if environ is None else environ
+    endpoints = getattr(ns, "endpoints", None) or env.get(ENDPOINTS_ENV) or "localhost:2379"
+    timeout = getattr(ns, "timeout", DEFAULT_TIMEOUT)
+    if not timeout > 0:
+        raise CliError(f"--timeout must be positive, got {timeout:g}")
+    prefix = getattr(ns, "key_prefix", DEFAULT_KEY_PREFIX)
+    if prefix and not prefix.startswith("/"):
+        raise CliError(f"--key-prefix must start with '/', got {prefix!r}")
+    cert, key = getattr(ns, "cert", None), getattr(ns, "key", None)
+    if (cert is None) != (key is None):
+        raise CliError("--cert and --key must be given together")
+    files = {"--cacert": getattr(ns, "cacert", None), "--cert": cert, "--key": key}
+    for flag, path in files.items():
+        if path is not None and not os.path.isfile(path):
+            raise CliError(f"{flag} {path!r}: no such file")
+    user, password = env.get(USER_ENV) or None, env.get(PASSWORD_ENV)
+    if user is None and password:
+        raise CliError(f"${PASSWORD_ENV} is set but ${USER_ENV} is not")
+    if user is not None and not password:
+        raise CliError(f"${USER_ENV} is set but ${PASSWORD_ENV} is not")
+    return ConnectOptions(
+        endpoints, prefix.rstrip("/") if prefix != "/" else "", float(timeout),
+        files["--cacert"], cert, key, user, password,
+    )
