@@ -22,7 +22,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from etcd_rdzv import EtcdRendezvousBackend, plugin
-from etcd_rdzv.params import (
+from etcd_rdzv.conf import (
     DEFAULT_KEY_PREFIX,
     DEFAULT_READ_TIMEOUT,
     DEFAULT_STATE_TTL,

@@ -50,7 +50,7 @@ from etcd_store.client import (
 )
 from etcd_store.errors import EtcdError, EtcdLeaseNotFound
 
-from ..params import DEFAULT_KEY_PREFIX, DEFAULT_STATE_TTL, parse_rdzv_config
+from ..conf import DEFAULT_KEY_PREFIX, DEFAULT_STATE_TTL, parse_rdzv_config
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -217,7 +217,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
 def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend, Store]:
     """Create the backend and the run's store from torchrun's parameters.
 
-    rdzv-conf keys: see :mod:`etcd_rdzv.params`. The store is an
+    rdzv-conf keys: see :mod:`etcd_rdzv.conf`. The store is an
     :class:`etcd_store.EtcdStore` sharing the backend's client, with keys under
     ``<key_prefix>/<run_id>/store``; its blocking reads wait up to
     :data:`STORE_TIMEOUT`. The backend's ``name`` is ``params.backend``.

@@ -30,7 +30,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousTimeout,
 )
 
-from ..params import get_positive_int, get_seconds, translate_legacy_params
+from ..conf import get_positive_int, get_seconds, translate_legacy_params
 from .backend import create_backend
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ def create_handler_from_params(
     """Build backend, store and handler from torchrun's parameters.
 
     ``legacy``: read torch's legacy ``etcd`` conf keys too (see
-    :func:`etcd_rdzv.params.translate_legacy_params`). Handler keys as torch's
+    :func:`etcd_rdzv.conf.translate_legacy_params`). Handler keys as torch's
     ``create_handler``: ``join_timeout`` (600), ``last_call_timeout`` (30),
     ``close_timeout`` (30), ``heartbeat_timeout`` (5), ``keep_alive_interval`` (5),
     ``keep_alive_max_attempt`` (3). Raises ``ValueError`` naming a bad key (before

@@ -1,7 +1,7 @@
 """The settings of one ``etcd-v3`` rendezvous, read from ``RendezvousParameters``.
 
 Client options (endpoints, TLS, auth, ``read_timeout``), ``key_prefix`` and
-``state_ttl`` are parsed by :mod:`etcd_rdzv.params`, shared with ``etcd-v2``, so
+``state_ttl`` are parsed by :mod:`etcd_rdzv.conf`, shared with ``etcd-v2``, so
 both backends accept the same ``--rdzv-conf`` keys. The rendezvous timeouts
 keep the names and defaults of torch's ``DynamicRendezvousHandler`` (seconds):
 
@@ -33,7 +33,7 @@ import socket
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..params import (
+from ..conf import (
     DEFAULT_KEY_PREFIX,
     DEFAULT_STATE_TTL,
     EtcdClientOptions,
