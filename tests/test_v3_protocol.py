@@ -26,11 +26,11 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
+from etcd_rdzv.conf import DEFAULT_LEASE_TTL, parse_v3_settings
 from etcd_rdzv.native import bootstrap, protocol
 from etcd_rdzv.native.handler import EtcdV3RendezvousHandler, RoundResult
 from etcd_rdzv.native.keys import RunKeys
 from etcd_rdzv.native.protocol import Sealed
-from etcd_rdzv.native.settings import DEFAULT_LEASE_TTL, parse_settings
 from etcd_rdzv.plugin import create_etcd_v3_handler, create_etcd_v3_rdzv_handler
 from etcd_store.client import EtcdClient, RpcCounter
 
@@ -725,7 +725,7 @@ def test_registered_with_torch(etcd_endpoint: str) -> None:
 )
 def test_settings(conf: dict[str, str], field: str, value: object) -> None:
     params = RendezvousParameters("etcd-v3", "localhost:2379", "r", 1, 2, **conf)
-    settings, options = parse_settings(params)
+    settings, options = parse_v3_settings(params)
     assert getattr(settings, field) == value
     assert options.endpoints == "localhost:2379"
 
@@ -745,4 +745,4 @@ def test_settings(conf: dict[str, str], field: str, value: object) -> None:
 def test_bad_settings_name_the_key(conf: dict[str, str], named: str) -> None:
     params = RendezvousParameters("etcd-v3", "localhost:2379", "r", 1, 2, **conf)
     with pytest.raises(ValueError, match=named):
-        parse_settings(params)
+        parse_v3_settings(params)

@@ -117,7 +117,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     """A rendezvous over etcd v3 leases, transactions and watches (``--rdzv-backend=etcd-v3``).
 
     Args:
-        settings: the rendezvous settings (:func:`~etcd_rdzv.native.settings.parse_settings`).
+        settings: the rendezvous settings (:func:`~etcd_rdzv.conf.parse_v3_settings`).
         client: the etcd client. Several handlers may share one; each keeps its own
             lease, watch and keep-alive stream on it.
         owns_client: close ``client`` in :meth:`shutdown`.
