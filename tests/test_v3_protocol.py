@@ -130,9 +130,9 @@ def assert_group(res: list[RoundResult], world_size: int) -> None:
 
 
 def lease_of(handler: EtcdV3RendezvousHandler) -> int:
-    keeper = handler._keeper
-    assert keeper is not None
-    return keeper.id
+    session = handler._session
+    assert session is not None
+    return session.id
 
 
 def rendezvous_all(nodes: Nodes, handlers: Iterable[EtcdV3RendezvousHandler]) -> list[RendezvousInfo]:
@@ -327,10 +327,10 @@ def test_waiting_node_whose_lease_expires_rejoins(nodes: Nodes) -> None:
 def test_member_lease_loss_asks_for_a_new_round(nodes: Nodes) -> None:
     a, b = nodes.many(2, 2, 2)
     assert_group(results(nodes.start(a, b)), 2)
-    keeper = a._keeper
-    assert keeper is not None
-    nodes.client.lease_revoke(keeper.id)
-    assert keeper.expired.wait(WAIT)
+    session = a._session
+    assert session is not None
+    nodes.client.lease_revoke(session.id)
+    assert session.lost.wait(WAIT)
     assert a.num_nodes_waiting() >= 1  # a's agent will re-rendezvous
     res = results(nodes.start(a, b))
     assert_group(res, 2)
@@ -418,16 +418,16 @@ def test_many_nodes_race_to_seal_one_round(nodes: Nodes) -> None:
 
 def test_backup_sealer_takes_over_a_silent_first_node(nodes: Nodes) -> None:
     """The first joiner is alive (lease refreshed) but never seals: others seal for it."""
-    keeper = nodes.client.keeper(10)
+    session = nodes.client.session(10)
     try:
-        nodes.client.put(nodes.keys.join_key(1, "silent"), b"{}", lease=keeper.id)
+        nodes.client.put(nodes.keys.join_key(1, "silent"), b"{}", lease=session.id)
         a, b = nodes.many(2, 3, 3)
         res = results(nodes.start(a, b))
         assert sorted(r.rank for r in res) == [1, 2]  # rank 0 is the silent node
         assert {r.world_size for r in res} == {3}
         assert nodes.members(1)[0] == "silent"
     finally:
-        keeper.close()
+        session.close()
 
 
 def test_the_join_that_fills_the_round_seals_it(nodes: Nodes, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -436,14 +436,14 @@ def test_the_join_that_fills_the_round_seals_it(nodes: Nodes, monkeypatch: pytes
     from etcd_rdzv.native import barrier
 
     monkeypatch.setattr(barrier, "SEAL_BACKUP_DELAY", 3600.0)  # position 1 would wait an hour
-    keeper = nodes.client.keeper(10)
+    session = nodes.client.session(10)
     try:
-        nodes.client.put(nodes.keys.join_key(1, "silent"), b"{}", lease=keeper.id)
+        nodes.client.put(nodes.keys.join_key(1, "silent"), b"{}", lease=session.id)
         (h,) = nodes.many(1, 2, 2)
         r = nodes.start(h)[0].result(timeout=WAIT)
         assert (r.rank, r.world_size) == (1, 2)
     finally:
-        keeper.close()
+        session.close()
 
 
 def test_previous_round_must_be_empty_to_seal(nodes: Nodes) -> None:
@@ -532,6 +532,41 @@ def test_a_join_whose_answer_was_lost_is_found_again(nodes: Nodes, monkeypatch: 
     assert nodes.client.range(nodes.join_prefix(2), prefix=True, count_only=True).count == 0
 
 
+# --------------------------------------------------------------------------- lease gone: renew, write again
+
+
+def test_join_refused_for_a_revoked_lease_takes_a_new_one(nodes: Nodes) -> None:
+    """etcd refuses the join (lease not found) before the session noticed: the
+    handler ends that session, takes a new lease and joins with it."""
+    (a,) = nodes.many(1, 1, 1, heartbeat="60", state_ttl="120")  # keep-alives every 20 s
+    assert a.next_round().round == 1
+    old = a._session
+    assert old is not None
+    nodes.client.lease_revoke(old.id)
+    r = a.next_round()
+    assert (r.round, r.rank, r.world_size) == (2, 0, 1)
+    assert not old.lost.is_set() and old.done().is_set()  # learnt from the join, not the stream
+    assert lease_of(a) != old.id and nodes.client.lease_time_to_live(lease_of(a)) > 0
+
+
+def test_seal_and_close_after_the_run_lease_expired(nodes: Nodes) -> None:
+    """The run lease went (with ``ctl/run`` and ``ctl/sealed``): the next seal, and
+    a close, each write again with a new run lease."""
+    (a,) = nodes.many(1, 1, 1)
+    assert a.next_round().round == 1
+    first = protocol.read_meta(nodes.client, nodes.keys).run_lease
+    assert first is not None
+    nodes.client.lease_revoke(first)
+    r = a.next_round()
+    assert (r.round, r.rank, r.world_size) == (1, 0, 1)  # the run starts over
+    second = protocol.read_meta(nodes.client, nodes.keys).run_lease
+    assert second not in (None, first)
+    nodes.client.lease_revoke(second)
+    a.set_closed()
+    meta = protocol.read_meta(nodes.client, nodes.keys)
+    assert meta.closed and meta.run_lease not in (None, first, second)
+
+
 # --------------------------------------------------------------------------- closing
 
 
@@ -586,10 +621,10 @@ def test_idle_job_writes_nothing(nodes: Nodes) -> None:
     hs = nodes.many(3, 3, 3, heartbeat="2")
     assert_group(results(nodes.start(*hs)), 3)
     before = nodes.client.range(b"/", count_only=True).revision
-    keepers = [h._keeper for h in hs]
-    assert all(k is not None for k in keepers)
+    sessions = [h._session for h in hs]
+    assert all(k is not None for k in sessions)
     threading.Event().wait(3.0)  # several keep-alives (every ~0.7 s) must happen meanwhile
-    assert all(nodes.client.lease_time_to_live(k.id) > 0 for k in keepers if k is not None)
+    assert all(nodes.client.lease_time_to_live(k.id) > 0 for k in sessions if k is not None)
     assert nodes.client.range(b"/", count_only=True).revision == before
 
 

@@ -43,12 +43,14 @@ from etcd_store.client import (
     EtcdClient,
     KeyValue,
     RangeResult,
+    TxnResult,
     compare_mod,
     compare_version,
     op_get,
     op_put,
+    renewing_lease,
 )
-from etcd_store.errors import EtcdError, EtcdLeaseNotFound
+from etcd_store.errors import EtcdError
 
 from ..conf import DEFAULT_KEY_PREFIX, DEFAULT_STATE_TTL, RdzvConfig, parse_rdzv_config
 
@@ -141,25 +143,19 @@ class EtcdRendezvousBackend(RendezvousBackend):
 
         value = b64encode(state)
         deadline = time.monotonic() + self._client.timeout
+
+        def write(lease: int) -> TxnResult:
+            return self._client.txn(
+                [compare],
+                [op_put(self._key, value, lease=lease)],
+                [op_get(self._key)],
+                timeout=self._remaining(deadline),
+                idempotent=True,
+            )
+
         try:
-            for attempt in (1, 2):
-                lease = self._lease(deadline)
-                try:
-                    result = self._client.txn(
-                        [compare],
-                        [op_put(self._key, value, lease=lease)],
-                        [op_get(self._key)],
-                        timeout=self._remaining(deadline),
-                        idempotent=True,
-                    )
-                    break
-                except EtcdError as e:
-                    if attempt == 1 and isinstance(e, EtcdLeaseNotFound):
-                        # Someone revoked our lease (or etcd lost it): take a new one once.
-                        log.info("lease %x of %s is gone; granting a new one", lease, self.key)
-                        self._forget_lease(lease)
-                        continue
-                    raise
+            # Someone revoked our lease (or etcd lost it): take a new one, once.
+            result = renewing_lease(write, lambda: self._lease(deadline), self._forget_lease, renewals=1)
         except EtcdError as e:
             raise self._connection_error(e) from e
 

@@ -18,6 +18,7 @@ is rank 0).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -39,8 +40,8 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousTimeoutError,
 )
 
-from etcd_store.client import EtcdClient, LeaseKeeper, Watch
-from etcd_store.errors import EtcdCompactedError, EtcdError, EtcdLeaseNotFound, EtcdTimeoutError
+from etcd_store.client import EtcdClient, Session, Watch, renewing_lease
+from etcd_store.errors import EtcdCompactedError, EtcdError, EtcdTimeoutError
 
 from . import bootstrap, protocol
 from .barrier import Admitted, Barrier, JoinClock, Seal, Tally, TimeOut, Void, decide, verdict
@@ -109,10 +110,6 @@ def _failed_on_master_alone(res: protocol.SealOutcome, previous: Sealed) -> bool
     return res.sealed.revision == previous.revision and not res.closed and res.prev_count == 0
 
 
-def _lease_gone(err: EtcdError) -> bool:
-    return isinstance(err, EtcdLeaseNotFound)
-
-
 class EtcdV3RendezvousHandler(RendezvousHandler):
     """A rendezvous over etcd v3 leases, transactions and watches (``--rdzv-backend=etcd-v3``).
 
@@ -135,7 +132,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._node_id = f"{addr}_{os.getpid()}_{next(_local_ids)}_{uuid.uuid4().hex[:6]}"
         self._rdzv_lock = threading.Lock()
         self._lock = threading.Lock()
-        self._keeper: LeaseKeeper | None = None
+        self._session: Session | None = None  # this node's lease; it also keeps the run lease alive
         self._run_lease: int | None = None
         self._sealed = Sealed()  # the latest ``ctl/sealed`` this node saw (a guess, checked by each join)
         self._joined: _Joined | None = None
@@ -253,19 +250,13 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 raise EtcdTimeoutError(f"close_timeout={self._settings.close_timeout:g} s passed")
             return remaining
 
+        def close(lease: int) -> bool:
+            return protocol.close(self._client, self._keys, lease, timeout=left())
+
         try:
-            for attempt in (1, 2):
-                lease = self._run_lease
-                if lease is None:
-                    lease = self._create_run_lease(left())
-                try:
-                    if protocol.close(self._client, self._keys, lease, timeout=left()):
-                        log.info("node %s closed the rendezvous %r", self._node_id, self._settings.run_id)
-                    return
-                except EtcdError as e:
-                    if not _lease_gone(e) or attempt == 2:
-                        raise
-                    self._run_lease = None
+            if renewing_lease(close, lambda: self._run_lease_or_create(left()), self._forget_run_lease,
+                              renewals=1):
+                log.info("node %s closed the rendezvous %r", self._node_id, self._settings.run_id)
         except EtcdTimeoutError as e:
             raise RendezvousTimeoutError(f"closing the rendezvous timed out: {e}") from e
         except EtcdError as e:
@@ -301,8 +292,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             # RendezvousClosedError, so a run closed from outside ends every agent.
             return max(occ.waiting, 1)
         if member_round is not None:
-            keeper = self._keeper
-            if keeper is None or keeper.expired.is_set() or occ.active < world_size:
+            session = self._session
+            if session is None or session.done().is_set() or occ.active < world_size:
                 return max(occ.waiting, 1)
         return occ.waiting if occ.active < self._settings.max_nodes else 0
 
@@ -326,23 +317,23 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         with self._lock:
             self._shut_down = True
             watch, self._watch = self._watch, None
-            keeper, self._keeper = self._keeper, None
+            session, self._session = self._session, None
         if watch is not None:
             watch.cancel()
         self._close_store()
         self._joined = None
         self._member_round = None
         if ok:  # etcd answers: release our keys now, and the rounds' records if we are last
-            if keeper is not None:
-                keeper.close(revoke=True, timeout=max(deadline - time.monotonic(), 1.0))
+            if session is not None:
+                session.close(revoke=True, timeout=max(deadline - time.monotonic(), 1.0))
             try:
                 protocol.remove_round_records_if_idle(
                     self._client, self._keys, timeout=max(deadline - time.monotonic(), 1.0)
                 )
             except EtcdError as e:
                 log.info("could not remove the round records of %r: %s", self._settings.run_id, e)
-        elif keeper is not None:  # unreachable: our keys go when the lease expires
-            keeper.close(revoke=False)
+        elif session is not None:  # unreachable: our keys go when the lease expires
+            session.close(revoke=False)
         if self._owns_client:
             self._client.close()
         return ok
@@ -354,27 +345,32 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             raise RendezvousClosedError(f"the handler of node {self._node_id} was shut down")
 
     def _ensure_lease(self) -> int:
-        """This node's lease, granted anew if there is none or it expired. 0-1 LeaseGrant."""
+        """This node's lease: a new session if there is none or it ended. 0-1 LeaseGrant."""
         with self._lock:
             self._check_not_shut_down()
-            keeper = self._keeper
-            if keeper is not None and not keeper.expired.is_set():
-                return keeper.id
-            if keeper is not None:
-                keeper.close(revoke=False)
+            session = self._session
+            if session is not None and not session.done().is_set():
+                return session.id
+            if session is not None:
                 log.warning("node %s lost its lease; joining with a new one", self._node_id)
-            keeper = self._client.keeper(self._settings.lease_ttl)
-            self._keeper = keeper
+            session = self._client.session(self._settings.lease_ttl)
+            self._session = session
             self._joined = None  # keys bound to the old lease are gone
             if self._run_lease is not None:
-                keeper.keep_also(self._run_lease)
-            return keeper.id
+                session.keep_also(self._run_lease)
+            return session.id
+
+    def _forget_lease(self, lease: int) -> None:
+        """End the session of a lease etcd no longer knows, so the next join grants a new one."""
+        session = self._session
+        if session is not None and session.id == lease:
+            session.close(revoke=False)
 
     def _drop_lease(self) -> None:
-        """Forget a lease etcd no longer knows, so the next join grants a new one."""
-        keeper = self._keeper
-        if keeper is not None:
-            keeper.expired.set()
+        """Our join key vanished with our lease: end its session (see :meth:`_forget_lease`)."""
+        session = self._session
+        if session is not None:
+            self._forget_lease(session.id)
 
     def _learn(self, sealed: Sealed) -> None:
         """Remember the latest sealed record and help keep the run lease it names alive."""
@@ -385,9 +381,17 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def _adopt_run_lease(self, lease: int) -> None:
         if lease != self._run_lease:
             self._run_lease = lease
-            keeper = self._keeper
-            if keeper is not None:
-                keeper.keep_also(lease)
+            session = self._session
+            if session is not None:
+                session.keep_also(lease)
+
+    def _run_lease_or_create(self, timeout: float | None = None) -> int:
+        return self._run_lease if self._run_lease is not None else self._create_run_lease(timeout)
+
+    def _forget_run_lease(self, lease: int) -> None:
+        """The run lease expired (``ctl/run`` went with it): the next use creates a new one."""
+        if self._run_lease == lease:
+            self._run_lease = None
 
     def _create_run_lease(self, timeout: float | None = None) -> int:
         """The run lease of ``ctl/run``, created if absent (sealers and closers only)."""
@@ -427,18 +431,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 resolved = self._resolve(joined.round, sealed)
                 if resolved is not None:
                     return resolved
-            lease = self._ensure_lease()
-            previous = self._joined.key if self._joined is not None else None
-            try:
-                outcome = protocol.join(
-                    client, keys, self._node_id, value, lease, sealed,
-                    previous_key=previous,
-                )
-            except EtcdError as e:
-                if not _lease_gone(e):
-                    raise
-                self._drop_lease()
-                continue
+            outcome = renewing_lease(
+                functools.partial(self._join, sealed, value), self._ensure_lease, self._forget_lease
+            )
             if not outcome.ok:
                 if outcome.joined_anyway:
                     # A lost answer hid a join that did apply; its round is sealed now.
@@ -463,6 +458,13 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 fresh_read = True
             else:
                 sealed = waited.sealed
+
+    def _join(self, sealed: Sealed, value: bytes, lease: int) -> protocol.JoinOutcome:
+        """One join Txn with ``lease``, leaving our previous key (if its lease is still ours)."""
+        previous = self._joined.key if self._joined is not None else None
+        return protocol.join(
+            self._client, self._keys, self._node_id, value, lease, sealed, previous_key=previous
+        )
 
     def _wait(
         self,
@@ -532,21 +534,16 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         The sealed record also names rank 0's address and port (see
         :func:`~etcd_rdzv.native.bootstrap.master_of`), so that no member has to read them after the seal.
         """
-        run_lease = self._run_lease
-        if run_lease is None:
-            run_lease = self._create_run_lease()
         master = bootstrap.master_of(self._client, self._keys, view, self._node_id, value)
-        try:
-            res = protocol.seal(self._client, self._keys, round_, previous, run_lease, master=master)
-        except EtcdError as e:
-            if not _lease_gone(e):
-                raise
-            self._run_lease = None  # expired: ``ctl/run`` went with it
-            run_lease = self._create_run_lease()
-            res = protocol.seal(self._client, self._keys, round_, previous, run_lease, master=master)
-        if not res.ok and master is not None and _failed_on_master_alone(res, previous):
-            # Rank 0's key changed since we read it: seal without naming it.
-            res = protocol.seal(self._client, self._keys, round_, previous, run_lease)
+
+        def seal(lease: int) -> protocol.SealOutcome:
+            res = protocol.seal(self._client, self._keys, round_, previous, lease, master=master)
+            if not res.ok and master is not None and _failed_on_master_alone(res, previous):
+                # Rank 0's key changed since we read it: seal without naming it.
+                res = protocol.seal(self._client, self._keys, round_, previous, lease)
+            return res
+
+        res = renewing_lease(seal, self._run_lease_or_create, self._forget_run_lease, renewals=1)
         if res.ok:
             log.debug("node %s sealed round %d at revision %d", self._node_id, round_, res.revision)
         return res.ok
