@@ -27,10 +27,10 @@ from torch.distributed.elastic.rendezvous.api import (
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from etcd_rdzv.conf import DEFAULT_LEASE_TTL, parse_v3_settings
-from etcd_rdzv.native import bootstrap, protocol
+from etcd_rdzv.native import bootstrap, protocol, queries, records
 from etcd_rdzv.native.handler import EtcdV3RendezvousHandler, RoundResult
 from etcd_rdzv.native.keys import RunKeys
-from etcd_rdzv.native.protocol import Sealed
+from etcd_rdzv.native.records import Sealed
 from etcd_rdzv.plugin import create_etcd_v3_handler, create_etcd_v3_rdzv_handler
 from etcd_store.client import EtcdClient, RpcCounter
 
@@ -406,7 +406,7 @@ def test_concurrent_seal_transactions_have_one_winner(nodes: Nodes) -> None:
 
     outcomes = [f.result(timeout=WAIT) for f in [nodes.pool.submit(attempt) for _ in range(8)]]
     assert outcomes.count(True) == 1
-    meta = protocol.read_meta(nodes.client, h.keys)
+    meta = queries.read_meta(nodes.client, h.keys)
     assert meta.sealed.round == 1
 
 
@@ -452,7 +452,7 @@ def test_previous_round_must_be_empty_to_seal(nodes: Nodes) -> None:
     node_lease = nodes.client.lease_grant(30)
     keys = h.keys
     assert protocol.seal(nodes.client, keys, 1, Sealed(), run_lease).ok
-    sealed = protocol.read_meta(nodes.client, keys).sealed
+    sealed = queries.read_meta(nodes.client, keys).sealed
     nodes.client.put(keys.join_key(1, "member"), b"{}", lease=node_lease)
     out = protocol.seal(nodes.client, keys, 2, sealed, run_lease)
     assert not out.ok and out.prev_count == 1
@@ -470,16 +470,16 @@ def test_seal_names_rank0_only_while_its_join_key_is_unchanged(nodes: Nodes) -> 
     node_lease = nodes.client.lease_grant(30)
     key = keys.join_key(1, "rank0")
     put = nodes.client.put(key, json.dumps({"addr": "10.0.0.7", "port": 29500}).encode(), lease=node_lease)
-    stale = protocol.Master(key, put.revision, "10.0.0.7", 29500)
+    stale = records.Master(key, put.revision, "10.0.0.7", 29500)
     nodes.client.put(key, json.dumps({"addr": "10.0.0.7", "port": 29611}).encode(), lease=node_lease)
     out = protocol.seal(nodes.client, keys, 1, Sealed(), run_lease, master=stale)
     assert not out.ok
     assert (out.sealed, out.closed, out.prev_count) == (Sealed(), False, 0)  # failed on master alone
     kv = nodes.client.get(key)
     assert kv is not None
-    fresh = protocol.Master(key, kv.mod_revision, "10.0.0.7", 29611)
+    fresh = records.Master(key, kv.mod_revision, "10.0.0.7", 29611)
     assert protocol.seal(nodes.client, keys, 1, Sealed(), run_lease, master=fresh).ok
-    sealed = protocol.read_meta(nodes.client, keys).sealed
+    sealed = queries.read_meta(nodes.client, keys).sealed
     assert (sealed.round, sealed.master) == (1, ("10.0.0.7", 29611))
 
 
@@ -488,7 +488,7 @@ def test_members_take_master_from_the_sealed_record(nodes: Nodes) -> None:
     address and port in the sealed record; every member's bootstrap info is that."""
     hs = nodes.many(3, 3, 3)
     infos = rendezvous_all(nodes, hs)
-    sealed = protocol.read_meta(nodes.client, nodes.keys).sealed
+    sealed = queries.read_meta(nodes.client, nodes.keys).sealed
     rank0 = next(h for h, i in zip(hs, infos, strict=True) if i.rank == 0)
     assert sealed.master == joined_address(nodes, rank0)
     assert masters(infos) == {sealed.master}
@@ -502,7 +502,7 @@ def test_without_master_in_the_sealed_record_members_read_rank0s_key(
     monkeypatch.setattr(bootstrap, "master_of", lambda *args: None)
     hs = nodes.many(3, 3, 3)
     infos = rendezvous_all(nodes, hs)
-    assert protocol.read_meta(nodes.client, nodes.keys).sealed.master is None
+    assert queries.read_meta(nodes.client, nodes.keys).sealed.master is None
     rank0 = next(h for h, i in zip(hs, infos, strict=True) if i.rank == 0)
     assert masters(infos) == {joined_address(nodes, rank0)}
 
@@ -554,16 +554,16 @@ def test_seal_and_close_after_the_run_lease_expired(nodes: Nodes) -> None:
     a close, each write again with a new run lease."""
     (a,) = nodes.many(1, 1, 1)
     assert a.next_round().round == 1
-    first = protocol.read_meta(nodes.client, nodes.keys).run_lease
+    first = queries.read_meta(nodes.client, nodes.keys).run_lease
     assert first is not None
     nodes.client.lease_revoke(first)
     r = a.next_round()
     assert (r.round, r.rank, r.world_size) == (1, 0, 1)  # the run starts over
-    second = protocol.read_meta(nodes.client, nodes.keys).run_lease
+    second = queries.read_meta(nodes.client, nodes.keys).run_lease
     assert second not in (None, first)
     nodes.client.lease_revoke(second)
     a.set_closed()
-    meta = protocol.read_meta(nodes.client, nodes.keys)
+    meta = queries.read_meta(nodes.client, nodes.keys)
     assert meta.closed and meta.run_lease not in (None, first, second)
 
 
@@ -679,7 +679,7 @@ def test_bootstrap_is_rank0s_join_value_and_the_store_rides_the_run_lease(nodes:
     # Rank 0 also published both in the store, where torch's build() would look.
     assert int(infos[0].store.get("MASTER_PORT")) == address[1]
     infos[1].store.set("mine", "1")
-    run_lease = protocol.read_meta(nodes.client, nodes.keys).run_lease
+    run_lease = queries.read_meta(nodes.client, nodes.keys).run_lease
     assert run_lease is not None
     res = nodes.client.range(nodes.keys.store_prefix(1).encode(), prefix=True)
     assert res.kvs and {kv.lease for kv in res.kvs} == {run_lease}

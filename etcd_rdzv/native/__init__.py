@@ -4,7 +4,8 @@
 the ``torchrun.handlers`` entry point :func:`etcd_rdzv.plugin.create_etcd_v3_handler`.
 
 Modules: :mod:`.settings` (the frozen settings, parsed by :mod:`etcd_rdzv.conf`),
-:mod:`.keys` (key layout), :mod:`.protocol` (the records and one function per
+:mod:`.keys` (key layout), :mod:`.records` (what each key holds),
+:mod:`.queries` (the read-only RPCs), :mod:`.protocol` (one function per
 transition), :mod:`.view` (the round as a node's watch shows it), :mod:`.barrier`
 (the pure decision of the wait loop), :mod:`.bootstrap` (``MASTER_ADDR``/
 ``MASTER_PORT`` of a round), :mod:`.handler` (the handler, which acts). Importing

@@ -43,11 +43,11 @@ from torch.distributed.elastic.rendezvous.api import (
 from etcd_store.client import EtcdClient, Session, Watch, renewing_lease
 from etcd_store.errors import EtcdCompactedError, EtcdError, EtcdTimeoutError
 
-from . import bootstrap, protocol
+from . import bootstrap, protocol, queries
 from .barrier import Admitted, Barrier, JoinClock, Seal, Tally, TimeOut, Void, decide, verdict
 from .bootstrap import bootstrap_info, join_value
 from .keys import RunKeys
-from .protocol import ProtocolStateError, Sealed
+from .records import ProtocolStateError, Sealed
 from .settings import V3Settings
 from .view import RoundView, Signal, SignalKind
 
@@ -227,7 +227,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if self._shut_down:
             return True
         try:
-            return protocol.is_closed(self._client, self._keys)
+            return queries.is_closed(self._client, self._keys)
         except EtcdError as e:
             raise RendezvousConnectionError(str(e)) from e
 
@@ -282,8 +282,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         try:
             round_ = member_round
             if round_ is None:
-                round_ = protocol.read_meta(self._client, self._keys).sealed.round
-            occ = protocol.count_waiting(self._client, self._keys, round_)
+                round_ = queries.read_meta(self._client, self._keys).sealed.round
+            occ = queries.count_waiting(self._client, self._keys, round_)
         except EtcdError as e:
             raise RendezvousConnectionError(str(e)) from e
         if occ.closed:
@@ -419,7 +419,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         fresh_read = False
         while True:
             if fresh_read:
-                meta = protocol.read_meta(client, keys)
+                meta = queries.read_meta(client, keys)
                 if meta.closed:
                     self._withdraw()
                     raise RendezvousClosedError(f"the rendezvous {self._settings.run_id!r} is closed")
@@ -595,7 +595,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             if view.before == 0:
                 members = [self._node_id, *view.members_after_us()][: s.max_nodes]
             else:
-                members = protocol.snapshot_members(
+                members = queries.snapshot_members(
                     self._client, self._keys, view.round, sealed.revision, s.max_nodes
                 )
             run_lease = self._run_lease
@@ -607,13 +607,13 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def _resolve(self, round_: int, sealed: Sealed) -> RoundResult | None:
         """Our place in ``round_``, sealed while we were not watching; None if not a member."""
         s = self._settings
-        members, _ = protocol.read_members(self._client, self._keys, round_)
+        members, _ = queries.read_members(self._client, self._keys, round_)
         if members is None:
             if sealed.round != round_:
                 # A later round was sealed, so ours was vacated: our key is gone (lease
                 # expired), and whatever group we were in has been replaced.
                 return None
-            members = protocol.snapshot_members(
+            members = queries.snapshot_members(
                 self._client, self._keys, round_, sealed.revision, s.max_nodes
             )
         if len(members) < s.min_nodes or self._node_id not in members:
