@@ -130,7 +130,7 @@ def assert_group(res: list[RoundResult], world_size: int) -> None:
 
 
 def lease_of(handler: EtcdV3RendezvousHandler) -> int:
-    session = handler._session
+    session = handler._node.session
     assert session is not None
     return session.id
 
@@ -327,7 +327,7 @@ def test_waiting_node_whose_lease_expires_rejoins(nodes: Nodes) -> None:
 def test_member_lease_loss_asks_for_a_new_round(nodes: Nodes) -> None:
     a, b = nodes.many(2, 2, 2)
     assert_group(results(nodes.start(a, b)), 2)
-    session = a._session
+    session = a._node.session
     assert session is not None
     nodes.client.lease_revoke(session.id)
     assert session.lost.wait(WAIT)
@@ -540,7 +540,7 @@ def test_join_refused_for_a_revoked_lease_takes_a_new_one(nodes: Nodes) -> None:
     handler ends that session, takes a new lease and joins with it."""
     (a,) = nodes.many(1, 1, 1, heartbeat="60", state_ttl="120")  # keep-alives every 20 s
     assert a.next_round().round == 1
-    old = a._session
+    old = a._node.session
     assert old is not None
     nodes.client.lease_revoke(old.id)
     r = a.next_round()
@@ -621,7 +621,7 @@ def test_idle_job_writes_nothing(nodes: Nodes) -> None:
     hs = nodes.many(3, 3, 3, heartbeat="2")
     assert_group(results(nodes.start(*hs)), 3)
     before = nodes.client.range(b"/", count_only=True).revision
-    sessions = [h._session for h in hs]
+    sessions = [h._node.session for h in hs]
     assert all(k is not None for k in sessions)
     threading.Event().wait(3.0)  # several keep-alives (every ~0.7 s) must happen meanwhile
     assert all(nodes.client.lease_time_to_live(k.id) > 0 for k in sessions if k is not None)

@@ -109,7 +109,7 @@ class Stress:
                     with self.lock:
                         self.waiting.discard(handler)
                 entry = Entry(result, time.monotonic())
-                lease = handler._session.id if handler._session is not None else None
+                lease = handler._node.session.id if handler._node.session is not None else None
                 with self.lock:
                     self.entries.append(entry)
                 self.stop.wait(rng.uniform(0.0, 0.15))  # the group "runs"
@@ -134,7 +134,7 @@ class Stress:
 
     def kill(self, handler: EtcdV3RendezvousHandler) -> None:
         """The node dies: no shutdown (that would close the run), its lease just ends."""
-        session = handler._session
+        session = handler._node.session
         if session is not None:
             session.close(revoke=True)
 
@@ -150,7 +150,7 @@ class Stress:
                     with self.lock:
                         waiting = sorted(self.waiting, key=id)
                     if waiting:
-                        session = rng.choice(waiting)._session
+                        session = rng.choice(waiting)._node.session
                         if session is not None:
                             with self.lock:
                                 self.revoked_at.setdefault(session.id, time.monotonic())

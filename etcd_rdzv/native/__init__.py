@@ -8,7 +8,8 @@ Modules: :mod:`.settings` (the frozen settings, parsed by :mod:`etcd_rdzv.conf`)
 :mod:`.queries` (the read-only RPCs), :mod:`.protocol` (one function per
 transition), :mod:`.view` (the round as a node's watch shows it), :mod:`.barrier`
 (the pure decision of the wait loop), :mod:`.bootstrap` (``MASTER_ADDR``/
-``MASTER_PORT`` of a round), :mod:`.handler` (the handler, which acts). Importing
+``MASTER_PORT`` of a round), :mod:`.rounds` (one node's join, wait and seal, which
+acts on the decision), :mod:`.handler` (torch's handler interface). Importing
 this package is light; names load on first access.
 """
 
@@ -18,7 +19,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .handler import EtcdV3RendezvousHandler, RoundResult
+    from .handler import EtcdV3RendezvousHandler
+    from .rounds import RoundResult
     from .settings import V3Settings
 
 __all__ = [
@@ -29,7 +31,7 @@ __all__ = [
 
 _HOMES = {
     "EtcdV3RendezvousHandler": "handler",
-    "RoundResult": "handler",
+    "RoundResult": "rounds",
     "V3Settings": "settings",
 }
 
