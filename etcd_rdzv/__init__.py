@@ -14,9 +14,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .conf import EtcdClientOptions, RdzvConfig, parse_client_options, parse_rdzv_config
     from .dynamic.backend import EtcdRendezvousBackend, create_backend
     from .dynamic.handler import EtcdRendezvousHandler
-    from .params import EtcdClientOptions, RdzvConfig, parse_client_options, parse_rdzv_config
     from .plugin import (
         create_etcd_legacy_handler,
         create_etcd_legacy_rdzv_handler,
@@ -46,10 +46,10 @@ _HOMES = {
     "EtcdRendezvousBackend": "dynamic.backend",
     "create_backend": "dynamic.backend",
     "EtcdRendezvousHandler": "dynamic.handler",
-    "EtcdClientOptions": "params",
-    "RdzvConfig": "params",
-    "parse_client_options": "params",
-    "parse_rdzv_config": "params",
+    "EtcdClientOptions": "conf",
+    "RdzvConfig": "conf",
+    "parse_client_options": "conf",
+    "parse_rdzv_config": "conf",
     "create_etcd_legacy_handler": "plugin",
     "create_etcd_legacy_rdzv_handler": "plugin",
     "create_etcd_v2_handler": "plugin",

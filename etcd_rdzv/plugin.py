@@ -115,7 +115,7 @@ def _load_creator(name: str) -> Callable[..., RendezvousHandler]:
 def create_etcd_v2_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     """Create the ``etcd-v2`` handler: torch's dynamic rendezvous over etcd v3.
 
-    Accepts torch's ``etcd-v2`` rdzv-conf keys plus ours (see :mod:`etcd_rdzv.params`).
+    Accepts torch's ``etcd-v2`` rdzv-conf keys plus ours (see :mod:`etcd_rdzv.conf`).
     Opens the run's store (one to three RPCs). Raises ``ValueError`` naming a bad
     key, ``RendezvousConnectionError`` when etcd is unreachable within
     ``read_timeout``, :class:`EtcdRdzvPluginError` when the plugin's dependencies
@@ -154,15 +154,15 @@ def create_etcd_v3_rdzv_handler(
 ) -> EtcdV3RendezvousHandler:
     """Create an ``etcd-v3`` handler from torchrun's parameters (the registered creator).
 
-    Reads the rdzv-conf keys of :mod:`etcd_rdzv.native.settings` and
-    :mod:`etcd_rdzv.params`; raises ``ValueError`` naming a bad key. No RPC is
+    Reads the rdzv-conf keys with :func:`etcd_rdzv.conf.parse_v3_settings`;
+    raises ``ValueError`` naming a bad key. No RPC is
     made here. ``client`` (an ``EtcdClient``) is used instead of a new one when
     given, and is then not closed by ``shutdown()``.
     """
+    from .conf import parse_v3_settings
     from .native.handler import EtcdV3RendezvousHandler
-    from .native.settings import parse_settings
 
-    settings, options = parse_settings(params)
+    settings, options = parse_v3_settings(params)
     if client is not None:
         return EtcdV3RendezvousHandler(settings, client, owns_client=False)
     return EtcdV3RendezvousHandler(settings, options.create_client(), owns_client=True)

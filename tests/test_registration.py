@@ -22,13 +22,15 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from etcd_rdzv import EtcdRendezvousBackend, plugin
-from etcd_rdzv.params import (
+from etcd_rdzv.conf import (
     DEFAULT_KEY_PREFIX,
     DEFAULT_READ_TIMEOUT,
     DEFAULT_STATE_TTL,
     LEGACY_KEY_PREFIX,
     PASSWORD_ENV,
     USER_ENV,
+    DynamicSettings,
+    parse_dynamic_settings,
     parse_rdzv_config,
     translate_legacy_params,
 )
@@ -266,6 +268,22 @@ def test_legacy_keys_are_translated() -> None:
     plain = translate_legacy_params(_params("etcd", timeout="900", join_timeout="20"))
     assert plain.get("key_prefix") == LEGACY_KEY_PREFIX
     assert plain.get("join_timeout") == "20"
+
+
+def test_dynamic_settings_name_every_timeout() -> None:
+    """One pass: torch's handler defaults, the values given, the legacy keys."""
+    d = parse_dynamic_settings(_params())
+    assert (d.join_timeout, d.last_call_timeout, d.close_timeout, d.heartbeat_timeout) == (600, 30, 30, 5)
+    assert (d.keep_alive_interval, d.keep_alive_max_attempt) == (5, 3)
+    assert d.config.key_prefix == DEFAULT_KEY_PREFIX and d.backend == "etcd-v2"
+    given = parse_dynamic_settings(
+        _params(join_timeout="7", heartbeat_timeout="1.5", keep_alive_interval="2", keep_alive_max_attempt="4")
+    )
+    assert (given.join_timeout, given.heartbeat_timeout) == (7, 1.5)
+    assert (given.keep_alive_interval, given.keep_alive_max_attempt) == (2, 4)
+    legacy = parse_dynamic_settings(_params("etcd", timeout="77", etcd_prefix="/old"), legacy=True)
+    assert isinstance(legacy, DynamicSettings)
+    assert (legacy.join_timeout, legacy.config.key_prefix, legacy.backend) == (77, "/old", "etcd")
 
 
 def test_legacy_handler_reads_legacy_keys(etcd_endpoint: str) -> None:

@@ -26,11 +26,11 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-from etcd_rdzv.native import bootstrap, protocol
+from etcd_rdzv.conf import DEFAULT_LEASE_TTL, parse_v3_settings
+from etcd_rdzv.native import bootstrap, protocol, queries, records
 from etcd_rdzv.native.handler import EtcdV3RendezvousHandler, RoundResult
 from etcd_rdzv.native.keys import RunKeys
-from etcd_rdzv.native.protocol import Sealed
-from etcd_rdzv.native.settings import DEFAULT_LEASE_TTL, parse_settings
+from etcd_rdzv.native.records import Sealed
 from etcd_rdzv.plugin import create_etcd_v3_handler, create_etcd_v3_rdzv_handler
 from etcd_store.client import EtcdClient, RpcCounter
 
@@ -130,9 +130,9 @@ def assert_group(res: list[RoundResult], world_size: int) -> None:
 
 
 def lease_of(handler: EtcdV3RendezvousHandler) -> int:
-    keeper = handler._keeper
-    assert keeper is not None
-    return keeper.id
+    session = handler._node.session
+    assert session is not None
+    return session.id
 
 
 def rendezvous_all(nodes: Nodes, handlers: Iterable[EtcdV3RendezvousHandler]) -> list[RendezvousInfo]:
@@ -327,10 +327,10 @@ def test_waiting_node_whose_lease_expires_rejoins(nodes: Nodes) -> None:
 def test_member_lease_loss_asks_for_a_new_round(nodes: Nodes) -> None:
     a, b = nodes.many(2, 2, 2)
     assert_group(results(nodes.start(a, b)), 2)
-    keeper = a._keeper
-    assert keeper is not None
-    nodes.client.lease_revoke(keeper.id)
-    assert keeper.expired.wait(WAIT)
+    session = a._node.session
+    assert session is not None
+    nodes.client.lease_revoke(session.id)
+    assert session.lost.wait(WAIT)
     assert a.num_nodes_waiting() >= 1  # a's agent will re-rendezvous
     res = results(nodes.start(a, b))
     assert_group(res, 2)
@@ -406,7 +406,7 @@ def test_concurrent_seal_transactions_have_one_winner(nodes: Nodes) -> None:
 
     outcomes = [f.result(timeout=WAIT) for f in [nodes.pool.submit(attempt) for _ in range(8)]]
     assert outcomes.count(True) == 1
-    meta = protocol.read_meta(nodes.client, h.keys)
+    meta = queries.read_meta(nodes.client, h.keys)
     assert meta.sealed.round == 1
 
 
@@ -418,16 +418,16 @@ def test_many_nodes_race_to_seal_one_round(nodes: Nodes) -> None:
 
 def test_backup_sealer_takes_over_a_silent_first_node(nodes: Nodes) -> None:
     """The first joiner is alive (lease refreshed) but never seals: others seal for it."""
-    keeper = nodes.client.keeper(10)
+    session = nodes.client.session(10)
     try:
-        nodes.client.put(nodes.keys.join_key(1, "silent"), b"{}", lease=keeper.id)
+        nodes.client.put(nodes.keys.join_key(1, "silent"), b"{}", lease=session.id)
         a, b = nodes.many(2, 3, 3)
         res = results(nodes.start(a, b))
         assert sorted(r.rank for r in res) == [1, 2]  # rank 0 is the silent node
         assert {r.world_size for r in res} == {3}
         assert nodes.members(1)[0] == "silent"
     finally:
-        keeper.close()
+        session.close()
 
 
 def test_the_join_that_fills_the_round_seals_it(nodes: Nodes, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -436,14 +436,14 @@ def test_the_join_that_fills_the_round_seals_it(nodes: Nodes, monkeypatch: pytes
     from etcd_rdzv.native import barrier
 
     monkeypatch.setattr(barrier, "SEAL_BACKUP_DELAY", 3600.0)  # position 1 would wait an hour
-    keeper = nodes.client.keeper(10)
+    session = nodes.client.session(10)
     try:
-        nodes.client.put(nodes.keys.join_key(1, "silent"), b"{}", lease=keeper.id)
+        nodes.client.put(nodes.keys.join_key(1, "silent"), b"{}", lease=session.id)
         (h,) = nodes.many(1, 2, 2)
         r = nodes.start(h)[0].result(timeout=WAIT)
         assert (r.rank, r.world_size) == (1, 2)
     finally:
-        keeper.close()
+        session.close()
 
 
 def test_previous_round_must_be_empty_to_seal(nodes: Nodes) -> None:
@@ -452,7 +452,7 @@ def test_previous_round_must_be_empty_to_seal(nodes: Nodes) -> None:
     node_lease = nodes.client.lease_grant(30)
     keys = h.keys
     assert protocol.seal(nodes.client, keys, 1, Sealed(), run_lease).ok
-    sealed = protocol.read_meta(nodes.client, keys).sealed
+    sealed = queries.read_meta(nodes.client, keys).sealed
     nodes.client.put(keys.join_key(1, "member"), b"{}", lease=node_lease)
     out = protocol.seal(nodes.client, keys, 2, sealed, run_lease)
     assert not out.ok and out.prev_count == 1
@@ -470,16 +470,16 @@ def test_seal_names_rank0_only_while_its_join_key_is_unchanged(nodes: Nodes) -> 
     node_lease = nodes.client.lease_grant(30)
     key = keys.join_key(1, "rank0")
     put = nodes.client.put(key, json.dumps({"addr": "10.0.0.7", "port": 29500}).encode(), lease=node_lease)
-    stale = protocol.Master(key, put.revision, "10.0.0.7", 29500)
+    stale = records.Master(key, put.revision, "10.0.0.7", 29500)
     nodes.client.put(key, json.dumps({"addr": "10.0.0.7", "port": 29611}).encode(), lease=node_lease)
     out = protocol.seal(nodes.client, keys, 1, Sealed(), run_lease, master=stale)
     assert not out.ok
     assert (out.sealed, out.closed, out.prev_count) == (Sealed(), False, 0)  # failed on master alone
     kv = nodes.client.get(key)
     assert kv is not None
-    fresh = protocol.Master(key, kv.mod_revision, "10.0.0.7", 29611)
+    fresh = records.Master(key, kv.mod_revision, "10.0.0.7", 29611)
     assert protocol.seal(nodes.client, keys, 1, Sealed(), run_lease, master=fresh).ok
-    sealed = protocol.read_meta(nodes.client, keys).sealed
+    sealed = queries.read_meta(nodes.client, keys).sealed
     assert (sealed.round, sealed.master) == (1, ("10.0.0.7", 29611))
 
 
@@ -488,7 +488,7 @@ def test_members_take_master_from_the_sealed_record(nodes: Nodes) -> None:
     address and port in the sealed record; every member's bootstrap info is that."""
     hs = nodes.many(3, 3, 3)
     infos = rendezvous_all(nodes, hs)
-    sealed = protocol.read_meta(nodes.client, nodes.keys).sealed
+    sealed = queries.read_meta(nodes.client, nodes.keys).sealed
     rank0 = next(h for h, i in zip(hs, infos, strict=True) if i.rank == 0)
     assert sealed.master == joined_address(nodes, rank0)
     assert masters(infos) == {sealed.master}
@@ -502,7 +502,7 @@ def test_without_master_in_the_sealed_record_members_read_rank0s_key(
     monkeypatch.setattr(bootstrap, "master_of", lambda *args: None)
     hs = nodes.many(3, 3, 3)
     infos = rendezvous_all(nodes, hs)
-    assert protocol.read_meta(nodes.client, nodes.keys).sealed.master is None
+    assert queries.read_meta(nodes.client, nodes.keys).sealed.master is None
     rank0 = next(h for h, i in zip(hs, infos, strict=True) if i.rank == 0)
     assert masters(infos) == {joined_address(nodes, rank0)}
 
@@ -530,6 +530,41 @@ def test_a_join_whose_answer_was_lost_is_found_again(nodes: Nodes, monkeypatch: 
     result = h.next_round()
     assert (result.round, result.rank, result.world_size) == (1, 0, 1)
     assert nodes.client.range(nodes.join_prefix(2), prefix=True, count_only=True).count == 0
+
+
+# --------------------------------------------------------------------------- lease gone: renew, write again
+
+
+def test_join_refused_for_a_revoked_lease_takes_a_new_one(nodes: Nodes) -> None:
+    """etcd refuses the join (lease not found) before the session noticed: the
+    handler ends that session, takes a new lease and joins with it."""
+    (a,) = nodes.many(1, 1, 1, heartbeat="60", state_ttl="120")  # keep-alives every 20 s
+    assert a.next_round().round == 1
+    old = a._node.session
+    assert old is not None
+    nodes.client.lease_revoke(old.id)
+    r = a.next_round()
+    assert (r.round, r.rank, r.world_size) == (2, 0, 1)
+    assert not old.lost.is_set() and old.done().is_set()  # learnt from the join, not the stream
+    assert lease_of(a) != old.id and nodes.client.lease_time_to_live(lease_of(a)) > 0
+
+
+def test_seal_and_close_after_the_run_lease_expired(nodes: Nodes) -> None:
+    """The run lease went (with ``ctl/run`` and ``ctl/sealed``): the next seal, and
+    a close, each write again with a new run lease."""
+    (a,) = nodes.many(1, 1, 1)
+    assert a.next_round().round == 1
+    first = queries.read_meta(nodes.client, nodes.keys).run_lease
+    assert first is not None
+    nodes.client.lease_revoke(first)
+    r = a.next_round()
+    assert (r.round, r.rank, r.world_size) == (1, 0, 1)  # the run starts over
+    second = queries.read_meta(nodes.client, nodes.keys).run_lease
+    assert second not in (None, first)
+    nodes.client.lease_revoke(second)
+    a.set_closed()
+    meta = queries.read_meta(nodes.client, nodes.keys)
+    assert meta.closed and meta.run_lease not in (None, first, second)
 
 
 # --------------------------------------------------------------------------- closing
@@ -586,10 +621,10 @@ def test_idle_job_writes_nothing(nodes: Nodes) -> None:
     hs = nodes.many(3, 3, 3, heartbeat="2")
     assert_group(results(nodes.start(*hs)), 3)
     before = nodes.client.range(b"/", count_only=True).revision
-    keepers = [h._keeper for h in hs]
-    assert all(k is not None for k in keepers)
+    sessions = [h._node.session for h in hs]
+    assert all(k is not None for k in sessions)
     threading.Event().wait(3.0)  # several keep-alives (every ~0.7 s) must happen meanwhile
-    assert all(nodes.client.lease_time_to_live(k.id) > 0 for k in keepers if k is not None)
+    assert all(nodes.client.lease_time_to_live(k.id) > 0 for k in sessions if k is not None)
     assert nodes.client.range(b"/", count_only=True).revision == before
 
 
@@ -644,7 +679,7 @@ def test_bootstrap_is_rank0s_join_value_and_the_store_rides_the_run_lease(nodes:
     # Rank 0 also published both in the store, where torch's build() would look.
     assert int(infos[0].store.get("MASTER_PORT")) == address[1]
     infos[1].store.set("mine", "1")
-    run_lease = protocol.read_meta(nodes.client, nodes.keys).run_lease
+    run_lease = queries.read_meta(nodes.client, nodes.keys).run_lease
     assert run_lease is not None
     res = nodes.client.range(nodes.keys.store_prefix(1).encode(), prefix=True)
     assert res.kvs and {kv.lease for kv in res.kvs} == {run_lease}
@@ -725,7 +760,7 @@ def test_registered_with_torch(etcd_endpoint: str) -> None:
 )
 def test_settings(conf: dict[str, str], field: str, value: object) -> None:
     params = RendezvousParameters("etcd-v3", "localhost:2379", "r", 1, 2, **conf)
-    settings, options = parse_settings(params)
+    settings, options = parse_v3_settings(params)
     assert getattr(settings, field) == value
     assert options.endpoints == "localhost:2379"
 
@@ -745,4 +780,4 @@ def test_settings(conf: dict[str, str], field: str, value: object) -> None:
 def test_bad_settings_name_the_key(conf: dict[str, str], named: str) -> None:
     params = RendezvousParameters("etcd-v3", "localhost:2379", "r", 1, 2, **conf)
     with pytest.raises(ValueError, match=named):
-        parse_settings(params)
+        parse_v3_settings(params)

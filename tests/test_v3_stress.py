@@ -109,7 +109,7 @@ class Stress:
                     with self.lock:
                         self.waiting.discard(handler)
                 entry = Entry(result, time.monotonic())
-                lease = handler._keeper.id if handler._keeper is not None else None
+                lease = handler._node.session.id if handler._node.session is not None else None
                 with self.lock:
                     self.entries.append(entry)
                 self.stop.wait(rng.uniform(0.0, 0.15))  # the group "runs"
@@ -134,9 +134,9 @@ class Stress:
 
     def kill(self, handler: EtcdV3RendezvousHandler) -> None:
         """The node dies: no shutdown (that would close the run), its lease just ends."""
-        keeper = handler._keeper
-        if keeper is not None:
-            keeper.close(revoke=True)
+        session = handler._node.session
+        if session is not None:
+            session.close(revoke=True)
 
     def chaos(self) -> None:
         rng = random.Random(self.seed)
@@ -150,11 +150,11 @@ class Stress:
                     with self.lock:
                         waiting = sorted(self.waiting, key=id)
                     if waiting:
-                        keeper = rng.choice(waiting)._keeper
-                        if keeper is not None:
+                        session = rng.choice(waiting)._node.session
+                        if session is not None:
                             with self.lock:
-                                self.revoked_at.setdefault(keeper.id, time.monotonic())
-                            self.client.lease_revoke(keeper.id)
+                                self.revoked_at.setdefault(session.id, time.monotonic())
+                            self.client.lease_revoke(session.id)
                             self.lease_kills += 1
             except Exception as e:
                 self.errors.append(e)

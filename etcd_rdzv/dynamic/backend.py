@@ -43,14 +43,16 @@ from etcd_store.client import (
     EtcdClient,
     KeyValue,
     RangeResult,
+    TxnResult,
     compare_mod,
     compare_version,
     op_get,
     op_put,
+    renewing_lease,
 )
-from etcd_store.errors import EtcdError, EtcdLeaseNotFound
+from etcd_store.errors import EtcdError
 
-from ..params import DEFAULT_KEY_PREFIX, DEFAULT_STATE_TTL, parse_rdzv_config
+from ..conf import DEFAULT_KEY_PREFIX, DEFAULT_STATE_TTL, RdzvConfig, parse_rdzv_config
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -58,7 +60,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["STORE_TIMEOUT", "EtcdRendezvousBackend", "create_backend"]
+__all__ = ["STORE_TIMEOUT", "EtcdRendezvousBackend", "create_backend", "open_backend"]
 
 STORE_TIMEOUT = timedelta(seconds=300)
 """Blocking-get timeout of the run's ``EtcdStore`` (torch's c10d store default)."""
@@ -141,25 +143,19 @@ class EtcdRendezvousBackend(RendezvousBackend):
 
         value = b64encode(state)
         deadline = time.monotonic() + self._client.timeout
+
+        def write(lease: int) -> TxnResult:
+            return self._client.txn(
+                [compare],
+                [op_put(self._key, value, lease=lease)],
+                [op_get(self._key)],
+                timeout=self._remaining(deadline),
+                idempotent=True,
+            )
+
         try:
-            for attempt in (1, 2):
-                lease = self._lease(deadline)
-                try:
-                    result = self._client.txn(
-                        [compare],
-                        [op_put(self._key, value, lease=lease)],
-                        [op_get(self._key)],
-                        timeout=self._remaining(deadline),
-                        idempotent=True,
-                    )
-                    break
-                except EtcdError as e:
-                    if attempt == 1 and isinstance(e, EtcdLeaseNotFound):
-                        # Someone revoked our lease (or etcd lost it): take a new one once.
-                        log.info("lease %x of %s is gone; granting a new one", lease, self.key)
-                        self._forget_lease(lease)
-                        continue
-                    raise
+            # Someone revoked our lease (or etcd lost it): take a new one, once.
+            result = renewing_lease(write, lambda: self._lease(deadline), self._forget_lease, renewals=1)
         except EtcdError as e:
             raise self._connection_error(e) from e
 
@@ -217,26 +213,29 @@ class EtcdRendezvousBackend(RendezvousBackend):
 def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend, Store]:
     """Create the backend and the run's store from torchrun's parameters.
 
-    rdzv-conf keys: see :mod:`etcd_rdzv.params`. The store is an
-    :class:`etcd_store.EtcdStore` sharing the backend's client, with keys under
-    ``<key_prefix>/<run_id>/store``; its blocking reads wait up to
-    :data:`STORE_TIMEOUT`. The backend's ``name`` is ``params.backend``.
-
-    Creating the store reads (or creates) its namespace lease: one to three RPCs.
-    Raises ``ValueError`` naming a bad key, ``RendezvousConnectionError`` when
-    etcd cannot be reached (or refuses the credentials) within ``read_timeout``.
+    rdzv-conf keys: see :func:`etcd_rdzv.conf.parse_rdzv_config`; then as
+    :func:`open_backend`, named ``params.backend``. Raises ``ValueError`` naming a bad key.
     """
-    config = parse_rdzv_config(params)
+    return open_backend(parse_rdzv_config(params), params.run_id, name=params.backend)
+
+
+def open_backend(
+    config: RdzvConfig, run_id: str, *, name: str = "etcd-v2"
+) -> tuple[EtcdRendezvousBackend, Store]:
+    """The backend of ``run_id`` and the run's store, sharing one new client.
+
+    The store is an :class:`etcd_store.EtcdStore` with keys under
+    ``<key_prefix>/<run_id>/store``; its blocking reads wait up to
+    :data:`STORE_TIMEOUT`. Creating it reads (or creates) its namespace lease:
+    one to three RPCs. Raises ``RendezvousConnectionError`` when etcd cannot be
+    reached (or refuses the credentials) within ``read_timeout``.
+    """
     client = config.client.create_client()
     try:
         backend = EtcdRendezvousBackend(
-            client,
-            params.run_id,
-            key_prefix=config.key_prefix,
-            ttl=config.state_ttl,
-            name=params.backend,
+            client, run_id, key_prefix=config.key_prefix, ttl=config.state_ttl, name=name
         )
-        store = _create_store(client, config.store_prefix(params.run_id))
+        store = _create_store(client, config.store_prefix(run_id))
     except BaseException:
         client.close()
         raise

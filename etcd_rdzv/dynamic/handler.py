@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from torch.distributed.elastic.rendezvous.api import RendezvousInfo
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
@@ -30,15 +30,15 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousTimeout,
 )
 
-from ..params import get_positive_int, get_seconds, translate_legacy_params
-from .backend import create_backend
+from ..conf import DynamicSettings, parse_dynamic_settings
+from .backend import open_backend
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EtcdRendezvousHandler", "create_handler_from_params"]
+__all__ = ["EtcdRendezvousHandler", "create_handler", "create_handler_from_params"]
 
 
 class EtcdRendezvousHandler(DynamicRendezvousHandler):
@@ -85,45 +85,39 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         del server  # the last reference: the server stops
 
 
-def _timeout(params: Any, name: str) -> timedelta | None:
-    seconds = get_seconds(params, f"{name}_timeout")
-    return None if seconds is None else timedelta(seconds=seconds)
-
-
 def create_handler_from_params(
     params: RendezvousParameters, *, legacy: bool = False
 ) -> EtcdRendezvousHandler:
     """Build backend, store and handler from torchrun's parameters.
 
-    ``legacy``: read torch's legacy ``etcd`` conf keys too (see
-    :func:`etcd_rdzv.params.translate_legacy_params`). Handler keys as torch's
-    ``create_handler``: ``join_timeout`` (600), ``last_call_timeout`` (30),
-    ``close_timeout`` (30), ``heartbeat_timeout`` (5), ``keep_alive_interval`` (5),
-    ``keep_alive_max_attempt`` (3). Raises ``ValueError`` naming a bad key (before
-    any RPC), ``RendezvousConnectionError`` when the run's store cannot be opened
-    within ``read_timeout``.
+    The settings come from :func:`etcd_rdzv.conf.parse_dynamic_settings` (``legacy``:
+    read torch's legacy ``etcd`` keys too); handler keys as torch's ``create_handler``.
+    Raises ``ValueError`` naming a bad key (before any RPC),
+    ``RendezvousConnectionError`` when the run's store cannot be opened within
+    ``read_timeout``.
     """
-    if legacy:
-        params = translate_legacy_params(params)
+    return create_handler(parse_dynamic_settings(params, legacy=legacy))
+
+
+def create_handler(settings: DynamicSettings) -> EtcdRendezvousHandler:
+    """The handler of ``settings``: opens the backend and the run's store (one to three RPCs)."""
+    backend, store = open_backend(settings.config, settings.run_id, name=settings.backend)
     timeout = RendezvousTimeout(
-        join=_timeout(params, "join"),
-        last_call=_timeout(params, "last_call"),
-        close=_timeout(params, "close"),
-        heartbeat=_timeout(params, "heartbeat"),
+        join=timedelta(seconds=settings.join_timeout),
+        last_call=timedelta(seconds=settings.last_call_timeout),
+        close=timedelta(seconds=settings.close_timeout),
+        heartbeat=timedelta(seconds=settings.heartbeat_timeout),
     )
-    keep_alive_interval = get_seconds(params, "keep_alive_interval")
-    max_attempt = get_positive_int(params, "keep_alive_max_attempt", 3)
-    backend, store = create_backend(params)
     handler = EtcdRendezvousHandler.from_backend(
-        params.run_id,
+        settings.run_id,
         store,
         backend,
-        params.min_nodes,
-        params.max_nodes,
-        params.local_addr,
+        settings.min_nodes,
+        settings.max_nodes,
+        settings.local_addr,
         timeout,
-        keep_alive_interval=keep_alive_interval or 5,  # type: ignore[arg-type]
-        keep_alive_max_attempt=max_attempt,
+        keep_alive_interval=settings.keep_alive_interval,  # type: ignore[arg-type]
+        keep_alive_max_attempt=settings.keep_alive_max_attempt,
     )
     assert isinstance(handler, EtcdRendezvousHandler)
     return handler

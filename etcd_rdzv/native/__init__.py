@@ -3,12 +3,14 @@
 ``torchrun --rdzv-backend=etcd-v3 --rdzv-endpoint=HOST:2379 ...`` reaches it through
 the ``torchrun.handlers`` entry point :func:`etcd_rdzv.plugin.create_etcd_v3_handler`.
 
-Modules: :mod:`.settings` (rdzv-conf), :mod:`.keys` (key layout), :mod:`.protocol`
-(the records and one function per transition), :mod:`.view` (the round as a
-node's watch shows it), :mod:`.barrier` (the pure decision of the wait loop),
-:mod:`.bootstrap` (``MASTER_ADDR``/``MASTER_PORT`` of a round), :mod:`.handler`
-(the handler, which acts). Importing this package is light; names load on
-first access.
+Modules: :mod:`.settings` (the frozen settings, parsed by :mod:`etcd_rdzv.conf`),
+:mod:`.keys` (key layout), :mod:`.records` (what each key holds),
+:mod:`.queries` (the read-only RPCs), :mod:`.protocol` (one function per
+transition), :mod:`.view` (the round as a node's watch shows it), :mod:`.barrier`
+(the pure decision of the wait loop), :mod:`.bootstrap` (``MASTER_ADDR``/
+``MASTER_PORT`` of a round), :mod:`.rounds` (one node's join, wait and seal, which
+acts on the decision), :mod:`.handler` (torch's handler interface). Importing
+this package is light; names load on first access.
 """
 
 from __future__ import annotations
@@ -17,21 +19,20 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .handler import EtcdV3RendezvousHandler, RoundResult
-    from .settings import V3Settings, parse_settings
+    from .handler import EtcdV3RendezvousHandler
+    from .rounds import RoundResult
+    from .settings import V3Settings
 
 __all__ = [
     "EtcdV3RendezvousHandler",
     "RoundResult",
     "V3Settings",
-    "parse_settings",
 ]
 
 _HOMES = {
     "EtcdV3RendezvousHandler": "handler",
-    "RoundResult": "handler",
+    "RoundResult": "rounds",
     "V3Settings": "settings",
-    "parse_settings": "settings",
 }
 
 

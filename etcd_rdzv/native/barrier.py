@@ -2,7 +2,7 @@
 
 A node that joined round ``T`` waits on its watch of ``ctl/`` until ``T`` is
 sealed, and seals it itself when due. What it knows of the round is a
-:class:`Tally` (taken from its :class:`~etcd_rdzv.native.protocol.RoundView`);
+:class:`Tally` (taken from its :class:`~etcd_rdzv.native.view.RoundView`);
 what it remembers between two looks is a :class:`Barrier`. :func:`decide` maps
 ``(barrier, tally, settings, now)`` to the next barrier and one action:
 

@@ -23,7 +23,7 @@ from torch.distributed.elastic.utils.distributed import get_free_port
 
 from etcd_store.errors import EtcdCompactedError
 
-from .protocol import Master
+from .records import Master
 
 if TYPE_CHECKING:
     from etcd_store import EtcdStore

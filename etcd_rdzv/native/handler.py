@@ -6,7 +6,9 @@ bound to that lease; waiting is a watch on the run's ``ctl/`` keys that starts
 right after the join's revision; sealing a round is one transaction fenced by
 the ``sealed`` record's mod revision and by "the previous round is empty".
 No node rewrites anything while a job runs: liveness is the lease alone.
-See :mod:`etcd_rdzv.native.protocol` and the README's design note.
+This module is torch's interface (and its errors); one node's join, wait and
+seal are :class:`~etcd_rdzv.native.rounds.Participant`'s, the transactions
+:mod:`etcd_rdzv.native.protocol`'s; see docs/etcd-v3-design.md.
 
 Cost of an uncontended ``next_rendezvous`` (node already holding its lease): one
 read-only Txn, one join Txn, one watch; one seal Txn for one node per round;
@@ -24,7 +26,6 @@ import os
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -32,23 +33,21 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousError,
-    RendezvousGracefulExitError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousStateError,
-    RendezvousTimeoutError,
 )
 
-from etcd_store.client import EtcdClient, LeaseKeeper, Watch
-from etcd_store.errors import EtcdCompactedError, EtcdError, EtcdLeaseNotFound, EtcdTimeoutError
+from etcd_store.client import EtcdClient
+from etcd_store.errors import EtcdError, EtcdTimeoutError
 
-from . import bootstrap, protocol
-from .barrier import Admitted, Barrier, JoinClock, Seal, Tally, TimeOut, Void, decide, verdict
-from .bootstrap import bootstrap_info, join_value
+from . import protocol, queries
+from .barrier import JoinClock
+from .bootstrap import bootstrap_info
 from .keys import RunKeys
-from .protocol import ProtocolStateError, Sealed
+from .records import ProtocolStateError
+from .rounds import Participant, RoundResult
 from .settings import V3Settings
-from .view import RoundView, Signal, SignalKind
 
 if TYPE_CHECKING:
     from etcd_store import EtcdStore
@@ -62,62 +61,11 @@ BACKEND_NAME = "etcd-v3"
 _local_ids = itertools.count()
 
 
-@dataclass(frozen=True)
-class RoundResult:
-    """The outcome of the barrier for one node: its place in a sealed round.
-
-    ``seal_revision`` is the revision at which the round was sealed (the same
-    for every member; 0 when it was learnt from the members record).
-    """
-
-    round: int
-    rank: int
-    world_size: int
-    seal_revision: int
-    node_id: str
-
-
-@dataclass(frozen=True)
-class _Joined:
-    """The join key this node holds in ``round``.
-
-    ``member``: True (member of the sealed round), False (the round was sealed
-    without us: over ``max_nodes`` or void), None (not known: still waiting, or
-    the wait ended with an error before the outcome was seen).
-    """
-
-    round: int
-    key: bytes
-    member: bool | None = None
-
-
-@dataclass(frozen=True)
-class _Retry:
-    """Join again: from ``sealed`` when known, else after re-reading the run's records;
-    ``clock`` is the ``join_timeout`` deadline as the wait left it."""
-
-    sealed: Sealed | None
-    clock: JoinClock
-
-
-def _tally(view: RoundView) -> Tally:
-    return Tally(view.count, view.before, view.prev_count, view.changes)
-
-
-def _failed_on_master_alone(res: protocol.SealOutcome, previous: Sealed) -> bool:
-    """Whether a failed seal's answer shows every condition but ``master``'s held."""
-    return res.sealed.revision == previous.revision and not res.closed and res.prev_count == 0
-
-
-def _lease_gone(err: EtcdError) -> bool:
-    return isinstance(err, EtcdLeaseNotFound)
-
-
 class EtcdV3RendezvousHandler(RendezvousHandler):
     """A rendezvous over etcd v3 leases, transactions and watches (``--rdzv-backend=etcd-v3``).
 
     Args:
-        settings: the rendezvous settings (:func:`~etcd_rdzv.native.settings.parse_settings`).
+        settings: the rendezvous settings (:func:`~etcd_rdzv.conf.parse_v3_settings`).
         client: the etcd client. Several handlers may share one; each keeps its own
             lease, watch and keep-alive stream on it.
         owns_client: close ``client`` in :meth:`shutdown`.
@@ -134,16 +82,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         addr = settings.node_addr.replace("/", "_")
         self._node_id = f"{addr}_{os.getpid()}_{next(_local_ids)}_{uuid.uuid4().hex[:6]}"
         self._rdzv_lock = threading.Lock()
-        self._lock = threading.Lock()
-        self._keeper: LeaseKeeper | None = None
-        self._run_lease: int | None = None
-        self._sealed = Sealed()  # the latest ``ctl/sealed`` this node saw (a guess, checked by each join)
-        self._joined: _Joined | None = None
-        self._member_round: int | None = None
-        self._member_world = 0
-        self._round_master: tuple[str, int] | None = None  # from the sealed record of our round
-        self._watch: Watch | None = None
-        self._shut_down = False
+        self._node = Participant(settings, client, self._keys, self._node_id)
         self._store: EtcdStore | None = None
         self.last_round: RoundResult | None = None
 
@@ -186,7 +125,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         try:
             bootstrap = bootstrap_info(
                 self._client, self._keys, result.round, result.rank, result.seal_revision, store,
-                self._round_master, self._node_id, self._settings.node_addr,
+                self._node.round_master, self._node_id, self._settings.node_addr,
             )
         except Exception as e:
             raise RendezvousConnectionError(
@@ -206,14 +145,14 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         (closed while kept out by a full group).
         """
         with self._rdzv_lock:
-            self._check_not_shut_down()
+            self._node.check_not_shut_down()
             clock = JoinClock.start(self._settings.join_timeout, time.monotonic())
             try:
-                result = self._rendezvous(clock)
+                result = self._node.rendezvous(clock)
             except EtcdTimeoutError as e:
                 raise RendezvousConnectionError(f"etcd did not answer in time: {e}") from e
             except EtcdError as e:
-                if self._shut_down:
+                if self._node.shut_down:
                     raise RendezvousClosedError("the handler was shut down") from e
                 raise RendezvousConnectionError(str(e)) from e
             except ProtocolStateError as e:
@@ -227,10 +166,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     def is_closed(self) -> bool:
         """Whether the run is closed. One Range (none after :meth:`shutdown`, which closed it)."""
-        if self._shut_down:
+        if self._node.shut_down:
             return True
         try:
-            return protocol.is_closed(self._client, self._keys)
+            return queries.is_closed(self._client, self._keys)
         except EtcdError as e:
             raise RendezvousConnectionError(str(e)) from e
 
@@ -242,34 +181,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         ``close_timeout`` (all calls together), ``RendezvousConnectionError`` on other
         etcd failures. A no-op after :meth:`shutdown` (which closed the run).
         """
-        if self._shut_down:
+        if self._node.shut_down:
             return
-        self._close_run(time.monotonic() + self._settings.close_timeout)
-
-    def _close_run(self, deadline: float) -> None:
-        def left() -> float:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise EtcdTimeoutError(f"close_timeout={self._settings.close_timeout:g} s passed")
-            return remaining
-
-        try:
-            for attempt in (1, 2):
-                lease = self._run_lease
-                if lease is None:
-                    lease = self._create_run_lease(left())
-                try:
-                    if protocol.close(self._client, self._keys, lease, timeout=left()):
-                        log.info("node %s closed the rendezvous %r", self._node_id, self._settings.run_id)
-                    return
-                except EtcdError as e:
-                    if not _lease_gone(e) or attempt == 2:
-                        raise
-                    self._run_lease = None
-        except EtcdTimeoutError as e:
-            raise RendezvousTimeoutError(f"closing the rendezvous timed out: {e}") from e
-        except EtcdError as e:
-            raise RendezvousConnectionError(str(e)) from e
+        self._node.close_run(time.monotonic() + self._settings.close_timeout)
 
     def num_nodes_waiting(self) -> int:
         """Nodes waiting to join the round after ours (one read-only Txn, no scan of keys).
@@ -285,14 +199,14 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
           left to re-join) or this node's own lease expired: the group is broken,
           so re-rendezvous now instead of waiting for the workers' collective timeout.
         """
-        if self._shut_down:
+        if self._node.shut_down:
             return 0
-        member_round, world_size = self._member_round, self._member_world
+        member_round, world_size = self._node.member_round, self._node.member_world
         try:
             round_ = member_round
             if round_ is None:
-                round_ = protocol.read_meta(self._client, self._keys).sealed.round
-            occ = protocol.count_waiting(self._client, self._keys, round_)
+                round_ = queries.read_meta(self._client, self._keys).sealed.round
+            occ = queries.count_waiting(self._client, self._keys, round_)
         except EtcdError as e:
             raise RendezvousConnectionError(str(e)) from e
         if occ.closed:
@@ -301,8 +215,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             # RendezvousClosedError, so a run closed from outside ends every agent.
             return max(occ.waiting, 1)
         if member_round is not None:
-            keeper = self._keeper
-            if keeper is None or keeper.expired.is_set() or occ.active < world_size:
+            session = self._node.session
+            if session is None or session.done().is_set() or occ.active < world_size:
                 return max(occ.waiting, 1)
         return occ.waiting if occ.active < self._settings.max_nodes else 0
 
@@ -313,338 +227,32 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         leave also deletes the rounds' stores. Returns False if closing failed
         (then the lease is left to expire). Takes at most about ``close_timeout``.
         """
-        if self._shut_down:
+        if self._node.shut_down:
             return True
         deadline = time.monotonic() + self._settings.close_timeout
         ok = True
         try:
-            self._close_run(deadline)
+            self._node.close_run(deadline)
         except RendezvousError as e:
             log.warning("node %s could not close the rendezvous %r: %s", self._node_id,
                         self._settings.run_id, e)
             ok = False
-        with self._lock:
-            self._shut_down = True
-            watch, self._watch = self._watch, None
-            keeper, self._keeper = self._keeper, None
-        if watch is not None:
-            watch.cancel()
+        session = self._node.stop()
         self._close_store()
-        self._joined = None
-        self._member_round = None
         if ok:  # etcd answers: release our keys now, and the rounds' records if we are last
-            if keeper is not None:
-                keeper.close(revoke=True, timeout=max(deadline - time.monotonic(), 1.0))
+            if session is not None:
+                session.close(revoke=True, timeout=max(deadline - time.monotonic(), 1.0))
             try:
                 protocol.remove_round_records_if_idle(
                     self._client, self._keys, timeout=max(deadline - time.monotonic(), 1.0)
                 )
             except EtcdError as e:
                 log.info("could not remove the round records of %r: %s", self._settings.run_id, e)
-        elif keeper is not None:  # unreachable: our keys go when the lease expires
-            keeper.close(revoke=False)
+        elif session is not None:  # unreachable: our keys go when the lease expires
+            session.close(revoke=False)
         if self._owns_client:
             self._client.close()
         return ok
-
-    # ------------------------------------------------------------------ leases
-
-    def _check_not_shut_down(self) -> None:
-        if self._shut_down:
-            raise RendezvousClosedError(f"the handler of node {self._node_id} was shut down")
-
-    def _ensure_lease(self) -> int:
-        """This node's lease, granted anew if there is none or it expired. 0-1 LeaseGrant."""
-        with self._lock:
-            self._check_not_shut_down()
-            keeper = self._keeper
-            if keeper is not None and not keeper.expired.is_set():
-                return keeper.id
-            if keeper is not None:
-                keeper.close(revoke=False)
-                log.warning("node %s lost its lease; joining with a new one", self._node_id)
-            keeper = self._client.keeper(self._settings.lease_ttl)
-            self._keeper = keeper
-            self._joined = None  # keys bound to the old lease are gone
-            if self._run_lease is not None:
-                keeper.keep_also(self._run_lease)
-            return keeper.id
-
-    def _drop_lease(self) -> None:
-        """Forget a lease etcd no longer knows, so the next join grants a new one."""
-        keeper = self._keeper
-        if keeper is not None:
-            keeper.expired.set()
-
-    def _learn(self, sealed: Sealed) -> None:
-        """Remember the latest sealed record and help keep the run lease it names alive."""
-        self._sealed = sealed
-        if sealed.run_lease is not None:
-            self._adopt_run_lease(sealed.run_lease)
-
-    def _adopt_run_lease(self, lease: int) -> None:
-        if lease != self._run_lease:
-            self._run_lease = lease
-            keeper = self._keeper
-            if keeper is not None:
-                keeper.keep_also(lease)
-
-    def _create_run_lease(self, timeout: float | None = None) -> int:
-        """The run lease of ``ctl/run``, created if absent (sealers and closers only)."""
-        lease = protocol.ensure_run_lease(
-            self._client, self._keys, self._settings.state_ttl, timeout=timeout
-        )
-        self._adopt_run_lease(lease)
-        return lease
-
-    # ------------------------------------------------------------------ the barrier
-
-    def _rendezvous(self, clock: JoinClock) -> RoundResult:
-        """Join rounds until one that includes us is sealed.
-
-        The first join assumes the last sealed record this node saw; a stale guess
-        costs one failed join, whose answer carries the current record.
-        """
-        keys, client = self._keys, self._client
-        value = join_value(self._settings.node_addr)  # one free port per next_round call
-        # The group this node leaves: a round that only re-forms it may skip the last call.
-        prior_round, prior_world = self._member_round, self._member_world
-        self._member_round = None
-        self._round_master = None
-        sealed = self._sealed
-        fresh_read = False
-        while True:
-            if fresh_read:
-                meta = protocol.read_meta(client, keys)
-                if meta.closed:
-                    self._withdraw()
-                    raise RendezvousClosedError(f"the rendezvous {self._settings.run_id!r} is closed")
-                sealed, fresh_read = meta.sealed, False
-            self._learn(sealed)
-            joined = self._joined
-            if joined is not None and joined.member is None and joined.round <= sealed.round:
-                # Our round was sealed while we were not watching (watch lost, error).
-                resolved = self._resolve(joined.round, sealed)
-                if resolved is not None:
-                    return resolved
-            lease = self._ensure_lease()
-            previous = self._joined.key if self._joined is not None else None
-            try:
-                outcome = protocol.join(
-                    client, keys, self._node_id, value, lease, sealed,
-                    previous_key=previous,
-                )
-            except EtcdError as e:
-                if not _lease_gone(e):
-                    raise
-                self._drop_lease()
-                continue
-            if not outcome.ok:
-                if outcome.joined_anyway:
-                    # A lost answer hid a join that did apply; its round is sealed now.
-                    target = sealed.round + 1
-                    self._joined = _Joined(target, keys.join_key(target, self._node_id))
-                if outcome.closed:
-                    self._withdraw()
-                    raise RendezvousClosedError(f"the rendezvous {self._settings.run_id!r} is closed")
-                sealed = outcome.sealed
-                continue
-            target = sealed.round + 1
-            key = keys.join_key(target, self._node_id)
-            self._joined = _Joined(target, key)
-            log.debug("node %s joined round %d at revision %d", self._node_id, target, outcome.revision)
-            recovering = self._settings.fast_recovery and prior_round == target - 1
-            waited = self._wait(target, outcome, sealed, clock, value, prior_world if recovering else None)
-            if isinstance(waited, RoundResult):
-                self._joined = _Joined(target, key, member=True)
-                return waited
-            clock = waited.clock
-            if waited.sealed is None:
-                fresh_read = True
-            else:
-                sealed = waited.sealed
-
-    def _wait(
-        self,
-        round_: int,
-        outcome: protocol.JoinOutcome,
-        previous: Sealed,
-        clock: JoinClock,
-        value: bytes,
-        recover_size: int | None = None,
-    ) -> RoundResult | _Retry:
-        """Wait on the ``ctl/`` watch until round ``round_`` is sealed; seal it when due.
-
-        Acts on what :func:`~etcd_rdzv.native.barrier.decide` says (when a round
-        is due is defined there); ``recover_size`` is the size of the group this
-        node was a member of in the previous round (``fast_recovery``).
-        """
-        s = self._settings
-        view = RoundView(
-            self._keys, round_, self._node_id, outcome.create_revision, outcome.before,
-            outcome.prev_count, outcome.revision,
-        )
-        view.after.update(outcome.after)
-        watch = self._client.watch(self._keys.ctl, self._keys.ctl_end, start_revision=outcome.revision + 1)
-        with self._lock:
-            if self._shut_down:
-                watch.cancel()
-                raise RendezvousClosedError(f"the handler of node {self._node_id} was shut down")
-            self._watch = watch
-        state = Barrier.start(clock, _tally(view), s, recover_size)
-        try:
-            while True:
-                state, action = decide(state, _tally(view), s, time.monotonic())
-                if isinstance(action, Seal):
-                    state = state.sealed(self._try_seal(round_, previous, view, value))
-                    continue
-                if isinstance(action, TimeOut):
-                    if self._withdraw_if_unsealed(previous):
-                        raise RendezvousTimeoutError(
-                            f"node {self._node_id}: round {round_} of the rendezvous "
-                            f"{s.run_id!r} was not sealed within join_timeout={s.join_timeout:g} s "
-                            f"({view.count} of min_nodes={s.min_nodes} joined"
-                            f"{'' if view.vacated else ', previous round still running'})"
-                        )
-                    state = state.timed_out_late()  # sealed meanwhile: its event is on the way
-                    continue
-                timeout = None if action.at is None else max(action.at - time.monotonic(), 0.0)
-                for event in watch.get(timeout=timeout):
-                    signal = view.apply(event)
-                    if signal is not None:
-                        return self._on_signal(signal, view, previous, state)
-        except EtcdCompactedError:
-            log.warning("node %s: watch history compacted; re-reading the rendezvous", self._node_id)
-            return _Retry(None, state.clock)
-        except EtcdError:
-            if self._shut_down:
-                raise RendezvousClosedError(f"the handler of node {self._node_id} was shut down") from None
-            raise
-        finally:
-            with self._lock:
-                if self._watch is watch:
-                    self._watch = None
-            watch.cancel()
-
-    def _try_seal(self, round_: int, previous: Sealed, view: RoundView, value: bytes) -> bool:
-        """One seal attempt (and the run lease, the first time); whether we sealed.
-
-        The sealed record also names rank 0's address and port (see
-        :func:`~etcd_rdzv.native.bootstrap.master_of`), so that no member has to read them after the seal.
-        """
-        run_lease = self._run_lease
-        if run_lease is None:
-            run_lease = self._create_run_lease()
-        master = bootstrap.master_of(self._client, self._keys, view, self._node_id, value)
-        try:
-            res = protocol.seal(self._client, self._keys, round_, previous, run_lease, master=master)
-        except EtcdError as e:
-            if not _lease_gone(e):
-                raise
-            self._run_lease = None  # expired: ``ctl/run`` went with it
-            run_lease = self._create_run_lease()
-            res = protocol.seal(self._client, self._keys, round_, previous, run_lease, master=master)
-        if not res.ok and master is not None and _failed_on_master_alone(res, previous):
-            # Rank 0's key changed since we read it: seal without naming it.
-            res = protocol.seal(self._client, self._keys, round_, previous, run_lease)
-        if res.ok:
-            log.debug("node %s sealed round %d at revision %d", self._node_id, round_, res.revision)
-        return res.ok
-
-    def _on_signal(self, signal: Signal, view: RoundView, previous: Sealed, state: Barrier) -> RoundResult | _Retry:
-        s = self._settings
-        tally = _tally(view)
-        if signal.kind is SignalKind.CLOSED:
-            self._withdraw()
-            if tally.kept_out(s):
-                raise RendezvousGracefulExitError(
-                    f"the rendezvous {s.run_id!r} was closed while node {self._node_id} waited "
-                    "for room in a full group"
-                )
-            raise RendezvousClosedError(f"the rendezvous {s.run_id!r} was closed")
-        if signal.kind is SignalKind.LOST:
-            self._joined = None
-            self._drop_lease()
-            return _Retry(previous, state.clock)
-        if signal.kind is SignalKind.RESET or signal.round != view.round:
-            return _Retry(None, state.clock)
-        sealed = Sealed(signal.round, signal.revision, signal.run_lease, signal.master)
-        self._learn(sealed)
-        if state.sealed_by_me:
-            self._record_members(view, sealed)
-        place = verdict(tally, s)
-        if isinstance(place, Void):
-            log.warning(
-                "round %d of %r sealed with %d joiners (< min_nodes=%d): void, joining the next",
-                view.round, s.run_id, place.world_size, s.min_nodes,
-            )
-        elif isinstance(place, Admitted):
-            self._member_round, self._member_world = view.round, place.world_size
-            self._round_master = signal.master
-            return RoundResult(view.round, place.rank, place.world_size, signal.revision, self._node_id)
-        self._joined = _Joined(view.round, self._keys.join_key(view.round, self._node_id), member=False)
-        if state.timing_out:
-            self._withdraw()
-            raise RendezvousTimeoutError(
-                f"node {self._node_id} was not admitted to a round of {s.run_id!r} within "
-                f"join_timeout={s.join_timeout:g} s"
-            )
-        return _Retry(sealed, state.clock)
-
-    def _record_members(self, view: RoundView, sealed: Sealed) -> None:
-        """Write the members record of a round we sealed (for resync and inspection)."""
-        s = self._settings
-        try:
-            if view.before == 0:
-                members = [self._node_id, *view.members_after_us()][: s.max_nodes]
-            else:
-                members = protocol.snapshot_members(
-                    self._client, self._keys, view.round, sealed.revision, s.max_nodes
-                )
-            run_lease = self._run_lease
-            if run_lease is not None:
-                protocol.write_members(self._client, self._keys, view.round, members, run_lease)
-        except EtcdError as e:
-            log.warning("could not record the members of round %d: %s", view.round, e)
-
-    def _resolve(self, round_: int, sealed: Sealed) -> RoundResult | None:
-        """Our place in ``round_``, sealed while we were not watching; None if not a member."""
-        s = self._settings
-        members, _ = protocol.read_members(self._client, self._keys, round_)
-        if members is None:
-            if sealed.round != round_:
-                # A later round was sealed, so ours was vacated: our key is gone (lease
-                # expired), and whatever group we were in has been replaced.
-                return None
-            members = protocol.snapshot_members(
-                self._client, self._keys, round_, sealed.revision, s.max_nodes
-            )
-        if len(members) < s.min_nodes or self._node_id not in members:
-            return None
-        self._member_round, self._member_world = round_, len(members)
-        self._joined = _Joined(round_, self._keys.join_key(round_, self._node_id), member=True)
-        revision = sealed.revision if sealed.round == round_ else 0
-        return RoundResult(round_, members.index(self._node_id), len(members), revision, self._node_id)
-
-    def _withdraw(self) -> None:
-        """Delete our join key (the run is closed or we gave up). One DeleteRange,
-        best effort: if it fails, the key goes with our lease at shutdown."""
-        joined, self._joined = self._joined, None
-        self._member_round = None
-        if joined is not None:
-            try:
-                self._client.delete(joined.key)
-            except EtcdError as e:
-                log.info("node %s could not withdraw %r: %s", self._node_id, joined.key, e)
-
-    def _withdraw_if_unsealed(self, previous: Sealed) -> bool:
-        joined = self._joined
-        if joined is None:
-            return True
-        if protocol.leave_if_unsealed(self._client, self._keys, joined.key, previous):
-            self._joined = None
-            return True
-        return False
 
     # ------------------------------------------------------------------ the store
 
@@ -665,7 +273,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 prefix=self._keys.store_prefix(round_),
                 timeout=timedelta(seconds=self._client.timeout),
                 lease_ttl=max(self._settings.state_ttl, 2),
-                lease=self._run_lease,
+                lease=self._node.run_lease,
             )
         except Exception as e:
             raise RendezvousConnectionError(

@@ -1,7 +1,9 @@
-"""The ``etcd-v3`` rendezvous protocol: one function per transition, plus the round view.
+"""The ``etcd-v3`` rendezvous protocol: one function per transition.
 
 Each function below is one etcd RPC (a transaction unless said otherwise) and
-returns plain data; none of them sleeps or loops. Every transaction here may be
+returns plain data; none of them sleeps or loops. The records they write are
+defined in :mod:`etcd_rdzv.native.records`, the read-only queries are in
+:mod:`etcd_rdzv.native.queries`. Every transaction here may be
 replayed when its outcome is unknown (``idempotent=True``): a replayed join
 re-puts the same key (its create revision, hence its place, is kept), a replayed
 seal or close fails its compare, deletes are idempotent. The handler
@@ -28,8 +30,6 @@ from dataclasses import dataclass, field
 from etcd_store.client import (
     DeleteResult,
     EtcdClient,
-    KeyValue,
-    RangeResult,
     compare_mod,
     compare_version,
     op_delete,
@@ -39,226 +39,21 @@ from etcd_store.client import (
 )
 
 from .keys import RunKeys
+from .records import Master, Sealed, count_of, encode_sealed, first_kv, lease_of
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "JoinOutcome",
-    "Master",
-    "Meta",
-    "Occupancy",
     "SealOutcome",
-    "Sealed",
     "close",
-    "count_waiting",
-    "decode_members",
-    "decode_sealed",
     "ensure_run_lease",
-    "is_closed",
     "join",
     "leave_if_unsealed",
-    "read_meta",
-    "read_members",
     "remove_round_records_if_idle",
     "seal",
-    "snapshot_members",
     "write_members",
 ]
-
-
-class ProtocolStateError(Exception):
-    """A record of the run holds something this protocol never writes."""
-
-
-# --------------------------------------------------------------------------- records
-
-
-@dataclass(frozen=True)
-class Sealed:
-    """The ``ctl/sealed`` record: the last sealed round, its fencing revision, the run lease.
-
-    ``round == 0`` and ``revision == 0`` when no round was sealed yet. The record
-    names the run lease it is bound to, so every node that sees a round sealed
-    learns which lease to help keep alive, at no extra cost.
-    """
-
-    round: int = 0
-    revision: int = 0
-    run_lease: int | None = None
-    master: tuple[str, int] | None = None  # rank 0's (addr, port), when the sealer knew it
-
-    @classmethod
-    def from_kv(cls, kv: KeyValue | None) -> Sealed:
-        if kv is None:
-            return cls()
-        round_, run_lease, master = decode_sealed(kv.value, kv.key)
-        return cls(round_, kv.mod_revision, run_lease, master)
-
-
-@dataclass(frozen=True)
-class Master:
-    """Rank 0's address and port for the ``sealed`` record, read from its join key.
-
-    ``key`` and ``mod_revision`` identify that key as read: the seal compares its
-    mod revision, so the record names rank 0 only if that key is still the one
-    read (an earlier join key cannot appear later, so it is still the earliest).
-    """
-
-    key: bytes
-    mod_revision: int
-    addr: str
-    port: int
-
-
-def decode_sealed(value: bytes, key: bytes = b"ctl/sealed") -> tuple[int, int | None, tuple[str, int] | None]:
-    """``(round, run lease, rank 0's (addr, port) or None)`` of a ``ctl/sealed`` value;
-    errors name ``key`` (the full etcd key). A malformed ``master`` is ignored (the
-    members then read rank 0's join key instead)."""
-    where = key.decode("utf-8", "replace")
-    try:
-        record = json.loads(value)
-        number, lease = record["round"], record.get("run_lease")
-        run_lease = int(lease, 16) if lease is not None else None
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise ProtocolStateError(
-            f"{where} holds {value[:80]!r}, not {{'round': N, 'run_lease': HEX}}"
-        ) from None
-    if not isinstance(number, int) or number < 1:
-        raise ProtocolStateError(f"{where} holds round {number!r}, not a positive integer")
-    return number, run_lease, _master_in(record.get("master"))
-
-
-def _master_in(value: object) -> tuple[str, int] | None:
-    """``(addr, port)`` of a sealed record's ``master`` field; None if absent or malformed."""
-    if not isinstance(value, list) or len(value) != 2:
-        return None
-    addr, port = value
-    if not isinstance(addr, str) or not addr or isinstance(port, bool) or not isinstance(port, int):
-        return None
-    return (addr, port) if 0 < port < 65536 else None
-
-
-def _encode_sealed(number: int, run_lease: int, master: Master | None) -> bytes:
-    record: dict[str, object] = {"round": number, "run_lease": f"{run_lease:x}"}
-    if master is not None:
-        record["master"] = [master.addr, master.port]
-    return json.dumps(record).encode()
-
-
-def decode_members(value: bytes, key: bytes = b"a members record") -> list[str]:
-    """The node ids of a ``rounds/<T>/members`` record, in rank order; errors name ``key``."""
-    try:
-        members = json.loads(value)
-    except ValueError:
-        members = None
-    if not isinstance(members, list) or not all(isinstance(m, str) for m in members):
-        raise ProtocolStateError(
-            f"{key.decode('utf-8', 'replace')} holds {value[:80]!r}, not a list of node ids"
-        )
-    return members
-
-
-@dataclass(frozen=True)
-class Meta:
-    """The run's control records, read at one revision."""
-
-    closed: bool
-    sealed: Sealed
-    run_lease: int | None
-    revision: int
-
-
-def _first(result: object) -> KeyValue | None:
-    assert isinstance(result, RangeResult)
-    return result.kvs[0] if result.kvs else None
-
-
-def _count(result: object) -> int:
-    assert isinstance(result, RangeResult)
-    return result.count
-
-
-# --------------------------------------------------------------------------- reads
-
-
-def read_meta(client: EtcdClient, keys: RunKeys, *, timeout: float | None = None) -> Meta:
-    """``closed``, ``run`` and ``sealed`` at one revision. One read-only Txn."""
-    res = client.txn([], [op_get(keys.closed), op_get(keys.run), op_get(keys.sealed)], timeout=timeout,
-                     idempotent=True)
-    closed_kv, run_kv, sealed_kv = (_first(r) for r in res.responses)
-    return Meta(closed_kv is not None, Sealed.from_kv(sealed_kv), _lease_of(run_kv), res.revision)
-
-
-def _lease_of(kv: KeyValue | None) -> int | None:
-    if kv is None:
-        return None
-    try:
-        return int(kv.value, 16)
-    except ValueError:
-        raise ProtocolStateError(
-            f"{kv.key.decode('utf-8', 'replace')} holds {kv.value[:40]!r}, not a lease id"
-        ) from None
-
-
-def is_closed(client: EtcdClient, keys: RunKeys, *, timeout: float | None = None) -> bool:
-    """Whether ``ctl/closed`` exists. One Range."""
-    return client.range(keys.closed, count_only=True, timeout=timeout).count > 0
-
-
-@dataclass(frozen=True)
-class Occupancy:
-    """The answer of :func:`count_waiting`."""
-
-    waiting: int  # join keys of round_ + 1
-    active: int  # join keys of round_ (its members that are alive and still in it)
-    closed: bool
-
-
-def count_waiting(
-    client: EtcdClient, keys: RunKeys, round_: int, *, timeout: float | None = None
-) -> Occupancy:
-    """Join keys of ``round_ + 1`` and of ``round_``, and ``closed``. One read-only Txn
-    of three count-only ranges (no revision, O(1) bytes)."""
-    res = client.txn(
-        [],
-        [
-            op_get(keys.join_prefix(round_ + 1), prefix=True, count_only=True),
-            op_get(keys.join_prefix(round_), prefix=True, count_only=True),
-            op_get(keys.closed, count_only=True),
-        ],
-        timeout=timeout,
-        idempotent=True,
-    )
-    return Occupancy(_count(res.responses[0]), _count(res.responses[1]), _count(res.responses[2]) > 0)
-
-
-def read_members(
-    client: EtcdClient, keys: RunKeys, round_: int, *, timeout: float | None = None
-) -> tuple[list[str] | None, int]:
-    """The members record of ``round_`` (None if absent) and the read revision. One Range."""
-    res = client.range(keys.members(round_), timeout=timeout)
-    return (decode_members(res.kvs[0].value, res.kvs[0].key) if res.kvs else None), res.revision
-
-
-def snapshot_members(
-    client: EtcdClient,
-    keys: RunKeys,
-    round_: int,
-    seal_revision: int,
-    max_nodes: int,
-    *,
-    timeout: float | None = None,
-) -> list[str]:
-    """The members of ``round_`` from the join keys at ``seal_revision``. One historical Range.
-
-    Raises :class:`~etcd_store.errors.EtcdCompactedError` if that revision was compacted.
-    """
-    res = client.range(
-        keys.join_prefix(round_), prefix=True, keys_only=True, revision=seal_revision, timeout=timeout
-    )
-    joins = sorted(res.kvs, key=lambda kv: kv.create_revision)[:max_nodes]
-    names = [keys.parse_join_key(kv.key) for kv in joins]
-    return [parsed[1] for parsed in names if parsed is not None]
 
 
 # --------------------------------------------------------------------------- run lease
@@ -273,7 +68,7 @@ def ensure_run_lease(
     put run (bound to the lease)``, and a node that loses that race revokes its
     own lease and returns the winner's. Only sealers and closers call this.
     """
-    existing = _lease_of(client.get(keys.run, timeout=timeout))
+    existing = lease_of(client.get(keys.run, timeout=timeout))
     if existing is not None:
         return existing
     lease = client.lease_grant(state_ttl, timeout=timeout)
@@ -284,7 +79,7 @@ def ensure_run_lease(
         timeout=timeout,
         idempotent=True,
     )
-    winner = lease if res.succeeded else _lease_of(_first(res.responses[0]))
+    winner = lease if res.succeeded else lease_of(first_kv(res.responses[0]))
     if winner == lease:  # created (possibly by an earlier attempt of this very Txn)
         log.debug("created run lease %x for %s", lease, keys.root)
         return lease
@@ -358,13 +153,13 @@ def join(
         return JoinOutcome(
             False,
             res.revision,
-            sealed=Sealed.from_kv(_first(res.responses[0])),
-            closed=_count(res.responses[1]) > 0,
-            joined_anyway=_count(res.responses[2]) > 0,
+            sealed=Sealed.from_kv(first_kv(res.responses[0])),
+            closed=count_of(res.responses[1]) > 0,
+            joined_anyway=count_of(res.responses[2]) > 0,
         )
     put = res.responses[0]
     prev_kv = getattr(put, "prev_kv", None)
-    total = _count(res.responses[-2])
+    total = count_of(res.responses[-2])
     after: dict[str, int] = {}
     if prev_kv is None:
         create_revision, before = res.revision, total - 1
@@ -378,7 +173,7 @@ def join(
         res.revision,
         create_revision=create_revision,
         before=before,
-        prev_count=_count(res.responses[-1]),
+        prev_count=count_of(res.responses[-1]),
         after=after,
     )
 
@@ -453,7 +248,7 @@ def seal(
     res = client.txn(
         compare,
         [
-            op_put(keys.sealed, _encode_sealed(round_, run_lease, master), lease=run_lease),
+            op_put(keys.sealed, encode_sealed(round_, run_lease, master), lease=run_lease),
             op_delete(start, end),
         ],
         [
@@ -469,9 +264,9 @@ def seal(
     return SealOutcome(
         False,
         res.revision,
-        sealed=Sealed.from_kv(_first(res.responses[0])),
-        closed=_count(res.responses[1]) > 0,
-        prev_count=_count(res.responses[2]),
+        sealed=Sealed.from_kv(first_kv(res.responses[0])),
+        closed=count_of(res.responses[1]) > 0,
+        prev_count=count_of(res.responses[2]),
     )
 
 

@@ -5,7 +5,7 @@ right after its join. :class:`RoundView` starts from the join's answer and folds
 every event in order (no RPC, no clock); at the revision ``S`` of the ``sealed``
 event for ``T`` it equals the join set at ``S``, which is the membership rule of
 :mod:`etcd_rdzv.native.protocol`. Events that end the wait come back as a
-:class:`Signal`. Raises :class:`~etcd_rdzv.native.protocol.ProtocolStateError`
+:class:`Signal`. Raises :class:`~etcd_rdzv.native.records.ProtocolStateError`
 on records the protocol never writes.
 """
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from etcd_store.client import Event
 
 from .keys import RunKeys
-from .protocol import ProtocolStateError, decode_sealed
+from .records import ProtocolStateError, decode_sealed
 
 log = logging.getLogger(__name__)
 

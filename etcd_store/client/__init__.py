@@ -33,7 +33,7 @@ from .kv import (
     op_put,
     prefix_range_end,
 )
-from .session import LeaseKeeper, Session, renewing_lease
+from .session import Session, renewing_lease
 from .testing import RpcCounter
 from .transport import DEFAULT_TIMEOUT
 from .watch import Watch
@@ -46,7 +46,6 @@ __all__ = [
     "EtcdClient",
     "Event",
     "KeyValue",
-    "LeaseKeeper",
     "MemberStatus",
     "PutResult",
     "RangeResult",

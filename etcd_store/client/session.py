@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LeaseKeeper", "Session", "renewing_lease"]
+__all__ = ["Session", "renewing_lease"]
 
 _T = TypeVar("_T")
 #: The shortest pause between two keep-alives.
@@ -137,7 +137,7 @@ class Session:
 
     @property
     def expired(self) -> threading.Event:
-        """The :attr:`lost` event (the name :class:`LeaseKeeper` users know)."""
+        """The :attr:`lost` event (its former name)."""
         return self.lost
 
     def done(self) -> threading.Event:
@@ -261,10 +261,6 @@ class Session:
             log.warning("lease %x is gone (expired or revoked)", self.id)
             if self._on_lost is not None:
                 self._on_lost()
-
-
-#: The former name of :class:`Session`.
-LeaseKeeper = Session
 
 
 def renewing_lease(

@@ -1,33 +1,33 @@
-"""rdzv-conf parsing: ``RendezvousParameters`` -> etcd client options and backend settings.
+"""The one configuration pass: torch's ``RendezvousParameters`` -> client options + backend settings.
 
-Shared by every handler of the package (``etcd-v2``, ``etcd``, ``etcd-v3``). Nothing
-here contacts etcd; every invalid value raises ``ValueError`` naming the
-rdzv-conf key (or ``--rdzv-endpoint``) and the value that was wrong.
+Every backend of the package reads its ``--rdzv-endpoint``, ``--rdzv-id``,
+``--nnodes``, ``--local-addr`` and ``--rdzv-conf`` here, in one call:
 
-Keys read here (torch's ``etcd-v2`` keys keep their meaning):
+* :func:`parse_dynamic_settings` -> :class:`DynamicSettings` (``etcd-v2`` and
+  ``etcd``: torch's ``DynamicRendezvousHandler`` over our backend);
+* :func:`parse_v3_settings` -> :class:`~etcd_rdzv.native.settings.V3Settings`
+  and :class:`EtcdClientOptions` (``etcd-v3``);
+* both start from :func:`parse_rdzv_config` -> :class:`RdzvConfig` (client
+  options, ``key_prefix``, ``state_ttl``), also usable alone.
 
-============== ========================== ==============================================
-key            default                    meaning
-============== ========================== ==============================================
-read_timeout   60                         seconds; deadline of every etcd call
-protocol       ``http`` (``https`` when a scheme of endpoints written without one
-               certificate is given)
-ssl_cert       none                       client certificate (PEM); alone it must also
-                                          hold the private key
-ssl_cert_key   none                       private key of ``ssl_cert``
-ca_cert        none                       CA bundle that signed etcd's certificate
-user           ``$ETCD_RDZV_USER``        etcd user name
-password       ``$ETCD_RDZV_PASSWORD``    etcd password
-key_prefix     ``/torch/elastic/          etcd key prefix; the state key is
-               rendezvous``               ``<key_prefix>/<run_id>``
-state_ttl      7200                       seconds the state outlives its last write
-============== ========================== ==============================================
+Nothing here contacts etcd or imports torch or gRPC at import time. Every
+invalid value raises ``ValueError`` naming the rdzv-conf key (or
+``--rdzv-endpoint``) and the value that was wrong. One parser per kind of value:
+:func:`get_seconds_or`, :func:`get_positive_int`, :func:`get_bool`, and the
+private text and readable-file readers.
 
-The endpoint comes from ``--rdzv-endpoint``: ``host[:port]`` or ``http(s)://host:port``,
-several separated by commas; empty means ``localhost:2379``.
-
-The legacy ``etcd`` backend's keys are translated by :func:`translate_legacy_params`
-(``cacert``, ``cert``, ``key``, ``etcd_prefix``, ``timeout``).
+Connection keys (every backend; torch's ``etcd-v2`` keys keep their meaning):
+``read_timeout`` (60 s, the deadline of every etcd call), ``protocol`` (the scheme
+of endpoints written without one: ``http``, or ``https`` once a certificate is
+given), ``ssl_cert``/``ssl_cert_key``/``ca_cert`` (PEM files; ``ssl_cert`` alone
+must also hold the key), ``user``/``password`` (default ``$ETCD_RDZV_USER``/
+``$ETCD_RDZV_PASSWORD``), ``key_prefix`` (``/torch/elastic/rendezvous``; the state
+key is ``<key_prefix>/<run_id>``), ``state_ttl`` (7200 s the state outlives its
+last write). ``--rdzv-endpoint`` is ``host[:port]`` or ``http(s)://host:port``,
+several separated by commas; empty means ``localhost:2379``. The legacy ``etcd``
+keys (``cacert``, ``cert``, ``key``, ``etcd_prefix``, ``timeout``) are renamed by
+:func:`translate_legacy_params`. The rendezvous keys of each backend are listed
+on :class:`DynamicSettings` and ``V3Settings``; docs/configuration.md has them all.
 """
 
 from __future__ import annotations
@@ -43,11 +43,20 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from etcd_store.client import EtcdClient
 
+    from .native.settings import V3Settings
+
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "DEFAULT_CLOSE_TIMEOUT",
     "DEFAULT_ENDPOINT",
+    "DEFAULT_HEARTBEAT_TIMEOUT",
+    "DEFAULT_JOIN_TIMEOUT",
+    "DEFAULT_KEEP_ALIVE_INTERVAL",
+    "DEFAULT_KEEP_ALIVE_MAX_ATTEMPT",
     "DEFAULT_KEY_PREFIX",
+    "DEFAULT_LAST_CALL_TIMEOUT",
+    "DEFAULT_LEASE_TTL",
     "DEFAULT_READ_TIMEOUT",
     "DEFAULT_STATE_TTL",
     "LEGACY_ALIASES",
@@ -55,14 +64,18 @@ __all__ = [
     "MAX_STATE_TTL",
     "PASSWORD_ENV",
     "USER_ENV",
+    "DynamicSettings",
     "EtcdClientOptions",
+    "HandlerParams",
     "RdzvConfig",
     "RdzvParams",
+    "get_bool",
     "get_positive_int",
-    "get_seconds",
     "get_seconds_or",
     "parse_client_options",
+    "parse_dynamic_settings",
     "parse_rdzv_config",
+    "parse_v3_settings",
     "translate_legacy_params",
 ]
 
@@ -74,6 +87,14 @@ DEFAULT_STATE_TTL = 7200
 MAX_STATE_TTL = 6_000_000_000  # the state's lease lasts 1.5 x state_ttl; etcd allows 9e9 s
 USER_ENV = "ETCD_RDZV_USER"
 PASSWORD_ENV = "ETCD_RDZV_PASSWORD"
+# The rendezvous timeouts and keep-alive values: torch's ``DynamicRendezvousHandler`` defaults.
+DEFAULT_JOIN_TIMEOUT = 600.0
+DEFAULT_LAST_CALL_TIMEOUT = 30.0
+DEFAULT_CLOSE_TIMEOUT = 30.0
+DEFAULT_HEARTBEAT_TIMEOUT = 5.0
+DEFAULT_KEEP_ALIVE_INTERVAL = 5
+DEFAULT_KEEP_ALIVE_MAX_ATTEMPT = 3
+DEFAULT_LEASE_TTL = DEFAULT_KEEP_ALIVE_INTERVAL * DEFAULT_KEEP_ALIVE_MAX_ATTEMPT
 
 LEGACY_ALIASES: Mapping[str, str] = {
     "cacert": "ca_cert",
@@ -92,6 +113,18 @@ class RdzvParams(Protocol):
     config: dict[str, Any]
 
     def get(self, key: str, default: Any = None) -> Any: ...
+
+
+class HandlerParams(RdzvParams, Protocol):
+    """All of torch's ``RendezvousParameters`` that a handler reads."""
+
+    backend: str
+    run_id: str
+    min_nodes: int
+    max_nodes: int
+    local_addr: str | None
+
+    def get_as_bool(self, key: str, default: bool | None = None) -> bool | None: ...
 
 
 @dataclass(frozen=True)
@@ -143,6 +176,33 @@ class RdzvConfig:
         return f"{self.state_key(run_id)}/store"
 
 
+@dataclass(frozen=True)
+class DynamicSettings:
+    """The settings of an ``etcd-v2``/``etcd`` rendezvous (seconds unless said otherwise).
+
+    torch's ``DynamicRendezvousHandler`` keys and defaults: ``join_timeout`` (600:
+    how long a round may take to complete), ``last_call_timeout`` (30: extra wait
+    once ``min_nodes`` joined), ``close_timeout`` (30: deadline of ``set_closed``
+    / ``shutdown``), ``heartbeat_timeout`` (5: deadline of one heartbeat write),
+    ``keep_alive_interval`` (5: seconds between heartbeats) and
+    ``keep_alive_max_attempt`` (3: missed heartbeats after which a node is dropped).
+    ``config`` holds the client options, ``key_prefix`` and ``state_ttl``.
+    """
+
+    backend: str
+    run_id: str
+    min_nodes: int
+    max_nodes: int
+    local_addr: str | None
+    config: RdzvConfig
+    join_timeout: float = DEFAULT_JOIN_TIMEOUT
+    last_call_timeout: float = DEFAULT_LAST_CALL_TIMEOUT
+    close_timeout: float = DEFAULT_CLOSE_TIMEOUT
+    heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT
+    keep_alive_interval: float = DEFAULT_KEEP_ALIVE_INTERVAL
+    keep_alive_max_attempt: int = DEFAULT_KEEP_ALIVE_MAX_ATTEMPT
+
+
 # --------------------------------------------------------------------------- value parsing
 
 
@@ -178,12 +238,6 @@ def get_seconds_or(params: RdzvParams, key: str, default: float) -> float:
     return seconds
 
 
-def get_seconds(params: RdzvParams, key: str) -> float | None:
-    """The positive number of seconds ``key`` holds, or None when absent. ``ValueError`` if bad."""
-    seconds = get_seconds_or(params, key, math.nan)
-    return None if math.isnan(seconds) else seconds
-
-
 def get_positive_int(params: RdzvParams, key: str, default: int, *, unit: str = "") -> int:
     """The conf value ``key`` as a positive integer (``default`` when absent or blank).
 
@@ -202,6 +256,14 @@ def get_positive_int(params: RdzvParams, key: str, default: int, *, unit: str = 
             f"{f' ({unit})' if unit else ''}, got {value!r}."
         )
     return number
+
+
+def get_bool(params: HandlerParams, key: str, default: bool) -> bool:
+    """The conf value ``key`` as a boolean (torch's spellings: ``1/true/yes/...``).
+
+    Raises torch's ``ValueError`` naming the key.
+    """
+    return bool(params.get_as_bool(key, default))
 
 
 def _readable_file(params: RdzvParams, key: str) -> str | None:
@@ -324,6 +386,64 @@ def parse_rdzv_config(
             f"seconds (etcd's longest lease is 1.5 times that), got {state_ttl}."
         )
     return RdzvConfig(client=client, key_prefix=key_prefix, state_ttl=state_ttl)
+
+
+def parse_dynamic_settings(params: HandlerParams, *, legacy: bool = False) -> DynamicSettings:
+    """The settings of an ``etcd-v2`` (or, with ``legacy``, ``etcd``) rendezvous.
+
+    ``legacy`` reads torch's legacy ``etcd`` keys too (:func:`translate_legacy_params`).
+    Raises ``ValueError`` naming the bad key.
+    """
+    if legacy:
+        params = translate_legacy_params(params)
+    return DynamicSettings(
+        backend=params.backend,
+        run_id=params.run_id,
+        min_nodes=params.min_nodes,
+        max_nodes=params.max_nodes,
+        local_addr=params.local_addr,
+        config=parse_rdzv_config(params),
+        join_timeout=get_seconds_or(params, "join_timeout", DEFAULT_JOIN_TIMEOUT),
+        last_call_timeout=get_seconds_or(params, "last_call_timeout", DEFAULT_LAST_CALL_TIMEOUT),
+        close_timeout=get_seconds_or(params, "close_timeout", DEFAULT_CLOSE_TIMEOUT),
+        heartbeat_timeout=get_seconds_or(params, "heartbeat_timeout", DEFAULT_HEARTBEAT_TIMEOUT),
+        keep_alive_interval=get_seconds_or(params, "keep_alive_interval", DEFAULT_KEEP_ALIVE_INTERVAL),
+        keep_alive_max_attempt=get_positive_int(
+            params, "keep_alive_max_attempt", DEFAULT_KEEP_ALIVE_MAX_ATTEMPT
+        ),
+    )
+
+
+def parse_v3_settings(params: HandlerParams) -> tuple[V3Settings, EtcdClientOptions]:
+    """The settings and the client options of an ``etcd-v3`` rendezvous.
+
+    Raises ``ValueError`` naming the rdzv-conf key whose value is invalid. The
+    lease TTL is ``heartbeat`` (rounded up to whole seconds) when given, else
+    ``keep_alive_interval * keep_alive_max_attempt`` (whole seconds each).
+    """
+    from .native.settings import V3Settings
+
+    config = parse_rdzv_config(params)
+    if "heartbeat" in params.config and params.get("heartbeat") is not None:
+        lease_ttl = math.ceil(get_seconds_or(params, "heartbeat", DEFAULT_LEASE_TTL))
+    else:
+        interval = get_positive_int(params, "keep_alive_interval", DEFAULT_KEEP_ALIVE_INTERVAL)
+        attempts = get_positive_int(params, "keep_alive_max_attempt", DEFAULT_KEEP_ALIVE_MAX_ATTEMPT)
+        lease_ttl = interval * attempts
+    settings = V3Settings(
+        run_id=params.run_id,
+        min_nodes=params.min_nodes,
+        max_nodes=params.max_nodes,
+        local_addr=params.local_addr,
+        join_timeout=get_seconds_or(params, "join_timeout", DEFAULT_JOIN_TIMEOUT),
+        last_call_timeout=get_seconds_or(params, "last_call_timeout", DEFAULT_LAST_CALL_TIMEOUT),
+        close_timeout=get_seconds_or(params, "close_timeout", DEFAULT_CLOSE_TIMEOUT),
+        lease_ttl=lease_ttl,
+        state_ttl=config.state_ttl,
+        key_prefix=config.key_prefix,
+        fast_recovery=get_bool(params, "fast_recovery", True),
+    )
+    return settings, config.client
 
 
 def translate_legacy_params(params: Any) -> Any:

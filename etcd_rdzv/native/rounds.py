@@ -1,0 +1,459 @@
+"""One node's part in the rounds of an ``etcd-v3`` run: join, wait, seal, close.
+
+:class:`Participant` holds what a node knows of the run (its lease
+:class:`~etcd_store.client.Session`, which also keeps the run lease alive, the
+last sealed record it saw, the round it joined) and strings the transactions of
+:mod:`etcd_rdzv.native.protocol` together: :meth:`Participant.rendezvous` joins
+rounds until one that includes this node is sealed, waiting on a watch of the
+run's ``ctl/`` keys and acting on :func:`~etcd_rdzv.native.barrier.decide`.
+A lease etcd reports gone is replaced and the write sent again, through
+:func:`~etcd_store.client.renewing_lease`. The torch-facing handler
+(:mod:`etcd_rdzv.native.handler`) owns one and translates its errors.
+
+Blocks: :meth:`~Participant.rendezvous` (until sealed, closed, or
+``join_timeout``), :meth:`~Participant.close_run` (at most until its deadline).
+Raises :class:`~etcd_store.errors.EtcdError` subclasses and
+:class:`~etcd_rdzv.native.records.ProtocolStateError`, and torch's
+``RendezvousClosedError``/``RendezvousTimeoutError``/``RendezvousGracefulExitError``
+where the run's state decides the outcome.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousGracefulExitError,
+    RendezvousTimeoutError,
+)
+
+from etcd_store.client import EtcdClient, Session, Watch, renewing_lease
+from etcd_store.errors import EtcdCompactedError, EtcdError, EtcdTimeoutError
+
+from . import bootstrap, protocol, queries
+from .barrier import Admitted, Barrier, JoinClock, Seal, Tally, TimeOut, Void, decide, verdict
+from .bootstrap import join_value
+from .keys import RunKeys
+from .records import Sealed
+from .settings import V3Settings
+from .view import RoundView, Signal, SignalKind
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Participant", "RoundResult"]
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """The outcome of the barrier for one node: its place in a sealed round.
+
+    ``seal_revision`` is the revision at which the round was sealed (the same
+    for every member; 0 when it was learnt from the members record).
+    """
+
+    round: int
+    rank: int
+    world_size: int
+    seal_revision: int
+    node_id: str
+
+
+@dataclass(frozen=True)
+class _Joined:
+    """The join key this node holds in ``round``.
+
+    ``member``: True (member of the sealed round), False (the round was sealed
+    without us: over ``max_nodes`` or void), None (not known: still waiting, or
+    the wait ended with an error before the outcome was seen).
+    """
+
+    round: int
+    key: bytes
+    member: bool | None = None
+
+
+@dataclass(frozen=True)
+class _Retry:
+    """Join again: from ``sealed`` when known, else after re-reading the run's records;
+    ``clock`` is the ``join_timeout`` deadline as the wait left it."""
+
+    sealed: Sealed | None
+    clock: JoinClock
+
+
+def _tally(view: RoundView) -> Tally:
+    return Tally(view.count, view.before, view.prev_count, view.changes)
+
+
+def _failed_on_master_alone(res: protocol.SealOutcome, previous: Sealed) -> bool:
+    """Whether a failed seal's answer shows every condition but ``master``'s held."""
+    return res.sealed.revision == previous.revision and not res.closed and res.prev_count == 0
+
+
+class Participant:
+    """One node of the run: its leases and its place in the rounds (see the module docstring).
+
+    ``session`` (this node's lease, None before the first join and after
+    :meth:`stop`), ``run_lease``, ``member_round``/``member_world`` (the round this
+    node is a member of and its size), ``round_master`` (rank 0's address from that
+    round's sealed record) and ``shut_down`` are read by the handler.
+    One :meth:`rendezvous` at a time; :meth:`stop` may be called from any thread.
+    """
+
+    def __init__(self, settings: V3Settings, client: EtcdClient, keys: RunKeys, node_id: str) -> None:
+        self._settings = settings
+        self._client = client
+        self._keys = keys
+        self._node_id = node_id
+        self._lock = threading.Lock()
+        self.session: Session | None = None  # this node's lease; it also keeps the run lease alive
+        self.run_lease: int | None = None
+        self._sealed = Sealed()  # the latest ``ctl/sealed`` this node saw (a guess, checked by each join)
+        self._joined: _Joined | None = None
+        self.member_round: int | None = None
+        self.member_world = 0
+        self.round_master: tuple[str, int] | None = None  # from the sealed record of our round
+        self._watch: Watch | None = None
+        self.shut_down = False
+
+    def stop(self) -> Session | None:
+        """Stop for good: cancel a wait's watch, forget the round; returns the lease session to close."""
+        with self._lock:
+            self.shut_down = True
+            watch, self._watch = self._watch, None
+            session, self.session = self.session, None
+        if watch is not None:
+            watch.cancel()
+        self._joined = None
+        self.member_round = None
+        return session
+
+    # ------------------------------------------------------------------ leases and closing
+
+    def close_run(self, deadline: float) -> None:
+        def left() -> float:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise EtcdTimeoutError(f"close_timeout={self._settings.close_timeout:g} s passed")
+            return remaining
+
+        def close(lease: int) -> bool:
+            return protocol.close(self._client, self._keys, lease, timeout=left())
+
+        try:
+            if renewing_lease(close, lambda: self._run_lease_or_create(left()), self._forget_run_lease,
+                              renewals=1):
+                log.info("node %s closed the rendezvous %r", self._node_id, self._settings.run_id)
+        except EtcdTimeoutError as e:
+            raise RendezvousTimeoutError(f"closing the rendezvous timed out: {e}") from e
+        except EtcdError as e:
+            raise RendezvousConnectionError(str(e)) from e
+
+    def check_not_shut_down(self) -> None:
+        if self.shut_down:
+            raise RendezvousClosedError(f"the handler of node {self._node_id} was shut down")
+
+    def _ensure_lease(self) -> int:
+        """This node's lease: a new session if there is none or it ended. 0-1 LeaseGrant."""
+        with self._lock:
+            self.check_not_shut_down()
+            session = self.session
+            if session is not None and not session.done().is_set():
+                return session.id
+            if session is not None:
+                log.warning("node %s lost its lease; joining with a new one", self._node_id)
+            session = self._client.session(self._settings.lease_ttl)
+            self.session = session
+            self._joined = None  # keys bound to the old lease are gone
+            if self.run_lease is not None:
+                session.keep_also(self.run_lease)
+            return session.id
+
+    def _forget_lease(self, lease: int) -> None:
+        """End the session of a lease etcd no longer knows, so the next join grants a new one."""
+        session = self.session
+        if session is not None and session.id == lease:
+            session.close(revoke=False)
+
+    def _drop_lease(self) -> None:
+        """Our join key vanished with our lease: end its session (see :meth:`_forget_lease`)."""
+        session = self.session
+        if session is not None:
+            self._forget_lease(session.id)
+
+    def _learn(self, sealed: Sealed) -> None:
+        """Remember the latest sealed record and help keep the run lease it names alive."""
+        self._sealed = sealed
+        if sealed.run_lease is not None:
+            self._adopt_run_lease(sealed.run_lease)
+
+    def _adopt_run_lease(self, lease: int) -> None:
+        if lease != self.run_lease:
+            self.run_lease = lease
+            session = self.session
+            if session is not None:
+                session.keep_also(lease)
+
+    def _run_lease_or_create(self, timeout: float | None = None) -> int:
+        return self.run_lease if self.run_lease is not None else self._create_run_lease(timeout)
+
+    def _forget_run_lease(self, lease: int) -> None:
+        """The run lease expired (``ctl/run`` went with it): the next use creates a new one."""
+        if self.run_lease == lease:
+            self.run_lease = None
+
+    def _create_run_lease(self, timeout: float | None = None) -> int:
+        """The run lease of ``ctl/run``, created if absent (sealers and closers only)."""
+        lease = protocol.ensure_run_lease(
+            self._client, self._keys, self._settings.state_ttl, timeout=timeout
+        )
+        self._adopt_run_lease(lease)
+        return lease
+
+    # ------------------------------------------------------------------ the rounds
+
+    def rendezvous(self, clock: JoinClock) -> RoundResult:
+        """Join rounds until one that includes us is sealed.
+
+        The first join assumes the last sealed record this node saw; a stale guess
+        costs one failed join, whose answer carries the current record.
+        """
+        keys, client = self._keys, self._client
+        value = join_value(self._settings.node_addr)  # one free port per next_round call
+        # The group this node leaves: a round that only re-forms it may skip the last call.
+        prior_round, prior_world = self.member_round, self.member_world
+        self.member_round = None
+        self.round_master = None
+        sealed = self._sealed
+        fresh_read = False
+        while True:
+            if fresh_read:
+                meta = queries.read_meta(client, keys)
+                if meta.closed:
+                    self._withdraw()
+                    raise RendezvousClosedError(f"the rendezvous {self._settings.run_id!r} is closed")
+                sealed, fresh_read = meta.sealed, False
+            self._learn(sealed)
+            joined = self._joined
+            if joined is not None and joined.member is None and joined.round <= sealed.round:
+                # Our round was sealed while we were not watching (watch lost, error).
+                resolved = self._resolve(joined.round, sealed)
+                if resolved is not None:
+                    return resolved
+            outcome = renewing_lease(
+                functools.partial(self._join, sealed, value), self._ensure_lease, self._forget_lease
+            )
+            if not outcome.ok:
+                if outcome.joined_anyway:
+                    # A lost answer hid a join that did apply; its round is sealed now.
+                    target = sealed.round + 1
+                    self._joined = _Joined(target, keys.join_key(target, self._node_id))
+                if outcome.closed:
+                    self._withdraw()
+                    raise RendezvousClosedError(f"the rendezvous {self._settings.run_id!r} is closed")
+                sealed = outcome.sealed
+                continue
+            target = sealed.round + 1
+            key = keys.join_key(target, self._node_id)
+            self._joined = _Joined(target, key)
+            log.debug("node %s joined round %d at revision %d", self._node_id, target, outcome.revision)
+            recovering = self._settings.fast_recovery and prior_round == target - 1
+            waited = self._wait(target, outcome, sealed, clock, value, prior_world if recovering else None)
+            if isinstance(waited, RoundResult):
+                self._joined = _Joined(target, key, member=True)
+                return waited
+            clock = waited.clock
+            if waited.sealed is None:
+                fresh_read = True
+            else:
+                sealed = waited.sealed
+
+    def _join(self, sealed: Sealed, value: bytes, lease: int) -> protocol.JoinOutcome:
+        """One join Txn with ``lease``, leaving our previous key (if its lease is still ours)."""
+        previous = self._joined.key if self._joined is not None else None
+        return protocol.join(
+            self._client, self._keys, self._node_id, value, lease, sealed, previous_key=previous
+        )
+
+    def _wait(
+        self,
+        round_: int,
+        outcome: protocol.JoinOutcome,
+        previous: Sealed,
+        clock: JoinClock,
+        value: bytes,
+        recover_size: int | None = None,
+    ) -> RoundResult | _Retry:
+        """Wait on the ``ctl/`` watch until round ``round_`` is sealed; seal it when due.
+
+        Acts on what :func:`~etcd_rdzv.native.barrier.decide` says (when a round
+        is due is defined there); ``recover_size`` is the size of the group this
+        node was a member of in the previous round (``fast_recovery``).
+        """
+        s = self._settings
+        view = RoundView(
+            self._keys, round_, self._node_id, outcome.create_revision, outcome.before,
+            outcome.prev_count, outcome.revision,
+        )
+        view.after.update(outcome.after)
+        watch = self._client.watch(self._keys.ctl, self._keys.ctl_end, start_revision=outcome.revision + 1)
+        with self._lock:
+            if self.shut_down:
+                watch.cancel()
+                raise RendezvousClosedError(f"the handler of node {self._node_id} was shut down")
+            self._watch = watch
+        state = Barrier.start(clock, _tally(view), s, recover_size)
+        try:
+            while True:
+                state, action = decide(state, _tally(view), s, time.monotonic())
+                if isinstance(action, Seal):
+                    state = state.sealed(self._try_seal(round_, previous, view, value))
+                    continue
+                if isinstance(action, TimeOut):
+                    if self._withdraw_if_unsealed(previous):
+                        raise RendezvousTimeoutError(
+                            f"node {self._node_id}: round {round_} of the rendezvous "
+                            f"{s.run_id!r} was not sealed within join_timeout={s.join_timeout:g} s "
+                            f"({view.count} of min_nodes={s.min_nodes} joined"
+                            f"{'' if view.vacated else ', previous round still running'})"
+                        )
+                    state = state.timed_out_late()  # sealed meanwhile: its event is on the way
+                    continue
+                timeout = None if action.at is None else max(action.at - time.monotonic(), 0.0)
+                for event in watch.get(timeout=timeout):
+                    signal = view.apply(event)
+                    if signal is not None:
+                        return self._on_signal(signal, view, previous, state)
+        except EtcdCompactedError:
+            log.warning("node %s: watch history compacted; re-reading the rendezvous", self._node_id)
+            return _Retry(None, state.clock)
+        except EtcdError:
+            if self.shut_down:
+                raise RendezvousClosedError(f"the handler of node {self._node_id} was shut down") from None
+            raise
+        finally:
+            with self._lock:
+                if self._watch is watch:
+                    self._watch = None
+            watch.cancel()
+
+    def _try_seal(self, round_: int, previous: Sealed, view: RoundView, value: bytes) -> bool:
+        """One seal attempt (and the run lease, the first time); whether we sealed.
+
+        The sealed record also names rank 0's address and port (see
+        :func:`~etcd_rdzv.native.bootstrap.master_of`), so that no member has to read them after the seal.
+        """
+        master = bootstrap.master_of(self._client, self._keys, view, self._node_id, value)
+
+        def seal(lease: int) -> protocol.SealOutcome:
+            res = protocol.seal(self._client, self._keys, round_, previous, lease, master=master)
+            if not res.ok and master is not None and _failed_on_master_alone(res, previous):
+                # Rank 0's key changed since we read it: seal without naming it.
+                res = protocol.seal(self._client, self._keys, round_, previous, lease)
+            return res
+
+        res = renewing_lease(seal, self._run_lease_or_create, self._forget_run_lease, renewals=1)
+        if res.ok:
+            log.debug("node %s sealed round %d at revision %d", self._node_id, round_, res.revision)
+        return res.ok
+
+    def _on_signal(self, signal: Signal, view: RoundView, previous: Sealed, state: Barrier) -> RoundResult | _Retry:
+        s = self._settings
+        tally = _tally(view)
+        if signal.kind is SignalKind.CLOSED:
+            self._withdraw()
+            if tally.kept_out(s):
+                raise RendezvousGracefulExitError(
+                    f"the rendezvous {s.run_id!r} was closed while node {self._node_id} waited "
+                    "for room in a full group"
+                )
+            raise RendezvousClosedError(f"the rendezvous {s.run_id!r} was closed")
+        if signal.kind is SignalKind.LOST:
+            self._joined = None
+            self._drop_lease()
+            return _Retry(previous, state.clock)
+        if signal.kind is SignalKind.RESET or signal.round != view.round:
+            return _Retry(None, state.clock)
+        sealed = Sealed(signal.round, signal.revision, signal.run_lease, signal.master)
+        self._learn(sealed)
+        if state.sealed_by_me:
+            self._record_members(view, sealed)
+        place = verdict(tally, s)
+        if isinstance(place, Void):
+            log.warning(
+                "round %d of %r sealed with %d joiners (< min_nodes=%d): void, joining the next",
+                view.round, s.run_id, place.world_size, s.min_nodes,
+            )
+        elif isinstance(place, Admitted):
+            self.member_round, self.member_world = view.round, place.world_size
+            self.round_master = signal.master
+            return RoundResult(view.round, place.rank, place.world_size, signal.revision, self._node_id)
+        self._joined = _Joined(view.round, self._keys.join_key(view.round, self._node_id), member=False)
+        if state.timing_out:
+            self._withdraw()
+            raise RendezvousTimeoutError(
+                f"node {self._node_id} was not admitted to a round of {s.run_id!r} within "
+                f"join_timeout={s.join_timeout:g} s"
+            )
+        return _Retry(sealed, state.clock)
+
+    def _record_members(self, view: RoundView, sealed: Sealed) -> None:
+        """Write the members record of a round we sealed (for resync and inspection)."""
+        s = self._settings
+        try:
+            if view.before == 0:
+                members = [self._node_id, *view.members_after_us()][: s.max_nodes]
+            else:
+                members = queries.snapshot_members(
+                    self._client, self._keys, view.round, sealed.revision, s.max_nodes
+                )
+            run_lease = self.run_lease
+            if run_lease is not None:
+                protocol.write_members(self._client, self._keys, view.round, members, run_lease)
+        except EtcdError as e:
+            log.warning("could not record the members of round %d: %s", view.round, e)
+
+    def _resolve(self, round_: int, sealed: Sealed) -> RoundResult | None:
+        """Our place in ``round_``, sealed while we were not watching; None if not a member."""
+        s = self._settings
+        members, _ = queries.read_members(self._client, self._keys, round_)
+        if members is None:
+            if sealed.round != round_:
+                # A later round was sealed, so ours was vacated: our key is gone (lease
+                # expired), and whatever group we were in has been replaced.
+                return None
+            members = queries.snapshot_members(
+                self._client, self._keys, round_, sealed.revision, s.max_nodes
+            )
+        if len(members) < s.min_nodes or self._node_id not in members:
+            return None
+        self.member_round, self.member_world = round_, len(members)
+        self._joined = _Joined(round_, self._keys.join_key(round_, self._node_id), member=True)
+        revision = sealed.revision if sealed.round == round_ else 0
+        return RoundResult(round_, members.index(self._node_id), len(members), revision, self._node_id)
+
+    def _withdraw(self) -> None:
+        """Delete our join key (the run is closed or we gave up). One DeleteRange,
+        best effort: if it fails, the key goes with our lease at shutdown."""
+        joined, self._joined = self._joined, None
+        self.member_round = None
+        if joined is not None:
+            try:
+                self._client.delete(joined.key)
+            except EtcdError as e:
+                log.info("node %s could not withdraw %r: %s", self._node_id, joined.key, e)
+
+    def _withdraw_if_unsealed(self, previous: Sealed) -> bool:
+        joined = self._joined
+        if joined is None:
+            return True
+        if protocol.leave_if_unsealed(self._client, self._keys, joined.key, previous):
+            self._joined = None
+            return True
+        return False
