@@ -21,7 +21,7 @@ from etcd_store.client import EtcdClient, op_get
 from etcd_store.errors import EtcdError
 
 from ..native.keys import RunKeys
-from ..native.protocol import ProtocolStateError
+from ..native.records import ProtocolStateError
 from .actions import DEFAULT_STATE_TTL, close_v2, close_v3, gc
 from .connect import CliError, ConnectOptions, Deadline, add_connect_arguments, connect_options
 from .render import render_list, render_show

@@ -26,7 +26,7 @@ from typing import Any
 from etcd_store.client import EtcdClient, KeyValue, RangeResult, op_get, prefix_range_end
 
 from ..native.keys import RunKeys
-from ..native.protocol import ProtocolStateError, Sealed, decode_members
+from ..native.records import ProtocolStateError, Sealed, decode_members
 from .connect import Deadline
 from .v2state import StateDecodeError, V2State, decode_state
 

@@ -22,7 +22,7 @@ from typing import Any
 from etcd_store.client import EtcdClient, Event
 
 from ..native.keys import RunKeys
-from ..native.protocol import ProtocolStateError, decode_sealed
+from ..native.records import ProtocolStateError, decode_sealed
 from .connect import CliError, Deadline
 from .runs import V2, state_key
 from .v2state import StateDecodeError, V2State, decode_state
