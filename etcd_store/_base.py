@@ -1,9 +1,22 @@
 """What every part of :class:`~etcd_store.EtcdStore` shares: helpers, the store state
 (declared on :class:`StoreBase`), deadlines, and waiting for keys with watches.
 
-Waiting (``_probe``, ``_watch``, ``_await_heads``) reads once, then watches from
-that read's revision: no polling, no lost wake-up; a compacted watch revision
-reads afresh. Deadlines: every RPC gets at least ``MIN_RPC_TIMEOUT`` seconds.
+Waiting (:meth:`StoreBase._wait_for`): the caller reads first (so a key that is
+already there costs one read); on a miss it opens a watch *from now* and waits
+until etcd confirms it. etcd registers such a watch as "synced" and delivers
+events to it as they are committed (about a millisecond); a watch from a past
+revision would be "unsynced" and served only on etcd's 100 ms catch-up tick.
+
+No lost wake-up: etcd's confirmation carries the revision ``W`` it had when it
+registered the watch, and the watch delivers every event above ``W``. If the
+caller's read was at revision ``R >= W`` it saw everything up to ``W``;
+otherwise (someone wrote in between) it reads again, and that read, sent after
+the confirmation, is linearizable, so it is at a revision ``R >= W``. Either
+way every revision is covered, by the read (``<= R``) or by the watch
+(``> W``); events at or below ``R`` are skipped, since the read reflected them.
+A compacted watch reads afresh and opens a new watch. No polling, no sleeps.
+
+Deadlines: every RPC gets at least ``MIN_RPC_TIMEOUT`` seconds.
 """
 
 from __future__ import annotations
@@ -21,7 +34,7 @@ import torch.distributed as dist
 
 from ._layout import Layout
 from ._namespace_lease import StoreLease
-from .client import EtcdClient, Event, KeyValue, RangeResult, op_get
+from .client import EtcdClient, Event, KeyValue, RangeResult, Watch, op_get
 from .errors import EtcdCompactedError, EtcdConnectionError, EtcdError
 
 log = logging.getLogger(__name__)
@@ -169,28 +182,70 @@ class StoreBase:
                     present.add(k)
         return present, revision
 
-    def _watch(
-        self, start: bytes, end: bytes | None, revision: int, deadline: float,
-        on_event: Callable[[Event], bool],
-    ) -> bool:
-        """Watch ``[start, end)`` from ``revision`` until ``on_event`` says done (True) or the deadline (False)."""
-        watch = self._client.watch(start, end, start_revision=revision)
+    def _open_watch(self, start: bytes, end: bytes | None, deadline: float) -> Watch | None:
+        """A watch on ``[start, end)`` from now, confirmed by etcd; None if the deadline came first.
+
+        Its ``created_revision`` is the revision etcd had when it registered the
+        watch: the watch delivers every event above it.
+        """
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        watch = self._client.watch(start, end)
         try:
-            while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                for ev in watch.get(timeout=remaining):
-                    if on_event(ev):
-                        return True
-        finally:
+            if not watch.wait_created(remaining):
+                watch.cancel()
+                return None
+            if not watch.created_revision:
+                # The watch failed before etcd confirmed it: get() raises its error.
+                watch.get(timeout=MIN_RPC_TIMEOUT)
+                raise EtcdError(f"watch on {start!r} at {self._client.describe()} failed to start")
+        except BaseException:
             watch.cancel()
+            raise
+        return watch
+
+    def _wait_for(
+        self, start: bytes, end: bytes | None, revision: int, deadline: float,
+        reread: Callable[[], tuple[bool, int]], on_event: Callable[[Event], bool],
+    ) -> bool:
+        """Wait on ``[start, end)`` until ``on_event`` says done (True) or the deadline (False).
+
+        ``revision`` is that of the caller's read that found the wait not done.
+        The watch starts from now (synced: see the module docstring); when etcd
+        moved past ``revision`` before registering it, ``reread()`` reads again
+        and returns (done, the revision of its read). Events at or below the
+        last read's revision are skipped.
+        """
+        while True:
+            watch = self._open_watch(start, end, deadline)
+            if watch is None:
+                return False
+            try:
+                if watch.created_revision > revision:
+                    done, revision = reread()
+                    if done:
+                        return True
+                while True:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return False
+                    for ev in watch.get(timeout=remaining):
+                        if ev.kv.mod_revision > revision and on_event(ev):
+                            return True
+            except EtcdCompactedError:
+                revision = 0  # the watch fell behind a compaction: read afresh, watch anew
+            finally:
+                watch.cancel()
 
     def _await_heads(
         self, heads: Sequence[bytes], revision: int, deadline: float, seconds: float,
         shown: Sequence[str | bytes],
     ) -> dict[bytes, KeyValue]:
-        """Wait until each key in ``heads`` is written; their first written KeyValues."""
+        """Wait until each key in ``heads`` is written; their first written KeyValues.
+
+        ``revision``: that of the read that found the keys missing.
+        """
         wanted = set(heads)
         found: dict[bytes, KeyValue] = {}
 
@@ -199,20 +254,17 @@ class StoreBase:
                 found[ev.key] = ev.kv
             return len(found) == len(wanted)
 
-        while True:
-            try:
-                if self._watch(min(wanted), Layout.span_end(max(wanted)), revision, deadline, seen):
-                    return found
-            except EtcdCompactedError:
-                # Too far behind: read the keys afresh, then watch from that read.
-                missing = [k for k in wanted if k not in found]
-                res = self._client.txn([], [op_get(k) for k in missing],
+        def reread() -> tuple[bool, int]:
+            at = 0
+            for batch in _batches([k for k in heads if k not in found], MAX_TXN_OPS):
+                res = self._client.txn([], [op_get(k) for k in batch],
                                        timeout=self._budget(deadline), idempotent=True)
+                at = at or res.revision  # the lowest revision read: later events are handled
                 for r in res.responses:
                     if isinstance(r, RangeResult) and r.kvs:
                         found[r.kvs[0].key] = r.kvs[0]
-                if len(found) == len(wanted):
-                    return found
-                revision = res.revision + 1
-                continue
-            raise self._timeout_error(seconds, shown)
+            return len(found) == len(wanted), at
+
+        if self._wait_for(min(wanted), Layout.span_end(max(wanted)), revision, deadline, reread, seen):
+            return found
+        raise self._timeout_error(seconds, shown)

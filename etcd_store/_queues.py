@@ -27,7 +27,6 @@ from .client import (
     op_put,
     prefix_range_end,
 )
-from .errors import EtcdCompactedError
 
 #: Items of a queue this store remembers as candidates for the oldest.
 _QUEUE_GUESSES = 64
@@ -74,7 +73,9 @@ class Queues(ReadModifyWrite):
         on timeout), else raises ``QueueEmptyError`` at once. One Txn when this store
         knows a candidate for the oldest item (it pushed one, popped before, or was
         woken by a push); otherwise one Range first. A wrong guess costs one more Txn,
-        whose failure branch returns the queue's items.
+        whose failure branch returns the queue's items. Waiting on an empty queue
+        opens one watch from now (one more Range when etcd's revision moved since
+        the empty read: see :mod:`etcd_store._base`).
         """
         qp = Layout.queue_prefix(self._layout.key(key))
         end = prefix_range_end(qp)
@@ -93,20 +94,7 @@ class Queues(ReadModifyWrite):
                     if not items:
                         if not block:
                             raise dist.QueueEmptyError("queue is empty")
-                        first: list[KeyValue] = []
-
-                        def pushed(ev: Event, first: list[KeyValue] = first) -> bool:
-                            if ev.type == "PUT":
-                                first.append(ev.kv)
-                            return bool(first)
-
-                        try:
-                            if not self._watch(qp, end, res.revision + 1, deadline, pushed):
-                                raise self._timeout_error(timeout, [key])
-                        except EtcdCompactedError:
-                            continue
-                        # The first push after an empty read is the oldest item.
-                        items = [(first[0].create_revision, first[0].key)]
+                        items = [self._await_push(qp, end, res.revision, deadline, timeout, key)]
                 created, guess = items[0]
                 _, txn = self._leased_txn(
                     None,
@@ -136,6 +124,30 @@ class Queues(ReadModifyWrite):
                     return self._take_item(old.kvs[0])
                 marker.mod = mark.kvs[0].mod_revision if mark.kvs else 0
 
+    def _await_push(
+        self, qp: bytes, end: bytes, revision: int, deadline: float, timeout: float, key: str | bytes
+    ) -> tuple[int, bytes]:
+        """Wait for an item in the queue ``qp``, found empty at ``revision``; (create revision, key).
+
+        The first item pushed after the empty read is the oldest (unless popped
+        meanwhile: the pop Txn checks).
+        """
+        first: list[KeyValue] = []
+
+        def pushed(ev: Event) -> bool:
+            if ev.type == "PUT":
+                first.append(ev.kv)
+            return bool(first)
+
+        def reread() -> tuple[bool, int]:
+            res = self._client.range(qp, end, keys_only=True, timeout=self._budget(deadline))
+            first.extend(sorted(res.kvs, key=_created)[:1])
+            return bool(first), res.revision
+
+        if not self._wait_for(qp, end, revision, deadline, reread, pushed):
+            raise self._timeout_error(timeout, [key])
+        return first[0].create_revision, first[0].key
+
     def _set_queue(self, qp: bytes, rest: RangeResult) -> None:
         items = sorted((kv.create_revision, kv.key) for kv in rest.kvs)[:_QUEUE_GUESSES]
         with self._lock:
@@ -147,3 +159,7 @@ class Queues(ReadModifyWrite):
             raise dist.DistStoreError(f"EtcdStore.queue_pop: the chunks of item {kv.key!r} are gone")
         self._drop_replaced(kv)
         return value
+
+
+def _created(kv: KeyValue) -> int:
+    return kv.create_revision

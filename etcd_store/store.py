@@ -8,8 +8,10 @@ uncontended case:
 =================================  ============================================
 ``set``, ``queue_push``            one Put
 ``get`` (key present)              one Range
-``get``/``wait``/``multi_get``      one read, then one watch from the revision
-(key missing)                      of that read (no polling, no lost wake-up)
+``get``/``wait``/``multi_get``      one read, then one watch from now; one more
+(key missing)                      read when etcd's revision moved between the
+                                   two (no polling, no lost wake-up: see
+                                   :mod:`etcd_store._base`)
 ``multi_get``, ``multi_set``,      one Txn per 128 / 64 / 128 keys
 ``check``                          (etcd's default ``--max-txn-ops`` is 128)
 ``add``, ``append``                one Txn when the key is new or unchanged
@@ -56,7 +58,6 @@ TCPStore; bad arguments raise ``TypeError``/``ValueError``.
 
 from __future__ import annotations
 
-import builtins
 import datetime
 import itertools
 import logging
@@ -92,7 +93,6 @@ from .client import (
     op_get,
     op_put,
 )
-from .errors import EtcdCompactedError
 
 log = logging.getLogger(__name__)
 
@@ -269,8 +269,9 @@ class EtcdStore(Queues, dist.Store):
     def get(self, key: str | bytes) -> bytes:  # type: ignore[override]
         """The value of ``key``, waiting up to the store timeout for it to be set.
 
-        One Range when the key exists; otherwise one Range and one watch from
-        that Range's revision. Raises ``DistStoreError`` on timeout.
+        One Range when the key exists; otherwise one Range and one watch from now
+        (plus one more read when etcd's revision moved in between: see
+        :mod:`etcd_store._base`). Raises ``DistStoreError`` on timeout.
         """
         k = self._layout.key(key)
         with _dist_errors(f"get({key!r})"):
@@ -281,7 +282,7 @@ class EtcdStore(Queues, dist.Store):
                 if res.kvs:
                     kv = res.kvs[0]
                 else:
-                    kv = self._await_heads([k], res.revision + 1, deadline, timeout, [key])[k]
+                    kv = self._await_heads([k], res.revision, deadline, timeout, [key])[k]
                 value = self._decode(kv)
                 if value is not None:
                     self._remember(k, kv.mod_revision, value)
@@ -301,32 +302,33 @@ class EtcdStore(Queues, dist.Store):
     ) -> None:
         """Block until every key exists (a queue with items counts) or the timeout passes.
 
-        One Txn (per 128 keys), then one watch from its revision over the missing
-        keys. Raises ``DistStoreError("wait timeout after ...ms, keys: ...")``.
+        One Txn (per 128 keys), then one watch from now over the missing keys (and
+        one more Txn when etcd's revision moved in between). Raises
+        ``DistStoreError("wait timeout after ...ms, keys: ...")``.
         """
         key_list = self._key_list(keys)
         ks = [self._layout.key(k) for k in key_list]
         seconds = self._timeout().total_seconds() if timeout is None else _seconds(timeout)
         deadline = time.monotonic() + seconds
         with _dist_errors(f"wait({key_list!r})"):
-            while True:
-                present, revision = self._probe(ks, self._budget(deadline))
-                missing = {k for k in ks if k not in present}
-                if not missing:
-                    return
+            present, revision = self._probe(ks, self._budget(deadline))
+            missing = {k for k in ks if k not in present}
+            if not missing:
+                return
 
-                def seen(ev: Event, missing: builtins.set[bytes] = missing) -> bool:
-                    if ev.type == "PUT":
-                        missing.discard(_head_of(self._layout, ev.key))
-                    return not missing
+            def reread() -> tuple[bool, int]:
+                present, at = self._probe(list(missing), self._budget(deadline))
+                missing.difference_update(present)
+                return not missing, at
 
-                try:
-                    if self._watch(min(missing), Layout.span_end(max(missing)), revision + 1,
-                                   deadline, seen):
-                        return
-                except EtcdCompactedError:
-                    continue
-                raise self._timeout_error(seconds, key_list)
+            def seen(ev: Event) -> bool:
+                if ev.type == "PUT":
+                    missing.discard(_head_of(self._layout, ev.key))
+                return not missing
+
+            if self._wait_for(min(missing), Layout.span_end(max(missing)), revision, deadline, reread, seen):
+                return
+            raise self._timeout_error(seconds, key_list)
 
     def delete_key(self, key: str | bytes) -> bool:  # type: ignore[override]
         """Delete ``key``; True if it existed. One DeleteRange."""
@@ -391,7 +393,7 @@ class EtcdStore(Queues, dist.Store):
                             found[r.kvs[0].key] = r.kvs[0]
                 missing = [k for k in unique if k not in found]
                 if missing:
-                    found.update(self._await_heads(missing, revision + 1, deadline, timeout, key_list))
+                    found.update(self._await_heads(missing, revision, deadline, timeout, key_list))
                 values = {k: self._decode(found[k]) for k in unique}
                 if all(v is not None for v in values.values()):
                     return [values[k] for k in ks]  # type: ignore[misc]
@@ -439,7 +441,8 @@ class EtcdStore(Queues, dist.Store):
         """Block until ``world_size`` callers called ``barrier`` with ``key``.
 
         As TCPStore: ``key`` holds the count of arrivals. One :meth:`add` and, unless
-        this caller completes the barrier, one watch from the add's revision.
+        this caller completes the barrier, one watch from now (and one Range when
+        etcd's revision moved past the add's before the watch was registered).
         Raises ``DistStoreError("barrier timeout after ...ms, key: ...")``.
         """
         seconds = self._timeout().total_seconds() if timeout is None else _seconds(timeout)
@@ -457,20 +460,16 @@ class EtcdStore(Queues, dist.Store):
             except ValueError:
                 return False
 
+        def reread() -> tuple[bool, int]:
+            res = self._client.range(k, timeout=self._budget(deadline))
+            return bool(res.kvs) and arrived(Event("PUT", res.kvs[0])), res.revision
+
         with _dist_errors(f"barrier({key!r})"):
-            while True:
-                try:
-                    if self._watch(k, None, revision + 1, deadline, arrived):
-                        return
-                except EtcdCompactedError:
-                    res = self._client.range(k, timeout=self._budget(deadline))
-                    revision = res.revision
-                    if res.kvs and arrived(Event("PUT", res.kvs[0])):
-                        return
-                    continue
-                ms = int(round(seconds * 1000))
-                text = key if isinstance(key, str) else key.decode("utf-8", "replace")
-                raise dist.DistStoreError(f"barrier timeout after {ms}ms, key: {text}")
+            if self._wait_for(k, None, revision, deadline, reread, arrived):
+                return
+        ms = int(round(seconds * 1000))
+        text = key if isinstance(key, str) else key.decode("utf-8", "replace")
+        raise dist.DistStoreError(f"barrier timeout after {ms}ms, key: {text}")
 
     # ------------------------------------------------------------------ helpers
 

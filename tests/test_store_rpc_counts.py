@@ -177,39 +177,127 @@ class _WriteAfterFirstRange(RpcCounter):
         return response
 
 
-@pytest.mark.parametrize("op", ["get", "wait", "multi_get", "queue_pop"])
-def test_waits_watch_from_the_read_revision_no_lost_wake_up(
+class _Responses:
+    """A streaming call whose responses pass through ``seen`` (everything else is the call's)."""
+
+    def __init__(self, call: Any, seen: Callable[[Any], None]) -> None:
+        self._call = call
+        self._seen = seen
+
+    def __iter__(self) -> _Responses:
+        return self
+
+    def __next__(self) -> Any:
+        resp = next(self._call)
+        self._seen(resp)
+        return resp
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._call, name)
+
+
+class _WatchStarts(_WriteAfterFirstRange):
+    """Also records the ``start_revision`` of every watch the client creates, and
+    sets ``created`` when etcd confirms one."""
+
+    def __init__(self, hook: Callable[[], None]) -> None:
+        super().__init__(hook)
+        self.starts: list[int] = []
+        self.created = threading.Event()
+
+    def intercept_stream_stream(self, continuation: Any, details: Any, it: Any) -> Any:
+        method = details.method.decode() if isinstance(details.method, bytes) else details.method
+        if not method.endswith("Watch/Watch"):  # lease keep-alives
+            return super().intercept_stream_stream(continuation, details, it)
+
+        def recorded() -> Iterator[Any]:
+            for req in it:
+                if req.HasField("create_request"):
+                    self.starts.append(req.create_request.start_revision)
+                yield req
+
+        def confirmed(resp: Any) -> None:
+            if resp.created:
+                self.created.set()
+
+        return _Responses(super().intercept_stream_stream(continuation, details, recorded()), confirmed)
+
+
+WAITS = ["get", "wait", "multi_get", "queue_pop", "barrier"]
+
+
+def _waiting_call(op: str, waiter: EtcdStore, writer: EtcdStore) -> tuple[Callable[[], Any], Callable[[], None]]:
+    """``op`` on ``waiter`` blocking on "key", and the write by ``writer`` that releases it."""
+    calls: dict[str, Callable[[], Any]] = {
+        "get": lambda: waiter.get("key"),
+        "wait": lambda: waiter.wait(["key"]),
+        "multi_get": lambda: waiter.multi_get(["key"]),
+        "queue_pop": lambda: waiter.queue_pop("key"),
+        "barrier": lambda: waiter.barrier("key", 2),
+    }
+    writes: dict[str, Callable[[], None]] = {
+        "queue_pop": lambda: writer.queue_push("key", "value"),
+        "barrier": lambda: writer.barrier("key", 2),
+    }
+    return calls[op], writes.get(op, lambda: writer.set("key", "value"))
+
+
+@pytest.mark.parametrize("op", WAITS)
+def test_a_write_between_the_read_and_the_watch_is_not_lost(
     op: str, etcd_endpoint: str, counted: Callable[..., Counted]
 ) -> None:
     writer = counted()
-    prefix = writer.store.prefix
-
-    def write_now() -> None:
-        if op == "queue_pop":
-            writer.store.queue_push("key", "value")
-        else:
-            writer.store.set("key", "value")
-
-    counter = _WriteAfterFirstRange(write_now)
-    waiter = counted(counter=counter, prefix=prefix)
+    counter = _WatchStarts(lambda: write_now())
+    waiter = counted(counter=counter, prefix=writer.store.prefix)
     waiter.store.set_timeout(datetime.timedelta(seconds=5))
+    call, write_now = _waiting_call(op, waiter.store, writer.store)
     counter.reset()
     counter.armed = True
-    calls = {
-        "get": lambda: waiter.store.get("key"),
-        "wait": lambda: waiter.store.wait(["key"]),
-        "multi_get": lambda: waiter.store.multi_get(["key"]),
-        "queue_pop": lambda: waiter.store.queue_pop("key"),
-    }
-    result = calls[op]()
+    result = call()
     assert counter.fired
     assert result in (b"value", [b"value"], None)
     counts = counter.snapshot()
-    # One read found the key missing; the write landed before the watch was opened;
-    # the watch (from the read's revision + 1) delivered it: no second read, no poll.
+    # The first read found the key missing; the write landed before the watch, which
+    # starts from now (synced: etcd streams its events at once instead of on its 100 ms
+    # catch-up tick). etcd reports that it registered the watch at a revision above
+    # the read's, so the store reads once more, at a revision at or above it, and
+    # finds the write. barrier: the add is the first "read".
+    assert counts.get("Watch/Watch") == 1
+    assert counter.starts == [0]
+    reads = counts.get("KV/Range", 0) + counts.get("KV/Txn", 0)
+    assert reads == (3 if op == "queue_pop" else 2)  # queue_pop: then the pop Txn
+
+
+@pytest.mark.parametrize("op", WAITS)
+def test_waits_watch_from_now_and_read_once_when_etcd_is_quiet(
+    op: str, etcd_endpoint: str, counted: Callable[..., Counted]
+) -> None:
+    writer = counted()
+    counter = _WatchStarts(lambda: None)
+    waiter = counted(counter=counter, prefix=writer.store.prefix)
+    waiter.store.set_timeout(datetime.timedelta(seconds=5))
+    call, write = _waiting_call(op, waiter.store, writer.store)
+    done = threading.Event()
+    results: list[Any] = []
+
+    def run() -> None:
+        results.append(call())
+        done.set()
+
+    counter.reset()
+    thread = threading.Thread(target=run)
+    thread.start()
+    # Nothing is written until etcd confirmed the watch: it covers every revision after the read.
+    assert counter.created.wait(10)
+    assert not done.is_set()
+    write()
+    thread.join(10)
+    assert done.is_set() and results[0] in (b"value", [b"value"], None)
+    counts = counter.snapshot()
+    assert counter.starts == [0]
     assert counts.get("Watch/Watch") == 1
     reads = counts.get("KV/Range", 0) + counts.get("KV/Txn", 0)
-    assert reads == (2 if op == "queue_pop" else 1)  # queue_pop: read, then the pop Txn
+    assert reads == (2 if op == "queue_pop" else 1)
 
 
 def test_waiting_costs_no_rpc_while_nothing_happens(counted: Callable[..., Counted]) -> None:
