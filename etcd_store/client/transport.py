@@ -52,7 +52,8 @@ _Self = TypeVar("_Self", bound="Transport")
 # gRPC reports TLS failures as UNAVAILABLE; only its text tells them from a refused connection.
 # A server certificate for another host name reads "Hostname Verification Check failed"; a
 # server that refused our (missing) client certificate "Unwrap failed (TSI_DATA_CORRUPTED)".
-_TLS_MARKERS = ("ssl", "tls", "handshake", "certificate", "x509", "verification check", "tsi_")
+# Not a bare "handshake": a TCP connect that timed out reads "tcp handshaker shutdown".
+_TLS_MARKERS = ("ssl", "tls", "certificate", "x509", "verification check", "tsi_")
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 # Deadline of the first attempt of a request that is safe to resend; it doubles per timed-out attempt.
 _FIRST_ATTEMPT_TIMEOUT = 2.0
@@ -316,11 +317,12 @@ class Transport:
         when every member failed, the next round starts after a short pause (25 ms
         growing to 0.5 s). Requests that are safe to resend (``idempotent``: reads,
         plain writes, and writes fenced by a compare) get per-attempt deadlines of
-        2 s, doubling after each attempt that timed out, so a member stuck on a dead
-        leader costs 2 s, not the whole deadline. Others get the whole remaining
-        deadline in one attempt and are resent only when the failure proves they
-        were not applied (connection refused; etcd: no leader, too many requests). An expired auth token is
-        renewed once, at once. A client that never reached etcd gives up after
+        2 s, doubling after a round in which every member timed out, so a member stuck
+        on a dead leader costs 2 s (and an isolated leader after it another 2 s), not
+        the whole deadline. Others get the whole remaining deadline in one attempt and
+        are resent only when the failure proves they were not applied (connection
+        refused; etcd: no leader, too many requests). An expired auth token is renewed
+        once, at once. A client that never reached etcd gives up after
         ``connect_timeout`` when every attempt was refused (nothing listening); a TLS
         handshake failure on every member fails at once.
         """
@@ -340,6 +342,7 @@ class Transport:
         reauthenticated = False
         while True:
             order = self._order()
+            timeouts = 0  # members that timed out in this round
             for index in order:
                 member = self._members[index]
                 remaining = deadline - time.monotonic()
@@ -372,7 +375,9 @@ class Transport:
                     if not idempotent and _maybe_applied(e):
                         raise self._translate(e, what) from None
                     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                        attempt_budget *= 2
+                        timeouts += 1
+                        if timeouts == len(order):
+                            attempt_budget *= 2
                     if not _is_refused(e):
                         refused_only = False
                     log.debug("etcd %s at %s failed (%s): %s", method, member.endpoint, code, text)
