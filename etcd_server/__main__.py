@@ -1,8 +1,8 @@
 """``python -m etcd_server`` / ``etcd-rdzv-server``: run a local etcd for torchrun.
 
 Starts one etcd (or ``--cluster N`` members) on 127.0.0.1, prints the
-endpoints and a ready-to-paste ``torchrun`` line, and runs until Ctrl-C or
-SIGTERM, then stops etcd and exits 0. Exits 2 with a one-paragraph message
+endpoints and a ready-to-paste ``torchrun`` line, and runs until Ctrl-C,
+SIGTERM or SIGHUP, then stops etcd, removes a temporary data dir and exits 0. Exits 2 with a one-paragraph message
 (no traceback) when no etcd binary is found or ``--enable-v2`` is asked of
 etcd 3.6+ (which has no v2 API), 1 when etcd fails to start or dies while
 running.
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the exit status. Blocks until SIGINT/SIGTERM."""
+    """Entry point; returns the exit status. Blocks until SIGINT/SIGTERM/SIGHUP."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
@@ -83,7 +83,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     def on_signal(signum: int, frame: FrameType | None) -> None:
         stop_event.set()
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    # SIGHUP too (the terminal or ssh session went away): stop etcd and remove the
+    # temporary data dir instead of dying with it left behind.
+    stop_signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {s: signal.signal(s, on_signal) for s in stop_signals}
     try:
         target.start(timeout=args.timeout)
         if isinstance(target, EtcdCluster):

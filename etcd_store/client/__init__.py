@@ -35,10 +35,11 @@ from .kv import (
 )
 from .session import Session, renewing_lease
 from .testing import RpcCounter
-from .transport import DEFAULT_TIMEOUT
+from .transport import DEFAULT_CONNECT_TIMEOUT, DEFAULT_TIMEOUT
 from .watch import Watch
 
 __all__ = [
+    "DEFAULT_CONNECT_TIMEOUT",
     "DEFAULT_PORT",
     "DEFAULT_TIMEOUT",
     "DeleteResult",

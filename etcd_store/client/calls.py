@@ -30,7 +30,7 @@ from .kv import (
     _range_result,
     prefix_range_end,
 )
-from .transport import Transport
+from .transport import Transport, show_key
 
 if TYPE_CHECKING:
     from .session import Session
@@ -50,6 +50,11 @@ class EtcdClient(Transport):
         user, password: etcd user credentials. The token is fetched on first use and
             fetched again when etcd says it is no longer valid.
         interceptors: gRPC client interceptors (for instance an :class:`RpcCounter`).
+        connect_timeout: seconds (default 5) a client that never reached etcd keeps
+            retrying when every endpoint refuses the connection (nothing listening,
+            unknown host); then the call raises :class:`EtcdConnectionError` instead of
+            waiting out ``timeout``. Once any member answered, calls ride out outages
+            until their own deadline.
 
     Calls fail over to the next endpoint when one is unreachable. Every failure
     surfaces as an :class:`~etcd_store.errors.EtcdError` that names the endpoints.
@@ -82,7 +87,7 @@ class EtcdClient(Transport):
             key, range_end, prefix, keys_only, count_only, limit, revision, serializable,
             sort_by, descending,
         )
-        resp = self._call("KV", "Range", req, timeout=timeout, what=f"read {key!r}")
+        resp = self._call("KV", "Range", req, timeout=timeout, what=f"read {show_key(key)}")
         return _range_result(resp)
 
     def get(self, key: bytes, *, timeout: float | None = None) -> KeyValue | None:
@@ -101,7 +106,7 @@ class EtcdClient(Transport):
     ) -> PutResult:
         """Write a key. One Put RPC (retried on another endpoint only when safe)."""
         req = rpc_pb2.PutRequest(key=key, value=value, lease=lease, prev_kv=prev_kv)
-        resp = self._call("KV", "Put", req, timeout=timeout, what=f"write {key!r}")
+        resp = self._call("KV", "Put", req, timeout=timeout, what=f"write {show_key(key)}")
         return _put_result(resp)
 
     def delete(
@@ -116,7 +121,7 @@ class EtcdClient(Transport):
         """Delete a key, a range or a prefix. One DeleteRange RPC."""
         end = prefix_range_end(key) if prefix else range_end
         req = rpc_pb2.DeleteRangeRequest(key=key, range_end=end or b"", prev_kv=prev_kv)
-        resp = self._call("KV", "DeleteRange", req, timeout=timeout, what=f"delete {key!r}")
+        resp = self._call("KV", "DeleteRange", req, timeout=timeout, what=f"delete {show_key(key)}")
         return _delete_result(resp)
 
     def txn(
@@ -135,7 +140,7 @@ class EtcdClient(Transport):
         :class:`EtcdConnectionError` and decides.
         """
         req = rpc_pb2.TxnRequest(compare=list(compare), success=list(success), failure=list(failure))
-        what = "transaction on " + ", ".join(repr(c.key) for c in compare[:3]) if compare else "txn"
+        what = "transaction on " + ", ".join(show_key(c.key) for c in compare[:3]) if compare else "txn"
         resp = self._call("KV", "Txn", req, timeout=timeout, what=what, idempotent=idempotent)
         results: list[RangeResult | PutResult | DeleteResult] = []
         for r in resp.responses:

@@ -224,7 +224,8 @@ class Session:
                 except grpc.RpcError as e:
                     if self._stop.is_set():
                         return
-                    if isinstance(client._translate(e, "keep-alive"), EtcdLeaseNotFound):
+                    # A token etcd forgot (it restarted) is dropped: the next stream logs in again.
+                    if isinstance(client._stream_error(member, e, "keep-alive"), EtcdLeaseNotFound):
                         self._lose()
                         return
                     log.info("keep-alive of lease %x lost %s: %s", self.id, member.endpoint, _details(e))

@@ -14,6 +14,7 @@ the call's deadline; the deadline bounds the whole call, retries included.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -37,16 +38,22 @@ from .endpoints import Endpoint, parse_endpoints
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_TIMEOUT", "Transport"]
+__all__ = ["DEFAULT_CONNECT_TIMEOUT", "DEFAULT_TIMEOUT", "Transport"]
 
 DEFAULT_TIMEOUT = 30.0
+#: How long a client that never reached etcd keeps retrying refused connections.
+DEFAULT_CONNECT_TIMEOUT = 5.0
 
 _Self = TypeVar("_Self", bound="Transport")
 
 
 # --------------------------------------------------------------------------- error translation
 
-_TLS_MARKERS = ("ssl", "tls", "handshake", "certificate", "x509")
+# gRPC reports TLS failures as UNAVAILABLE; only its text tells them from a refused connection.
+# A server certificate for another host name reads "Hostname Verification Check failed"; a
+# server that refused our (missing) client certificate "Unwrap failed (TSI_DATA_CORRUPTED)".
+# Not a bare "handshake": a TCP connect that timed out reads "tcp handshaker shutdown".
+_TLS_MARKERS = ("ssl", "tls", "certificate", "x509", "verification check", "tsi_")
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 # Deadline of the first attempt of a request that is safe to resend; it doubles per timed-out attempt.
 _FIRST_ATTEMPT_TIMEOUT = 2.0
@@ -62,14 +69,56 @@ def _details(err: grpc.RpcError) -> str:
 
 
 def _is_stale_token(err: grpc.RpcError) -> bool:
-    """Whether etcd refused the request's auth token (expired or unknown): log in again."""
+    """Whether etcd refused the request's auth token: log in again, then retry.
+
+    etcd answers UNAUTHENTICATED ("invalid auth token") for a token it does not know
+    (expired after ``--auth-token-ttl``, or issued before etcd restarted: simple tokens
+    live in memory), "auth store is old" for a token older than a change of users or
+    roles, and "user name is empty" for a request without a token after auth was enabled.
+    """
     text = _details(err)
-    return "invalid auth token" in text or "user name is empty" in text
+    if err.code() == grpc.StatusCode.UNAUTHENTICATED:
+        return True
+    return "auth store is old" in text or "user name is empty" in text
+
+
+def _cancel_code(reason: str) -> grpc.StatusCode | None:
+    """The gRPC status code in a watch's ``cancel_reason`` (``"rpc error: code = X desc = ..."``)."""
+    match = re.search(r"code = (\w+)", reason)
+    if match is None:
+        return None
+    name = re.sub(r"(?<!^)(?=[A-Z])", "_", match.group(1)).upper()
+    return grpc.StatusCode.__members__.get(name)
+
+
+def _clip(text: str, limit: int = 300) -> str:
+    """``text`` cut to ``limit`` characters, saying how much was left out (keys in messages)."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
+def show_key(key: bytes, limit: int = 200) -> str:
+    """``repr(key)`` for an error message: keys longer than ``limit`` bytes are cut."""
+    if len(key) <= limit:
+        return repr(key)
+    return f"{key[:limit]!r}... ({len(key)} bytes)"
 
 
 def _is_tls_failure(err: grpc.RpcError) -> bool:
     text = _details(err).lower()
     return any(m in text for m in _TLS_MARKERS)
+
+
+def _is_refused(err: grpc.RpcError) -> bool:
+    """Whether the attempt found no server at all (connection refused, unknown host).
+
+    gRPC fails such an attempt at once with UNAVAILABLE; an answer from etcd
+    ("etcdserver: no leader") or a timeout means something is there.
+    """
+    if err.code() != grpc.StatusCode.UNAVAILABLE or _is_tls_failure(err):
+        return False
+    return not _details(err).startswith("etcdserver:")
 
 
 def _maybe_applied(err: grpc.RpcError) -> bool:
@@ -135,6 +184,7 @@ class Transport:
         password: str | None = None,
         protocol: str | None = None,
         interceptors: Sequence[Any] = (),
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
     ) -> None:
         if protocol not in (None, "http", "https"):
             raise ValueError(f"Invalid etcd protocol {protocol!r}: use 'http' or 'https'.")
@@ -144,6 +194,8 @@ class Transport:
             raise ValueError("etcd user and password must be given together.")
         if timeout <= 0:
             raise ValueError(f"etcd client timeout must be positive, got {timeout}.")
+        if connect_timeout <= 0:
+            raise ValueError(f"etcd client connect_timeout must be positive, got {connect_timeout}.")
         secure: bool | None = None
         if protocol is not None:
             secure = protocol == "https"
@@ -151,6 +203,9 @@ class Transport:
             secure = True
         self.endpoints = parse_endpoints(endpoints, secure=secure)
         self.timeout = float(timeout)
+        self.connect_timeout = float(connect_timeout)
+        # Set once any member answered: from then on calls ride out outages until their deadline.
+        self._reached = False
         self._tls_files = (ca_cert, cert, key)
         self._credentials: grpc.ChannelCredentials | None = None
         self._user = user
@@ -232,6 +287,7 @@ class Transport:
                 member.token = ""
                 return
             raise
+        self._reached = True
         member.token = resp.token
 
     def _order(self) -> list[int]:
@@ -261,24 +317,32 @@ class Transport:
         when every member failed, the next round starts after a short pause (25 ms
         growing to 0.5 s). Requests that are safe to resend (``idempotent``: reads,
         plain writes, and writes fenced by a compare) get per-attempt deadlines of
-        2 s, doubling after each attempt that timed out, so a member stuck on a dead
-        leader costs 2 s, not the whole deadline. Others get the whole remaining
-        deadline in one attempt and are resent only when the failure proves they
-        were not applied (connection refused; etcd: no leader, too many requests). An expired auth token is
-        renewed once, at once.
+        2 s, doubling after a round in which every member timed out, so a member stuck
+        on a dead leader costs 2 s (and an isolated leader after it another 2 s), not
+        the whole deadline. Others get the whole remaining deadline in one attempt and
+        are resent only when the failure proves they were not applied (connection
+        refused; etcd: no leader, too many requests). An expired auth token is renewed
+        once, at once. A client that never reached etcd gives up after
+        ``connect_timeout`` when every attempt was refused (nothing listening); a TLS
+        handshake failure on every member fails at once.
         """
         if self._closed:
             raise EtcdError(f"The etcd client for {self.describe()} is closed.")
         budget = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + budget
+        start = time.monotonic()
+        deadline = start + budget
+        refused_only = True  # every failure so far: no connection at all (nothing listening)
         pause = 0.025
         attempt_budget = _FIRST_ATTEMPT_TIMEOUT
         last: grpc.RpcError | None = None
-        tls_failures = 0
+        # Members that failed a TLS handshake in this call. A bad certificate does not heal:
+        # once every member failed one, the call fails at once (a member that resolves to
+        # several addresses may alternate with "connection refused" from the others).
+        tls_failed: dict[int, grpc.RpcError] = {}
         reauthenticated = False
         while True:
             order = self._order()
-            tls_failures = 0
+            timeouts = 0  # members that timed out in this round
             for index in order:
                 member = self._members[index]
                 remaining = deadline - time.monotonic()
@@ -305,22 +369,29 @@ class Transport:
                     if code not in _RETRYABLE:
                         raise self._translate(e, what) from None
                     if _is_tls_failure(e):
-                        tls_failures += 1
+                        tls_failed[index] = e
+                        if len(tls_failed) == len(order):
+                            raise self._translate(e, what) from None
                     if not idempotent and _maybe_applied(e):
                         raise self._translate(e, what) from None
                     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                        attempt_budget *= 2
+                        timeouts += 1
+                        if timeouts == len(order):
+                            attempt_budget *= 2
+                    if not _is_refused(e):
+                        refused_only = False
                     log.debug("etcd %s at %s failed (%s): %s", method, member.endpoint, code, text)
                     continue
+                self._reached = True
                 if index != order[0]:
                     self._promote(index)
                 return resp
-            else:
-                if tls_failures == len(order) and last is not None:
-                    raise self._translate(last, what) from None
             if last is None:
                 continue  # re-authenticated: retry at once
-            remaining = deadline - time.monotonic()
+            now = time.monotonic()
+            remaining = deadline - now
+            if refused_only and not self._reached and now - start >= self.connect_timeout:
+                raise self._never_connected(last, what)
             if remaining <= 0:
                 assert last is not None
                 raise self._translate(last, what, timed_out=budget)
@@ -332,44 +403,81 @@ class Transport:
     def _translate(self, err: grpc.RpcError, what: str, timed_out: float | None = None) -> EtcdError:
         code = err.code()
         text = _details(err)
+        shown = _clip(text)  # etcd may echo a request's key or value
         where = f"etcd at {self.describe()}"
         op = f" ({what})" if what else ""
         if _is_tls_failure(err):
             return EtcdTLSError(
-                f"TLS handshake with {where} failed{op}: {text}. Check the CA certificate "
-                "(ca_cert), the client certificate/key, and http:// versus https://."
+                f"TLS handshake with {where} failed{op}: {shown.rstrip('.')}. Check the CA certificate "
+                "(ca_cert), the client certificate/key, that the server certificate names the "
+                "endpoint's host, and http:// versus https://."
             )
         if code == grpc.StatusCode.PERMISSION_DENIED:
-            return EtcdPermissionDenied(f"{where} denied permission{op}: {text}")
+            return EtcdPermissionDenied(f"{where} denied permission{op}: {shown}")
         if code == grpc.StatusCode.UNAUTHENTICATED or "user name is empty" in text:
-            return EtcdAuthError(f"{where} requires authentication{op}: {text}")
+            return EtcdAuthError(f"{where} requires authentication{op}: {shown}")
         if "authentication failed" in text:
-            return EtcdAuthError(f"{where} rejected the user name or password{op}: {text}")
+            return EtcdAuthError(f"{where} rejected the user name or password{op}: {shown}")
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED or "too large" in text:
             return EtcdRequestError(
-                f"{where} refused the request as too large{op} (etcd's --max-request-bytes): {text}"
+                f"{where} refused the request as too large{op} (etcd's --max-request-bytes): {shown}"
             )
         if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
-            return EtcdRequestError(f"{where} rejected the request{op}: {text}")
+            return EtcdRequestError(f"{where} rejected the request{op}: {shown}")
         if code == grpc.StatusCode.NOT_FOUND and "lease not found" in text:
-            return EtcdLeaseNotFound(f"{where}: {text}{op}")
+            return EtcdLeaseNotFound(f"{where}: {shown}{op}")
         if code == grpc.StatusCode.OUT_OF_RANGE and "compacted" in text:
-            return EtcdCompactedError(f"{where}: {text}{op}")
+            return EtcdCompactedError(f"{where}: {shown}{op}")
         if timed_out is not None or code == grpc.StatusCode.DEADLINE_EXCEEDED:
             budget = f" within {timed_out:g} s" if timed_out is not None else ""
-            return EtcdTimeoutError(f"No answer from {where}{budget}{op}; last error: {text}")
+            return EtcdTimeoutError(f"No answer from {where}{budget}{op}; last error: {shown}")
         if code == grpc.StatusCode.UNAVAILABLE:
-            return EtcdConnectionError(f"Cannot reach {where}{op}: {text}")
-        return EtcdError(f"{where} failed{op}: {code.name}: {text}")
+            return EtcdConnectionError(f"Cannot reach {where}{op}: {shown}")
+        return EtcdError(f"{where} failed{op}: {code.name}: {shown}")
+
+    def _never_connected(self, err: grpc.RpcError, what: str) -> EtcdConnectionError:
+        op = f" ({what})" if what else ""
+        return EtcdConnectionError(
+            f"Cannot connect to etcd at {self.describe()}{op}: no endpoint accepted a connection "
+            f"within connect_timeout={self.connect_timeout:g} s. Is etcd running there, on these "
+            f"ports? Last error: {_clip(_details(err))}"
+        )
 
     def _translate_cancel(self, reason: str, what: str) -> EtcdError:
-        """The error for a watch etcd cancelled, from its ``cancel_reason``."""
-        text = f"etcd at {self.describe()} cancelled the {what}: {reason}"
-        if "permission denied" in reason:
+        """The error for a watch etcd cancelled, from the code in its ``cancel_reason``."""
+        text = f"etcd at {self.describe()} cancelled the {what}: {_clip(reason)}"
+        code = _cancel_code(reason)
+        if code == grpc.StatusCode.PERMISSION_DENIED:
             return EtcdPermissionDenied(text)
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            return EtcdAuthError(text)
         if "compacted" in reason:
             return EtcdCompactedError(text)
         return EtcdError(text)
+
+    def _cancel_wants_login(self, reason: str) -> bool:
+        """Whether a watch etcd cancelled for ``reason`` may pass after logging in again.
+
+        etcd keeps simple tokens in memory: after it restarts, a watch resumed with the
+        old token is cancelled, UNAUTHENTICATED on 3.4 and 3.6 ("invalid auth token"),
+        PERMISSION_DENIED on 3.5. The watch logs in again once and resumes; refused
+        again with a fresh token, it is denied for good.
+        """
+        if self._user is None:
+            return False
+        return _cancel_code(reason) in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
+    def _stream_error(self, member: _Member, err: grpc.RpcError, what: str) -> EtcdError | None:
+        """What a broken stream (watch, keep-alive) should do: None to reconnect, or its fatal error.
+
+        A refused token is dropped, so the next stream logs in again.
+        """
+        if _is_stale_token(err) and self._user is not None:
+            member.token = None
+            return None
+        if err.code() in _RETRYABLE or err.code() == grpc.StatusCode.CANCELLED:
+            return None
+        return self._translate(err, what)
 
     def close(self) -> None:
         """Close every channel. Open watches and lease keepers end."""

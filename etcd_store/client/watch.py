@@ -18,7 +18,7 @@ from etcd3.etcdrpc import rpc_pb2
 
 from ..errors import EtcdCompactedError, EtcdError
 from .kv import Event, KeyValue
-from .transport import _RETRYABLE, _is_stale_token
+from .transport import show_key
 
 if TYPE_CHECKING:
     from .calls import EtcdClient
@@ -57,7 +57,7 @@ class Watch:
         self._created = threading.Event()
         self.created_revision = 0
         self._call: Any = None
-        self._thread = threading.Thread(target=self._run, name=f"etcd-watch-{key!r}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"etcd-watch-{show_key(key, 40)}", daemon=True)
         self._thread.start()
 
     # -------------------------------------------------------- consumer side
@@ -74,7 +74,7 @@ class Watch:
             return []
         if item is _CLOSED:
             self._queue.put(_CLOSED)
-            raise EtcdError(f"watch on {self.key!r} was cancelled")
+            raise EtcdError(f"watch on {show_key(self.key)} was cancelled")
         if isinstance(item, BaseException):
             self._queue.put(item)
             raise item
@@ -122,8 +122,10 @@ class Watch:
 
     def _run(self) -> None:
         client = self._client
+        relogged = False  # logged in again for this watch since etcd last confirmed it
         while not self._cancelled.is_set():
             index, member = client._stream_member()
+            relogin = False
             try:
                 deadline = time.monotonic() + client.timeout
                 metadata = client._metadata(member, deadline)
@@ -131,6 +133,14 @@ class Watch:
                 if self._cancelled.is_set():
                     self._call.cancel()
                 for resp in self._call:
+                    if resp.canceled and not relogged and client._cancel_wants_login(resp.cancel_reason):
+                        # etcd restarted and forgot the token: log in again and resume.
+                        log.info("watch on %s: %s; logging in again", show_key(self.key), resp.cancel_reason)
+                        member.token = None
+                        relogged = relogin = True
+                        break
+                    if resp.created and not resp.canceled:
+                        relogged = False
                     if resp.created:
                         self.created_revision = resp.header.revision
                         if self._next_revision == 0:
@@ -139,7 +149,7 @@ class Watch:
                     if resp.compact_revision:
                         self._fail(
                             EtcdCompactedError(
-                                f"watch on {self.key!r} at {client.describe()}: revision "
+                                f"watch on {show_key(self.key)} at {client.describe()}: revision "
                                 f"{self._next_revision} was compacted (oldest kept "
                                 f"{resp.compact_revision})"
                             )
@@ -147,7 +157,7 @@ class Watch:
                         return
                     if resp.canceled:
                         reason = resp.cancel_reason or "cancelled by etcd"
-                        self._fail(client._translate_cancel(reason, f"watch on {self.key!r}"))
+                        self._fail(client._translate_cancel(reason, f"watch on {show_key(self.key)}"))
                         return
                     if resp.events:
                         batch = [self._event(ev) for ev in resp.events]
@@ -155,14 +165,16 @@ class Watch:
                         self._queue.put(batch)
                 if self._cancelled.is_set():
                     return
+                if relogin:
+                    self._call.cancel()
+                    continue  # same member, new token
             except grpc.RpcError as e:
                 if self._cancelled.is_set():
                     return
-                if e.code() not in _RETRYABLE and e.code() != grpc.StatusCode.CANCELLED:
-                    self._fail(client._translate(e, f"watch {self.key!r}"))
+                fatal = client._stream_error(member, e, f"watch {show_key(self.key)}")
+                if fatal is not None:
+                    self._fail(fatal)
                     return
-                if _is_stale_token(e):
-                    member.token = None
             except EtcdError as e:
                 self._fail(e)
                 return
@@ -171,7 +183,7 @@ class Watch:
                 self._fail(EtcdError(f"etcd client for {client.describe()} was closed"))
                 return
             # The stream broke: reconnect on the next endpoint that is ready.
-            log.info("watch on %r lost %s; reconnecting", self.key, member.endpoint)
+            log.info("watch on %s lost %s; reconnecting", show_key(self.key), member.endpoint)
             client._rotate_from(index)
             _, nxt = client._stream_member()
             while not self._cancelled.is_set() and not client._closed:

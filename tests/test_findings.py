@@ -1,0 +1,200 @@
+"""Reliability findings, each pinned by a test against a real etcd.
+
+* With auth on, etcd keeps simple tokens in memory: after it restarts, watches, calls and
+  lease keep-alives log in again and go on (a watch on a key the user may not read stays
+  denied).
+* A server certificate for another host name is a TLS error at once, not a timeout.
+* Nothing listening anywhere: a new client fails within ``connect_timeout``, while a client
+  that reached etcd rides out a short outage within its call's deadline.
+* ``python -m etcd_server`` removes its temporary data dir on SIGHUP too.
+* Error messages about huge keys stay short.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from certs import _make_leaf, have_openssl, make_certs
+
+from etcd_server import AuthConfig, EtcdServer, TLSConfig
+from etcd_store.client import DEFAULT_CONNECT_TIMEOUT, EtcdClient
+from etcd_store.errors import (
+    EtcdConnectionError,
+    EtcdPermissionDenied,
+    EtcdRequestError,
+    EtcdTimeoutError,
+    EtcdTLSError,
+)
+
+_REPO = str(Path(__file__).resolve().parent.parent)
+
+
+def _closed_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = int(s.getsockname()[1])
+    s.close()
+    return port
+
+
+# ------------------------------------------------------------------ auth tokens after a restart
+
+
+@pytest.mark.etcd_matrix
+def test_watches_calls_and_sessions_log_in_again_after_etcd_restarts(etcd_binary: str) -> None:
+    """etcd forgets its tokens when it restarts: 3.4/3.6 cancel a resumed watch with
+    "invalid auth token", 3.5 with "permission denied"; a keep-alive stream and a unary
+    call get "invalid auth token". The client logs in again and goes on."""
+    auth = AuthConfig("root-secret-1", user="alice", password="alice-secret-1", prefix=b"/alice/")
+    login = dict(user="alice", password="alice-secret-1", timeout=10)
+    with EtcdServer(binary=etcd_binary, auth=auth) as server:
+        # Three clients, so that no call of one renews the token another resumes with.
+        with server.get_client(**login) as watcher, server.get_client(**login) as keeper, \
+                server.get_client(**login) as writer:  # fmt: skip
+            writer.put(b"/alice/w", b"before")
+            watch = watcher.watch(b"/alice/w")
+            assert watch.wait_created(5)
+            server.restart(timeout=30)
+            writer.put(b"/alice/w", b"after")  # a unary call with the forgotten token
+            events = watch.get(timeout=10)
+            assert [e.value for e in events] == [b"after"]
+            # A keep-alive stream resumes too: the key outlives two TTLs after the restart.
+            session = keeper.session(ttl=2)
+            keeper.put(b"/alice/owned", b"1", lease=session.id)
+            # SIGKILL: 3.6+ wait up to 5 s for open streams on SIGTERM, longer than the TTL.
+            server.restart(timeout=30, graceful=False)
+            with writer.watch(b"/alice/owned") as owned:
+                assert owned.get(timeout=4) == []
+            assert not session.lost.is_set()
+            kv = writer.get(b"/alice/owned")
+            assert kv is not None and kv.lease == session.id
+            # A watch the user may not make stays denied after one fresh login.
+            denied = watcher.watch(b"/bob/x")
+            start = time.monotonic()
+            with pytest.raises(EtcdPermissionDenied, match="permission denied"):
+                denied.get(timeout=10)
+            assert time.monotonic() - start < 5
+            denied.cancel()
+            watch.cancel()
+            session.close()
+
+
+# ------------------------------------------------------------------ TLS host name
+
+
+def test_a_server_certificate_for_another_host_is_a_tls_error_at_once(
+    etcd_binary: str, tmp_path: Path
+) -> None:
+    if not have_openssl():
+        pytest.skip("openssl command not available")
+    certs = make_certs(tmp_path)
+    # Valid for 127.0.0.1 only; the client dials "localhost".
+    cert, key = _make_leaf(
+        str(tmp_path), "ip-only", certs.ca, certs.ca_key,
+        "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\n"
+        "extendedKeyUsage=serverAuth,clientAuth\nsubjectAltName=IP:127.0.0.1\n",
+    )  # fmt: skip
+    with EtcdServer(binary=etcd_binary, tls=TLSConfig(cert, key, certs.ca)) as server:
+        tls = dict(ca_cert=certs.ca, cert=certs.client_cert, key=certs.client_key)
+        endpoint = f"localhost:{server.get_port()}"
+        with EtcdClient(endpoint, timeout=20, **tls) as client:
+            start = time.monotonic()
+            with pytest.raises(EtcdTLSError) as info:
+                client.get(b"/k")
+            assert time.monotonic() - start < 3
+            assert not isinstance(info.value, EtcdTimeoutError)
+            assert "Hostname" in str(info.value) and "names the endpoint's host" in str(info.value)
+        with EtcdClient(server.get_endpoint(), timeout=5, **tls) as right:
+            right.put(b"/k", b"v")  # the same certificate for the right host name works
+        # No client certificate where etcd asks for one: also a TLS error, at once.
+        with EtcdClient(server.get_endpoint(), ca_cert=certs.ca, timeout=20) as anonymous:
+            start = time.monotonic()
+            with pytest.raises(EtcdTLSError):
+                anonymous.get(b"/k")
+            assert time.monotonic() - start < 3
+
+
+# ------------------------------------------------------------------ nothing listening
+
+
+def test_nothing_listening_anywhere_fails_within_connect_timeout() -> None:
+    endpoints = f"127.0.0.1:{_closed_port()},127.0.0.1:{_closed_port()}"
+    with EtcdClient(endpoints, timeout=60, connect_timeout=1.0) as client:
+        start = time.monotonic()
+        with pytest.raises(EtcdConnectionError, match="connect_timeout=1 s") as info:
+            client.get(b"/k")
+        took = time.monotonic() - start
+        assert 1.0 <= took < 3.0
+        assert not isinstance(info.value, EtcdTimeoutError)
+        assert endpoints.split(",")[1] in str(info.value)
+    with EtcdClient(endpoints, timeout=60) as client:  # the default
+        start = time.monotonic()
+        with pytest.raises(EtcdConnectionError, match="no endpoint accepted a connection"):
+            client.put(b"/k", b"v")
+        assert time.monotonic() - start < DEFAULT_CONNECT_TIMEOUT + 2
+    with pytest.raises(ValueError, match="connect_timeout"):
+        EtcdClient(endpoints, connect_timeout=0)
+
+
+def test_a_client_that_reached_etcd_rides_out_an_outage_past_connect_timeout(fresh_etcd: EtcdServer) -> None:
+    with EtcdClient(fresh_etcd.get_endpoint(), timeout=30, connect_timeout=0.5) as client:
+        client.put(b"/outage/k", b"1")
+        fresh_etcd.stop(keep_data=True)
+        restart = threading.Timer(2.0, fresh_etcd.start, kwargs={"timeout": 30})
+        restart.start()
+        try:
+            start = time.monotonic()
+            client.put(b"/outage/k", b"2")  # refused for ~2 s, then etcd is back
+            assert time.monotonic() - start >= 1.5
+        finally:
+            restart.join()
+        kv = client.get(b"/outage/k")
+        assert kv is not None and kv.value == b"2"
+
+
+# ------------------------------------------------------------------ etcd_server CLI on SIGHUP
+
+
+def test_cli_removes_its_temporary_data_dir_on_sighup(etcd_binary: str, tmp_path: Path) -> None:
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "etcd_server", "--binary", etcd_binary],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=_REPO, env=env,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("Press Ctrl-C"):
+                break
+        assert os.listdir(tmp_path), "the server made no temporary directory under TMPDIR"
+        proc.send_signal(signal.SIGHUP)
+        assert proc.wait(timeout=30) == 0
+        assert os.listdir(tmp_path) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+# ------------------------------------------------------------------ bounded messages
+
+
+def test_errors_about_a_huge_key_are_short(etcd_endpoint: str) -> None:
+    key = b"/huge/" + b"k" * (2 * 1024 * 1024)
+    with EtcdClient(etcd_endpoint, timeout=10) as client:
+        with pytest.raises(EtcdRequestError, match="too large") as put_error:
+            client.put(key, b"v")
+        with pytest.raises(EtcdRequestError) as get_error:
+            client.get(key)
+    for error in (put_error.value, get_error.value):
+        text = str(error)
+        assert len(text) < 1500, len(text)
+        assert "/huge/kkk" in text and f"({len(key)} bytes)" in text

@@ -1,0 +1,305 @@
+"""Network faults between hosts: torchrun jobs over gloo and etcd members, each on its own host.
+
+Every host is a Linux network namespace of the test's own bed (tests/netns.py): etcd members
+and torchrun agents run in separate namespaces with their own addresses (``10.213.N.x``), the
+workers train with gloo between those addresses (``--local-addr`` is the host's address, not
+loopback). Faults are packet filters, links taken down and ``tc netem`` inside the namespaces.
+
+Scenarios, each on etcd-v2 and etcd-v3, times in benchmarks/results/recovery.json:
+
+c. the etcd leader cut off from the two other members (a minority of one), while a rendezvous
+   waits for its last node: the clients fail over, the rendezvous completes;
+a. a node cut off from etcd only: the others re-form without it, it stops training (never
+   beside the new group) and rejoins after the link heals;
+e. the whole etcd cluster unreachable for 10 s mid-training: the job keeps training, no
+   round is lost;
+d. 200 ms latency and 5 % loss between the nodes and etcd: the rendezvous completes;
+b. a node cut off from its peers but not from etcd: the job re-forms without a split brain.
+
+The module skips, saying why, where network namespaces cannot be created (not root, no
+``ip``/``iptables``); scenario d skips where the kernel has no netem.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import pytest
+from conftest import ETCD_BINARIES, FULL_VERSIONS, version_param
+from elastic import (
+    BACKENDS,
+    Job,
+    assert_groups_never_overlap,
+    group_with,
+    pick_version,
+    record_timing,
+    steps_of,
+)
+from netns import Host, NetBed, NetemUnavailable, NetEtcd, netns_unavailable, remove_leftovers
+
+from etcd_rdzv.testing.agents import LocalAgent
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+_WHY_NOT = netns_unavailable()
+if _WHY_NOT is not None:
+    pytest.skip(f"network namespaces cannot be created here: {_WHY_NOT}", allow_module_level=True)
+
+VERSIONS = list(FULL_VERSIONS) or sorted(ETCD_BINARIES)
+
+
+def backends(scenario: int, xfail: dict[str, str] | None = None) -> list[Any]:
+    """``(backend, version)`` parameters; ``xfail`` maps a backend to a known defect."""
+    out = []
+    for b in BACKENDS:
+        version = pick_version(VERSIONS, scenario, b)
+        param = version_param(version, b, version, id=f"{b}-etcd{version}")
+        if xfail and b in xfail:
+            marks = (*param.marks, pytest.mark.xfail(strict=True, reason=xfail[b]))
+            param = pytest.param(*param.values, id=param.id, marks=marks)
+        out.append(param)
+    return out
+
+
+class NetJob(Job):
+    """A :class:`Job` whose nodes run on bed hosts, advertising the host's address."""
+
+    def __init__(self, workdir: str, hosts: Mapping[str, Host], **kwargs: Any) -> None:
+        super().__init__(workdir, **kwargs)
+        self.hosts = dict(hosts)
+
+    def start(self, name: str, env: Mapping[str, str] | None = None) -> LocalAgent:
+        host = self.hosts[name]
+        if name in self.nodes:
+            old = self.nodes.pop(name)
+            old.close()
+            self.retired.append(old)
+        cmd = [f"--local-addr={host.address}" if a.startswith("--local-addr=") else a for a in self._cmd]
+        agent = LocalAgent(
+            name,
+            host.argv(cmd),
+            env={"LOGLEVEL": "INFO", "GLOO_SOCKET_IFNAME": "eth0", **(env or {})},
+            output=os.path.join(self.workdir, f"{name}.{len(self.retired)}.out"),
+        )
+        agent.start()
+        self.nodes[name] = agent
+        return agent
+
+
+class Bed:
+    """A bed with ``etcd_hosts`` etcd members and ``nodes`` agent hosts, and its jobs."""
+
+    def __init__(self, tmp_path: Any, version: str, etcd_hosts: int, nodes: Sequence[str]) -> None:
+        self.tmp_path = tmp_path
+        self.net = NetBed()
+        self.jobs: list[NetJob] = []
+        self.etcd: NetEtcd | None = None
+        try:
+            self.etcd_hosts = [self.net.add_host(f"e{i}") for i in range(etcd_hosts)]
+            self.nodes = {n: self.net.add_host(n) for n in nodes}
+            self.etcd = NetEtcd(self.etcd_hosts, binary=ETCD_BINARIES[version])
+            self.etcd.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def job(self, **kwargs: Any) -> NetJob:
+        assert self.etcd is not None
+        job = NetJob(
+            os.path.join(str(self.tmp_path), f"job{len(self.jobs)}"), self.nodes,
+            endpoint=self.etcd.endpoints, **kwargs,
+        )  # fmt: skip
+        self.jobs.append(job)
+        return job
+
+    def close(self) -> None:
+        errors = []
+        for job in self.jobs:
+            try:
+                job.close()
+            except AssertionError as e:
+                errors.append(str(e))
+        if self.etcd is not None:
+            self.etcd.stop()
+        self.net.close()
+        assert not errors, errors
+
+
+@pytest.fixture
+def make_bed(tmp_path: Any) -> Iterator[Any]:
+    remove_leftovers()
+    made: list[Bed] = []
+
+    def make(version: str, etcd_hosts: int, nodes: Sequence[str]) -> Bed:
+        bed = Bed(tmp_path, version, etcd_hosts, nodes)
+        made.append(bed)
+        return bed
+
+    try:
+        yield make
+    finally:
+        for bed in made:
+            bed.close()
+
+
+def _first_step_time(records: Sequence[Any], group: str) -> float:
+    return min(r.t for r in steps_of(records, group))
+
+
+# --------------------------------------------------------------------------- c. leader isolated
+
+
+@pytest.mark.parametrize(("backend", "version"), backends(3))
+def test_c_leader_isolated_in_a_minority_rendezvous_completes(make_bed: Any, backend: str, version: str) -> None:
+    bed = make_bed(version, 3, ["n0", "n1", "n2"])
+    job = bed.job(backend=backend, nnodes="3:3")
+    job.start("n0")
+    job.start("n1")
+    # Both wait for the third node; now cut the leader off from the other members.
+    job.wait_for(
+        "two agents rendezvousing",
+        lambda _: all("Rendezvous'ing worker group" in a.output_tail(200) for a in job.nodes.values()),
+        30,
+    )
+    time.sleep(1.0)  # let both join the round (their join is one etcd round trip)
+    leader = bed.etcd.leader()
+    others = [h for i, h in enumerate(bed.etcd_hosts) if i != leader]
+    bed.etcd_hosts[leader].block(*others)
+    cut = time.time()
+    job.start("n2")
+    group = job.wait_for(
+        "a world of 3 training", lambda r: group_with(r, world_size=3, min_steps_done=2), 60
+    )
+    took = _first_step_time(job.records(), group) - cut
+    record_timing(
+        f"partition_c_leader_isolated/{backend}/etcd{version}",
+        {"isolation_to_first_step_s": round(took, 2), "leader": leader},
+    )
+    assert took < 45
+
+
+# --------------------------------------------------------------------------- a. node cut from etcd
+
+
+@pytest.mark.skip(
+    reason="not finished: the cut node's agent exits after read_timeout (RendezvousConnectionError, "
+    "documented), so 'rejoins after the link heals' needs the test to restart it like a pod restart; "
+    "on etcd-v3 the survivors then got RendezvousClosedError (to be diagnosed)"
+)
+@pytest.mark.parametrize(("backend", "version"), backends(1))
+def test_a_node_cut_off_from_etcd_stops_and_rejoins(make_bed: Any, backend: str, version: str) -> None:
+    bed = make_bed(version, 1, ["n0", "n1", "n2"])
+    job = bed.job(backend=backend, nnodes="2:3")
+    for n in ("n0", "n1", "n2"):
+        job.start(n)
+    first = job.wait_for("a world of 3 training", lambda r: group_with(r, world_size=3, min_steps_done=2), 60)
+    victim = bed.nodes["n2"]
+    victim.block(*bed.etcd_hosts)
+    cut = time.time()
+    second = job.wait_for(
+        "n0, n1 re-formed without n2",
+        lambda r: group_with(r, world_size=2, nodes={"n0", "n1"}, after=cut, min_steps_done=2),
+        60,
+    )
+    reformed = _first_step_time(job.records(), second) - cut
+    # n2 stopped training: it logs nothing in any group once the new group runs.
+    second_start = _first_step_time(job.records(), second)
+    late = [r for r in steps_of(job.records()) if r.node == "n2" and r.t > second_start]
+    assert not late, f"n2 trained beside the new group: {late[:3]}"
+    assert_groups_never_overlap(job.records())
+    victim.heal()
+    healed = time.time()
+    third = job.wait_for(
+        "n2 rejoined", lambda r: group_with(r, world_size=3, after=healed, min_steps_done=2), 90
+    )
+    rejoined = _first_step_time(job.records(), third) - healed
+    record_timing(
+        f"partition_a_node_cut_from_etcd/{backend}/etcd{version}",
+        {"cut_to_reformed_s": round(reformed, 2), "heal_to_rejoined_s": round(rejoined, 2), "first": first},
+    )
+    assert_groups_never_overlap(job.records())
+
+
+# --------------------------------------------------------------------------- e. etcd unreachable
+
+
+_E_V3_DEFECT = (
+    "etcd-v3 (etcd_rdzv/native): after etcd was unreachable for 10 s, num_nodes_waiting() reports "
+    "1-2 waiting nodes on every agent ('Detected 1 new nodes from group_rank=2; will restart worker "
+    "group') although no node joined, so the running group restarts and a round is lost"
+)
+
+
+@pytest.mark.parametrize(("backend", "version"), backends(4, xfail={"etcd-v3": _E_V3_DEFECT}))
+def test_e_etcd_unreachable_for_10s_training_goes_on(make_bed: Any, backend: str, version: str) -> None:
+    bed = make_bed(version, 1, ["n0", "n1", "n2"])
+    job = bed.job(backend=backend, nnodes="3:3", conf={"read_timeout": 20})
+    for n in ("n0", "n1", "n2"):
+        job.start(n)
+    group = job.wait_for("a world of 3 training", lambda r: group_with(r, world_size=3, min_steps_done=2), 60)
+    etcd_host = bed.etcd_hosts[0]
+    etcd_host.block(*bed.nodes.values())
+    cut = time.time()
+    time.sleep(10)  # the outage lasts 10 s (the scenario's fault, not a synchronisation)
+    etcd_host.heal()
+    healed = time.time()
+    during = [r for r in steps_of(job.records(), group) if cut < r.t < healed]
+    job.wait_for(
+        "the same group trains after the outage",
+        lambda r: [s for s in steps_of(r, group) if s.t > healed + 3],
+        30,
+    )
+    groups = {r.group for r in steps_of(job.records())}
+    record_timing(
+        f"partition_e_etcd_unreachable_10s/{backend}/etcd{version}",
+        {"steps_during_outage": len({r.step for r in during}), "groups": len(groups)},
+    )
+    assert during, "no step was trained while etcd was unreachable"
+    assert groups == {group}, f"a round was lost: groups {sorted(groups)}"
+    assert all(a.running() for a in job.nodes.values())
+
+
+# --------------------------------------------------------------------------- d. latency and loss
+
+
+@pytest.mark.parametrize(("backend", "version"), backends(2))
+def test_d_latency_and_loss_to_etcd_rendezvous_completes(make_bed: Any, backend: str, version: str) -> None:
+    bed = make_bed(version, 1, ["n0", "n1", "n2"])
+    try:
+        bed.etcd_hosts[0].netem(200, 5)
+    except NetemUnavailable as e:
+        pytest.skip(str(e))
+    job = bed.job(backend=backend, nnodes="3:3", conf={"read_timeout": 30})
+    start = time.time()
+    for n in ("n0", "n1", "n2"):
+        job.start(n)
+    group = job.wait_for("a world of 3 training", lambda r: group_with(r, world_size=3, min_steps_done=2), 90)
+    took = _first_step_time(job.records(), group) - start
+    record_timing(f"partition_d_latency_200ms_loss_5pct/{backend}/etcd{version}", {"start_to_first_step_s": round(took, 2)})
+
+
+# --------------------------------------------------------------------------- b. node cut from peers
+
+
+@pytest.mark.skip(reason="not run yet: written, never executed (time ran out)")
+@pytest.mark.parametrize(("backend", "version"), backends(5))
+def test_b_node_cut_off_from_peers_no_split_brain(make_bed: Any, backend: str, version: str) -> None:
+    bed = make_bed(version, 1, ["n0", "n1", "n2"])
+    job = bed.job(backend=backend, nnodes="2:3", pg_timeout=10)
+    for n in ("n0", "n1", "n2"):
+        job.start(n)
+    job.wait_for("a world of 3 training", lambda r: group_with(r, world_size=3, min_steps_done=2), 60)
+    victim = bed.nodes["n2"]
+    victim.block(bed.nodes["n0"], bed.nodes["n1"])
+    cut = time.time()
+    later = job.wait_for(
+        "a group trains again after the cut",
+        lambda r: group_with(r, after=cut + 1, min_steps_done=3),
+        120,
+    )
+    took = _first_step_time(job.records(), later) - cut
+    record_timing(f"partition_b_node_cut_from_peers/{backend}/etcd{version}", {"cut_to_training_s": round(took, 2)})
+    assert_groups_never_overlap(job.records())
