@@ -188,7 +188,8 @@ class EtcdMember:
             raise RuntimeError(f"etcd member {self.name} is already running")
         os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
         self.cmd = self.command()
-        preexec = process.make_preexec(self.die_with_parent)
+        prefix = process.death_signal_prefix(self.die_with_parent)
+        preexec = None if prefix else process.make_preexec(self.die_with_parent)
         logger.info("starting etcd: %s", " ".join(self.cmd))
         with contextlib.ExitStack() as stack:
             out: int | IO[Any]
@@ -200,10 +201,11 @@ class EtcdMember:
             else:
                 self.log_path = None
                 out = stderr
-            cmd = self.cmd
+            cmd = [*(prefix or []), *self.cmd]
 
             def popen() -> subprocess.Popen[bytes]:
-                # preexec_fn only makes the prctl system call (see make_preexec).
+                # Without preexec_fn Python spawns with vfork (no atfork handlers in the child); the
+                # fallback preexec_fn only makes the prctl system call (see make_preexec).
                 return subprocess.Popen(
                     cmd,
                     stdin=subprocess.DEVNULL,
@@ -214,7 +216,8 @@ class EtcdMember:
                     preexec_fn=preexec,
                 )
 
-            self.proc = process.in_spawner_thread(popen) if preexec is not None else popen()
+            dies_with_parent = prefix is not None or preexec is not None
+            self.proc = process.in_spawner_thread(popen) if dies_with_parent else popen()
         process.register_live(self)
 
     def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:

@@ -2,9 +2,15 @@
 
 * :func:`free_ports` picks loopback ports that were free a moment ago (callers
   retry on "address already in use");
-* :func:`make_preexec` + :func:`in_spawner_thread`: on Linux a child is
-  started with ``prctl(PR_SET_PDEATHSIG, SIGKILL)``, so the kernel kills etcd
-  even when Python itself is SIGKILLed;
+* :func:`death_signal_prefix` / :func:`make_preexec` + :func:`in_spawner_thread`:
+  on Linux a child is started with ``prctl(PR_SET_PDEATHSIG, SIGKILL)``, so the
+  kernel kills etcd even when Python itself is SIGKILLed. Where util-linux's
+  ``setpriv`` exists the death signal is set by exec'ing etcd through
+  ``setpriv --pdeathsig KILL``, so Python needs no ``preexec_fn``: a
+  ``preexec_fn`` forces a plain ``fork()``, which runs every ``atfork`` handler of
+  the parent in the child (gRPC's among them, in a process that is a gRPC
+  client: seen to abort the child as "Fatal Python error: Aborted" under load),
+  while without one Python spawns with ``vfork``, which runs none;
 * :func:`register_live` / :func:`make_temp_dir`: an ``atexit`` hook stops every
   etcd still running and removes every temporary directory still there.
 
@@ -41,6 +47,7 @@ from .config import HOST
 
 __all__ = [
     "Stoppable",
+    "death_signal_prefix",
     "free_ports",
     "in_spawner_thread",
     "make_preexec",
@@ -78,6 +85,18 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def death_signal_prefix(die_with_parent: bool) -> list[str] | None:
+    """``[setpriv, "--pdeathsig", "KILL", "--"]`` to put before a command (Linux with util-linux), else None.
+
+    The process ``setpriv`` execs keeps the death signal (it is cleared only for
+    set-user-ID programs); its parent is the thread that spawned ``setpriv``.
+    """
+    if not die_with_parent or not sys.platform.startswith("linux"):
+        return None
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else None
 
 
 def make_preexec(die_with_parent: bool) -> Callable[[], None] | None:
