@@ -40,12 +40,30 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .defaults import (
+    DEFAULT_CLOSE_TIMEOUT,
+    DEFAULT_ENDPOINT,
+    DEFAULT_HEARTBEAT_TIMEOUT,
+    DEFAULT_JOIN_TIMEOUT,
+    DEFAULT_KEEP_ALIVE_INTERVAL,
+    DEFAULT_KEEP_ALIVE_MAX_ATTEMPT,
+    DEFAULT_KEY_PREFIX,
+    DEFAULT_LAST_CALL_TIMEOUT,
+    DEFAULT_LEASE_TTL,
+    DEFAULT_READ_TIMEOUT,
+    DEFAULT_STATE_TTL,
+    LEGACY_KEY_PREFIX,
+    MAX_STATE_TTL,
+    PASSWORD_ENV,
+    USER_ENV,
+)
+from .native.settings import V3Settings
+
 if TYPE_CHECKING:
     from etcd_store.client import EtcdClient
 
-    from .native.settings import V3Settings
-
 log = logging.getLogger(__name__)
+
 
 __all__ = [
     "DEFAULT_CLOSE_TIMEOUT",
@@ -78,23 +96,6 @@ __all__ = [
     "parse_v3_settings",
     "translate_legacy_params",
 ]
-
-DEFAULT_ENDPOINT = "localhost:2379"
-DEFAULT_READ_TIMEOUT = 60.0
-DEFAULT_KEY_PREFIX = "/torch/elastic/rendezvous"
-LEGACY_KEY_PREFIX = "/torchelastic/p2p"
-DEFAULT_STATE_TTL = 7200
-MAX_STATE_TTL = 6_000_000_000  # the state's lease lasts 1.5 x state_ttl; etcd allows 9e9 s
-USER_ENV = "ETCD_RDZV_USER"
-PASSWORD_ENV = "ETCD_RDZV_PASSWORD"
-# The rendezvous timeouts and keep-alive values: torch's ``DynamicRendezvousHandler`` defaults.
-DEFAULT_JOIN_TIMEOUT = 600.0
-DEFAULT_LAST_CALL_TIMEOUT = 30.0
-DEFAULT_CLOSE_TIMEOUT = 30.0
-DEFAULT_HEARTBEAT_TIMEOUT = 5.0
-DEFAULT_KEEP_ALIVE_INTERVAL = 5
-DEFAULT_KEEP_ALIVE_MAX_ATTEMPT = 3
-DEFAULT_LEASE_TTL = DEFAULT_KEEP_ALIVE_INTERVAL * DEFAULT_KEEP_ALIVE_MAX_ATTEMPT
 
 LEGACY_ALIASES: Mapping[str, str] = {
     "cacert": "ca_cert",
@@ -421,8 +422,6 @@ def parse_v3_settings(params: HandlerParams) -> tuple[V3Settings, EtcdClientOpti
     lease TTL is ``heartbeat`` (rounded up to whole seconds) when given, else
     ``keep_alive_interval * keep_alive_max_attempt`` (whole seconds each).
     """
-    from .native.settings import V3Settings
-
     config = parse_rdzv_config(params)
     if "heartbeat" in params.config and params.get("heartbeat") is not None:
         lease_ttl = math.ceil(get_seconds_or(params, "heartbeat", DEFAULT_LEASE_TTL))

@@ -12,7 +12,7 @@ import math
 import socket
 from dataclasses import dataclass
 
-from ..conf import (
+from ..defaults import (
     DEFAULT_CLOSE_TIMEOUT,
     DEFAULT_JOIN_TIMEOUT,
     DEFAULT_KEY_PREFIX,

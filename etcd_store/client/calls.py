@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from etcd3.etcdrpc import rpc_pb2
 
-from ..errors import EtcdLeaseNotFound, EtcdRequestError
 from .kv import (
     DeleteResult,
     KeyValue,
@@ -30,7 +29,8 @@ from .kv import (
     _range_result,
     prefix_range_end,
 )
-from .transport import Transport, show_key
+from .leases import LeaseCalls
+from .transport import show_key
 
 if TYPE_CHECKING:
     from .session import Session
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 __all__ = ["EtcdClient"]
 
 
-class EtcdClient(Transport):
+class EtcdClient(LeaseCalls):
     """A thread-safe etcd v3 client over one or more endpoints.
 
     Args:
@@ -152,31 +152,6 @@ class EtcdClient(Transport):
             elif kind == "response_delete_range":
                 results.append(_delete_result(r.response_delete_range))
         return TxnResult(resp.succeeded, resp.header.revision, results)
-
-    # ---------------------------------------------------------------- leases
-
-    def lease_grant(self, ttl: int, *, lease_id: int = 0, timeout: float | None = None) -> int:
-        """Grant a lease of ``ttl`` seconds and return its id. One LeaseGrant RPC."""
-        req = rpc_pb2.LeaseGrantRequest(TTL=int(ttl), ID=lease_id)
-        resp = self._call("Lease", "LeaseGrant", req, timeout=timeout, what=f"grant lease ttl={ttl}")
-        if resp.error:
-            raise EtcdRequestError(f"etcd at {self.describe()} refused a lease: {resp.error}")
-        return int(resp.ID)
-
-    def lease_revoke(self, lease_id: int, *, timeout: float | None = None) -> bool:
-        """Revoke a lease (its keys are deleted). False if it had expired already."""
-        req = rpc_pb2.LeaseRevokeRequest(ID=lease_id)
-        try:
-            self._call("Lease", "LeaseRevoke", req, timeout=timeout, what=f"revoke lease {lease_id:x}")
-        except EtcdLeaseNotFound:
-            return False
-        return True
-
-    def lease_time_to_live(self, lease_id: int, *, keys: bool = False, timeout: float | None = None) -> int:
-        """Seconds left on the lease, or -1 when it expired or never existed."""
-        req = rpc_pb2.LeaseTimeToLiveRequest(ID=lease_id, keys=keys)
-        resp = self._call("Lease", "LeaseTimeToLive", req, timeout=timeout, what=f"lease {lease_id:x}")
-        return int(resp.TTL)
 
     def session(
         self, ttl: int, *, lease_id: int = 0, on_lost: Callable[[], None] | None = None

@@ -26,16 +26,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from etcd3.etcdrpc import rpc_pb2
 
 from ..errors import EtcdError, EtcdLeaseNotFound
+from .leases import LeaseCalls
 from .transport import _details
-
-if TYPE_CHECKING:
-    from .calls import EtcdClient
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +63,7 @@ class Session:
 
     def __init__(
         self,
-        client: EtcdClient,
+        client: LeaseCalls,
         ttl: int,
         *,
         lease_id: int = 0,
@@ -82,7 +80,7 @@ class Session:
     @classmethod
     def existing(
         cls,
-        client: EtcdClient,
+        client: LeaseCalls,
         lease_id: int,
         *,
         ttl: int,
@@ -105,7 +103,7 @@ class Session:
 
     def _start(
         self,
-        client: EtcdClient,
+        client: LeaseCalls,
         lease_id: int,
         ttl: int,
         on_lost: Callable[[], None] | None,

@@ -11,17 +11,14 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 from etcd3.etcdrpc import rpc_pb2
 
 from ..errors import EtcdCompactedError, EtcdError
 from .kv import Event, KeyValue
-from .transport import show_key
-
-if TYPE_CHECKING:
-    from .calls import EtcdClient
+from .transport import Transport, show_key
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +42,7 @@ class Watch:
     """
 
     def __init__(
-        self, client: EtcdClient, key: bytes, range_end: bytes, start_revision: int, prev_kv: bool
+        self, client: Transport, key: bytes, range_end: bytes, start_revision: int, prev_kv: bool
     ) -> None:
         self._client = client
         self.key = key

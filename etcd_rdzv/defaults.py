@@ -1,0 +1,24 @@
+"""The defaults of every rdzv-conf value and the names of the environment variables (no imports).
+
+Shared by :mod:`etcd_rdzv.conf` (which re-exports them) and the settings dataclasses, so neither
+imports the other for a constant.
+"""
+
+from __future__ import annotations
+
+DEFAULT_ENDPOINT = "localhost:2379"
+DEFAULT_READ_TIMEOUT = 60.0
+DEFAULT_KEY_PREFIX = "/torch/elastic/rendezvous"
+LEGACY_KEY_PREFIX = "/torchelastic/p2p"
+DEFAULT_STATE_TTL = 7200
+MAX_STATE_TTL = 6_000_000_000  # the state's lease lasts 1.5 x state_ttl; etcd allows 9e9 s
+USER_ENV = "ETCD_RDZV_USER"
+PASSWORD_ENV = "ETCD_RDZV_PASSWORD"
+# The rendezvous timeouts and keep-alive values: torch's ``DynamicRendezvousHandler`` defaults.
+DEFAULT_JOIN_TIMEOUT = 600.0
+DEFAULT_LAST_CALL_TIMEOUT = 30.0
+DEFAULT_CLOSE_TIMEOUT = 30.0
+DEFAULT_HEARTBEAT_TIMEOUT = 5.0
+DEFAULT_KEEP_ALIVE_INTERVAL = 5
+DEFAULT_KEEP_ALIVE_MAX_ATTEMPT = 3
+DEFAULT_LEASE_TTL = DEFAULT_KEEP_ALIVE_INTERVAL * DEFAULT_KEEP_ALIVE_MAX_ATTEMPT
