@@ -1,4 +1,4 @@
-"""Shared pytest fixtures: real etcd servers of the version matrix (tests/etcd_versions.py) and leak checks.
+"""Shared pytest fixtures: real etcd servers of the version matrix (tests/helpers/etcd_versions.py) and leak checks.
 
 Names other test modules rely on (keep them stable):
 
@@ -25,8 +25,8 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-import etcd_versions
 import pytest
+from helpers import etcd_versions
 
 from etcd_server import EtcdServer
 

@@ -3,7 +3,7 @@
 ``decide`` is a pure function of the barrier state, the tally of the round, the
 settings and the time, so every case here is a sequence of looks at made-up
 tallies at chosen times. The same rules run against real etcd in
-tests/test_v3_protocol.py.
+tests/integration/test_v3_protocol.py.
 """
 
 from __future__ import annotations

@@ -2,13 +2,13 @@
 
 Every scenario runs the training script (etcd_rdzv/testing/train.py: DDP on gloo,
 checkpoint every 3 steps, a JSON-lines step log) under local torchrun agents
-(tests/elastic.py) and judges the job by its log and its agents' exit codes.
+(tests/helpers/elastic.py) and judges the job by its log and its agents' exit codes.
 Recovery times go to benchmarks/results/recovery.json.
 
 Each scenario runs once per backend; the etcd version alternates between
 scenarios and backends over the whole-suite versions (3.5, 3.7) so that both
 backends meet both (``pick_version``); scale-down also runs on the subset
-versions, one backend each (tests/etcd_versions.py)::
+versions, one backend each (tests/helpers/etcd_versions.py)::
 
     scenario                          etcd-v2     etcd-v3
     1 scale-down (node SIGKILLed)     3.7, 3.4    3.5, 3.6
@@ -28,16 +28,15 @@ store host); scenario 3 freezes the other kind.
 from __future__ import annotations
 
 import contextlib
-import socket
 import time
 from collections.abc import Callable, Iterator
 from importlib.metadata import entry_points
 from typing import Any
 
-import etcd_versions
 import pytest
 from conftest import ETCD_BINARIES, FULL_VERSIONS, SELECTED, version_param
-from elastic import (
+from helpers import etcd_versions
+from helpers.elastic import (
     BACKENDS,
     FAST_CONF,
     Job,
@@ -50,6 +49,7 @@ from elastic import (
     rendezvous_completions,
     steps_of,
 )
+from helpers.ports import closed_port
 
 from etcd_rdzv.testing.agents import LocalAgent, summarize, torchrun_command
 from etcd_rdzv.testing.train import Record
@@ -427,7 +427,7 @@ def test_bad_input_fails_fast_and_clearly(
 
     from etcd_store.client import EtcdClient
 
-    dead_endpoint = f"127.0.0.1:{_closed_port()}"
+    dead_endpoint = f"127.0.0.1:{closed_port()}"
     cmd = torchrun_command(
         ["--log-file", str(tmp_path / "log.jsonl"), "--ckpt-dir", str(tmp_path / "ckpt")],
         nnodes="1", nproc_per_node=1, backend=backend, endpoint=dead_endpoint, run_id="bad-endpoint",
@@ -500,11 +500,6 @@ def _rendezvous_after(job: Job, nodes: set[str], t: float) -> float | None:
     return round(max(firsts) - t, 2)
 
 
-def _closed_port() -> int:
-    """A loopback port with nothing listening (bound, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _trained_past_checkpoint(records: list[Record], world_size: int) -> str | None:

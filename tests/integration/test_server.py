@@ -14,10 +14,10 @@ import time
 import urllib.error
 import urllib.request
 
-import etcd_versions
 import pytest
-from certs import CertPaths, have_openssl, make_certs
 from conftest import ETCD_BINARIES, etcd_pids, pid_alive
+from helpers import REPO_ROOT, etcd_versions
+from helpers.certs import CertPaths, have_openssl, make_certs
 
 from etcd_server import (
     AuthConfig,
@@ -33,7 +33,7 @@ from etcd_server import (
 from etcd_server.binary import has_v2_api
 from etcd_server.errors import GRPC_INVALID_ARGUMENT, GRPC_UNAUTHENTICATED
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_REPO = REPO_ROOT
 
 
 #: EtcdServer and EtcdCluster run on every etcd version of the matrix (3.4 to 3.7).

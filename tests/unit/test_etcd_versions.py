@@ -1,4 +1,4 @@
-"""The etcd version matrix itself (tests/etcd_versions.py, tests/conftest.py): selection, discovery,
+"""The etcd version matrix itself (tests/helpers/etcd_versions.py, tests/conftest.py): selection, discovery,
 and what a missing binary does (skip with how-to locally, fail the session under ``CI=true``)."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import subprocess
 import sys
 from typing import Any
 
-import etcd_versions
 import pytest
+from helpers import REPO_ROOT, etcd_versions
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ONE_TEST = "tests/test_store_conformance.py::test_namespaces_are_separate"
+ROOT = REPO_ROOT
+ONE_TEST = "tests/integration/test_store_conformance.py::test_namespaces_are_separate"
 
 
 def _pytest(tmp_path: Any, **env: str) -> subprocess.CompletedProcess[str]:

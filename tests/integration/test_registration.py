@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -13,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from certs import CertPaths, have_openssl, make_certs
+from helpers.certs import CertPaths, have_openssl, make_certs
+from helpers.ports import closed_port
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as torch_registry
 from torch.distributed.elastic.rendezvous.api import (
@@ -50,12 +50,6 @@ def _params(backend: str = "etcd-v2", endpoint: str = "127.0.0.1:2379", **conf: 
     )
 
 
-def _closed_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = int(s.getsockname()[1])
-    s.close()
-    return port
 
 
 @pytest.fixture(autouse=True)
@@ -299,7 +293,7 @@ def test_legacy_handler_reads_legacy_keys(etcd_endpoint: str) -> None:
 
 
 def test_several_endpoints_fail_over(etcd_endpoint: str) -> None:
-    params = _params(endpoint=f"127.0.0.1:{_closed_port()},{etcd_endpoint}", read_timeout="10")
+    params = _params(endpoint=f"127.0.0.1:{closed_port()},{etcd_endpoint}", read_timeout="10")
     config = parse_rdzv_config(params)
     with config.client.create_client() as client:
         backend = EtcdRendezvousBackend(client, params.run_id, config.key_prefix)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from torchrun_agents import TorchrunAgents
+from helpers.torchrun_agents import TorchrunAgents
 
 from etcd_server import EtcdServer
 from etcd_store.client import EtcdClient

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,7 +21,9 @@ import time
 from pathlib import Path
 
 import pytest
-from certs import _make_leaf, have_openssl, make_certs
+from helpers import REPO_ROOT
+from helpers.certs import _make_leaf, have_openssl, make_certs
+from helpers.ports import closed_port
 
 from etcd_server import AuthConfig, EtcdServer, TLSConfig
 from etcd_store.client import DEFAULT_CONNECT_TIMEOUT, EtcdClient
@@ -34,15 +35,9 @@ from etcd_store.errors import (
     EtcdTLSError,
 )
 
-_REPO = str(Path(__file__).resolve().parent.parent)
+_REPO = REPO_ROOT
 
 
-def _closed_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = int(s.getsockname()[1])
-    s.close()
-    return port
 
 
 # ------------------------------------------------------------------ auth tokens after a restart
@@ -126,7 +121,7 @@ def test_a_server_certificate_for_another_host_is_a_tls_error_at_once(
 
 
 def test_nothing_listening_anywhere_fails_within_connect_timeout() -> None:
-    endpoints = f"127.0.0.1:{_closed_port()},127.0.0.1:{_closed_port()}"
+    endpoints = f"127.0.0.1:{closed_port()},127.0.0.1:{closed_port()}"
     with EtcdClient(endpoints, timeout=60, connect_timeout=1.0) as client:
         start = time.monotonic()
         with pytest.raises(EtcdConnectionError, match="connect_timeout=1 s") as info:

@@ -27,9 +27,11 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from . import REPO_ROOT
+
 os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")  # before testcontainers reads it
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = REPO_ROOT
 IMAGE_REPO = "etcd-rdzv/etcd"
 HOST = "127.0.0.1"
 

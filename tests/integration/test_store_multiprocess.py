@@ -23,7 +23,8 @@ import pytest
 
 WORLD = 4
 INCREMENTS = 40  # per process: half by add, half by compare_set loops, over 2 threads
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Run as a script too (the child processes), so no import of the test helpers here.
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # --------------------------------------------------------------------------- worker side

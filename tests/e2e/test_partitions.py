@@ -1,6 +1,6 @@
 """Network faults between hosts: torchrun jobs over gloo and etcd members, each on its own host.
 
-Every host is a Linux network namespace of the test's own bed (tests/netns.py): etcd members
+Every host is a Linux network namespace of the test's own bed (tests/helpers/netns.py): etcd members
 and torchrun agents run in separate namespaces with their own addresses (``10.213.N.x``), the
 workers train with gloo between those addresses (``--local-addr`` is the host's address, not
 loopback). Faults are packet filters, links taken down and ``tc netem`` inside the namespaces.
@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 from conftest import ETCD_BINARIES, FULL_VERSIONS, version_param
-from elastic import (
+from helpers.elastic import (
     BACKENDS,
     Job,
     assert_groups_never_overlap,
@@ -38,7 +38,7 @@ from elastic import (
     record_timing,
     steps_of,
 )
-from netns import Host, NetBed, NetemUnavailable, NetEtcd, netns_unavailable, remove_leftovers
+from helpers.netns import Host, NetBed, NetemUnavailable, NetEtcd, netns_unavailable, remove_leftovers
 
 from etcd_rdzv.testing.agents import LocalAgent
 

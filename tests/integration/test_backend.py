@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from helpers.ports import closed_port
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousConnectionError,
     RendezvousStateError,
@@ -47,12 +48,6 @@ def backend(client: EtcdClient, run_id: str) -> EtcdRendezvousBackend:
     return EtcdRendezvousBackend(client, run_id, key_prefix="/test/rdzv")
 
 
-def _closed_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = int(s.getsockname()[1])
-    s.close()
-    return port
 
 
 # ------------------------------------------------------------------ basics
@@ -288,7 +283,7 @@ def test_unreachable_etcd_raises_connection_error_within_read_timeout(
     kind: str, request: pytest.FixtureRequest
 ) -> None:
     endpoint = (
-        f"127.0.0.1:{_closed_port()}" if kind == "refused" else request.getfixturevalue("silent_endpoint")
+        f"127.0.0.1:{closed_port()}" if kind == "refused" else request.getfixturevalue("silent_endpoint")
     )
     read_timeout = 1.0
     with EtcdClient(endpoint, timeout=read_timeout) as dead:

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import yaml
+from helpers import REPO_ROOT
 from torch.distributed.run import get_args_parser
 
 from etcd_server import EtcdServer
@@ -33,7 +34,7 @@ if os.environ.get("CI", "").lower() == "true":  # the test extra installs it: mi
 else:
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
-K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
+K8S = Path(REPO_ROOT) / "deploy" / "k8s"
 K8S_VERSION = "1.37"
 FILES = sorted(K8S.rglob("*.yaml"))
 

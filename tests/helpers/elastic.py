@@ -26,6 +26,8 @@ from typing import Any, TypeVar
 from etcd_rdzv.testing.agents import LocalAgent, summarize, torchrun_command
 from etcd_rdzv.testing.train import Record, read_records
 
+from . import REPO_ROOT
+
 T = TypeVar("T")
 
 BACKENDS = ("etcd-v2", "etcd-v3")
@@ -43,7 +45,7 @@ FAST_CONF: dict[str, Any] = {
 }
 
 RESULTS_DIR = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results"
+    REPO_ROOT, "benchmarks", "results"
 )
 RECOVERY_JSON = os.path.join(RESULTS_DIR, "recovery.json")
 
@@ -52,7 +54,7 @@ def pick_version(versions: Sequence[str], scenario: int, backend: str) -> str:
     """The etcd version a scenario runs on for a backend.
 
     Alternates between scenarios and between backends, so every backend meets
-    every version (see the table in tests/test_elastic_faults.py).
+    every version (see the table in tests/e2e/test_elastic_faults.py).
     """
     if not versions:
         raise ValueError("no etcd binary found")

@@ -1,6 +1,6 @@
 """testcontainers suite: torchrun jobs against etcd running in Docker.
 
-etcd runs from a local image per matrix version (tests/docker_etcd.py: ``docker
+etcd runs from a local image per matrix version (tests/helpers/docker_etcd.py: ``docker
 import`` of that version's etcd binary, e.g. the 3.7 one that .ci/build-etcd
 builds), with host networking on 127.0.0.1. Two tests, one backend each (the
 non-Docker scenarios cover both backends on every version)::
@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from conftest import ETCD_BINARIES, SELECTED, version_param
-from docker_etcd import (
+from helpers.docker_etcd import (
     DockerUnavailable,
     EtcdContainer,
     build_image,
@@ -31,7 +31,7 @@ from docker_etcd import (
     stop_docker,
     wait_ready,
 )
-from elastic import Job, group_with, job_factory, record_timing, steps_of
+from helpers.elastic import Job, group_with, job_factory, record_timing, steps_of
 
 from etcd_server.binary import etcd_version
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import itertools
 import re
-import socket
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import REPO_ROOT
+from helpers.ports import closed_port
 
 from etcd_server import EtcdServer
 from etcd_store.client import (
@@ -52,12 +53,6 @@ def client(etcd_endpoint: str) -> Iterator[EtcdClient]:
     c.close()
 
 
-def _closed_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return int(port)
 
 
 # ------------------------------------------------------------------ endpoints
@@ -318,7 +313,7 @@ def test_renewing_lease_writes_again_with_a_new_lease(client: EtcdClient, prefix
 
 
 def test_failover_skips_a_dead_endpoint(etcd_endpoint: str, prefix: bytes) -> None:
-    dead = f"127.0.0.1:{_closed_port()}"
+    dead = f"127.0.0.1:{closed_port()}"
     with EtcdClient(f"{dead},{etcd_endpoint}", timeout=5) as c:
         c.put(prefix + b"f", b"1")
         kv = c.get(prefix + b"f")
@@ -326,7 +321,7 @@ def test_failover_skips_a_dead_endpoint(etcd_endpoint: str, prefix: bytes) -> No
 
 
 def test_unreachable_etcd_fails_within_timeout_naming_endpoints() -> None:
-    dead = f"127.0.0.1:{_closed_port()}"
+    dead = f"127.0.0.1:{closed_port()}"
     with EtcdClient(dead, timeout=1.0) as c:
         t0 = time.monotonic()
         with pytest.raises(EtcdTimeoutError) as info:
@@ -380,7 +375,7 @@ _TEXT_MATCH = re.compile(
 def test_etcd_errors_are_recognised_by_text_only_in_the_client_translation() -> None:
     """etcd errors are told apart by code in ONE place, ``etcd_store/client/transport.py``;
     everywhere else code tests exception types (``EtcdLeaseNotFound``, ...)."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(REPO_ROOT)
     translation = root / "etcd_store" / "client" / "transport.py"
     sources = sorted((root / "etcd_store").rglob("*.py")) + sorted((root / "etcd_rdzv").rglob("*.py"))
     assert translation in sources

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import REPO_ROOT
 from torch.distributed.elastic.utils.distributed import get_free_port
 
 from etcd_rdzv.testing.agents import LocalAgent
@@ -24,7 +25,7 @@ from etcd_rdzv.testing.train import CHECKPOINT_NAME, ROUND_NAME, Record, read_re
 
 pytestmark = pytest.mark.timeout(180)
 
-REPO = str(Path(__file__).resolve().parent.parent)
+REPO = REPO_ROOT
 
 
 def _worker(tmp_path: Path, steps: int, step_time: float) -> subprocess.Popen[bytes]:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch.distributed as dist
-from certs import CertPaths, have_openssl, make_certs
+from helpers.certs import CertPaths, have_openssl, make_certs
 
 from etcd_server import AuthConfig, EtcdServer, TLSConfig
 from etcd_store import EtcdStore
