@@ -23,16 +23,9 @@ from torch.distributed.elastic.rendezvous.api import (
 
 from etcd_rdzv import EtcdRendezvousBackend, plugin
 from etcd_rdzv.conf import (
-    DEFAULT_KEY_PREFIX,
-    DEFAULT_READ_TIMEOUT,
-    DEFAULT_STATE_TTL,
-    LEGACY_KEY_PREFIX,
     PASSWORD_ENV,
     USER_ENV,
-    DynamicSettings,
-    parse_dynamic_settings,
     parse_rdzv_config,
-    translate_legacy_params,
 )
 from etcd_server import AuthConfig, EtcdServer, TLSConfig
 
@@ -166,118 +159,6 @@ def test_plugin_that_cannot_import_grpc_says_why(monkeypatch: pytest.MonkeyPatch
     assert "'etcd-v2'" in text and "grpc" in text
     assert "pip install" in text and plugin.DISABLE_OVERRIDE_ENV in text
     assert isinstance(ei.value, ImportError)
-
-
-# ------------------------------------------------------------------ rdzv-conf parsing
-
-
-def test_defaults() -> None:
-    config = parse_rdzv_config(_params(endpoint=""))
-    assert config.client.endpoints == "localhost:2379"
-    assert config.client.read_timeout == DEFAULT_READ_TIMEOUT == 60
-    assert config.client.protocol is None
-    assert (config.client.ca_cert, config.client.cert, config.client.key) == (None, None, None)
-    assert (config.client.user, config.client.password) == (None, None)
-    assert config.key_prefix == DEFAULT_KEY_PREFIX == "/torch/elastic/rendezvous"
-    assert config.state_ttl == DEFAULT_STATE_TTL == 7200
-    assert config.state_key("job") == "/torch/elastic/rendezvous/job"
-    assert config.store_prefix("job") == "/torch/elastic/rendezvous/job/store"
-
-
-def test_values_are_read() -> None:
-    config = parse_rdzv_config(
-        _params(
-            endpoint="h1:1,https://h2:2",
-            read_timeout="2.5",
-            protocol="HTTPS",
-            key_prefix="/my/prefix/",
-            state_ttl="30",
-            user="bob",
-            password="pw",
-        )
-    )
-    assert config.client.endpoints == "h1:1,https://h2:2"
-    assert config.client.read_timeout == 2.5
-    assert config.client.protocol == "https"
-    assert config.key_prefix == "/my/prefix"
-    assert config.state_ttl == 30
-    assert (config.client.user, config.client.password) == ("bob", "pw")
-    assert "pw" not in repr(config)
-
-
-def test_user_and_password_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(USER_ENV, "env-user")
-    monkeypatch.setenv(PASSWORD_ENV, "env-pw")
-    options = parse_rdzv_config(_params()).client
-    assert (options.user, options.password) == ("env-user", "env-pw")
-    # The conf wins over the environment.
-    options = parse_rdzv_config(_params(user="conf-user", password="conf-pw")).client
-    assert (options.user, options.password) == ("conf-user", "conf-pw")
-
-
-@pytest.mark.parametrize(
-    ("conf", "endpoint", "named"),
-    [
-        ({"read_timeout": "soon"}, None, "'read_timeout'"),
-        ({"read_timeout": "0"}, None, "'read_timeout'"),
-        ({"read_timeout": "-3"}, None, "'read_timeout'"),
-        ({"protocol": "ftp"}, None, "'protocol'"),
-        ({"ca_cert": "/no/such/ca.pem"}, None, "'ca_cert'"),
-        ({"ssl_cert": "/no/such/cert.pem"}, None, "'ssl_cert'"),
-        ({"ssl_cert_key": __file__}, None, "'ssl_cert_key'"),
-        ({"ssl_cert": __file__}, None, "'ssl_cert_key'"),  # a cert file without a key
-        ({"user": "bob"}, None, "'password'"),
-        ({"password": "pw"}, None, "'user'"),
-        ({"state_ttl": "long"}, None, "'state_ttl'"),
-        ({"state_ttl": "0"}, None, "'state_ttl'"),
-        ({"state_ttl": "9000000000"}, None, "'state_ttl'"),
-        ({"key_prefix": "/a b"}, None, "'key_prefix'"),
-        ({}, "host:notaport", "--rdzv-endpoint"),
-        ({}, "ftp://host:1", "--rdzv-endpoint"),
-        ({"join_timeout": "-5"}, None, "join"),
-        ({"keep_alive_interval": "x"}, None, "'keep_alive_interval'"),
-        ({"keep_alive_max_attempt": "0"}, None, "'keep_alive_max_attempt'"),
-        ({"keep_alive_max_attempt": "many"}, None, "'keep_alive_max_attempt' must be a positive integer"),
-    ],
-)
-def test_invalid_values_raise_value_error_naming_the_key(
-    conf: dict[str, str], endpoint: str | None, named: str
-) -> None:
-    params = _params(endpoint=endpoint or "127.0.0.1:2379", **conf)
-    with pytest.raises(ValueError) as ei:
-        torch_registry.get_rendezvous_handler(params)  # what torchrun calls
-    assert named in str(ei.value)
-
-
-def test_legacy_keys_are_translated() -> None:
-    legacy = translate_legacy_params(
-        _params("etcd", cacert="/ca", cert="/c", key="/k", etcd_prefix="/old", timeout="77")
-    )
-    assert legacy.get("ca_cert") == "/ca"
-    assert legacy.get("ssl_cert") == "/c"
-    assert legacy.get("ssl_cert_key") == "/k"
-    assert legacy.get("key_prefix") == "/old"
-    assert legacy.get("join_timeout") == "77"
-    # Defaults: the legacy prefix; join_timeout wins over torchrun's injected timeout.
-    plain = translate_legacy_params(_params("etcd", timeout="900", join_timeout="20"))
-    assert plain.get("key_prefix") == LEGACY_KEY_PREFIX
-    assert plain.get("join_timeout") == "20"
-
-
-def test_dynamic_settings_name_every_timeout() -> None:
-    """One pass: torch's handler defaults, the values given, the legacy keys."""
-    d = parse_dynamic_settings(_params())
-    assert (d.join_timeout, d.last_call_timeout, d.close_timeout, d.heartbeat_timeout) == (600, 30, 30, 5)
-    assert (d.keep_alive_interval, d.keep_alive_max_attempt) == (5, 3)
-    assert d.config.key_prefix == DEFAULT_KEY_PREFIX and d.backend == "etcd-v2"
-    given = parse_dynamic_settings(
-        _params(join_timeout="7", heartbeat_timeout="1.5", keep_alive_interval="2", keep_alive_max_attempt="4")
-    )
-    assert (given.join_timeout, given.heartbeat_timeout) == (7, 1.5)
-    assert (given.keep_alive_interval, given.keep_alive_max_attempt) == (2, 4)
-    legacy = parse_dynamic_settings(_params("etcd", timeout="77", etcd_prefix="/old"), legacy=True)
-    assert isinstance(legacy, DynamicSettings)
-    assert (legacy.join_timeout, legacy.config.key_prefix, legacy.backend) == (77, "/old", "etcd")
 
 
 def test_legacy_handler_reads_legacy_keys(etcd_endpoint: str) -> None:
