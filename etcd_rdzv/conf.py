@@ -55,6 +55,7 @@ from .defaults import (
     LEGACY_KEY_PREFIX,
     MAX_STATE_TTL,
     PASSWORD_ENV,
+    PASSWORD_FILE_ENV,
     USER_ENV,
 )
 from .native.settings import V3Settings
@@ -66,6 +67,7 @@ log = logging.getLogger(__name__)
 
 
 __all__ = [
+    "check_run_id",
     "DEFAULT_CLOSE_TIMEOUT",
     "DEFAULT_ENDPOINT",
     "DEFAULT_HEARTBEAT_TIMEOUT",
@@ -81,6 +83,7 @@ __all__ = [
     "LEGACY_KEY_PREFIX",
     "MAX_STATE_TTL",
     "PASSWORD_ENV",
+    "PASSWORD_FILE_ENV",
     "USER_ENV",
     "DynamicSettings",
     "EtcdClientOptions",
@@ -285,7 +288,66 @@ def _holds_private_key(path: str) -> bool:
         return False
 
 
+_password_in_conf_warned = False
+
+
+def _read_secret(path: str, what: str) -> str:
+    """The contents of a secret file (one trailing newline dropped, as Kubernetes/Docker secrets have)."""
+    try:
+        with open(os.path.expanduser(path), encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
+        raise ValueError(f"{what} ({path!r}) cannot be read: {reason}.") from None
+    return text[:-1] if text.endswith("\n") else text
+
+
+def _password(params: RdzvParams) -> str | None:
+    """The etcd password: option ``password``, else the file named by ``password_file``, else
+    ``$ETCD_RDZV_PASSWORD``, else the file named by ``$ETCD_RDZV_PASSWORD_FILE``. The contents never
+    appear in a message."""
+    global _password_in_conf_warned
+    password = params.get("password")
+    if password is not None:
+        if not isinstance(password, str):
+            raise ValueError("The rendezvous configuration option 'password' must be a string.")
+        if not _password_in_conf_warned:
+            _password_in_conf_warned = True
+            log.warning(
+                "The etcd password was given as the rdzv-conf option 'password': torchrun prints its "
+                "rdzv-conf in its own log. Prefer 'password_file' (a path to a file holding it), "
+                "$%s or $%s.", PASSWORD_FILE_ENV, PASSWORD_ENV,
+            )  # fmt: skip
+        return password
+    path = _text(params, "password_file")
+    if path is not None:
+        return _read_secret(path, "The rendezvous configuration option 'password_file'")
+    if PASSWORD_ENV in os.environ:
+        return os.environ[PASSWORD_ENV]
+    path = os.environ.get(PASSWORD_FILE_ENV) or None
+    if path is not None:
+        return _read_secret(path, f"${PASSWORD_FILE_ENV}")
+    return None
+
+
 # --------------------------------------------------------------------------- public
+
+
+def check_run_id(run_id: object) -> str:
+    """``run_id`` (``--rdzv-id``) if every backend can use it; ``ValueError`` saying why not.
+
+    A run id names a subtree of keys (``<key_prefix>/<run_id>/...``): it must be a non-empty string
+    without ``/`` (which would nest one run's keys inside another's) or NUL.
+    """
+    if not isinstance(run_id, str) or not run_id:
+        raise ValueError(f"The rendezvous run id (--rdzv-id) must be a non-empty string, got {run_id!r}.")
+    if "/" in run_id or "\0" in run_id:
+        bad = "'/'" if "/" in run_id else "a NUL character"
+        raise ValueError(
+            f"The rendezvous run id (--rdzv-id) must not contain {bad}, got {run_id!r}: it names a "
+            "subtree of etcd keys, and a '/' would nest one run's keys inside another's."
+        )
+    return run_id
 
 
 def parse_client_options(params: RdzvParams) -> EtcdClientOptions:
@@ -330,20 +392,18 @@ def parse_client_options(params: RdzvParams) -> EtcdClientOptions:
         key = cert
 
     user = _text(params, "user") or (os.environ.get(USER_ENV) or None)
-    password = params.get("password")
-    if password is None:
-        password = os.environ.get(PASSWORD_ENV)
-    if password is not None and not isinstance(password, str):
-        raise ValueError("The rendezvous configuration option 'password' must be a string.")
+    password = _password(params)
     if user is None and password:
         raise ValueError(
-            f"An etcd password was given (option 'password' or ${PASSWORD_ENV}) but no "
+            f"An etcd password was given (option 'password'/'password_file', ${PASSWORD_ENV} or "
+            f"${PASSWORD_FILE_ENV}) but no "
             f"user: set the option 'user' or ${USER_ENV}."
         )
     if user is not None and password is None:
         raise ValueError(
             f"The etcd user {user!r} was given without a password: set the option "
-            f"'password' or ${PASSWORD_ENV}."
+            f"'password_file' (a file holding it), ${PASSWORD_FILE_ENV}, ${PASSWORD_ENV} or the "
+            "option 'password'."
         )
     if user is None:
         password = None
@@ -399,7 +459,7 @@ def parse_dynamic_settings(params: HandlerParams, *, legacy: bool = False) -> Dy
         params = translate_legacy_params(params)
     return DynamicSettings(
         backend=params.backend,
-        run_id=params.run_id,
+        run_id=check_run_id(params.run_id),
         min_nodes=params.min_nodes,
         max_nodes=params.max_nodes,
         local_addr=params.local_addr,
@@ -430,7 +490,7 @@ def parse_v3_settings(params: HandlerParams) -> tuple[V3Settings, EtcdClientOpti
         attempts = get_positive_int(params, "keep_alive_max_attempt", DEFAULT_KEEP_ALIVE_MAX_ATTEMPT)
         lease_ttl = interval * attempts
     settings = V3Settings(
-        run_id=params.run_id,
+        run_id=check_run_id(params.run_id),
         min_nodes=params.min_nodes,
         max_nodes=params.max_nodes,
         local_addr=params.local_addr,

@@ -14,6 +14,7 @@ DEFAULT_STATE_TTL = 7200
 MAX_STATE_TTL = 6_000_000_000  # the state's lease lasts 1.5 x state_ttl; etcd allows 9e9 s
 USER_ENV = "ETCD_RDZV_USER"
 PASSWORD_ENV = "ETCD_RDZV_PASSWORD"
+PASSWORD_FILE_ENV = "ETCD_RDZV_PASSWORD_FILE"
 # The rendezvous timeouts and keep-alive values: torch's ``DynamicRendezvousHandler`` defaults.
 DEFAULT_JOIN_TIMEOUT = 600.0
 DEFAULT_LAST_CALL_TIMEOUT = 30.0

@@ -52,7 +52,7 @@ from etcd_store.client import (
 )
 from etcd_store.errors import EtcdError
 
-from ..conf import DEFAULT_KEY_PREFIX, DEFAULT_STATE_TTL, RdzvConfig, parse_rdzv_config
+from ..conf import DEFAULT_KEY_PREFIX, DEFAULT_STATE_TTL, RdzvConfig, check_run_id, parse_rdzv_config
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -92,8 +92,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         *,
         name: str = "etcd-v2",
     ) -> None:
-        if not run_id:
-            raise ValueError("The run id must be a non-empty string.")
+        check_run_id(run_id)
         self._client = client
         self._name = name
         self.key = f"{key_prefix}/{run_id}" if key_prefix else run_id

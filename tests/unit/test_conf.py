@@ -6,6 +6,7 @@ import itertools
 from typing import Any
 
 import pytest
+from helpers.ports import closed_port
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as torch_registry
 
@@ -16,6 +17,7 @@ from etcd_rdzv.conf import (
     DEFAULT_STATE_TTL,
     LEGACY_KEY_PREFIX,
     PASSWORD_ENV,
+    PASSWORD_FILE_ENV,
     USER_ENV,
     DynamicSettings,
     parse_dynamic_settings,
@@ -146,3 +148,46 @@ def test_dynamic_settings_name_every_timeout() -> None:
     legacy = parse_dynamic_settings(_params("etcd", timeout="77", etcd_prefix="/old"), legacy=True)
     assert isinstance(legacy, DynamicSettings)
     assert (legacy.join_timeout, legacy.config.key_prefix, legacy.backend) == (77, "/old", "etcd")
+
+
+# ------------------------------------------------------------------ secrets from files
+
+
+def test_password_file_option_and_variable(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    secret = tmp_path / "pw"
+    secret.write_text("s3cr3t\n")  # as a Kubernetes Secret volume holds it
+    options = parse_rdzv_config(_params(user="bob", password_file=str(secret))).client
+    assert (options.user, options.password) == ("bob", "s3cr3t")
+    monkeypatch.setenv(PASSWORD_FILE_ENV, str(secret))
+    monkeypatch.setenv(USER_ENV, "env-user")
+    assert parse_rdzv_config(_params()).client.password == "s3cr3t"
+    monkeypatch.setenv(PASSWORD_ENV, "from-env")  # the plain variable wins over the file variable
+    assert parse_rdzv_config(_params()).client.password == "from-env"
+
+
+def test_unreadable_password_file_names_the_option_not_the_secret(tmp_path: Any) -> None:
+    with pytest.raises(ValueError, match=r"'password_file' \('/no/such/pw'\) cannot be read: No such file"):
+        parse_rdzv_config(_params(user="bob", password_file="/no/such/pw"))
+
+
+def test_a_password_in_rdzv_conf_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    import etcd_rdzv.conf as conf
+
+    conf._password_in_conf_warned = False
+    with caplog.at_level("WARNING", logger="etcd_rdzv.conf"):
+        parse_rdzv_config(_params(user="bob", password="hunter2"))
+    assert "password_file" in caplog.text and "hunter2" not in caplog.text
+
+
+# ------------------------------------------------------------------ run ids
+
+
+@pytest.mark.parametrize("backend", ["etcd-v2", "etcd", "etcd-v3"])
+@pytest.mark.parametrize(("run_id", "said"), [("a/b", "must not contain '/'"), ("", "must be a non-empty string")])
+def test_every_backend_rejects_the_same_run_ids_alike(backend: str, run_id: str, said: str) -> None:
+    """Bad run ids fail before any etcd call (nothing listens on the endpoint) with one message."""
+    params = RendezvousParameters(
+        backend=backend, endpoint=f"127.0.0.1:{closed_port()}", run_id=run_id, min_nodes=1, max_nodes=2
+    )
+    with pytest.raises(ValueError, match=rf"run id \(--rdzv-id\) {said}"):
+        torch_registry.get_rendezvous_handler(params)
