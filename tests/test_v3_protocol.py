@@ -605,6 +605,74 @@ def test_shutdown_closes_the_run_and_revokes_the_lease(nodes: Nodes) -> None:
     assert nodes.client.get(nodes.keys.closed) is not None
 
 
+def test_leave_releases_the_node_without_closing_the_run(nodes: Nodes) -> None:
+    """A node that leaves (what its process does at exit without shutdown) is gone at
+    once: the others see a lost member, re-form without it, and the run stays open."""
+    a, b, c = nodes.many(3, 2, 3, last_call_timeout="60")
+    assert_group(results(nodes.start(a, b, c)), 3)
+    lease = lease_of(c)
+    started = time.monotonic()
+    assert c.leave() is True
+    assert time.monotonic() - started < 2.5  # LEAVE_TIMEOUT, and much less with etcd up
+    assert nodes.client.lease_time_to_live(lease) == -1
+    assert nodes.client.get(nodes.keys.join_key(1, c.node_id)) is None
+    assert not a.is_closed()
+    assert a.num_nodes_waiting() >= 1 and b.num_nodes_waiting() >= 1
+    res = results(nodes.start(a, b))  # fast recovery: no last call (60 s)
+    assert_group(res, 2)
+    assert {r.round for r in res} == {2}
+    with pytest.raises(RendezvousClosedError):
+        c.next_round()  # this handler is done, the run is not
+    assert c.leave() is True
+
+
+def test_a_waiting_node_that_leaves_is_not_counted(nodes: Nodes) -> None:
+    a, b, c = nodes.many(3, 3, 3)
+    fa, fb = nodes.start(a, b)
+    wait_count(nodes.client, nodes.join_prefix(1), 2)
+    assert b.leave() is True
+    wait_count(nodes.client, nodes.join_prefix(1), 1)
+    assert not fa.done()
+    d = nodes.new(3, 3)
+    res = results([fa, *nodes.start(c, d)])
+    assert_group(res, 3)
+    assert b.node_id not in nodes.members(1)
+    with pytest.raises(RendezvousClosedError):
+        fb.result(timeout=WAIT)
+
+
+LEAVER = r'''
+import sys
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from etcd_rdzv.plugin import create_etcd_v3_rdzv_handler
+endpoint, run_id, prefix = sys.argv[1:4]
+params = RendezvousParameters("etcd-v3", endpoint, run_id, 1, 2, local_addr="127.0.0.1",
+                              key_prefix=prefix, last_call_timeout="30", heartbeat="60")
+handler = create_etcd_v3_rdzv_handler(params)
+result = handler.next_round()
+print(handler.node_id, flush=True)
+sys.exit(3)  # without shutdown(), as torchrun's agent on SIGTERM
+'''
+
+
+def test_a_process_that_exits_without_shutdown_leaves(nodes: Nodes, tmp_path: Any) -> None:
+    """The atexit hook: the node's lease is revoked at exit (heartbeat=60 would keep
+    its key a minute otherwise), and the run is not closed."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "leaver.py"
+    script.write_text(LEAVER)
+    done = subprocess.run(
+        [sys.executable, str(script), nodes.endpoint, nodes.run_id, nodes.prefix],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 3, done.stderr
+    node_id = done.stdout.split()[-1]
+    assert nodes.client.get(nodes.keys.join_key(1, node_id)) is None
+    assert nodes.client.get(nodes.keys.closed) is None
+
+
 def test_shutdown_interrupts_a_blocked_join(nodes: Nodes) -> None:
     (a,) = nodes.many(1, 2, 2)
     (fa,) = nodes.start(a)

@@ -20,12 +20,15 @@ is rank 0).
 
 from __future__ import annotations
 
+import atexit
+import functools
 import itertools
 import logging
 import os
 import threading
 import time
 import uuid
+import weakref
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -58,6 +61,10 @@ __all__ = ["BACKEND_NAME", "EtcdV3RendezvousHandler", "RoundResult"]
 
 BACKEND_NAME = "etcd-v3"
 
+LEAVE_TIMEOUT = 2.0
+"""Seconds :meth:`EtcdV3RendezvousHandler.leave` may take (all its RPCs together):
+it runs at interpreter exit, which it must never hold up for long."""
+
 _local_ids = itertools.count()
 
 
@@ -84,7 +91,12 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._rdzv_lock = threading.Lock()
         self._node = Participant(settings, client, self._keys, self._node_id)
         self._store: EtcdStore | None = None
+        self._closed_run = False  # shutdown() closed the run
         self.last_round: RoundResult | None = None
+        # A process that exits without shutdown() (torchrun's agent on SIGTERM/SIGINT
+        # deliberately skips it: it would close the run) leaves its round at exit.
+        self._at_exit = functools.partial(_leave_at_exit, weakref.ref(self))
+        atexit.register(self._at_exit)
 
     # ------------------------------------------------------------------ torch API
 
@@ -166,7 +178,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     def is_closed(self) -> bool:
         """Whether the run is closed. One Range (none after :meth:`shutdown`, which closed it)."""
-        if self._node.shut_down:
+        if self._closed_run:
             return True
         try:
             return queries.is_closed(self._client, self._keys)
@@ -229,10 +241,12 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """
         if self._node.shut_down:
             return True
+        atexit.unregister(self._at_exit)
         deadline = time.monotonic() + self._settings.close_timeout
         ok = True
         try:
             self._node.close_run(deadline)
+            self._closed_run = True
         except RendezvousError as e:
             log.warning("node %s could not close the rendezvous %r: %s", self._node_id,
                         self._settings.run_id, e)
@@ -252,6 +266,38 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             session.close(revoke=False)
         if self._owns_client:
             self._client.close()
+        return ok
+
+    def leave(self, timeout: float = LEAVE_TIMEOUT) -> bool:
+        """Leave the rendezvous for good WITHOUT closing the run; the handler is done after.
+
+        What a node does when its process ends without :meth:`shutdown` (registered
+        with ``atexit``; torchrun's agent skips ``shutdown()`` on SIGTERM/SIGINT, as
+        that would close the run for every node): it withdraws from the round it
+        waits in, then revokes its lease, so its join keys vanish at once and the
+        members of its running round see a lost member in :meth:`num_nodes_waiting`
+        now, not one lease TTL later. The last node out also removes the rounds'
+        records. At most about ``timeout`` seconds (all RPCs together), never
+        raises for etcd failures (the lease then expires by itself); returns
+        whether the lease was revoked. A no-op (True) after :meth:`shutdown`.
+        """
+        if self._node.shut_down:
+            return True
+        atexit.unregister(self._at_exit)
+        deadline = time.monotonic() + timeout
+        ok = self._node.leave(deadline)
+        self._close_store()
+        if ok:
+            try:
+                protocol.remove_round_records_if_idle(
+                    self._client, self._keys, timeout=max(deadline - time.monotonic(), 0.1)
+                )
+            except EtcdError as e:
+                log.info("could not remove the round records of %r: %s", self._settings.run_id, e)
+        if self._owns_client:
+            self._client.close()
+        log.info("node %s left the rendezvous %r%s", self._node_id, self._settings.run_id,
+                 "" if ok else " (etcd did not answer: its lease will expire)")
         return ok
 
     # ------------------------------------------------------------------ the store
@@ -289,3 +335,14 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     def __repr__(self) -> str:
         return f"EtcdV3RendezvousHandler(run_id={self._settings.run_id!r}, node={self._node_id!r})"
+
+
+def _leave_at_exit(ref: weakref.ref[EtcdV3RendezvousHandler]) -> None:
+    """``atexit`` hook of a handler: :meth:`~EtcdV3RendezvousHandler.leave` unless it was shut down."""
+    handler = ref()
+    if handler is None:
+        return
+    try:
+        handler.leave()
+    except Exception as e:  # never let a failed leave disturb the exit
+        log.warning("node %s could not leave at exit: %s", handler.node_id, e)

@@ -134,6 +134,26 @@ class Participant:
         self.member_round = None
         return session
 
+    def leave(self, deadline: float) -> bool:
+        """Stop for good and release this node's keys now, without closing the run.
+
+        Revokes the node's lease (one LeaseRevoke: its join key vanishes with it), every
+        RPC bounded by ``deadline``. Returns whether etcd confirmed it.
+        """
+        session = self.stop()
+        if session is None:
+            return True
+        session.close(revoke=False)  # stop refreshing; the revoke below says whether it worked
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or session.lost.is_set():
+            return session.lost.is_set()
+        try:
+            self._client.lease_revoke(session.id, timeout=remaining)
+        except EtcdError as e:
+            log.info("node %s could not revoke its lease %x: %s", self._node_id, session.id, e)
+            return False
+        return True
+
     # ------------------------------------------------------------------ leases and closing
 
     def close_run(self, deadline: float) -> None:
