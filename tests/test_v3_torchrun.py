@@ -140,7 +140,7 @@ def test_three_agents_etcd_v3(etcd_server: EtcdServer, agents: Agents) -> None:
     with EtcdClient(endpoint, timeout=5) as client:
         root = f"{prefix}/{run_id}/v3".encode()
         assert client.get(root + b"/ctl/closed") is not None  # shutdown closed the run
-        assert client.range(root + b"/ctl/join/", prefix=True, count_only=True).count == 0
+        assert client.range(root + b"/join/", prefix=True, count_only=True).count == 0
         assert client.range(root + b"/rounds/", prefix=True, count_only=True).count == 0
 
 

@@ -2,20 +2,21 @@
 
 One node = one handler = one lease (TTL ``lease_ttl``) refreshed over one
 keep-alive stream. Joining a round is one transaction that puts a join key
-bound to that lease; waiting is a watch on the run's ``ctl/`` keys that starts
-right after the join's revision; sealing a round is one transaction fenced by
-the ``sealed`` record's mod revision and by "the previous round is empty".
+bound to that lease and bumps the round's join counter; waiting is a watch on
+the run's ``ctl/`` keys (about one event a round) that starts right after the
+join's revision; sealing a round is one transaction fenced by the ``sealed``
+record's mod revision, by "the previous round is empty" and by the join counter
+as the sealer read it.
 No node rewrites anything while a job runs: liveness is the lease alone.
 This module is torch's interface (and its errors); one node's join, wait and
 seal are :class:`~etcd_rdzv.native.rounds.Participant`'s, the transactions
 :mod:`etcd_rdzv.native.protocol`'s; see docs/etcd-v3-design.md.
 
 Cost of an uncontended ``next_rendezvous`` (node already holding its lease): one
-read-only Txn, one join Txn, one watch; one seal Txn for one node per round;
-plus the store bootstrap: one Txn for rank 0 (it publishes MASTER_ADDR/PORT in
-the round's store), nothing for the others (the sealed record names rank 0's
-address and port; the sealer reads rank 0's join key first, one Range, unless it
-is rank 0).
+join Txn, one watch; a read Txn and a seal Txn for one node per round; plus
+the store bootstrap: one Txn for rank 0 (it publishes MASTER_ADDR/PORT in the
+round's store), nothing for the others (the sealed record names rank 0's
+address and port, from the sealer's read).
 """
 
 from __future__ import annotations
