@@ -231,8 +231,13 @@ def read_v3(
         keys = RunKeys.for_run(prefix, run_id)
     except ValueError as e:
         raise RunReadError(str(e)) from None
-    ctl = client.range(keys.ctl, prefix=True, timeout=deadline.left())
-    by_key = {kv.key: kv for kv in ctl.kvs}
+    # ctl/ (sealed, closed), join/ and run, at one revision.
+    first = client.txn(
+        [], [op_get(keys.ctl, prefix=True), op_get(keys.join_root, prefix=True), op_get(keys.run)],
+        timeout=deadline.left(), idempotent=True,
+    )
+    kvs = [kv for r in first.responses if isinstance(r, RangeResult) for kv in r.kvs]
+    by_key = {kv.key: kv for kv in kvs}
     try:
         sealed = Sealed.from_kv(by_key.get(keys.sealed))
     except ProtocolStateError as e:
@@ -244,10 +249,10 @@ def read_v3(
                 op_get(keys.store_prefix(round_).encode() + b"/", prefix=True, count_only=True)]
     res = client.txn([], ops, timeout=deadline.left(), idempotent=True)
     counts = [r for r in res.responses if isinstance(r, RangeResult)]
-    if not ctl.kvs and counts[0].count == 0:
+    if not kvs and counts[0].count == 0:
         return None
     joins: dict[int, list[tuple[str, KeyValue]]] = {}
-    for kv in ctl.kvs:
+    for kv in kvs:
         parsed = keys.parse_join_key(kv.key)
         if parsed is not None:
             joins.setdefault(parsed[0], []).append((parsed[1], kv))
@@ -275,7 +280,7 @@ def read_v3(
         run_id, V3, round_, len(ids), keys.closed in by_key, members, waiting,
         expiry_s=_lease_left(client, run_lease, deadline),
         store_keys=(counts[2].count if round_ > 0 else 0) if detail else None,
-        revision=ctl.revision,
+        revision=first.revision,
     )
 
 

@@ -43,7 +43,7 @@ def _join_host(value: bytes) -> str | None:
 
 
 def describe_v3(keys: RunKeys, events: list[Event]) -> list[Change]:
-    """Change records of one batch of events on ``ctl/`` (a join that also left its previous
+    """Change records of one batch of events on ``ctl/`` and ``join/`` (a join that also left its previous
     round in the same transaction is one ``rejoin``)."""
     out: list[Change] = []
     left: dict[tuple[int, str], Change] = {}  # (revision, node) -> the "leave" record, to pair
@@ -64,7 +64,9 @@ def describe_v3(keys: RunKeys, events: list[Event]) -> list[Change]:
                     out.remove(earlier)
                     record.update(event="rejoin", from_round=earlier["round"])
                 out.append(record)
-        elif ev.key == keys.sealed and ev.type == "PUT":
+        elif ev.key == keys.sealed and ev.type == "DELETE":  # with the run lease
+            out.append({"event": "run-lease-gone", "revision": rev})
+        elif ev.key == keys.sealed:
             try:
                 round_, _, master = decode_sealed(ev.value, ev.key)
             except ProtocolStateError as e:
@@ -76,8 +78,6 @@ def describe_v3(keys: RunKeys, events: list[Event]) -> list[Change]:
             out.append(record)
         elif ev.key == keys.closed:
             out.append({"event": "close" if ev.type == "PUT" else "reopen", "revision": rev})
-        elif ev.key == keys.run and ev.type == "DELETE":  # its creation is no news: a seal follows
-            out.append({"event": "run-lease-gone", "revision": rev})
     return out
 
 
@@ -155,7 +155,8 @@ def watch_run(
         res = client.range(f"{keys.root}/".encode(), prefix=True, count_only=True, timeout=deadline.left())
         if res.count == 0:
             raise CliError(f"no etcd-v3 run {run_id!r} under {prefix or '/'}")
-        watch = client.watch(keys.ctl, prefix=True, start_revision=res.revision + 1)
+        # ctl/ and join/ (they sort next to each other), not the rounds' stores.
+        watch = client.watch(keys.ctl, keys.rounds, start_revision=res.revision + 1)
     if started is not None:
         started(res.revision)
     with watch:

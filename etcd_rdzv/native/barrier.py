@@ -1,41 +1,56 @@
 """The decision of the ``etcd-v3`` wait loop: pure functions over explicit state.
 
-A node that joined round ``T`` waits on its watch of ``ctl/`` until ``T`` is
-sealed, and seals it itself when due. What it knows of the round is a
-:class:`Tally` (taken from its :class:`~etcd_rdzv.native.view.RoundView`);
-what it remembers between two looks is a :class:`Barrier`. :func:`decide` maps
+A node that joined round ``T`` waits on its watch until ``T`` is sealed, and
+seals it itself when due. What it knows of the round is a :class:`Tally`
+(taken from its :class:`~etcd_rdzv.native.view.RoundView`); what it remembers
+between two looks is a :class:`Barrier`. :func:`decide` maps
 ``(barrier, tally, settings, now)`` to the next barrier and one action:
 
-* :class:`Seal`: try the seal transaction now (the loop then records the outcome
-  with :meth:`Barrier.sealed`);
+* :class:`Check`: read the round now (one read-only Txn), then decide again;
+* :class:`Seal`: try the seal transaction now, with that read (the loop then
+  records the outcome with :meth:`Barrier.sealed`);
 * :class:`TimeOut`: ``join_timeout`` passed; withdraw (if the round is still
-  unsealed) and raise, or, if it was sealed meanwhile, :meth:`Barrier.timing_out`
+  unsealed) and raise, or, if it was sealed meanwhile, :meth:`Barrier.timed_out_late`
   and wait for the sealed event;
 * :class:`WaitUntil`: wait for the next watch event, at most until ``at``
   (``None``: no deadline).
 
-When the sealed event of ``T`` arrives, :func:`verdict` says what it means for
-this node: :class:`Admitted` (rank, world size), :class:`Void` (fewer than
-``min_nodes`` joiners were left at the seal revision) or :class:`Overflow`
-(sealed with ``max_nodes`` joiners that came before us).
+**Candidates.** A node never sees the other joins of its round (that would be
+N events per node). A joiner whose join answer showed at least ``min_nodes``
+joiners is a seal *candidate*; the others only wait for the sealed record. The
+latest joiner of any set of at least ``min_nodes`` present joiners saw all of
+them in its answer, so whenever a seal could be due some present node is a
+candidate. A candidate's count is its join answer's until it reads the round
+(:class:`Check`); one that reads fewer than ``min_nodes`` steps down (it is not
+ready on that count, and only a later joiner, itself a candidate, can raise it).
 
-Nothing here reads a clock, contacts etcd, logs or raises: the handler
-(:mod:`etcd_rdzv.native.handler`) acts, this module decides. Safety does not
+When a round is due (for a candidate, on what it knows): the previous round is
+vacated, ``min_nodes`` joined, and either ``max_nodes`` joined, or
+``last_call_timeout`` passed since the barrier was first met, or
+(``fast_recovery``: ``recover_size`` is the size of the group this node left)
+the round has no more joiners than that group had. A candidate always reads the
+round before it seals, and decides again on what it read.
+
+When the sealed event of ``T`` arrives, :func:`verdict` says what it means for
+this node: :class:`Admitted` (rank, world size), :class:`Void` (the record
+names fewer than ``min_nodes`` members, which a seal never writes) or
+:class:`Overflow` (not named: over ``max_nodes``, or gone when the sealer read).
+
+Nothing here reads a clock, contacts etcd, logs or raises: the loop
+(:mod:`etcd_rdzv.native.rounds`) acts, this module decides. Safety does not
 depend on these decisions (every seal is a fenced transaction, see
 :mod:`etcd_rdzv.native.protocol`); they decide *when* a node tries, so that a
 round is sealed about once, soon after it is due.
-
-When a round is due: the previous round is vacated, ``min_nodes`` joined, and
-either ``max_nodes`` joined, or ``last_call_timeout`` passed since the barrier
-was first met, or (``fast_recovery``: ``recover_size`` is the size of the group
-this node left) the round has no more joiners than that group had.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from .records import Membership
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +59,7 @@ __all__ = [
     "Action",
     "Admitted",
     "Barrier",
+    "Check",
     "JoinClock",
     "Overflow",
     "Seal",
@@ -56,17 +72,16 @@ __all__ = [
 ]
 
 SEAL_BACKUP_DELAY = 1.0
-"""Seconds between seal attempts by position: once the round is ready, the first
-joiner tries at once, the k-th joiner after ``k * SEAL_BACKUP_DELAY`` (it stands
-in for earlier joiners that are alive but slow; a dead one's key is gone, which
-moves everyone up a place at once). This keeps a round at about one seal
-transaction, not one per node, even when the first joiner lags behind.
+"""Seconds between seal attempts by place: once the round is ready, the first
+candidate (the joiner that saw ``min_nodes``) tries at once, the one that saw
+``min_nodes + k`` after ``k * SEAL_BACKUP_DELAY`` (it stands in for earlier
+candidates that are alive but slow). This keeps a round at about one seal
+transaction, not one per candidate.
 
-One exception: the node whose join filled the round (its join answer showed
-``max_nodes`` joiners and the previous round empty) seals at once, from that
-answer, before any watch event; the others then stand in one place later. It is
-the only node that knows the round is full without first reading every other
-join from its watch, which at hundreds of nodes takes longer than the seal."""
+One exception: a joiner whose own join answer showed the round due at once (the
+previous round empty and ``max_nodes`` joined, or no more than its old group:
+``fast_recovery``) tries at once, from that answer: it is the only node that
+knows."""
 
 
 class Rules(Protocol):
@@ -84,17 +99,18 @@ class Rules(Protocol):
 
 @dataclass(frozen=True)
 class Tally:
-    """What this node's watch shows of its round.
+    """What this node knows of its round.
 
-    ``count``: join keys of the round, ours included; ``before``: those created
-    before ours (our rank if sealed now); ``prev_count``: join keys left in the
-    previous round; ``changes``: how many join events of either round were seen.
+    ``count``: join keys of the round, ours included (from our join's answer or our
+    latest read); ``prev_count``: join keys left in the previous round;
+    ``changes``: how many times the view changed; ``fresh``: ``count`` and
+    ``prev_count`` come from a read with nothing seen since (a seal may use it).
     """
 
     count: int
-    before: int
     prev_count: int
     changes: int = 0
+    fresh: bool = False
 
     @property
     def vacated(self) -> bool:
@@ -135,22 +151,26 @@ class JoinClock:
 class Barrier:
     """What the wait loop remembers between two looks at its round.
 
+    ``candidate``: our join answer showed ``min_nodes`` joiners (see the module
+    docstring); ``place``: our place in the seal order (:data:`SEAL_BACKUP_DELAY`);
     ``last_call_at``: when the last call ends (set when ``min_nodes`` joined and the
     previous round is vacated; cleared when that stops holding); ``ready_since``:
     since when the round is due; ``tried_at_change``: the ``Tally.changes`` of our
-    last seal attempt (no second attempt on an unchanged view); ``sealed_by_me``:
-    our seal transaction succeeded; ``timing_out``: ``join_timeout`` passed but the
-    round was sealed before we could withdraw; ``filled_it``: our own join filled
-    the round (we seal first, see :data:`SEAL_BACKUP_DELAY`).
+    last check or seal attempt (none twice on an unchanged view); ``sealed_by_me``:
+    our seal transaction succeeded; ``settled``: the round was sealed (or the run
+    closed) by someone, its event is on the way; ``timing_out``: ``join_timeout``
+    passed but the round was sealed before we could withdraw.
     """
 
     clock: JoinClock
     recover_size: int | None = None
-    filled_it: bool = False
+    candidate: bool = False
+    place: int = 0
     last_call_at: float | None = None
     ready_since: float | None = None
     tried_at_change: int = -1
     sealed_by_me: bool = False
+    settled: bool = False
     timing_out: bool = False
 
     @classmethod
@@ -158,11 +178,20 @@ class Barrier:
         cls, clock: JoinClock, tally: Tally, rules: Rules, recover_size: int | None = None
     ) -> Barrier:
         """The state right after our join, whose answer gave ``tally``."""
-        return cls(clock, recover_size, filled_it=tally.vacated and tally.count >= rules.max_nodes)
+        candidate = tally.count >= rules.min_nodes
+        due_now = candidate and tally.vacated and (
+            tally.count >= rules.max_nodes or (recover_size is not None and tally.count <= recover_size)
+        )
+        place = 0 if due_now else max(tally.count - rules.min_nodes, 0)
+        return cls(clock, recover_size, candidate=candidate, place=place)
 
     def sealed(self, ok: bool) -> Barrier:
         """After a seal attempt: ``ok`` when our transaction sealed the round."""
-        return replace(self, sealed_by_me=ok)
+        return replace(self, sealed_by_me=ok, settled=self.settled or ok)
+
+    def settle(self) -> Barrier:
+        """A read showed the round sealed (or the run closed) by someone else."""
+        return replace(self, settled=True)
 
     def timed_out_late(self) -> Barrier:
         """``join_timeout`` passed, but the round was sealed first: await its event."""
@@ -170,8 +199,13 @@ class Barrier:
 
 
 @dataclass(frozen=True)
+class Check:
+    """Read the round now, then decide again."""
+
+
+@dataclass(frozen=True)
 class Seal:
-    """Try the seal transaction now."""
+    """Try the seal transaction now, with the read just taken."""
 
 
 @dataclass(frozen=True)
@@ -186,48 +220,40 @@ class WaitUntil:
     at: float | None
 
 
-Action = Seal | TimeOut | WaitUntil
-
-
-def _seal_at(state: Barrier, tally: Tally, rules: Rules) -> float | None:
-    """When this node should try to seal (None: not now, nor at a known time)."""
-    if state.ready_since is None or state.sealed_by_me or state.tried_at_change == tally.changes:
-        return None
-    place = tally.before
-    if state.filled_it:
-        place = 0
-    elif tally.count >= rules.max_nodes:
-        place += 1  # the node that filled the round seals first
-    return state.ready_since + place * SEAL_BACKUP_DELAY
+Action = Check | Seal | TimeOut | WaitUntil
 
 
 def decide(state: Barrier, tally: Tally, rules: Rules, now: float) -> tuple[Barrier, Action]:
     """The next state and action of the wait loop (see the module docstring)."""
-    barrier = tally.vacated and tally.count >= rules.min_nodes
-    if not barrier:
-        last_call_at = None
-    elif state.last_call_at is None:
-        last_call_at = now + rules.last_call_timeout
-    else:
-        last_call_at = state.last_call_at
-    ready = barrier and (
-        tally.count >= rules.max_nodes
-        or (state.recover_size is not None and tally.count <= state.recover_size)
-        or (last_call_at is not None and now >= last_call_at)
-    )
-    ready_since = (now if state.ready_since is None else state.ready_since) if ready else None
-    state = replace(state, last_call_at=last_call_at, ready_since=ready_since)
-
-    seal_at = _seal_at(state, tally, rules)
-    if seal_at is not None and now >= seal_at:
-        return replace(state, tried_at_change=tally.changes), Seal()
+    seal_at = None
+    ready = False
+    if state.candidate and not state.settled:
+        barrier = tally.vacated and tally.count >= rules.min_nodes
+        if not barrier:
+            last_call_at = None
+        elif state.last_call_at is None:
+            last_call_at = now + rules.last_call_timeout
+        else:
+            last_call_at = state.last_call_at
+        ready = barrier and (
+            tally.count >= rules.max_nodes
+            or (state.recover_size is not None and tally.count <= state.recover_size)
+            or (last_call_at is not None and now >= last_call_at)
+        )
+        ready_since = (now if state.ready_since is None else state.ready_since) if ready else None
+        state = replace(state, last_call_at=last_call_at, ready_since=ready_since)
+        if ready_since is not None and state.tried_at_change != tally.changes:
+            seal_at = ready_since + state.place * SEAL_BACKUP_DELAY
+            if now >= seal_at:
+                return replace(state, tried_at_change=tally.changes), Seal() if tally.fresh else Check()
 
     clock = state.clock.suspend(tally.kept_out(rules), now)
     state = replace(state, clock=clock)
     if clock.expired(now) and not state.timing_out:
         return state, TimeOut()
 
-    wake = [t for t in (None if ready else last_call_at, seal_at) if t is not None]
+    trying = state.candidate and not state.settled
+    wake = [t for t in (None if ready or not trying else state.last_call_at, seal_at) if t is not None]
     if not clock.suspended and not state.timing_out:
         wake.append(clock.at)
     return state, WaitUntil(min(wake) if wake else None)
@@ -250,14 +276,13 @@ class Void:
 
 @dataclass(frozen=True)
 class Overflow:
-    """The round was sealed with ``max_nodes`` joiners that came before this node."""
+    """The round was sealed without this node (``max_nodes`` came before it, or it had
+    left when the sealer read the round)."""
 
 
-def verdict(tally: Tally, rules: Rules) -> Admitted | Void | Overflow:
-    """What the sealed event of our round means for us; ``tally`` as of the seal revision."""
-    world_size = min(tally.count, rules.max_nodes)
-    if world_size < rules.min_nodes:
-        return Void(world_size)
-    if tally.before < rules.max_nodes:
-        return Admitted(tally.before, world_size)
-    return Overflow()
+def verdict(membership: Membership, seq: int, create_revision: int, rules: Rules) -> Admitted | Void | Overflow:
+    """What the sealed record of our round means for us (``seq``, ``create_revision``: our join's)."""
+    if membership.world < rules.min_nodes:
+        return Void(membership.world)
+    rank = membership.rank_of(seq, create_revision)
+    return Overflow() if rank is None else Admitted(rank, membership.world)

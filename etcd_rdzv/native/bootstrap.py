@@ -1,11 +1,10 @@
 """How the members of an ``etcd-v3`` round learn ``MASTER_ADDR``/``MASTER_PORT``.
 
 Every join key holds its node's address and a free port of its host, picked at
-join time (:func:`join_value`). Rank 0 is the earliest join key at the seal
-revision, so its address and port are known once the round is sealed. The
-sealer names them in the ``sealed`` record (:func:`master_of`, fenced by that
-key's mod revision), so usually no member makes an RPC to learn them
-(:func:`bootstrap_info`); the fallbacks read rank 0's join key at the seal
+join time (:func:`join_value`). The sealer reads every join key of the round
+before it seals, so it names rank 0's address and port in the ``sealed`` record
+and no member makes an RPC to learn them (:func:`bootstrap_info`); the
+fallbacks (a join value without them) read the earliest join key at the seal
 revision, or torch's keys in the round's store, which rank 0 always writes.
 
 Round trips are stated per function; every call is bounded by the client's timeout.
@@ -23,18 +22,15 @@ from torch.distributed.elastic.utils.distributed import get_free_port
 
 from etcd_store.errors import EtcdCompactedError
 
-from .records import Master
-
 if TYPE_CHECKING:
     from etcd_store import EtcdStore
     from etcd_store.client import EtcdClient
 
     from .keys import RunKeys
-    from .view import RoundView
 
 log = logging.getLogger(__name__)
 
-__all__ = ["address_of", "bootstrap_info", "join_value", "master_of"]
+__all__ = ["address_of", "bootstrap_info", "join_value"]
 
 
 def join_value(node_addr: str) -> bytes:
@@ -59,22 +55,6 @@ def address_of(value: bytes) -> tuple[str | None, int | None]:
             port if isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536 else None)
 
 
-def master_of(client: EtcdClient, keys: RunKeys, view: RoundView, node_id: str, value: bytes) -> Master | None:
-    """Rank 0's join key as the sealed record should name it: our own (no RPC) when
-    no earlier joiner is left, else the earliest join key (one Range)."""
-    if view.before == 0:
-        key, mod_revision = keys.join_key(view.round, node_id), view.join_revision
-    else:
-        res = client.range(keys.join_prefix(view.round), prefix=True, sort_by="create", limit=1)
-        if not res.kvs:
-            return None
-        key, mod_revision, value = res.kvs[0].key, res.kvs[0].mod_revision, res.kvs[0].value
-    addr, port = address_of(value)
-    if addr is None or port is None:
-        return None
-    return Master(key, mod_revision, addr, port)
-
-
 def bootstrap_info(
     client: EtcdClient,
     keys: RunKeys,
@@ -88,7 +68,7 @@ def bootstrap_info(
 ) -> RendezvousStoreInfo:
     """``MASTER_ADDR``/``MASTER_PORT`` of the round: rank 0's address and the free
     port it put in its join key. No waiting on rank 0, and usually no RPC: the
-    sealed record names them (see :func:`master_of`).
+    sealed record names them.
 
     When it does not, the others read the earliest join key at the seal
     revision (rank 0 by the membership rule) and rank 0 reads its own key.

@@ -2,30 +2,34 @@
 
 One node = one handler = one lease (TTL ``lease_ttl``) refreshed over one
 keep-alive stream. Joining a round is one transaction that puts a join key
-bound to that lease; waiting is a watch on the run's ``ctl/`` keys that starts
-right after the join's revision; sealing a round is one transaction fenced by
-the ``sealed`` record's mod revision and by "the previous round is empty".
+bound to that lease and bumps the round's join counter; waiting is a watch on
+the run's ``ctl/`` keys (about one event a round) that starts right after the
+join's revision; sealing a round is one transaction fenced by the ``sealed``
+record's mod revision, by "the previous round is empty" and by the join counter
+as the sealer read it.
 No node rewrites anything while a job runs: liveness is the lease alone.
 This module is torch's interface (and its errors); one node's join, wait and
 seal are :class:`~etcd_rdzv.native.rounds.Participant`'s, the transactions
 :mod:`etcd_rdzv.native.protocol`'s; see docs/etcd-v3-design.md.
 
 Cost of an uncontended ``next_rendezvous`` (node already holding its lease): one
-read-only Txn, one join Txn, one watch; one seal Txn for one node per round;
-plus the store bootstrap: one Txn for rank 0 (it publishes MASTER_ADDR/PORT in
-the round's store), nothing for the others (the sealed record names rank 0's
-address and port; the sealer reads rank 0's join key first, one Range, unless it
-is rank 0).
+join Txn, one watch; a read Txn and a seal Txn for one node per round; plus
+the store bootstrap: one Txn for rank 0 (it publishes MASTER_ADDR/PORT in the
+round's store), nothing for the others (the sealed record names rank 0's
+address and port, from the sealer's read).
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
 import itertools
 import logging
 import os
 import threading
 import time
 import uuid
+import weakref
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -58,6 +62,10 @@ __all__ = ["BACKEND_NAME", "EtcdV3RendezvousHandler", "RoundResult"]
 
 BACKEND_NAME = "etcd-v3"
 
+LEAVE_TIMEOUT = 2.0
+"""Seconds :meth:`EtcdV3RendezvousHandler.leave` may take (all its RPCs together):
+it runs at interpreter exit, which it must never hold up for long."""
+
 _local_ids = itertools.count()
 
 
@@ -84,7 +92,12 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._rdzv_lock = threading.Lock()
         self._node = Participant(settings, client, self._keys, self._node_id)
         self._store: EtcdStore | None = None
+        self._closed_run = False  # shutdown() closed the run
         self.last_round: RoundResult | None = None
+        # A process that exits without shutdown() (torchrun's agent on SIGTERM/SIGINT
+        # deliberately skips it: it would close the run) leaves its round at exit.
+        self._at_exit = functools.partial(_leave_at_exit, weakref.ref(self))
+        atexit.register(self._at_exit)
 
     # ------------------------------------------------------------------ torch API
 
@@ -166,7 +179,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     def is_closed(self) -> bool:
         """Whether the run is closed. One Range (none after :meth:`shutdown`, which closed it)."""
-        if self._node.shut_down:
+        if self._closed_run:
             return True
         try:
             return queries.is_closed(self._client, self._keys)
@@ -229,10 +242,12 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """
         if self._node.shut_down:
             return True
+        atexit.unregister(self._at_exit)
         deadline = time.monotonic() + self._settings.close_timeout
         ok = True
         try:
             self._node.close_run(deadline)
+            self._closed_run = True
         except RendezvousError as e:
             log.warning("node %s could not close the rendezvous %r: %s", self._node_id,
                         self._settings.run_id, e)
@@ -252,6 +267,38 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             session.close(revoke=False)
         if self._owns_client:
             self._client.close()
+        return ok
+
+    def leave(self, timeout: float = LEAVE_TIMEOUT) -> bool:
+        """Leave the rendezvous for good WITHOUT closing the run; the handler is done after.
+
+        What a node does when its process ends without :meth:`shutdown` (registered
+        with ``atexit``; torchrun's agent skips ``shutdown()`` on SIGTERM/SIGINT, as
+        that would close the run for every node): it withdraws from the round it
+        waits in, then revokes its lease, so its join keys vanish at once and the
+        members of its running round see a lost member in :meth:`num_nodes_waiting`
+        now, not one lease TTL later. The last node out also removes the rounds'
+        records. At most about ``timeout`` seconds (all RPCs together), never
+        raises for etcd failures (the lease then expires by itself); returns
+        whether the lease was revoked. A no-op (True) after :meth:`shutdown`.
+        """
+        if self._node.shut_down:
+            return True
+        atexit.unregister(self._at_exit)
+        deadline = time.monotonic() + timeout
+        ok = self._node.leave(deadline)
+        self._close_store()
+        if ok:
+            try:
+                protocol.remove_round_records_if_idle(
+                    self._client, self._keys, timeout=max(deadline - time.monotonic(), 0.1)
+                )
+            except EtcdError as e:
+                log.info("could not remove the round records of %r: %s", self._settings.run_id, e)
+        if self._owns_client:
+            self._client.close()
+        log.info("node %s left the rendezvous %r%s", self._node_id, self._settings.run_id,
+                 "" if ok else " (etcd did not answer: its lease will expire)")
         return ok
 
     # ------------------------------------------------------------------ the store
@@ -289,3 +336,14 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     def __repr__(self) -> str:
         return f"EtcdV3RendezvousHandler(run_id={self._settings.run_id!r}, node={self._node_id!r})"
+
+
+def _leave_at_exit(ref: weakref.ref[EtcdV3RendezvousHandler]) -> None:
+    """``atexit`` hook of a handler: :meth:`~EtcdV3RendezvousHandler.leave` unless it was shut down."""
+    handler = ref()
+    if handler is None:
+        return
+    try:
+        handler.leave()
+    except Exception as e:  # never let a failed leave disturb the exit
+        log.warning("node %s could not leave at exit: %s", handler.node_id, e)

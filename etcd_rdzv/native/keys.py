@@ -3,17 +3,23 @@
 Every key lives under ``<key_prefix>/<run_id>/v3/``::
 
     ctl/closed                    "1" once the run is closed            (run lease)
-    ctl/join/<round>/<node_id>    JSON {addr, pid}: node_id waits for or (node lease)
-                                  belongs to <round>; create_revision orders joins
-    ctl/run                       hex id of the run lease               (run lease)
-    ctl/sealed                    JSON {"round": R}: last sealed round; (run lease)
+    ctl/sealed                    JSON: last sealed round, its members; (run lease)
                                   its mod_revision is the fencing token
+    join/<round>/<node_id>        JSON {addr, pid, port}: node_id waits (node lease)
+                                  for or belongs to <round>; create_revision orders joins
     rounds/<round>/members        JSON list of node ids, rank order     (run lease)
     rounds/<round>/store/...      the round's EtcdStore
+    run                           hex id of the run lease               (run lease)
+    seq/<round>                   empty; its version counts the joins   (no lease)
+                                  and withdrawals of <round>
 
 ``<round>`` is zero-padded to 10 digits so that byte order is round order and a
 whole range of rounds is one ``[start, end)`` interval. ``ctl/`` holds exactly what
-a waiting node must watch; store traffic of a running round lives outside it.
+a waiting node watches; joins, stores and the join counter live outside it. As
+``ctl/`` sorts just before ``join/``, one watch on ``[ctl/, join/<T>/)``
+(:meth:`RunKeys.watch_range`) covers the control records and the join keys of the
+rounds before ``T`` (only ``T - 1`` can hold any): what a seal candidate of ``T``
+watches while ``T - 1`` still has members.
 """
 
 from __future__ import annotations
@@ -66,7 +72,8 @@ class RunKeys:
 
     @property
     def run(self) -> bytes:
-        return f"{self.root}/ctl/run".encode()
+        """The run lease's id (outside ``ctl/``: waiting nodes need not hear it created)."""
+        return f"{self.root}/run".encode()
 
     @property
     def sealed(self) -> bytes:
@@ -74,10 +81,10 @@ class RunKeys:
 
     @property
     def join_root(self) -> bytes:
-        return f"{self.root}/ctl/join/".encode()
+        return f"{self.root}/join/".encode()
 
     def join_prefix(self, round_: int) -> bytes:
-        return f"{self.root}/ctl/join/{_round(round_)}/".encode()
+        return f"{self.root}/join/{_round(round_)}/".encode()
 
     def join_key(self, round_: int, node_id: str) -> bytes:
         return self.join_prefix(round_) + node_id.encode()
@@ -92,6 +99,26 @@ class RunKeys:
         if not sep or not number.isdigit() or not node_id:
             return None
         return int(number), node_id
+
+    def watch_range(self, round_: int, previous: bool) -> tuple[bytes, bytes]:
+        """``[start, end)`` a node waiting in ``round_`` watches: ``ctl/`` alone, or with
+        ``previous`` also the join keys of the rounds before ``round_`` (see the module
+        docstring)."""
+        return self.ctl, (self.join_prefix(round_) if previous else self.ctl_end)
+
+    # ------------------------------------------------------------------ seq/
+
+    @property
+    def seq_root(self) -> bytes:
+        return f"{self.root}/seq/".encode()
+
+    def seq(self, round_: int) -> bytes:
+        """The join counter of ``round_``: every join and every withdrawal bumps its version."""
+        return f"{self.root}/seq/{_round(round_)}".encode()
+
+    def seqs_through(self, round_: int) -> tuple[bytes, bytes]:
+        """``[start, end)`` of the join counters of rounds up to ``round_`` included."""
+        return self.seq_root, self.seq(round_ + 1)
 
     # ------------------------------------------------------------------ rounds/
 

@@ -5,20 +5,20 @@ returns plain data; none of them sleeps or loops. The records they write are
 defined in :mod:`etcd_rdzv.native.records`, the read-only queries are in
 :mod:`etcd_rdzv.native.queries`. Every transaction here may be
 replayed when its outcome is unknown (``idempotent=True``): a replayed join
-re-puts the same key (its create revision, hence its place, is kept), a replayed
-seal or close fails its compare, deletes are idempotent. The handler
-(:mod:`etcd_rdzv.native.handler`) strings them together and waits on watches.
-Key names come from :class:`~etcd_rdzv.native.keys.RunKeys`; see the design note
-in the README for why each compare makes its transition safe.
+re-puts the same key (its create revision, hence its place, is kept; the join
+counter counts it twice, which only makes the seal name the members by create
+revision), a replayed seal or close fails its compare, deletes are idempotent.
+The participant (:mod:`etcd_rdzv.native.rounds`) strings them together and waits
+on watches. Key names come from :class:`~etcd_rdzv.native.keys.RunKeys`; see
+docs/etcd-v3-design.md for why each compare makes its transition safe.
 
-Membership rule (the single source of truth): round ``T`` is sealed at the
-revision ``S`` of the transaction that wrote ``ctl/sealed = T``. Its members are
-the keys under ``ctl/join/T/`` that exist at ``S``, ordered by create revision,
-first ``max_nodes`` of them; rank = position. If fewer than ``min_nodes`` keys
-exist at ``S`` (a joiner died in the instant before sealing) the round is
-*void*: it forms no group and its joiners move on to ``T + 1``. Every waiting
-node rebuilds the join set at ``S`` from its own gap-free watch
-(:class:`~etcd_rdzv.native.view.RoundView`), so no node needs to read the member list.
+Membership rule (the single source of truth): round ``T`` is sealed by the
+transaction that writes ``ctl/sealed = T``; that record names the members
+(:class:`~etcd_rdzv.native.records.Membership`): the first ``max_nodes`` join
+keys of ``T`` in create order as the sealer read them, a read the seal is fenced
+on (``seq/<T>`` unchanged: nobody joined or withdrew since). Every member learns
+its rank from that one record, which every waiting node receives on its watch of
+``ctl/``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ from etcd_store.client import (
 )
 
 from .keys import RunKeys
-from .records import Master, Sealed, count_of, encode_sealed, first_kv, lease_of
+from .queries import RoundRead, parse_round, round_ops
+from .records import Membership, Sealed, count_of, encode_sealed, first_kv, lease_of
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,6 @@ __all__ = [
     "leave_if_unsealed",
     "remove_round_records_if_idle",
     "seal",
-    "write_members",
 ]
 
 
@@ -62,7 +62,7 @@ __all__ = [
 def ensure_run_lease(
     client: EtcdClient, keys: RunKeys, state_ttl: int, *, timeout: float | None = None
 ) -> int:
-    """The run lease named by ``ctl/run``, created (with ``ctl/run``) if absent.
+    """The run lease named by ``run``, created (with ``run``) if absent.
 
     One Range when it exists; else LeaseGrant + one Txn ``[version(run) == 0] ->
     put run (bound to the lease)``, and a node that loses that race revokes its
@@ -96,22 +96,23 @@ def ensure_run_lease(
 class JoinOutcome:
     """The answer of :func:`join`.
 
-    On success: ``revision`` is the join's revision (= this node's create
-    revision unless the key already existed), ``before`` the number of other join
-    keys of the round created earlier, ``prev_count`` the number of join keys of
-    the previous round. On failure: the current ``sealed`` and ``closed``, and
-    ``joined_anyway``: our key exists in the round (an earlier attempt of this Txn,
-    whose answer was lost, did apply, and the round was sealed since).
+    On success: ``revision`` is the join's revision, ``create_revision`` our key's
+    (= ``revision`` unless the key already existed), ``seq`` this join's sequence
+    number in the round (the version of ``seq/<T>`` after it), ``count`` the join
+    keys of the round (ours included), ``prev_count`` those of the previous round.
+    On failure: the current ``sealed`` and ``closed``, and ``joined_anyway``: our key
+    exists in the round (an earlier attempt of this Txn, whose answer was lost, did
+    apply, and the round was sealed since).
     """
 
     ok: bool
     revision: int
     create_revision: int = 0
-    before: int = 0
+    seq: int = 0
+    count: int = 0
     prev_count: int = 0
     sealed: Sealed = field(default_factory=Sealed)
     closed: bool = False
-    after: dict[str, int] = field(default_factory=dict)
     joined_anyway: bool = False
 
 
@@ -126,12 +127,16 @@ def join(
     previous_key: bytes | None = None,
     timeout: float | None = None,
 ) -> JoinOutcome:
-    """Join round ``sealed.round + 1`` if it is still open. One Txn::
+    """Join round ``T = sealed.round + 1`` if it is still open. One Txn::
 
         if   mod(sealed) == sealed.revision and version(closed) == 0
         then put join/T/<node> (node lease); delete previous_key;
-             count join/T/ created before me; count join/(T-1)/
+             put seq/T; get seq/T (-> its version: our sequence number);
+             count join/T/; count join/(T-1)/
         else get sealed; get closed; count join/T/<node>
+
+    Later operations of a Txn see the earlier ones, so the version read is this
+    join's own bump of ``seq/T``: numbers are unique, 1-based, in create order.
     """
     target = sealed.round + 1
     key = keys.join_key(target, node_id)
@@ -139,6 +144,8 @@ def join(
     if previous_key is not None and previous_key != key:
         success.append(op_delete(previous_key))
     success += [
+        op_put(keys.seq(target), b""),
+        op_get(keys.seq(target), keys_only=True),
         op_get(keys.join_prefix(target), prefix=True, count_only=True),
         op_get(keys.join_prefix(target - 1), prefix=True, count_only=True),
     ]
@@ -157,58 +164,28 @@ def join(
             closed=count_of(res.responses[1]) > 0,
             joined_anyway=count_of(res.responses[2]) > 0,
         )
-    put = res.responses[0]
-    prev_kv = getattr(put, "prev_kv", None)
-    total = count_of(res.responses[-2])
-    after: dict[str, int] = {}
-    if prev_kv is None:
-        create_revision, before = res.revision, total - 1
-    else:
-        # A re-put of our own key (resync) keeps its create revision, hence its place;
-        # keys created after it are in ``total`` too, so split the set (rare path).
-        create_revision = prev_kv.create_revision
-        before, after = _split_around(client, keys, target, create_revision, res.revision, timeout)
+    prev_kv = getattr(res.responses[0], "prev_kv", None)
+    seq = first_kv(res.responses[-3])
+    assert seq is not None
     return JoinOutcome(
         True,
         res.revision,
-        create_revision=create_revision,
-        before=before,
+        # A re-put of our own key (a replay, a resync) keeps its create revision.
+        create_revision=res.revision if prev_kv is None else prev_kv.create_revision,
+        seq=seq.version,
+        count=count_of(res.responses[-2]),
         prev_count=count_of(res.responses[-1]),
-        after=after,
     )
-
-
-def _split_around(
-    client: EtcdClient,
-    keys: RunKeys,
-    round_: int,
-    create_revision: int,
-    revision: int,
-    timeout: float | None,
-) -> tuple[int, dict[str, int]]:
-    """(join keys created before ``create_revision``, {node: create revision} of later ones)."""
-    res = client.range(
-        keys.join_prefix(round_), prefix=True, keys_only=True, revision=revision, timeout=timeout
-    )
-    before, after = 0, {}
-    for kv in res.kvs:
-        parsed = keys.parse_join_key(kv.key)
-        if kv.create_revision < create_revision:
-            before += 1
-        elif kv.create_revision > create_revision and parsed is not None:
-            after[parsed[1]] = kv.create_revision
-    return before, after
 
 
 @dataclass(frozen=True)
 class SealOutcome:
-    """The answer of :func:`seal`: on failure the current ``sealed``/``closed``/previous count."""
+    """The answer of :func:`seal`: ``read``, on failure, is a fresh look at the round
+    (at the failed Txn's revision), so the caller may try again without a read."""
 
     ok: bool
     revision: int
-    sealed: Sealed = field(default_factory=Sealed)
-    closed: bool = False
-    prev_count: int = 0
+    read: RoundRead | None = None
 
 
 def seal(
@@ -216,89 +193,76 @@ def seal(
     keys: RunKeys,
     round_: int,
     previous: Sealed,
+    read: RoundRead,
     run_lease: int,
+    max_nodes: int,
     *,
-    master: Master | None = None,
+    master: tuple[str, int] | None = None,
     timeout: float | None = None,
 ) -> SealOutcome:
-    """Seal ``round_`` (= ``previous.round + 1``). One Txn::
+    """Seal ``round_`` (= ``previous.round + 1``) with the members ``read`` found. One Txn::
 
         if   mod(sealed) == previous.revision           (nobody sealed since)
              and version(closed) == 0
              and version(join/(T-1)/ ...) == 0           (previous round vacated)
-             [and mod(master.key) == master.mod_revision]
-        then put sealed = T (run lease, master's addr and port); delete rounds/ older than T-1
-        else get sealed; get closed; count join/(T-1)/
+             and mod(seq/T) == read.seq_mod              (nobody joined or withdrew since the read)
+        then put sealed = {T, run lease, master, membership} (run lease)
+             put rounds/T/members = node ids in rank order (run lease)
+             delete rounds/ older than T-1; delete seq/ up to T
+        else the ranges of a RoundRead
 
-    The members are the join keys that exist at the returned revision. A failure
-    whose answer shows ``sealed`` unchanged, the run open and the previous round
-    vacated failed on ``master`` alone: seal again without it.
+    The members are the first ``max_nodes`` joiners of ``read`` (create order);
+    ``master`` is rank 0's address and port (from its join value).
     """
     if round_ != previous.round + 1:
         raise ValueError(f"cannot seal round {round_} after round {previous.round}")
+    membership = Membership.of(read.joiners, read.joins, max_nodes)
+    members = [j.node_id for j in read.joiners[: membership.world]]
     prev_prefix = keys.join_prefix(round_ - 1)
     start, end = keys.rounds_before(round_ - 1)
-    compare = [
-        compare_mod(keys.sealed, "==", previous.revision),
-        compare_version(keys.closed, "==", 0),
-        compare_version(prev_prefix, "==", 0, range_end=prefix_range_end(prev_prefix)),
-    ]
-    if master is not None:
-        compare.append(compare_mod(master.key, "==", master.mod_revision))
+    seq_start, seq_end = keys.seqs_through(round_)
     res = client.txn(
-        compare,
         [
-            op_put(keys.sealed, encode_sealed(round_, run_lease, master), lease=run_lease),
+            compare_mod(keys.sealed, "==", previous.revision),
+            compare_version(keys.closed, "==", 0),
+            compare_version(prev_prefix, "==", 0, range_end=prefix_range_end(prev_prefix)),
+            compare_mod(keys.seq(round_), "==", read.seq_mod),
+        ],
+        [
+            op_put(keys.sealed, encode_sealed(round_, run_lease, master, membership), lease=run_lease),
+            op_put(keys.members(round_), json.dumps(members).encode(), lease=run_lease),
             op_delete(start, end),
+            op_delete(seq_start, seq_end),
         ],
-        [
-            op_get(keys.sealed),
-            op_get(keys.closed, count_only=True),
-            op_get(prev_prefix, prefix=True, count_only=True),
-        ],
+        round_ops(keys, round_),
         timeout=timeout,
         idempotent=True,
     )
     if res.succeeded:
         return SealOutcome(True, res.revision)
-    return SealOutcome(
-        False,
-        res.revision,
-        sealed=Sealed.from_kv(first_kv(res.responses[0])),
-        closed=count_of(res.responses[1]) > 0,
-        prev_count=count_of(res.responses[2]),
-    )
-
-
-def write_members(
-    client: EtcdClient,
-    keys: RunKeys,
-    round_: int,
-    members: list[str],
-    run_lease: int,
-    *,
-    timeout: float | None = None,
-) -> bool:
-    """Record the members of a sealed round once: ``[version(members) == 0] -> put``. One Txn."""
-    key = keys.members(round_)
-    res = client.txn(
-        [compare_version(key, "==", 0)],
-        [op_put(key, json.dumps(members).encode(), lease=run_lease)],
-        timeout=timeout,
-        idempotent=True,
-    )
-    return res.succeeded
+    return SealOutcome(False, res.revision, parse_round(keys, res))
 
 
 def leave_if_unsealed(
-    client: EtcdClient, keys: RunKeys, join_key: bytes, sealed: Sealed, *, timeout: float | None = None
+    client: EtcdClient,
+    keys: RunKeys,
+    round_: int,
+    join_key: bytes,
+    sealed: Sealed,
+    *,
+    timeout: float | None = None,
 ) -> bool:
-    """Withdraw a join unless its round got sealed meanwhile. One Txn::
+    """Withdraw a join of ``round_`` unless the round got sealed meanwhile. One Txn::
 
-        if mod(sealed) == sealed.revision then delete join_key
+        if mod(sealed) == sealed.revision then delete join_key; put seq/T
+
+    The bump of ``seq/T`` makes any seal prepared before this withdrawal fail its
+    fence, so no seal names a node that left of its own accord.
     """
     res = client.txn(
-        [compare_mod(keys.sealed, "==", sealed.revision)], [op_delete(join_key)], timeout=timeout,
+        [compare_mod(keys.sealed, "==", sealed.revision)],
+        [op_delete(join_key), op_put(keys.seq(round_), b"")],
+        timeout=timeout,
         idempotent=True,
     )
     return res.succeeded
@@ -321,16 +285,17 @@ def close(client: EtcdClient, keys: RunKeys, run_lease: int, *, timeout: float |
 def remove_round_records_if_idle(
     client: EtcdClient, keys: RunKeys, *, timeout: float | None = None
 ) -> bool:
-    """Delete every ``rounds/`` key (members, stores) if no node holds a join key. One Txn.
+    """Delete every ``rounds/`` and ``seq/`` key if no node holds a join key. One Txn.
 
     Called by a node that leaves for good: the last one to go removes what the
-    run-lease TTL does not cover (the stores of the last rounds).
+    run-lease TTL does not cover (the stores of the last rounds, the join
+    counter of the open round, which has no lease).
     """
     root = keys.join_root
     start, end = keys.rounds, prefix_range_end(keys.rounds)
     res = client.txn(
         [compare_version(root, "==", 0, range_end=prefix_range_end(root))],
-        [op_delete(start, end)],
+        [op_delete(start, end), op_delete(keys.seq_root, prefix=True)],
         timeout=timeout,
         idempotent=True,
     )

@@ -8,13 +8,23 @@ The transitions are in :mod:`etcd_rdzv.native.protocol`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from etcd_store.client import EtcdClient, op_get
+from etcd_store.client import EtcdClient, RangeResult, TxnResult, op_get
 
 from .keys import RunKeys
-from .records import Meta, Sealed, count_of, decode_members, first_kv, lease_of
+from .records import Joiner, Meta, Sealed, count_of, decode_members, first_kv, lease_of
 
-__all__ = ["Occupancy", "count_waiting", "is_closed", "read_members", "read_meta", "snapshot_members"]
+__all__ = [
+    "Occupancy",
+    "RoundRead",
+    "count_waiting",
+    "is_closed",
+    "read_members",
+    "read_meta",
+    "read_round",
+    "round_ops",
+]
 
 
 def read_meta(client: EtcdClient, keys: RunKeys, *, timeout: float | None = None) -> Meta:
@@ -65,22 +75,57 @@ def read_members(
     return (decode_members(res.kvs[0].value, res.kvs[0].key) if res.kvs else None), res.revision
 
 
-def snapshot_members(
-    client: EtcdClient,
-    keys: RunKeys,
-    round_: int,
-    seal_revision: int,
-    max_nodes: int,
-    *,
-    timeout: float | None = None,
-) -> list[str]:
-    """The members of ``round_`` from the join keys at ``seal_revision``. One historical Range.
+@dataclass(frozen=True)
+class RoundRead:
+    """One look at round ``T`` as a seal candidate takes it, at one revision.
 
-    Raises :class:`~etcd_store.errors.EtcdCompactedError` if that revision was compacted.
+    ``joiners``: the join keys of ``T`` in create order; ``joins`` and ``seq_mod``: the
+    version and mod revision of ``seq/<T>`` (0 and 0 if absent); ``prev_count``: join
+    keys left in ``T - 1``; ``sealed``, ``closed``: the control records.
     """
-    res = client.range(
-        keys.join_prefix(round_), prefix=True, keys_only=True, revision=seal_revision, timeout=timeout
+
+    revision: int
+    joiners: list[Joiner]
+    joins: int
+    seq_mod: int
+    prev_count: int
+    sealed: Sealed
+    closed: bool
+
+    @property
+    def count(self) -> int:
+        return len(self.joiners)
+
+
+def round_ops(keys: RunKeys, round_: int) -> list[Any]:
+    """The ranges of a :class:`RoundRead` (also the failure branch of a seal)."""
+    return [
+        op_get(keys.sealed),
+        op_get(keys.closed, count_only=True),
+        op_get(keys.seq(round_), keys_only=True),
+        op_get(keys.join_prefix(round_), prefix=True),
+        op_get(keys.join_prefix(round_ - 1), prefix=True, count_only=True),
+    ]
+
+
+def parse_round(keys: RunKeys, res: TxnResult) -> RoundRead:
+    """The :class:`RoundRead` of a transaction whose responses are :func:`round_ops`'."""
+    sealed_r, closed_r, seq_r, joins_r, prev_r = res.responses
+    seq = first_kv(seq_r)
+    assert isinstance(joins_r, RangeResult)
+    joiners = []
+    for kv in sorted(joins_r.kvs, key=lambda kv: kv.create_revision):
+        parsed = keys.parse_join_key(kv.key)
+        if parsed is not None:
+            joiners.append(Joiner(parsed[1], kv.create_revision, kv.value))
+    return RoundRead(
+        res.revision, joiners, seq.version if seq else 0, seq.mod_revision if seq else 0,
+        count_of(prev_r), Sealed.from_kv(first_kv(sealed_r)), count_of(closed_r) > 0,
     )
-    joins = sorted(res.kvs, key=lambda kv: kv.create_revision)[:max_nodes]
-    names = [keys.parse_join_key(kv.key) for kv in joins]
-    return [parsed[1] for parsed in names if parsed is not None]
+
+
+def read_round(client: EtcdClient, keys: RunKeys, round_: int, *, timeout: float | None = None) -> RoundRead:
+    """Everything a seal of ``round_`` depends on, at one revision. One read-only Txn
+    (O(joiners) bytes: only seal candidates call it)."""
+    res = client.txn([], round_ops(keys, round_), timeout=timeout, idempotent=True)
+    return parse_round(keys, res)

@@ -1,10 +1,19 @@
 """The records of an ``etcd-v3`` run and their encoding: what each key holds (no I/O).
 
 ``ctl/sealed`` (:class:`Sealed`: the last sealed round, its fencing revision, the
-run lease, rank 0's address), ``ctl/run`` (the run lease id, :func:`lease_of`),
-``rounds/<T>/members`` (:func:`decode_members`), and the answers of the reads
-(:class:`Meta`). Decoding a value this protocol never writes raises
+run lease, rank 0's address, and the round's :class:`Membership`), ``run``
+(the run lease id, :func:`lease_of`), ``rounds/<T>/members``
+(:func:`decode_members`), and the answers of the reads (:class:`Meta`,
+:class:`Joiner`). Decoding a value this protocol never writes raises
 :class:`ProtocolStateError` naming the key.
+
+The membership of a sealed round is named compactly (every waiting node receives
+it): ``{"joins": V, "world": W}`` when the seal's read found exactly ``V`` joiners
+present and ``V`` joins counted (nobody left, so the joiners hold the sequence
+numbers ``1..V`` in create order and a member's rank is its number - 1); else
+``{"world": W, "created": [r0, d1, d2, ...]}``, the create revisions of the ``W``
+members in rank order, delta-encoded (``r_i = r_{i-1} + d_i``); each member knows
+its own key's create revision from its join.
 """
 
 from __future__ import annotations
@@ -15,7 +24,8 @@ from dataclasses import dataclass
 from etcd_store.client import KeyValue, RangeResult
 
 __all__ = [
-    "Master",
+    "Joiner",
+    "Membership",
     "Meta",
     "ProtocolStateError",
     "Sealed",
@@ -45,28 +55,90 @@ class Sealed:
     revision: int = 0
     run_lease: int | None = None
     master: tuple[str, int] | None = None  # rank 0's (addr, port), when the sealer knew it
+    membership: Membership | None = None  # None: a record without one (not written by this version)
 
     @classmethod
     def from_kv(cls, kv: KeyValue | None) -> Sealed:
         if kv is None:
             return cls()
         round_, run_lease, master = decode_sealed(kv.value, kv.key)
-        return cls(round_, kv.mod_revision, run_lease, master)
+        return cls(round_, kv.mod_revision, run_lease, master, decode_membership(kv.value, kv.key))
 
 
 @dataclass(frozen=True)
-class Master:
-    """Rank 0's address and port for the ``sealed`` record, read from its join key.
+class Joiner:
+    """One join key of a round as a read found it."""
 
-    ``key`` and ``mod_revision`` identify that key as read: the seal compares its
-    mod revision, so the record names rank 0 only if that key is still the one
-    read (an earlier join key cannot appear later, so it is still the earliest).
+    node_id: str
+    create_revision: int
+    value: bytes
+
+
+@dataclass(frozen=True)
+class Membership:
+    """Who the members of a sealed round are (see the module docstring).
+
+    ``joins`` set: the joiners with sequence numbers ``1..world``; else ``created``:
+    the members' create revisions in rank order.
     """
 
-    key: bytes
-    mod_revision: int
-    addr: str
-    port: int
+    world: int
+    joins: int | None = None
+    created: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, joiners: list[Joiner], joins: int, max_nodes: int) -> Membership:
+        """The membership a seal records, from the round's present joiners in create
+        order and the join count ``joins`` (the version of ``seq/<T>``), read together."""
+        world = min(len(joiners), max_nodes)
+        if len(joiners) == joins:
+            return cls(world, joins=joins)
+        return cls(world, created=tuple(j.create_revision for j in joiners[:world]))
+
+    def rank_of(self, seq: int, create_revision: int) -> int | None:
+        """The rank of the joiner with sequence number ``seq`` and that create revision;
+        None when it is not a member (it came after ``max_nodes`` others, or it had
+        left when the sealer read the round)."""
+        if self.joins is not None:
+            return seq - 1 if 1 <= seq <= self.world else None
+        try:
+            return self.created.index(create_revision)
+        except ValueError:
+            return None
+
+    def encode(self) -> dict[str, object]:
+        if self.joins is not None:
+            return {"world": self.world, "joins": self.joins}
+        deltas = [b - a for a, b in zip((0, *self.created), self.created, strict=False)]
+        return {"world": self.world, "created": deltas}
+
+
+def decode_membership(value: bytes, key: bytes = b"ctl/sealed") -> Membership | None:
+    """The :class:`Membership` of a ``ctl/sealed`` value; None if it names none."""
+    where = key.decode("utf-8", "replace")
+    try:
+        record = json.loads(value)
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or "world" not in record:
+        return None
+    world, joins, deltas = record.get("world"), record.get("joins"), record.get("created")
+    if not _count(world) or (joins is not None and not _count(joins)):
+        raise ProtocolStateError(f"{where} holds a malformed membership: {value[:80]!r}")
+    assert isinstance(world, int)
+    if isinstance(joins, int):
+        return Membership(world, joins=joins)
+    if not isinstance(deltas, list) or len(deltas) != world or not all(_count(d) for d in deltas):
+        raise ProtocolStateError(f"{where} holds a malformed membership: {value[:80]!r}")
+    created, revision = [], 0
+    for delta in deltas:
+        revision += delta
+        created.append(revision)
+    return Membership(world, created=tuple(created))
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def decode_sealed(value: bytes, key: bytes = b"ctl/sealed") -> tuple[int, int | None, tuple[str, int] | None]:
@@ -97,11 +169,14 @@ def _master_in(value: object) -> tuple[str, int] | None:
     return (addr, port) if 0 < port < 65536 else None
 
 
-def encode_sealed(number: int, run_lease: int, master: Master | None) -> bytes:
+def encode_sealed(
+    number: int, run_lease: int, master: tuple[str, int] | None, membership: Membership
+) -> bytes:
     record: dict[str, object] = {"round": number, "run_lease": f"{run_lease:x}"}
     if master is not None:
-        record["master"] = [master.addr, master.port]
-    return json.dumps(record).encode()
+        record["master"] = list(master)
+    record.update(membership.encode())
+    return json.dumps(record, separators=(",", ":")).encode()
 
 
 def decode_members(value: bytes, key: bytes = b"a members record") -> list[str]:

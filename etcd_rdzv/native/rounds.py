@@ -24,7 +24,7 @@ import functools
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
@@ -37,10 +37,10 @@ from etcd_store.client import EtcdClient, Session, Watch, renewing_lease
 from etcd_store.errors import EtcdCompactedError, EtcdError, EtcdTimeoutError
 
 from . import bootstrap, protocol, queries
-from .barrier import Admitted, Barrier, JoinClock, Seal, Tally, TimeOut, Void, decide, verdict
+from .barrier import Admitted, Barrier, Check, JoinClock, Seal, Tally, TimeOut, Void, decide, verdict
 from .bootstrap import join_value
 from .keys import RunKeys
-from .records import Sealed
+from .records import ProtocolStateError, Sealed
 from .settings import V3Settings
 from .view import RoundView, Signal, SignalKind
 
@@ -75,6 +75,7 @@ class _Joined:
 
     round: int
     key: bytes
+    under: Sealed  # the sealed record the join was fenced on (round - 1 sealed at its revision)
     member: bool | None = None
 
 
@@ -87,13 +88,14 @@ class _Retry:
     clock: JoinClock
 
 
+def _master_named(read: queries.RoundRead) -> tuple[str, int] | None:
+    """Rank 0's address and port for the sealed record: from the first joiner's value."""
+    addr, port = bootstrap.address_of(read.joiners[0].value)
+    return None if addr is None or port is None else (addr, port)
+
+
 def _tally(view: RoundView) -> Tally:
-    return Tally(view.count, view.before, view.prev_count, view.changes)
-
-
-def _failed_on_master_alone(res: protocol.SealOutcome, previous: Sealed) -> bool:
-    """Whether a failed seal's answer shows every condition but ``master``'s held."""
-    return res.sealed.revision == previous.revision and not res.closed and res.prev_count == 0
+    return Tally(view.count, view.prev_count, view.changes, fresh=view.read is not None)
 
 
 class Participant:
@@ -134,6 +136,35 @@ class Participant:
         self.member_round = None
         return session
 
+    def leave(self, deadline: float) -> bool:
+        """Stop for good and release this node's keys now, without closing the run.
+
+        Revokes the node's lease (one LeaseRevoke: its join key vanishes with it), every
+        RPC bounded by ``deadline``. Returns whether etcd confirmed it.
+        """
+        joined = self._joined
+        session = self.stop()
+        if session is None:
+            return True
+        if joined is not None and not joined.member and time.monotonic() < deadline:
+            # Waiting in a round that may be unsealed: withdraw with a bump of its join
+            # counter, so that no seal prepared before names us (a bare revoke would not).
+            try:
+                protocol.leave_if_unsealed(self._client, self._keys, joined.round, joined.key,
+                                           joined.under, timeout=deadline - time.monotonic())
+            except EtcdError as e:
+                log.info("node %s could not withdraw from round %d: %s", self._node_id, joined.round, e)
+        session.close(revoke=False)  # stop refreshing; the revoke below says whether it worked
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or session.lost.is_set():
+            return session.lost.is_set()
+        try:
+            self._client.lease_revoke(session.id, timeout=remaining)
+        except EtcdError as e:
+            log.info("node %s could not revoke its lease %x: %s", self._node_id, session.id, e)
+            return False
+        return True
+
     # ------------------------------------------------------------------ leases and closing
 
     def close_run(self, deadline: float) -> None:
@@ -168,7 +199,7 @@ class Participant:
                 return session.id
             if session is not None:
                 log.warning("node %s lost its lease; joining with a new one", self._node_id)
-            session = self._client.session(self._settings.lease_ttl)
+            session = self._client.session(self._settings.lease_ttl, on_lost=self._on_lease_lost)
             self.session = session
             self._joined = None  # keys bound to the old lease are gone
             if self.run_lease is not None:
@@ -204,12 +235,12 @@ class Participant:
         return self.run_lease if self.run_lease is not None else self._create_run_lease(timeout)
 
     def _forget_run_lease(self, lease: int) -> None:
-        """The run lease expired (``ctl/run`` went with it): the next use creates a new one."""
+        """The run lease expired (``run`` went with it): the next use creates a new one."""
         if self.run_lease == lease:
             self.run_lease = None
 
     def _create_run_lease(self, timeout: float | None = None) -> int:
-        """The run lease of ``ctl/run``, created if absent (sealers and closers only)."""
+        """The run lease of ``run``, created if absent (sealers and closers only)."""
         lease = protocol.ensure_run_lease(
             self._client, self._keys, self._settings.state_ttl, timeout=timeout
         )
@@ -253,7 +284,7 @@ class Participant:
                 if outcome.joined_anyway:
                     # A lost answer hid a join that did apply; its round is sealed now.
                     target = sealed.round + 1
-                    self._joined = _Joined(target, keys.join_key(target, self._node_id))
+                    self._joined = _Joined(target, keys.join_key(target, self._node_id), sealed)
                 if outcome.closed:
                     self._withdraw()
                     raise RendezvousClosedError(f"the rendezvous {self._settings.run_id!r} is closed")
@@ -261,12 +292,13 @@ class Participant:
                 continue
             target = sealed.round + 1
             key = keys.join_key(target, self._node_id)
-            self._joined = _Joined(target, key)
-            log.debug("node %s joined round %d at revision %d", self._node_id, target, outcome.revision)
+            self._joined = _Joined(target, key, sealed)
+            log.debug("node %s joined round %d at revision %d (join %d of the round, %d present)",
+                      self._node_id, target, outcome.revision, outcome.seq, outcome.count)
             recovering = self._settings.fast_recovery and prior_round == target - 1
-            waited = self._wait(target, outcome, sealed, clock, value, prior_world if recovering else None)
+            waited = self._wait(target, outcome, sealed, clock, prior_world if recovering else None)
             if isinstance(waited, RoundResult):
-                self._joined = _Joined(target, key, member=True)
+                self._joined = _Joined(target, key, sealed, member=True)
                 return waited
             clock = waited.clock
             if waited.sealed is None:
@@ -287,40 +319,52 @@ class Participant:
         outcome: protocol.JoinOutcome,
         previous: Sealed,
         clock: JoinClock,
-        value: bytes,
         recover_size: int | None = None,
     ) -> RoundResult | _Retry:
-        """Wait on the ``ctl/`` watch until round ``round_`` is sealed; seal it when due.
+        """Wait on the watch until round ``round_`` is sealed; seal it when due.
 
         Acts on what :func:`~etcd_rdzv.native.barrier.decide` says (when a round
         is due is defined there); ``recover_size`` is the size of the group this
-        node was a member of in the previous round (``fast_recovery``).
+        node was a member of in the previous round (``fast_recovery``). The watch
+        covers ``ctl/``, and the join keys of the previous round while this node
+        must tell when it empties (a candidate, or kept out by a full group).
         """
         s = self._settings
         view = RoundView(
-            self._keys, round_, self._node_id, outcome.create_revision, outcome.before,
+            self._keys, round_, self._node_id, outcome.seq, outcome.create_revision, outcome.count,
             outcome.prev_count, outcome.revision,
         )
-        view.after.update(outcome.after)
-        watch = self._client.watch(self._keys.ctl, self._keys.ctl_end, start_revision=outcome.revision + 1)
-        with self._lock:
-            if self.shut_down:
-                watch.cancel()
-                raise RendezvousClosedError(f"the handler of node {self._node_id} was shut down")
-            self._watch = watch
         state = Barrier.start(clock, _tally(view), s, recover_size)
+        wide = view.prev_count > 0 and (state.candidate or _tally(view).kept_out(s))
+        start, end = self._keys.watch_range(round_, previous=wide)
+        watch = self._client.watch(start, end, start_revision=outcome.revision + 1)
+        with self._lock:
+            session = self.session
+            if self.shut_down or session is None or session.done().is_set():
+                watch.cancel()
+                if self.shut_down:
+                    raise RendezvousClosedError(f"the handler of node {self._node_id} was shut down")
+                return self._lease_lost(previous, clock)
+            self._watch = watch
+        self.on_watch(watch, view)
         try:
             while True:
                 state, action = decide(state, _tally(view), s, time.monotonic())
+                if isinstance(action, Check):
+                    read = queries.read_round(self._client, self._keys, round_)
+                    view.update(read)
+                    if read.sealed.revision != previous.revision or read.closed:
+                        state = state.settle()  # its event is on the way
+                    continue
                 if isinstance(action, Seal):
-                    state = state.sealed(self._try_seal(round_, previous, view, value))
+                    state = self._try_seal(round_, previous, view, state)
                     continue
                 if isinstance(action, TimeOut):
-                    if self._withdraw_if_unsealed(previous):
+                    if self._withdraw_if_unsealed():
                         raise RendezvousTimeoutError(
                             f"node {self._node_id}: round {round_} of the rendezvous "
                             f"{s.run_id!r} was not sealed within join_timeout={s.join_timeout:g} s "
-                            f"({view.count} of min_nodes={s.min_nodes} joined"
+                            f"({view.count} of min_nodes={s.min_nodes} joined when last known"
                             f"{'' if view.vacated else ', previous round still running'})"
                         )
                     state = state.timed_out_late()  # sealed meanwhile: its event is on the way
@@ -336,6 +380,8 @@ class Participant:
         except EtcdError:
             if self.shut_down:
                 raise RendezvousClosedError(f"the handler of node {self._node_id} was shut down") from None
+            if session.lost.is_set():  # on_lost cancelled the watch: our join key is gone
+                return self._lease_lost(previous, state.clock)
             raise
         finally:
             with self._lock:
@@ -343,58 +389,81 @@ class Participant:
                     self._watch = None
             watch.cancel()
 
-    def _try_seal(self, round_: int, previous: Sealed, view: RoundView, value: bytes) -> bool:
-        """One seal attempt (and the run lease, the first time); whether we sealed.
+    def on_watch(self, watch: Watch, view: RoundView) -> None:
+        """Called with each wait's watch and view before waiting (tests count events)."""
 
-        The sealed record also names rank 0's address and port (see
-        :func:`~etcd_rdzv.native.bootstrap.master_of`), so that no member has to read them after the seal.
+    def _lease_lost(self, previous: Sealed, clock: JoinClock) -> _Retry:
+        """Our lease ended while we waited: its join key is gone; join again with a new one."""
+        self._joined = None
+        self._drop_lease()
+        return _Retry(previous, clock)
+
+    def _on_lease_lost(self) -> None:
+        """``on_lost`` of this node's lease session: wake a waiting node (its key is gone)."""
+        with self._lock:
+            watch = self._watch
+        if watch is not None:
+            watch.cancel()
+
+    def _try_seal(self, round_: int, previous: Sealed, view: RoundView, state: Barrier) -> Barrier:
+        """One seal attempt with the view's fresh read (and the run lease, the first time).
+
+        The sealed record also names rank 0's address and port (from its join
+        value), so that no member has to read them after the seal. A failed
+        attempt's answer is a fresh read, folded into the view.
         """
-        master = bootstrap.master_of(self._client, self._keys, view, self._node_id, value)
+        read = view.read
+        assert read is not None
+        s = self._settings
+        if read.count < s.min_nodes:
+            return state  # not due on what we read: decide() will say so
+        named = _master_named(read)
 
         def seal(lease: int) -> protocol.SealOutcome:
-            res = protocol.seal(self._client, self._keys, round_, previous, lease, master=master)
-            if not res.ok and master is not None and _failed_on_master_alone(res, previous):
-                # Rank 0's key changed since we read it: seal without naming it.
-                res = protocol.seal(self._client, self._keys, round_, previous, lease)
-            return res
+            return protocol.seal(self._client, self._keys, round_, previous, read, lease, s.max_nodes,
+                                 master=named)
 
         res = renewing_lease(seal, self._run_lease_or_create, self._forget_run_lease, renewals=1)
         if res.ok:
             log.debug("node %s sealed round %d at revision %d", self._node_id, round_, res.revision)
-        return res.ok
+            return state.sealed(True)
+        assert res.read is not None
+        view.update(res.read)
+        if res.read.sealed.revision != previous.revision or res.read.closed:
+            return state.settle()
+        return state
 
     def _on_signal(self, signal: Signal, view: RoundView, previous: Sealed, state: Barrier) -> RoundResult | _Retry:
         s = self._settings
-        tally = _tally(view)
         if signal.kind is SignalKind.CLOSED:
             self._withdraw()
-            if tally.kept_out(s):
+            if _tally(view).kept_out(s):
                 raise RendezvousGracefulExitError(
                     f"the rendezvous {s.run_id!r} was closed while node {self._node_id} waited "
                     "for room in a full group"
                 )
             raise RendezvousClosedError(f"the rendezvous {s.run_id!r} was closed")
-        if signal.kind is SignalKind.LOST:
-            self._joined = None
-            self._drop_lease()
-            return _Retry(previous, state.clock)
         if signal.kind is SignalKind.RESET or signal.round != view.round:
             return _Retry(None, state.clock)
-        sealed = Sealed(signal.round, signal.revision, signal.run_lease, signal.master)
+        sealed = signal.sealed
         self._learn(sealed)
-        if state.sealed_by_me:
-            self._record_members(view, sealed)
-        place = verdict(tally, s)
+        if sealed.membership is None:
+            raise ProtocolStateError(
+                f"{self._keys.sealed.decode()} names no members for round {sealed.round}"
+            )
+        place = verdict(sealed.membership, view.seq, view.create_revision, s)
         if isinstance(place, Void):
             log.warning(
-                "round %d of %r sealed with %d joiners (< min_nodes=%d): void, joining the next",
+                "round %d of %r sealed with %d members (< min_nodes=%d): void, joining the next",
                 view.round, s.run_id, place.world_size, s.min_nodes,
             )
         elif isinstance(place, Admitted):
             self.member_round, self.member_world = view.round, place.world_size
-            self.round_master = signal.master
-            return RoundResult(view.round, place.rank, place.world_size, signal.revision, self._node_id)
-        self._joined = _Joined(view.round, self._keys.join_key(view.round, self._node_id), member=False)
+            self.round_master = sealed.master
+            return RoundResult(view.round, place.rank, place.world_size, sealed.revision, self._node_id)
+        joined = self._joined
+        if joined is not None:
+            self._joined = replace(joined, member=False)
         if state.timing_out:
             self._withdraw()
             raise RendezvousTimeoutError(
@@ -403,39 +472,21 @@ class Participant:
             )
         return _Retry(sealed, state.clock)
 
-    def _record_members(self, view: RoundView, sealed: Sealed) -> None:
-        """Write the members record of a round we sealed (for resync and inspection)."""
-        s = self._settings
-        try:
-            if view.before == 0:
-                members = [self._node_id, *view.members_after_us()][: s.max_nodes]
-            else:
-                members = queries.snapshot_members(
-                    self._client, self._keys, view.round, sealed.revision, s.max_nodes
-                )
-            run_lease = self.run_lease
-            if run_lease is not None:
-                protocol.write_members(self._client, self._keys, view.round, members, run_lease)
-        except EtcdError as e:
-            log.warning("could not record the members of round %d: %s", view.round, e)
-
     def _resolve(self, round_: int, sealed: Sealed) -> RoundResult | None:
-        """Our place in ``round_``, sealed while we were not watching; None if not a member."""
-        s = self._settings
+        """Our place in ``round_``, sealed while we were not watching; None if not a member.
+
+        The members record is written by the seal transaction itself; it is gone
+        only once two later rounds were sealed (and then so is our group)."""
         members, _ = queries.read_members(self._client, self._keys, round_)
-        if members is None:
-            if sealed.round != round_:
-                # A later round was sealed, so ours was vacated: our key is gone (lease
-                # expired), and whatever group we were in has been replaced.
-                return None
-            members = queries.snapshot_members(
-                self._client, self._keys, round_, sealed.revision, s.max_nodes
-            )
-        if len(members) < s.min_nodes or self._node_id not in members:
+        if members is None or len(members) < self._settings.min_nodes or self._node_id not in members:
             return None
         self.member_round, self.member_world = round_, len(members)
-        self._joined = _Joined(round_, self._keys.join_key(round_, self._node_id), member=True)
+        joined = self._joined
+        if joined is not None:
+            self._joined = replace(joined, member=True)
         revision = sealed.revision if sealed.round == round_ else 0
+        if sealed.round == round_:
+            self.round_master = sealed.master
         return RoundResult(round_, members.index(self._node_id), len(members), revision, self._node_id)
 
     def _withdraw(self) -> None:
@@ -449,11 +500,15 @@ class Participant:
             except EtcdError as e:
                 log.info("node %s could not withdraw %r: %s", self._node_id, joined.key, e)
 
-    def _withdraw_if_unsealed(self, previous: Sealed) -> bool:
+    def _withdraw_if_unsealed(self, timeout: float | None = None) -> bool:
+        """Withdraw from the round we wait in unless it was sealed since we joined (one Txn
+        that also bumps the round's join counter, see :func:`protocol.leave_if_unsealed`)."""
         joined = self._joined
         if joined is None:
             return True
-        if protocol.leave_if_unsealed(self._client, self._keys, joined.key, previous):
+        if protocol.leave_if_unsealed(
+            self._client, self._keys, joined.round, joined.key, joined.under, timeout=timeout
+        ):
             self._joined = None
             return True
         return False

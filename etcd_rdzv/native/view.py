@@ -1,10 +1,14 @@
 """The round view of ``etcd-v3``: what a waiting node knows, folded from its watch.
 
 A node that joined round ``T`` watches the run's ``ctl/`` keys from the revision
-right after its join. :class:`RoundView` starts from the join's answer and folds
-every event in order (no RPC, no clock); at the revision ``S`` of the ``sealed``
-event for ``T`` it equals the join set at ``S``, which is the membership rule of
-:mod:`etcd_rdzv.native.protocol`. Events that end the wait come back as a
+right after its join, and, while it may have to tell when ``T - 1`` empties (a
+seal candidate, or a node kept out by a full group), the join keys of ``T - 1``
+too (:meth:`~etcd_rdzv.native.keys.RunKeys.watch_range`). It never watches the
+joins of its own round: it sees about one event per round (the ``sealed``
+record, which names the members), plus one per departure from ``T - 1`` when it
+watches those. :class:`RoundView` starts from the join's answer and folds
+every event in order (no RPC, no clock), and takes in the reads of a seal
+candidate (:meth:`RoundView.update`). Events that end the wait come back as a
 :class:`Signal`. Raises :class:`~etcd_rdzv.native.records.ProtocolStateError`
 on records the protocol never writes.
 """
@@ -18,7 +22,8 @@ from dataclasses import dataclass
 from etcd_store.client import Event
 
 from .keys import RunKeys
-from .records import ProtocolStateError, decode_sealed
+from .queries import RoundRead
+from .records import Membership, Sealed
 
 log = logging.getLogger(__name__)
 
@@ -26,30 +31,34 @@ __all__ = ["RoundView", "Signal", "SignalKind"]
 
 
 class SignalKind(enum.Enum):
-    SEALED = "sealed"  # ctl/sealed changed: see Signal.round / .revision / .run_lease
+    SEALED = "sealed"  # ctl/sealed changed: see Signal.sealed
     CLOSED = "closed"  # ctl/closed appeared
-    LOST = "lost"  # our own join key vanished (our lease expired)
-    RESET = "reset"  # ctl/sealed or ctl/run vanished (the run lease expired)
+    RESET = "reset"  # ctl/sealed vanished (the run lease expired)
 
 
 @dataclass(frozen=True)
 class Signal:
     kind: SignalKind
-    round: int = 0
-    revision: int = 0
-    run_lease: int | None = None
-    master: tuple[str, int] | None = None
+    sealed: Sealed = Sealed()
+
+    @property
+    def round(self) -> int:
+        return self.sealed.round
+
+    @property
+    def membership(self) -> Membership | None:
+        return self.sealed.membership
 
 
 class RoundView:
-    """What a node waiting in round ``T`` knows, rebuilt from its gap-free watch on ``ctl/``.
+    """What a node waiting in round ``T`` knows (see the module docstring).
 
-    Starts from the counts of :func:`join` (``before``: join keys of ``T`` created
-    before ours; ``prev_count``: join keys of ``T - 1``) and applies every event
-    after the join revision in order. At the revision ``S`` of the ``sealed``
-    event for ``T`` the view equals the join set at ``S``: our rank is
-    ``before``, the round's size ``min(count, max_nodes)``. Keys created after
-    ours are tracked by name (their deletion must not lower ``before``).
+    ``seq`` and ``create_revision``: this node's sequence number and key create
+    revision in ``T`` (from its join; with the sealed record they give its rank).
+    ``count``: join keys of ``T`` as of the join or the latest read;
+    ``prev_count``: join keys left in ``T - 1`` (kept current by the watch when it
+    covers them); ``changes``: how many times the view changed; ``read``: the
+    latest read of the round, while nothing changed since (else None).
     """
 
     def __init__(
@@ -57,72 +66,56 @@ class RoundView:
         keys: RunKeys,
         round_: int,
         node_id: str,
+        seq: int,
         create_revision: int,
-        before: int,
+        count: int,
         prev_count: int,
         revision: int,
     ) -> None:
         self.keys = keys
         self.round = round_
         self.node_id = node_id
+        self.seq = seq
         self.create_revision = create_revision
-        self.before = before
-        self.after: dict[str, int] = {}
+        self.count = count
         self.prev_count = prev_count
         self.revision = revision
-        self.join_revision = revision  # our join's revision: our key's mod revision
         self.changes = 0
-
-    @property
-    def count(self) -> int:
-        """Join keys of this round, ours included."""
-        return self.before + 1 + len(self.after)
+        self.read: RoundRead | None = None
+        self.events = 0  # watch events applied (tests count them)
+        self.departures = 0  # of them, departures from the previous round
 
     @property
     def vacated(self) -> bool:
         """Whether no node remains in the previous round (so this one may be sealed)."""
         return self.prev_count <= 0
 
-    def members_after_us(self) -> list[str]:
-        """Node ids that joined after us, in join order."""
-        return [name for name, _ in sorted(self.after.items(), key=lambda item: item[1])]
+    def update(self, read: RoundRead) -> None:
+        """Take in a read of the round (a candidate's, or a failed seal's answer)."""
+        self.count, self.prev_count, self.read = read.count, read.prev_count, read
+        self.revision = max(self.revision, read.revision)
+        self.changes += 1
 
     def apply(self, event: Event) -> Signal | None:
         """Fold one watch event into the view; a :class:`Signal` when it ends the wait."""
+        self.events += 1
         kv = event.kv
         self.revision = max(self.revision, kv.mod_revision)
         key = kv.key
         if key == self.keys.sealed:
             if event.type == "DELETE":
-                return Signal(SignalKind.RESET, revision=kv.mod_revision)
-            round_, run_lease, master = decode_sealed(kv.value, key)
-            return Signal(SignalKind.SEALED, round_, kv.mod_revision, run_lease, master)
+                return Signal(SignalKind.RESET)
+            return Signal(SignalKind.SEALED, Sealed.from_kv(kv))
         if key == self.keys.closed:
-            return Signal(SignalKind.CLOSED, revision=kv.mod_revision) if event.type == "PUT" else None
-        if key == self.keys.run:
-            return Signal(SignalKind.RESET, revision=kv.mod_revision) if event.type == "DELETE" else None
+            return Signal(SignalKind.CLOSED) if event.type == "PUT" else None
         parsed = self.keys.parse_join_key(key)
-        if parsed is None:
-            return None
-        round_, name = parsed
-        if round_ == self.round - 1:
-            self.changes += 1
-            self.prev_count += -1 if event.type == "DELETE" else (1 if kv.version == 1 else 0)
-            return None
-        if round_ != self.round:
-            return None
-        if name == self.node_id:
-            if event.type == "DELETE":
-                return Signal(SignalKind.LOST, revision=kv.mod_revision)
+        if parsed is None or parsed[0] != self.round - 1:
             return None
         self.changes += 1
-        if event.type == "PUT":
-            if kv.create_revision > self.create_revision:
-                self.after[name] = kv.create_revision
-        elif self.after.pop(name, None) is None:
-            self.before -= 1
-            if self.before < 0:
-                raise ProtocolStateError(
-                    f"round {self.round}: more earlier joiners left than had joined"
-                )
+        self.read = None
+        if event.type == "DELETE":
+            self.prev_count -= 1
+            self.departures += 1
+        elif kv.version == 1:
+            self.prev_count += 1
         return None

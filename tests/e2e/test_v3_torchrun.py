@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.elastic import record_timing
 from helpers.torchrun_agents import TorchrunAgents
 
 from etcd_server import EtcdServer
@@ -139,7 +140,7 @@ def test_three_agents_etcd_v3(etcd_server: EtcdServer, agents: Agents) -> None:
     with EtcdClient(endpoint, timeout=5) as client:
         root = f"{prefix}/{run_id}/v3".encode()
         assert client.get(root + b"/ctl/closed") is not None  # shutdown closed the run
-        assert client.range(root + b"/ctl/join/", prefix=True, count_only=True).count == 0
+        assert client.range(root + b"/join/", prefix=True, count_only=True).count == 0
         assert client.range(root + b"/rounds/", prefix=True, count_only=True).count == 0
 
 
@@ -168,3 +169,94 @@ def test_rank0_host_dies_and_the_others_re_rendezvous(etcd_server: EtcdServer, a
     assert not dead_agent & {r["agent"] for r in second}
     assert {r["agent"] for r in second} == {r["agent"] for r in first} - dead_agent
     assert first[0]["env"]["MASTER_PORT"] != second[0]["env"]["MASTER_PORT"]
+
+
+TRAINER = r'''
+import json, os, sys, time
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+
+out_dir, stop_file = sys.argv[1], sys.argv[2]
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+step = 0
+while not os.path.exists(stop_file):
+    t = torch.ones(1)
+    dist.all_reduce(t)  # one training step: needs every rank of the group
+    step += 1
+    if step == 1:
+        path = os.path.join(out_dir, f"first-{world}-{rank}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump({"t": time.time(), "agent": os.getppid(), "sum": int(t.item())}, f)
+        os.replace(path + ".tmp", path)
+    time.sleep(0.05)
+dist.destroy_process_group()
+'''
+
+
+def _first_steps(agents: Agents, world: int, want: int, timeout: float) -> list[dict[str, Any]]:
+    """The first-step records of a group of ``world`` workers, once ``want`` exist (deadline)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = agents.read_results(f"first-{world}-*.json")
+        if len(found) >= want:
+            return found
+        if all(p.poll() is not None for p in agents.procs):
+            break
+        time.sleep(0.1)
+    raise AssertionError(f"no group of {world} workers trained\n{agents.log_tails()}")
+
+
+@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+def test_a_node_that_ends_leaves_and_the_others_train_again(
+    etcd_server: EtcdServer, agents: Agents, how: str
+) -> None:
+    """One of three agents ends: SIGTERM (torchrun skips shutdown(), the handler
+    leaves at exit: its lease is revoked at once) or SIGKILL of its whole process
+    group (its lease expires after ``heartbeat``). The other two re-form a group
+    and train again; the figure is recorded (tests/elastic.py ``record_timing``).
+    heartbeat is 30 s for SIGTERM (so only the leave can explain a fast recovery),
+    3 s for SIGKILL (the default is 15 s)."""
+    if not etcd_server.version.startswith(("3.5", "3.7")):
+        pytest.skip("runs on etcd 3.5 and 3.7")
+    heartbeat = 30 if how == "sigterm" else 3
+    endpoint, run_id = etcd_server.get_endpoint(), f"e2e-v3-{how}-{os.getpid()}-{next(_ids)}"
+    prefix = f"/e2e-v3-{time.monotonic_ns() % 10**9}"
+    stop_file = agents.tmp_path / "stop"
+    agents.script.write_text(TRAINER)
+    conf = CONF.replace("heartbeat=3", f"heartbeat={heartbeat}").replace("last_call_timeout=60", "last_call_timeout=2")
+    agents.launch(3, [
+        "--nnodes=2:3", f"--nproc-per-node={NPROC}",
+        "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
+        f"--rdzv-conf={conf},key_prefix={prefix}", "--monitor-interval=0.5",
+        "--max-restarts=3", "--local-addr=127.0.0.1",
+        str(agents.script), str(agents.out_dir), str(stop_file),
+    ])  # fmt: skip
+    try:
+        full = _first_steps(agents, 3 * NPROC, 3 * NPROC, timeout=240)
+        assert {r["sum"] for r in full} == {3 * NPROC}
+        victim = agents.procs[2]
+        ended_at = time.time()
+        if how == "sigterm":
+            victim.send_signal(signal.SIGTERM)  # the agent alone, as Kubernetes does
+        else:
+            os.killpg(victim.pid, signal.SIGKILL)  # the whole node
+        again = _first_steps(agents, 2 * NPROC, 2 * NPROC, timeout=120)
+        assert {r["sum"] for r in again} == {2 * NPROC}
+        assert victim.pid not in {r["agent"] for r in again}  # (the agent is the worker's parent)
+        recovery = max(r["t"] for r in again) - ended_at
+        record_timing(f"v3_node_ends/{how}/etcd{etcd_server.version}", {
+            "end_to_first_step_s": round(recovery, 2), "heartbeat_s": heartbeat,
+            "setup": "3 torchrun agents x 2 workers, --nnodes=2:3, last_call 2 s, monitor 0.5 s",
+        })  # fmt: skip
+        assert recovery < (15 if how == "sigterm" else heartbeat + 15), agents.log_tails()
+        stop_file.write_text("stop")
+        codes = agents.wait(timeout=120)
+        assert codes[:2] == [0, 0], agents.log_tails()
+        assert codes[2] != 0
+        with EtcdClient(endpoint, timeout=5) as client:
+            root = f"{prefix}/{run_id}/v3".encode()
+            assert client.get(root + b"/ctl/closed") is not None  # the survivors' shutdown closed it
+    finally:
+        stop_file.write_text("stop")

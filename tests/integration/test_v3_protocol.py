@@ -27,7 +27,7 @@ from torch.distributed.elastic.rendezvous.api import (
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from etcd_rdzv.conf import DEFAULT_LEASE_TTL, parse_v3_settings
-from etcd_rdzv.native import bootstrap, protocol, queries, records
+from etcd_rdzv.native import protocol, queries, records, rounds
 from etcd_rdzv.native.handler import EtcdV3RendezvousHandler, RoundResult
 from etcd_rdzv.native.keys import RunKeys
 from etcd_rdzv.native.records import Sealed
@@ -277,14 +277,74 @@ def test_over_max_nodes_move_to_the_next_round(nodes: Nodes) -> None:
     assert nodes.client.range(nodes.join_prefix(1), prefix=True, count_only=True).count == 2
 
 
+# --------------------------------------------------------------------------- events per node
+
+
+def watch_views(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
+    """Every wait's (node id, RoundView), recorded through Participant.on_watch."""
+    seen: list[tuple[str, Any]] = []
+    lock = threading.Lock()
+
+    def on_watch(self: rounds.Participant, watch: Any, view: Any) -> None:
+        with lock:
+            seen.append((view.node_id, view))
+
+    monkeypatch.setattr(rounds.Participant, "on_watch", on_watch)
+    return seen
+
+
+@pytest.mark.parametrize(("min_nodes", "last_call"), [(32, "30"), (2, "0.5")])
+def test_a_waiting_node_hears_one_event_per_round(
+    nodes: Nodes, monkeypatch: pytest.MonkeyPatch, min_nodes: int, last_call: str
+) -> None:
+    """32 nodes form a round: each waiting node's watch delivers the sealed record
+    and nothing else (the joins of its round are not in its watch), whether one
+    joiner fills the round (min = max) or candidates wait out the last call."""
+    views = watch_views(monkeypatch)
+    hs = nodes.many(32, min_nodes, 32, last_call_timeout=last_call)
+    assert_group(results(nodes.start(*hs)), 32)
+    assert len(views) == 32
+    assert all(view.events <= 1 for _, view in views), sorted(v.events for _, v in views)
+    assert sum(view.events for _, view in views) >= 31  # the sealer may see its own seal first
+
+
+def test_a_re_rendezvous_costs_each_node_the_departures_it_waits_for(
+    nodes: Nodes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """All 16 members of round 1 re-join round 2: a node hears at most 3 events besides
+    the departures from round 1 it must wait for (a seal candidate's), and the
+    others hear only the seal."""
+    hs = nodes.many(16, 2, 16, last_call_timeout="30")
+    assert_group(results(nodes.start(*hs)), 16)
+    views = watch_views(monkeypatch)
+    started = time.monotonic()
+    res = results(nodes.start(*hs))
+    assert time.monotonic() - started < 20  # fast recovery: not the 30 s last call
+    assert_group(res, 16)
+    assert {r.round for r in res} == {2}
+    assert len(views) == 16
+    for _, view in views:
+        assert view.events - view.departures <= 3
+        assert view.departures <= 15
+
+
 # --------------------------------------------------------------------------- failures
 
 
 def _fake_join(nodes: Nodes, round_: int, name: str, ttl: int, value: bytes = b"{}") -> int:
-    """A node that joins and then dies: a join key bound to a lease nobody refreshes."""
+    """A node that joins (the join transaction) and then dies: its lease is never refreshed."""
     lease = nodes.client.lease_grant(ttl)
-    nodes.client.put(nodes.keys.join_key(round_, name), value, lease=lease)
+    sealed = queries.read_meta(nodes.client, nodes.keys).sealed
+    assert sealed.round == round_ - 1
+    assert protocol.join(nodes.client, nodes.keys, name, value, lease, sealed).ok
     return lease
+
+
+def seal_now(nodes: Nodes, keys: RunKeys, round_: int, previous: Sealed, lease: int,
+             max_nodes: int = 8) -> protocol.SealOutcome:
+    """Read round ``round_`` and seal it with what was read (as a candidate does)."""
+    read = queries.read_round(nodes.client, keys, round_)
+    return protocol.seal(nodes.client, keys, round_, previous, read, lease, max_nodes)
 
 
 def test_node_revoked_before_sealing_is_not_a_member(nodes: Nodes) -> None:
@@ -402,8 +462,9 @@ def test_concurrent_seal_transactions_have_one_winner(nodes: Nodes) -> None:
 
     def attempt() -> bool:
         barrier.wait()
-        return protocol.seal(nodes.client, h.keys, 1, Sealed(), lease).ok
+        return protocol.seal(nodes.client, h.keys, 1, Sealed(), read, lease, 8).ok
 
+    read = queries.read_round(nodes.client, h.keys, 1)
     outcomes = [f.result(timeout=WAIT) for f in [nodes.pool.submit(attempt) for _ in range(8)]]
     assert outcomes.count(True) == 1
     meta = queries.read_meta(nodes.client, h.keys)
@@ -451,36 +512,42 @@ def test_previous_round_must_be_empty_to_seal(nodes: Nodes) -> None:
     run_lease = nodes.client.lease_grant(30)
     node_lease = nodes.client.lease_grant(30)
     keys = h.keys
-    assert protocol.seal(nodes.client, keys, 1, Sealed(), run_lease).ok
+    assert protocol.join(nodes.client, keys, "member", b"{}", node_lease, Sealed()).ok
+    assert seal_now(nodes, keys, 1, Sealed(), run_lease).ok
     sealed = queries.read_meta(nodes.client, keys).sealed
-    nodes.client.put(keys.join_key(1, "member"), b"{}", lease=node_lease)
-    out = protocol.seal(nodes.client, keys, 2, sealed, run_lease)
-    assert not out.ok and out.prev_count == 1
+    out = seal_now(nodes, keys, 2, sealed, run_lease)
+    assert not out.ok and out.read is not None and out.read.prev_count == 1
     nodes.client.lease_revoke(node_lease)
-    assert protocol.seal(nodes.client, keys, 2, sealed, run_lease).ok
+    assert seal_now(nodes, keys, 2, sealed, run_lease).ok
 
 
-def test_seal_names_rank0_only_while_its_join_key_is_unchanged(nodes: Nodes) -> None:
-    """The sealed record carries rank 0's address and port, fenced by the mod
-    revision of the join key they were read from; a stale read fails the seal
-    on that compare alone (the caller then seals without them)."""
+def test_a_seal_is_fenced_on_the_joins_it_read(nodes: Nodes) -> None:
+    """A join or a withdrawal between a candidate's read and its seal bumps the join
+    counter: the seal fails, and its answer is a fresh read to seal with."""
     (h,) = nodes.many(1, 1, 1)
     keys = h.keys
     run_lease = nodes.client.lease_grant(30)
     node_lease = nodes.client.lease_grant(30)
-    key = keys.join_key(1, "rank0")
-    put = nodes.client.put(key, json.dumps({"addr": "10.0.0.7", "port": 29500}).encode(), lease=node_lease)
-    stale = records.Master(key, put.revision, "10.0.0.7", 29500)
-    nodes.client.put(key, json.dumps({"addr": "10.0.0.7", "port": 29611}).encode(), lease=node_lease)
-    out = protocol.seal(nodes.client, keys, 1, Sealed(), run_lease, master=stale)
-    assert not out.ok
-    assert (out.sealed, out.closed, out.prev_count) == (Sealed(), False, 0)  # failed on master alone
-    kv = nodes.client.get(key)
-    assert kv is not None
-    fresh = records.Master(key, kv.mod_revision, "10.0.0.7", 29611)
-    assert protocol.seal(nodes.client, keys, 1, Sealed(), run_lease, master=fresh).ok
+    value = json.dumps({"addr": "10.0.0.7", "port": 29500}).encode()
+    first = protocol.join(nodes.client, keys, "first", value, node_lease, Sealed())
+    assert (first.ok, first.seq, first.count) == (True, 1, 1)
+    read = queries.read_round(nodes.client, keys, 1)
+    assert (read.count, read.joins) == (1, 1)
+    second = protocol.join(nodes.client, keys, "second", b"{}", node_lease, Sealed())
+    assert (second.seq, second.count) == (2, 2)
+    out = protocol.seal(nodes.client, keys, 1, Sealed(), read, run_lease, 8, master=("10.0.0.7", 29500))
+    assert not out.ok and out.read is not None and (out.read.count, out.read.joins) == (2, 2)
+    # A withdrawal bumps the counter too (a lease expiry does not: a dead member).
+    assert protocol.leave_if_unsealed(nodes.client, keys, 1, keys.join_key(1, "second"), Sealed())
+    out2 = protocol.seal(nodes.client, keys, 1, Sealed(), out.read, run_lease, 8)
+    assert not out2.ok and out2.read is not None and (out2.read.count, out2.read.joins) == (1, 3)
+    assert protocol.seal(nodes.client, keys, 1, Sealed(), out2.read, run_lease, 8,
+                         master=("10.0.0.7", 29500)).ok  # fmt: skip
     sealed = queries.read_meta(nodes.client, keys).sealed
-    assert (sealed.round, sealed.master) == (1, ("10.0.0.7", 29611))
+    assert (sealed.round, sealed.master) == (1, ("10.0.0.7", 29500))
+    # One left, so the members are named by create revision, not by sequence number.
+    assert sealed.membership == records.Membership(1, created=(first.create_revision,))
+    assert nodes.members(1) == ["first"]
 
 
 def test_members_take_master_from_the_sealed_record(nodes: Nodes) -> None:
@@ -499,7 +566,7 @@ def test_without_master_in_the_sealed_record_members_read_rank0s_key(
 ) -> None:
     """A sealed record without rank 0's address (its key changed under the sealer):
     members read the earliest join key at the seal revision instead."""
-    monkeypatch.setattr(bootstrap, "master_of", lambda *args: None)
+    monkeypatch.setattr(rounds, "_master_named", lambda read: None)
     hs = nodes.many(3, 3, 3)
     infos = rendezvous_all(nodes, hs)
     assert queries.read_meta(nodes.client, nodes.keys).sealed.master is None
@@ -520,7 +587,7 @@ def test_a_join_whose_answer_was_lost_is_found_again(nodes: Nodes, monkeypatch: 
         if len(calls) == 1:
             assert first.ok
             lease = nodes.client.lease_grant(30)
-            assert protocol.seal(nodes.client, h.keys, 1, Sealed(), lease).ok  # another sealer
+            assert seal_now(nodes, h.keys, 1, Sealed(), lease).ok  # another sealer
             replay = real_join(*args, **kwargs)
             assert not replay.ok and replay.joined_anyway
             return replay
@@ -550,7 +617,7 @@ def test_join_refused_for_a_revoked_lease_takes_a_new_one(nodes: Nodes) -> None:
 
 
 def test_seal_and_close_after_the_run_lease_expired(nodes: Nodes) -> None:
-    """The run lease went (with ``ctl/run`` and ``ctl/sealed``): the next seal, and
+    """The run lease went (with ``run`` and ``ctl/sealed``): the next seal, and
     a close, each write again with a new run lease."""
     (a,) = nodes.many(1, 1, 1)
     assert a.next_round().round == 1
@@ -603,6 +670,74 @@ def test_shutdown_closes_the_run_and_revokes_the_lease(nodes: Nodes) -> None:
     # The last node out removed the rounds' records; `closed` stays (run lease TTL).
     assert nodes.client.range(nodes.keys.rounds, prefix=True, count_only=True).count == 0
     assert nodes.client.get(nodes.keys.closed) is not None
+
+
+def test_leave_releases_the_node_without_closing_the_run(nodes: Nodes) -> None:
+    """A node that leaves (what its process does at exit without shutdown) is gone at
+    once: the others see a lost member, re-form without it, and the run stays open."""
+    a, b, c = nodes.many(3, 2, 3, last_call_timeout="60")
+    assert_group(results(nodes.start(a, b, c)), 3)
+    lease = lease_of(c)
+    started = time.monotonic()
+    assert c.leave() is True
+    assert time.monotonic() - started < 2.5  # LEAVE_TIMEOUT, and much less with etcd up
+    assert nodes.client.lease_time_to_live(lease) == -1
+    assert nodes.client.get(nodes.keys.join_key(1, c.node_id)) is None
+    assert not a.is_closed()
+    assert a.num_nodes_waiting() >= 1 and b.num_nodes_waiting() >= 1
+    res = results(nodes.start(a, b))  # fast recovery: no last call (60 s)
+    assert_group(res, 2)
+    assert {r.round for r in res} == {2}
+    with pytest.raises(RendezvousClosedError):
+        c.next_round()  # this handler is done, the run is not
+    assert c.leave() is True
+
+
+def test_a_waiting_node_that_leaves_is_not_counted(nodes: Nodes) -> None:
+    a, b, c = nodes.many(3, 3, 3)
+    fa, fb = nodes.start(a, b)
+    wait_count(nodes.client, nodes.join_prefix(1), 2)
+    assert b.leave() is True
+    wait_count(nodes.client, nodes.join_prefix(1), 1)
+    assert not fa.done()
+    d = nodes.new(3, 3)
+    res = results([fa, *nodes.start(c, d)])
+    assert_group(res, 3)
+    assert b.node_id not in nodes.members(1)
+    with pytest.raises(RendezvousClosedError):
+        fb.result(timeout=WAIT)
+
+
+LEAVER = r'''
+import sys
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from etcd_rdzv.plugin import create_etcd_v3_rdzv_handler
+endpoint, run_id, prefix = sys.argv[1:4]
+params = RendezvousParameters("etcd-v3", endpoint, run_id, 1, 2, local_addr="127.0.0.1",
+                              key_prefix=prefix, last_call_timeout="30", heartbeat="60")
+handler = create_etcd_v3_rdzv_handler(params)
+result = handler.next_round()
+print(handler.node_id, flush=True)
+sys.exit(3)  # without shutdown(), as torchrun's agent on SIGTERM
+'''
+
+
+def test_a_process_that_exits_without_shutdown_leaves(nodes: Nodes, tmp_path: Any) -> None:
+    """The atexit hook: the node's lease is revoked at exit (heartbeat=60 would keep
+    its key a minute otherwise), and the run is not closed."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "leaver.py"
+    script.write_text(LEAVER)
+    done = subprocess.run(
+        [sys.executable, str(script), nodes.endpoint, nodes.run_id, nodes.prefix],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 3, done.stderr
+    node_id = done.stdout.split()[-1]
+    assert nodes.client.get(nodes.keys.join_key(1, node_id)) is None
+    assert nodes.client.get(nodes.keys.closed) is None
 
 
 def test_shutdown_interrupts_a_blocked_join(nodes: Nodes) -> None:

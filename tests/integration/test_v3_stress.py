@@ -7,10 +7,15 @@ by a fresh node a moment later. A chaos thread meanwhile adds joiners that die
 before sealing (join keys whose lease is revoked) and revokes the leases of
 waiting nodes (which must re-join). After the run, every formed round is checked:
 
-* ranks are a permutation of ``0..world_size-1`` and every member reports the
-  same world size and seal revision;
-* the members are exactly the first ``max_nodes`` join keys at the seal
-  revision, in create order (etcd's own history), and the members record agrees;
+* ranks are distinct, every member reports the same world size and seal revision,
+  and each member's rank is its place in the members record that the seal
+  transaction wrote;
+* that record is the first ``max_nodes`` join keys in create order as the sealer
+  read them, checked against etcd's own history: the members still present at the
+  seal revision are the first join keys there, in order, any later key is an
+  overflow, and every named member missing at the seal revision is a node whose
+  lease ended (a dead node: fake joiner, killed node, revoked lease), never one that
+  withdrew;
 * ``min_nodes <= world_size <= max_nodes``;
 * groups never overlap: every member of a round had left it before any member
   of a later round was admitted, and a node's rounds strictly increase.
@@ -36,6 +41,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousGracefulExitError,
 )
 
+from etcd_rdzv.native import protocol, queries
 from etcd_rdzv.native.handler import EtcdV3RendezvousHandler, RoundResult
 from etcd_rdzv.native.keys import RunKeys
 from etcd_rdzv.plugin import create_etcd_v3_rdzv_handler
@@ -74,6 +80,7 @@ class Stress:
         self.handlers: list[EtcdV3RendezvousHandler] = []
         self.waiting: set[EtcdV3RendezvousHandler] = set()
         self.fakes: set[str] = set()
+        self.lease_ended: set[str] = set()  # node ids whose lease a test thread revoked
         # lease id -> time the chaos thread revoked it: a node whose lease ends
         # has left its group then, even if its thread still "runs" the group.
         self.revoked_at: dict[int, float] = {}
@@ -136,6 +143,8 @@ class Stress:
         """The node dies: no shutdown (that would close the run), its lease just ends."""
         session = handler._node.session
         if session is not None:
+            with self.lock:
+                self.lease_ended.add(handler.node_id)
             session.close(revoke=True)
 
     def chaos(self) -> None:
@@ -150,10 +159,12 @@ class Stress:
                     with self.lock:
                         waiting = sorted(self.waiting, key=id)
                     if waiting:
-                        session = rng.choice(waiting)._node.session
+                        victim = rng.choice(waiting)
+                        session = victim._node.session
                         if session is not None:
                             with self.lock:
                                 self.revoked_at.setdefault(session.id, time.monotonic())
+                                self.lease_ended.add(victim.node_id)
                             self.client.lease_revoke(session.id)
                             self.lease_kills += 1
             except Exception as e:
@@ -161,13 +172,13 @@ class Stress:
                 return
 
     def fake_joiner(self, rng: random.Random, i: int) -> None:
-        """A node that joins the open round and dies a moment later (before or after sealing)."""
-        sealed = self.client.get(self.keys.sealed)
-        round_ = (json.loads(sealed.value)["round"] if sealed else 0) + 1
+        """A node that joins the open round (the join transaction) and dies a moment
+        later, before or after sealing."""
         name = f"fake-{i}"
         lease = self.client.lease_grant(30)
         self.fakes.add(name)
-        self.client.put(self.keys.join_key(round_, name), b"{}", lease=lease)
+        sealed = queries.read_meta(self.client, self.keys).sealed
+        protocol.join(self.client, self.keys, name, b"{}", lease, sealed)  # may fail: sealed since
         self.stop.wait(rng.uniform(0.0, 0.2))
         self.client.lease_revoke(lease)
 
@@ -201,23 +212,25 @@ def check_rounds(stress: Stress) -> int:
         seal_revision = revisions.pop()
         ranks = sorted(r.rank for r in results)
         assert len(set(ranks)) == len(ranks), f"round {round_}: duplicate ranks {ranks}"
-        # The membership as etcd's history defines it, at the seal revision.
-        snap = client.range(keys.join_prefix(round_), prefix=True, keys_only=True, revision=seal_revision)
-        expected = [
-            keys.parse_join_key(kv.key)[1]  # type: ignore[index]
-            for kv in sorted(snap.kvs, key=lambda kv: kv.create_revision)[:MAX_NODES]
-        ]
-        assert len(expected) == world_size
+        # Later seals delete old records: read it as the seal wrote it.
+        members_res = client.range(keys.members(round_), revision=seal_revision)
+        assert members_res.kvs, f"round {round_}: no members record"
+        named = json.loads(members_res.kvs[0].value)
+        assert len(named) == world_size
         by_rank = {r.rank: r.node_id for r in results}
-        for rank, node in enumerate(expected):
-            if node in stress.fakes:
-                assert rank not in by_rank  # a node that died right after sealing
-            else:
-                assert by_rank.get(rank) == node, f"round {round_}: rank {rank} is {node}, saw {by_rank}"
-        assert len(results) == sum(1 for n in expected if n not in stress.fakes)
-        members = client.get(keys.members(round_))
-        if members is not None:
-            assert json.loads(members.value) == expected
+        for rank, node in by_rank.items():
+            assert named[rank] == node, f"round {round_}: rank {rank} is {node}, the record says {named}"
+        # The record against etcd's history at the seal revision.
+        snap = client.range(keys.join_prefix(round_), prefix=True, keys_only=True, revision=seal_revision)
+        at_seal = [
+            keys.parse_join_key(kv.key)[1]  # type: ignore[index]
+            for kv in sorted(snap.kvs, key=lambda kv: kv.create_revision)
+        ]
+        present = [n for n in named if n in at_seal]
+        assert at_seal[: len(present)] == present, f"round {round_}: {named} vs {at_seal}"
+        gone = set(named) - set(at_seal)
+        assert gone <= stress.fakes | stress.lease_ended, f"round {round_}: {gone} left yet were named"
+        assert not gone & set(by_rank.values())
     # Exclusivity: a later group is admitted only after the earlier one was left.
     for earlier, later in itertools.pairwise(formed):
         left = max(e.t_out for e in by_round[earlier])

@@ -14,6 +14,7 @@ from etcd_rdzv.native.barrier import (
     SEAL_BACKUP_DELAY,
     Admitted,
     Barrier,
+    Check,
     JoinClock,
     Overflow,
     Seal,
@@ -24,6 +25,7 @@ from etcd_rdzv.native.barrier import (
     decide,
     verdict,
 )
+from etcd_rdzv.native.records import Joiner, Membership, decode_membership, decode_sealed, encode_sealed
 from etcd_rdzv.native.settings import V3Settings
 
 T0 = 1000.0  # any monotonic time
@@ -40,100 +42,108 @@ def start(s: V3Settings, tally: Tally, *, recover_size: int | None = None, now: 
     return Barrier.start(JoinClock.start(s.join_timeout, now), tally, s, recover_size)
 
 
-def test_below_min_nodes_waits_for_the_join_deadline_only() -> None:
+def test_a_joiner_below_min_nodes_is_no_candidate_and_waits_for_the_join_deadline_only() -> None:
     s = rules(min_nodes=3)
-    tally = Tally(count=2, before=0, prev_count=0)
+    tally = Tally(count=2, prev_count=0)
     state, action = decide(start(s, tally), tally, s, T0)
+    assert not state.candidate
     assert action == WaitUntil(T0 + s.join_timeout)
-    assert state.last_call_at is None and state.ready_since is None
+    # It never seals, whatever it is told later: only candidates read the round.
+    _, action = decide(state, Tally(count=5, prev_count=0, changes=1, fresh=True), s, T0 + 40)
+    assert action == WaitUntil(T0 + s.join_timeout)
 
 
-def test_min_nodes_starts_the_last_call_and_it_seals_when_it_ends() -> None:
+def test_a_candidate_reads_the_round_when_the_last_call_ends_then_seals() -> None:
     s = rules(min_nodes=2, max_nodes=4, last_call=30.0)
-    tally = Tally(count=2, before=0, prev_count=0)
+    tally = Tally(count=2, prev_count=0)
     state, action = decide(start(s, tally), tally, s, T0)
+    assert state.candidate and state.place == 0
     assert action == WaitUntil(T0 + 30.0)  # the last call, before the join deadline
     state, action = decide(state, tally, s, T0 + 29.9)
     assert action == WaitUntil(T0 + 30.0)  # unchanged: not restarted by a later look
     state, action = decide(state, tally, s, T0 + 30.0)
+    assert action == Check()
+    read = Tally(count=3, prev_count=0, changes=1, fresh=True)
+    state, action = decide(state, read, s, T0 + 30.01)
     assert action == Seal()
-    assert state.tried_at_change == tally.changes
+    assert state.tried_at_change == read.changes
 
 
-def test_the_last_call_restarts_when_the_barrier_breaks() -> None:
+def test_a_candidate_that_reads_fewer_than_min_nodes_steps_down() -> None:
     s = rules(min_nodes=2, last_call=30.0)
-    two, one = Tally(2, 0, 0, changes=0), Tally(1, 0, 0, changes=1)
-    state, _ = decide(start(s, two), two, s, T0)
-    state, action = decide(state, one, s, T0 + 10)  # a joiner left
+    two = Tally(2, 0)
+    state, action = decide(start(s, two), two, s, T0)
+    state, action = decide(state, two, s, T0 + 30)
+    assert action == Check()
+    state, action = decide(state, Tally(1, 0, changes=1, fresh=True), s, T0 + 30.1)  # one left
     assert state.last_call_at is None and action == WaitUntil(T0 + s.join_timeout)
-    state, action = decide(state, Tally(2, 0, 0, changes=2), s, T0 + 20)
-    assert action == WaitUntil(T0 + 50.0)
 
 
-def test_max_nodes_seals_at_once_and_later_joiners_stand_one_place_back() -> None:
+def test_max_nodes_in_the_join_answer_seals_at_once_others_stand_back_by_place() -> None:
     s = rules(min_nodes=2, max_nodes=3)
-    first = Tally(count=3, before=0, prev_count=0, changes=2)
-    # The first joiner learnt of the others from its watch: it stands behind the filler.
-    state, action = decide(start(s, Tally(1, 0, 0)), first, s, T0)
-    assert action == WaitUntil(T0 + 1 * SEAL_BACKUP_DELAY)
-    _, action = decide(state, first, s, T0 + SEAL_BACKUP_DELAY)
-    assert action == Seal()
-    # The joiner whose join filled the round seals from its join answer, at once.
-    filler = Tally(count=3, before=2, prev_count=0)
+    # The joiner whose join filled the round: due at once, first in line.
+    filler = Tally(count=3, prev_count=0)
     state = start(s, filler)
-    assert state.filled_it
-    _, action = decide(state, filler, s, T0)
+    assert state.place == 0
+    state, action = decide(state, filler, s, T0)
+    assert action == Check()
+    _, action = decide(state, Tally(3, 0, changes=1, fresh=True), s, T0)
     assert action == Seal()
-    # The second joiner (not the filler) stands two places back.
-    second = Tally(count=3, before=1, prev_count=0, changes=1)
-    _, action = decide(start(s, Tally(2, 1, 0)), second, s, T0)
-    assert action == WaitUntil(T0 + 2 * SEAL_BACKUP_DELAY)
+    # The candidate that saw min_nodes + 1 (but not the round due) stands one place back.
+    third = start(s, Tally(count=3, prev_count=1))
+    assert third.place == 1
+    vacated = Tally(count=3, prev_count=0, changes=1)
+    state, action = decide(third, vacated, s, T0 + 5)
+    assert action == WaitUntil(T0 + 5 + SEAL_BACKUP_DELAY)
+    _, action = decide(state, vacated, s, T0 + 5 + SEAL_BACKUP_DELAY)
+    assert action == Check()
 
 
-def test_a_seal_attempt_is_not_repeated_on_an_unchanged_view() -> None:
-    """Sealed by another node (or lost to a change): our transaction failed; the
-    next attempt waits for the view to change, then keeps its place."""
+def test_a_check_or_seal_is_not_repeated_on_an_unchanged_view() -> None:
+    """Sealed by another node (or lost to a change): the next attempt waits for the
+    view to change (a failed seal's answer is such a change)."""
     s = rules(min_nodes=1, max_nodes=1)
-    tally = Tally(count=1, before=0, prev_count=0, changes=0)
-    state, action = decide(start(s, tally), tally, s, T0)
+    tally = Tally(count=1, prev_count=0, changes=1, fresh=True)
+    state, action = decide(start(s, Tally(1, 0)), tally, s, T0)
     assert action == Seal()
     state = state.sealed(False)
     state, action = decide(state, tally, s, T0 + 0.1)
     assert action == WaitUntil(T0 + s.join_timeout)  # only the join deadline remains
-    changed = Tally(count=1, before=0, prev_count=0, changes=1)
-    _, action = decide(state, changed, s, T0 + 0.2)
+    _, action = decide(state, Tally(1, 0, changes=2, fresh=True), s, T0 + 0.2)
     assert action == Seal()
+    # Once a read showed the round sealed by someone else: no more attempts.
+    _, action = decide(state.settle(), Tally(1, 0, changes=3, fresh=True), s, T0 + 0.3)
+    assert action == WaitUntil(T0 + s.join_timeout)
 
 
 def test_after_our_seal_succeeded_we_only_wait_for_its_event() -> None:
     s = rules(min_nodes=1, max_nodes=1)
-    tally = Tally(count=1, before=0, prev_count=0)
+    tally = Tally(count=1, prev_count=0, fresh=True)
     state, _ = decide(start(s, tally), tally, s, T0)
     state = state.sealed(True)
-    _, action = decide(state, Tally(1, 0, 0, changes=5), s, T0 + 1)
+    _, action = decide(state, Tally(1, 0, changes=5, fresh=True), s, T0 + 1)
     assert action == WaitUntil(T0 + s.join_timeout)
 
 
 def test_a_running_previous_round_blocks_the_seal() -> None:
     s = rules(min_nodes=1, max_nodes=2)
-    tally = Tally(count=2, before=0, prev_count=1)
+    tally = Tally(count=2, prev_count=1)
     state, action = decide(start(s, tally), tally, s, T0)
-    assert not state.filled_it
+    assert state.candidate and state.place == 1  # not due from its answer
     assert action == WaitUntil(T0 + s.join_timeout) and state.ready_since is None
-    vacated = Tally(count=2, before=0, prev_count=0, changes=1)
+    vacated = Tally(count=2, prev_count=0, changes=1)
     state, action = decide(state, vacated, s, T0 + 5)
-    # Full, but our join did not fill it: the filler seals first, we stand in after.
     assert action == WaitUntil(T0 + 5 + SEAL_BACKUP_DELAY)
     _, action = decide(state, vacated, s, T0 + 5 + SEAL_BACKUP_DELAY)
-    assert action == Seal()
+    assert action == Check()
 
 
 @pytest.mark.parametrize(("count", "due"), [(2, True), (3, True), (4, False)])
 def test_fast_recovery_skips_the_last_call_unless_the_round_grows(count: int, due: bool) -> None:
     s = rules(min_nodes=2, max_nodes=8, last_call=30.0)
-    tally = Tally(count=count, before=0, prev_count=0)
+    tally = Tally(count=count, prev_count=0)
     state, action = decide(start(s, tally, recover_size=3), tally, s, T0)
-    assert (action == Seal()) is due
+    assert (action == Check()) is due
     if not due:
         assert action == WaitUntil(T0 + 30.0)
     # Without fast_recovery (no group left) every size waits for the last call.
@@ -141,9 +151,19 @@ def test_fast_recovery_skips_the_last_call_unless_the_round_grows(count: int, du
     assert action == WaitUntil(T0 + 30.0)
 
 
+def test_fast_recovery_read_finds_a_newcomer_and_waits_for_the_last_call() -> None:
+    s = rules(min_nodes=2, max_nodes=8, last_call=30.0)
+    state, action = decide(start(s, Tally(3, 0), recover_size=3), Tally(3, 0), s, T0)
+    assert action == Check()
+    state, action = decide(state, Tally(4, 0, changes=1, fresh=True), s, T0 + 0.1)
+    assert action == WaitUntil(T0 + 30.0)
+    _, action = decide(state, Tally(4, 0, changes=1, fresh=True), s, T0 + 30.0)
+    assert action == Seal()
+
+
 def test_join_timeout_times_out_and_a_late_seal_is_awaited_without_a_deadline() -> None:
     s = rules(min_nodes=3, join=10.0)
-    tally = Tally(count=1, before=0, prev_count=0)
+    tally = Tally(count=1, prev_count=0)
     state, action = decide(start(s, tally), tally, s, T0 + 9.9)
     assert action == WaitUntil(T0 + 10.0)
     state, action = decide(state, tally, s, T0 + 10.0)
@@ -155,25 +175,43 @@ def test_join_timeout_times_out_and_a_late_seal_is_awaited_without_a_deadline() 
 
 def test_join_timeout_is_suspended_while_a_full_group_runs_and_restarts_after() -> None:
     s = rules(min_nodes=1, max_nodes=2, join=10.0)
-    kept_out = Tally(count=1, before=0, prev_count=2)
+    kept_out = Tally(count=1, prev_count=2)
     state, action = decide(start(s, kept_out), kept_out, s, T0)
     assert state.clock.suspended and action == WaitUntil(None)
     state, action = decide(state, kept_out, s, T0 + 100.0)  # long past join_timeout
     assert action == WaitUntil(None)
-    one_left = Tally(count=1, before=0, prev_count=1, changes=1)
+    one_left = Tally(count=1, prev_count=1, changes=1)
     state, action = decide(state, one_left, s, T0 + 200.0)
     assert not state.clock.suspended and action == WaitUntil(T0 + 210.0)
 
 
 def test_verdict_of_the_sealed_round() -> None:
     s = rules(min_nodes=2, max_nodes=3)
-    # Sealed (by us or by another node) with us at place 1 of 3.
-    assert verdict(Tally(count=3, before=1, prev_count=0), s) == Admitted(1, 3)
-    # More joiners than max_nodes: the first three are the group.
-    assert verdict(Tally(count=5, before=2, prev_count=0), s) == Admitted(2, 3)
-    assert verdict(Tally(count=5, before=3, prev_count=0), s) == Overflow()
-    # A joiner died in the instant before the seal: too few left, the round is void.
-    assert verdict(Tally(count=1, before=0, prev_count=0), s) == Void(1)
+    # Nobody left: the record names the joins, our sequence number is our place.
+    assert verdict(Membership(3, joins=3), seq=2, create_revision=50, rules=s) == Admitted(1, 3)
+    assert verdict(Membership(3, joins=5), seq=3, create_revision=50, rules=s) == Admitted(2, 3)
+    assert verdict(Membership(3, joins=5), seq=4, create_revision=50, rules=s) == Overflow()
+    # Someone left: the record names the members' create revisions.
+    named = Membership(2, created=(40, 55))
+    assert verdict(named, seq=9, create_revision=55, rules=s) == Admitted(1, 2)
+    assert verdict(named, seq=3, create_revision=47, rules=s) == Overflow()  # gone when read
+    # A record naming fewer than min_nodes (never written by a seal) forms no group.
+    assert verdict(Membership(1, joins=1), seq=1, create_revision=1, rules=s) == Void(1)
+
+
+def test_membership_encoding_round_trips() -> None:
+    import json
+
+    joiners = [Joiner(f"n{i}", rev, b"{}") for i, rev in enumerate((7, 9, 30, 31))]
+    compact = Membership.of(joiners, joins=4, max_nodes=3)
+    assert compact == Membership(3, joins=4)
+    listed = Membership.of(joiners, joins=6, max_nodes=3)  # two left before the read
+    assert listed == Membership(3, created=(7, 9, 30))
+    for m in (compact, listed):
+        value = encode_sealed(5, 0xAB, ("h", 1), m)
+        assert decode_membership(value) == m
+        assert decode_sealed(value) == (5, 0xAB, ("h", 1))
+    assert json.loads(encode_sealed(5, 0xAB, None, listed))["created"] == [7, 2, 21]
 
 
 def test_join_clock() -> None:
