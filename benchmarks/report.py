@@ -16,6 +16,7 @@ from .common import (
     C10D,
     DESCRIPTIONS,
     FLOOR,
+    FLOOR_BARRIER,
     OURS_ETCD_V2,
     OURS_ETCD_V3,
     OURS_STORE,
@@ -30,8 +31,15 @@ PRODUCTION_RERDZV_S = 14.5
 COLORS = {
     OURS_STORE: "tab:blue", OURS_ETCD_V2: "tab:blue", OURS_ETCD_V3: "tab:green",
     TORCH_V2_STORE: "tab:orange", TORCH_ETCD_V2: "tab:orange",
-    TCP_STORE: "tab:gray", C10D: "tab:gray", FLOOR: "black",
+    TCP_STORE: "tab:gray", C10D: "tab:gray", FLOOR: "black", FLOOR_BARRIER: "tab:purple",
 }
+# B2 targets (issue 12): etcd-v3 within 2x of the barrier floor at these N, and its growth
+# from 1024 to 2048 nodes; N = 2 under 20 ms; watch events per waiting node.
+B2_BARRIER_NS = (64, 256, 1024, 2048)
+B2_BARRIER_RATIO = 2.0
+B2_GROWTH = (1024, 2048, 2.5)
+B2_N2_MS = 20.0
+B2_EVENTS_PER_NODE = 3  # + the nodes that left; none leaves in B2
 
 
 # --------------------------------------------------------------------------- formatting
@@ -59,6 +67,32 @@ def _ratio(r: dict[str, Any] | None) -> str:
         return "—"
     spread = f" ({r['lo']:.2f}–{r['hi']:.2f})" if r.get("runs", 0) > 1 else ""
     return f"{r['ratio']:.2f}×{spread}"
+
+
+def _b2_cell(r: dict[str, Any] | None) -> str:
+    """A B2 figure, or why there is none (did not finish in its box, not run)."""
+    if r is None:
+        return "—"
+    if r.get("did_not_finish") is not None:
+        return f"did not finish in {r['did_not_finish']:g} s"
+    if r.get("skipped"):
+        return r["skipped"]
+    cell = _fig(r["ms"])
+    if r.get("failed_runs"):
+        cell += f" ({r['failed_runs']} failed)"
+    return cell
+
+
+def _events(w: dict[str, Any] | None) -> str:
+    if not w:
+        return "n/a"
+    return f"{w['events_mean']:,.1f} / {w['events_max']:,.0f}"
+
+
+def _bytes(w: dict[str, Any] | None) -> str:
+    if not w:
+        return "n/a"
+    return f"{w['bytes_mean']:,.0f} / {w['bytes_max']:,.0f}"
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -119,7 +153,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                                None if r is None else r["ratio"] <= 1.2))
         for n in b2["ns"]:
             row = by2.get((n, OURS_ETCD_V2))
-            if row is None:
+            if row is None or row.get("skipped"):
                 continue
             r = row.get(f"ratio_vs_{TORCH_ETCD_V2}")
             out.append(_target(f"B2 N={n}: etcd-v2 faster than torch's etcd-v2", _ratio(r),
@@ -133,6 +167,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         else:
             out.append(_target("B2 N=64: etcd-v3 within 2× of the floor", "—", None,
                                "N=64 not in this mode's N list"))
+        out += _b2_v3_targets(b2, by2)
         row = by2.get((512, OURS_ETCD_V3))
         cores = results.get("machine", {}).get("cores", 0)
         if row is not None and row["ms"]["median"] is not None:
@@ -174,6 +209,72 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             beside = "; ".join(f"{r['contender']}: {r['revisions_per_min']:.0f}/min" for r in others)
             out.append(_target(f"B4 N={row['n']}: etcd-v3 idle job makes 0 revisions/min",
                                f"{row['revisions_per_min']:.1f}/min", row["revisions_per_min"] == 0, beside))
+    return out
+
+
+def _b2_v3_targets(b2: dict[str, Any], by2: dict[tuple[int, str], dict[str, Any]]) -> list[dict[str, Any]]:
+    """etcd-v3 against the barrier floor, its growth 1024 -> 2048, N = 2, watch events per node."""
+    out: list[dict[str, Any]] = []
+
+    def unfinished(row: dict[str, Any]) -> str | None:
+        if row.get("did_not_finish") is not None:
+            return f"did not finish in {row['did_not_finish']:g} s"
+        if row.get("skipped"):
+            return str(row["skipped"])
+        if row["ms"]["median"] is None:
+            return f"failed: {(row.get('failures') or ['?'])[0][:100]}"
+        return None
+
+    for n in B2_BARRIER_NS:
+        name = f"B2 N={n}: etcd-v3 within {B2_BARRIER_RATIO:g}× of the barrier floor"
+        row, base = by2.get((n, OURS_ETCD_V3)), by2.get((n, FLOOR_BARRIER))
+        if row is None or base is None:
+            out.append(_target(name, "—", None, f"N={n} (or the barrier floor) not in this run"))
+            continue
+        why = unfinished(row)
+        if why:
+            out.append(_target(name, "—", False, why))
+            continue
+        r = row.get(f"ratio_vs_{FLOOR_BARRIER}")
+        out.append(_target(name, _ratio(r), None if r is None else r["ratio"] <= B2_BARRIER_RATIO,
+                           f"{_fig(row['ms'], ' ms')} vs barrier floor {_fig(base['ms'], ' ms')}"))
+    lo_n, hi_n, limit = B2_GROWTH
+    name = f"B2 N={lo_n}→{hi_n}: etcd-v3 time grows at most {limit:g}×"
+    lo_row, hi_row = by2.get((lo_n, OURS_ETCD_V3)), by2.get((hi_n, OURS_ETCD_V3))
+    if lo_row is None or hi_row is None:
+        out.append(_target(name, "—", None, f"N={lo_n} and N={hi_n} not both in this run"))
+    elif unfinished(lo_row) or unfinished(hi_row):
+        out.append(_target(name, "—", False, "; ".join(f"N={r['n']}: {unfinished(r)}" for r in (lo_row, hi_row)
+                                                       if unfinished(r))))
+    else:
+        growth = hi_row["ms"]["median"] / lo_row["ms"]["median"]
+        floor_lo, floor_hi = by2.get((lo_n, FLOOR_BARRIER)), by2.get((hi_n, FLOOR_BARRIER))
+        note = f"{_fmt(lo_row['ms']['median'])} → {_fmt(hi_row['ms']['median'])} ms"
+        if floor_lo and floor_hi and floor_lo["ms"]["median"] and floor_hi["ms"]["median"]:
+            note += f"; barrier floor {floor_hi['ms']['median'] / floor_lo['ms']['median']:.2f}×"
+        out.append(_target(name, f"{growth:.2f}×", growth <= limit, note))
+    row = by2.get((2, OURS_ETCD_V3))
+    name = f"B2 N=2: etcd-v3 under {B2_N2_MS:g} ms"
+    if row is None:
+        out.append(_target(name, "—", None, "N=2 not in this run"))
+    else:
+        why = unfinished(row)
+        med = row["ms"]["median"]
+        out.append(_target(name, _fig(row["ms"], " ms"), False if why else med < B2_N2_MS, why or ""))
+    for n in b2["ns"]:
+        row = by2.get((n, OURS_ETCD_V3))
+        if row is None:
+            continue
+        name = (f"B2 N={n}: etcd-v3 watch events per waiting node ≤ {B2_EVENTS_PER_NODE} "
+                f"(+ nodes that left: none)")
+        w = row.get("watch")
+        if not w:
+            out.append(_target(name, "—", None, unfinished(row) or "no watch counts"))
+            continue
+        out.append(_target(name, f"mean {w['events_mean']:,.1f}, max {w['events_max']:,.0f}",
+                           w["events_max"] <= B2_EVENTS_PER_NODE,
+                           f"bytes/node mean {w['bytes_mean']:,.0f}, max {w['bytes_max']:,.0f}; "
+                           f"over {w['rounds']} round(s), every node counted"))
     return out
 
 
@@ -244,32 +345,44 @@ def markdown(results: dict[str, Any]) -> str:
         by2 = {(r["n"], r["contender"]): r for r in b2["rows"]}
         rows = []
         for n in b2["ns"]:
-            line = [str(n)]
-            for c in cs:
-                r = by2[(n, c)]
-                cell = _fig(r["ms"])
-                if r["failed_runs"]:
-                    cell += f" ({r['failed_runs']} failed)"
-                line.append(cell)
+            line = [str(n)] + [_b2_cell(by2.get((n, c))) for c in cs]
             o2 = by2.get((n, OURS_ETCD_V2), {})
             o3 = by2.get((n, OURS_ETCD_V3), {})
             line += [_ratio(o2.get(f"ratio_vs_{C10D}")), _ratio(o2.get(f"ratio_vs_{TORCH_ETCD_V2}")),
-                     _ratio(o3.get(f"ratio_vs_{FLOOR}"))]
+                     _ratio(o3.get(f"ratio_vs_{FLOOR}")), _ratio(o3.get(f"ratio_vs_{FLOOR_BARRIER}"))]
             rows.append(line)
         wrows = []
         for n in b2["ns"]:
             wrows.append([str(n)] + [f"{_fmt(by2[(n, c)]['etcd_writes'])} / {_fmt(by2[(n, c)]['revisions'])}"
                                      if c != C10D else "n/a" for c in cs])
+        wcs = [c for c in cs if c not in (C10D, TORCH_ETCD_V2)]
+        erows = [[str(n)] + [_events(by2[(n, c)].get("watch")) for c in wcs]
+                 + [_bytes(by2[(n, c)].get("watch")) for c in wcs] for n in b2["ns"]]
+        boxes = b2.get("box_s") or {}
+        if isinstance(boxes, dict) and len(set(boxes.values())) == 1:
+            box_text = f"{next(iter(boxes.values())):g} s for every contender"
+        elif isinstance(boxes, dict):
+            box_text = ", ".join(f"{c} {sec:g} s" for c, sec in boxes.items())
+        else:
+            box_text = f"{boxes} s"
         parts += [
             "## B2: rendezvous of N nodes (ms until all N hold their RendezvousInfo)",
             "",
-            _table(["N"] + cs + ["etcd-v2 / c10d", "etcd-v2 / torch etcd-v2", "etcd-v3 / floor"], rows),
+            _table(["N"] + cs + ["etcd-v2 / c10d", "etcd-v2 / torch etcd-v2", "etcd-v3 / floor",
+                                 "etcd-v3 / floor-barrier"], rows),
             "",
-            f"Nodes spread over {b2['workers']} worker processes; conf {b2['conf']}.",
+            f"Nodes spread over {b2['workers']} worker processes, one thread each; conf {b2['conf']}. "
+            f"Time box of one round: {box_text or 'none'}; a contender that did not finish in its box is "
+            "not run at larger N.",
             "",
             "etcd writes (raft entries) / revisions consumed per round:",
             "",
             _table(["N"] + cs, wrows),
+            "",
+            "Watch events delivered per node per round, mean / max over the nodes (left), and the bytes of "
+            "those watch responses per node, mean / max (right):",
+            "",
+            _table(["N"] + [f"{c} events" for c in wcs] + [f"{c} bytes" for c in wcs], erows),
             "",
             b2["note"],
             "",
@@ -399,20 +512,27 @@ def plots(results: dict[str, Any], outdir: str) -> list[str]:
     b2 = results.get("b2")
     if b2:
         by2 = {(r["n"], r["contender"]): r for r in b2["rows"]}
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        fig, (ax, ax_ev) = plt.subplots(1, 2, figsize=(12, 4.5))
         for c in b2["contenders"]:
+            style = "--" if c in (TORCH_ETCD_V2, C10D, FLOOR, FLOOR_BARRIER) else "-"
             pts = [(n, by2[(n, c)]["ms"]) for n in b2["ns"] if by2[(n, c)]["ms"]["median"] is not None]
-            if not pts:
-                continue
-            ax.errorbar([p[0] for p in pts], [p[1]["median"] for p in pts],
-                        yerr=list(zip(*[err(p[1]) for p in pts], strict=True)), marker="o", capsize=3, label=c,
-                        color=COLORS.get(c), linestyle="--" if c in (TORCH_ETCD_V2, C10D, FLOOR) else "-")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("N nodes")
+            if pts:
+                ax.errorbar([p[0] for p in pts], [p[1]["median"] for p in pts],
+                            yerr=list(zip(*[err(p[1]) for p in pts], strict=True)), marker="o", capsize=3,
+                            label=c, color=COLORS.get(c), linestyle=style)
+            evs = [(n, by2[(n, c)]["watch"]) for n in b2["ns"] if by2[(n, c)].get("watch")]
+            if evs:
+                ax_ev.plot([p[0] for p in evs], [max(p[1]["events_mean"], 0.1) for p in evs], marker="o",
+                           label=c, color=COLORS.get(c), linestyle=style)
+        for a in (ax, ax_ev):
+            a.set_xscale("log", base=2)
+            a.set_yscale("log")
+            a.set_xlabel("N nodes")
+            a.legend(fontsize=8)
         ax.set_ylabel("ms until all N hold their RendezvousInfo")
-        ax.set_title("B2 rendezvous" + title_suffix)
-        ax.legend(fontsize=8)
+        ax.set_title("B2 rendezvous" + title_suffix, fontsize=10)
+        ax_ev.set_ylabel("watch events delivered per node per round (mean)")
+        ax_ev.set_title("B2 watch events per node", fontsize=10)
         save(fig, "b2_rendezvous.png")
     for b3 in results.get("b3") or []:
         fig, ax = plt.subplots(figsize=(7, 4))

@@ -18,6 +18,7 @@ from etcd3.etcdrpc import rpc_pb2
 
 from ..errors import EtcdCompactedError, EtcdError
 from .kv import Event, KeyValue
+from .testing import watch_stats
 from .transport import _RETRYABLE, _is_stale_token
 
 if TYPE_CHECKING:
@@ -57,6 +58,7 @@ class Watch:
         self._created = threading.Event()
         self.created_revision = 0
         self._call: Any = None
+        self._stats = watch_stats(client)  # events and bytes delivered, per client
         self._thread = threading.Thread(target=self._run, name=f"etcd-watch-{key!r}", daemon=True)
         self._thread.start()
 
@@ -152,6 +154,7 @@ class Watch:
                     if resp.events:
                         batch = [self._event(ev) for ev in resp.events]
                         self._next_revision = batch[-1].kv.mod_revision + 1
+                        self._stats.add(len(batch), resp.ByteSize())
                         self._queue.put(batch)
                 if self._cancelled.is_set():
                     return
