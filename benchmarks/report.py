@@ -528,7 +528,8 @@ def plots(results: dict[str, Any], outdir: str) -> list[str]:
             a.set_xscale("log", base=2)
             a.set_yscale("log")
             a.set_xlabel("N nodes")
-            a.legend(fontsize=8)
+            if a.get_legend_handles_labels()[0]:
+                a.legend(fontsize=8)
         ax.set_ylabel("ms until all N hold their RendezvousInfo")
         ax.set_title("B2 rendezvous" + title_suffix, fontsize=10)
         ax_ev.set_ylabel("watch events delivered per node per round (mean)")

@@ -94,6 +94,14 @@ def _parse_ints(text: str) -> list[int]:
     return values
 
 
+def _parse_contenders(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [x for x in names if x not in RDZV_CONTENDERS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"unknown contender(s) {unknown or text!r}; use {','.join(RDZV_CONTENDERS)}")
+    return names
+
+
 def _parse_box(text: str) -> tuple[str, float]:
     """``SECONDS`` (every contender) or ``CONTENDER=SECONDS``."""
     name, _, value = text.rpartition("=")
@@ -118,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ns", type=_parse_ints, help="N list for B2 and B4 (overrides the mode's)")
     p.add_argument("--reps", type=int, help="runs per figure (overrides the mode's)")
     p.add_argument("--window", type=float, help="B4 idle window in seconds (overrides the mode's)")
+    p.add_argument("--contenders", type=_parse_contenders,
+                   help=f"comma-separated rendezvous contenders of B2-B4 (default all: {','.join(RDZV_CONTENDERS)})")
     p.add_argument("--box", type=_parse_box, action="append", default=[], metavar="[CONTENDER=]SECONDS",
                    help="B2 time box of one round (repeatable; a bare number sets every contender's)")
     p.add_argument("--workers", type=int, help="worker processes hosting the nodes of B2-B4")
@@ -237,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     json_path = os.path.join(outdir, "results.json")
     stores, rdzv = available(results)
+    if args.contenders:
+        rdzv = [c for c in rdzv if c in args.contenders]
     say(f"{mode} mode, sections {cfg['sections']}, output {outdir}")
     for c, why in results["skipped"].items():
         say(f"not measured: {c}: {why}")
