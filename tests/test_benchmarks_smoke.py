@@ -24,7 +24,14 @@ from benchmarks.common import (
     ratio_summary,
     rotated,
 )
-from benchmarks.run import _config, _parse_box, _parse_ints, broken_contenders, build_parser
+from benchmarks.run import (
+    _config,
+    _parse_box,
+    _parse_contenders,
+    _parse_ints,
+    broken_contenders,
+    build_parser,
+)
 
 
 def test_series_summary_and_ratios() -> None:
@@ -61,6 +68,9 @@ def test_box_option_sets_every_or_one_contender() -> None:
     _, cfg = _config(build_parser().parse_args(["--scale", "--only", "b2", "--box", "60", "--box", "etcd-v3=240"]))
     assert cfg["b2"]["box"] == {"*": 60.0, OURS_ETCD_V3: 240.0}  # the bare number replaced the mode's boxes
     assert max(cfg["b2"]["ns"]) == 4096
+    assert _parse_contenders("etcd-v3, floor-barrier") == [OURS_ETCD_V3, FLOOR_BARRIER]
+    with pytest.raises(argparse.ArgumentTypeError, match="etcd-v9"):
+        _parse_contenders("etcd-v3,etcd-v9")
 
 
 def _fake_results() -> dict[str, Any]:
