@@ -219,3 +219,15 @@ def test_a_round_over_its_box_is_reported_as_not_finished(pool: Any, etcd_server
     assert res["error"].startswith("did not finish in 2 s (node 0: TimeoutError: floor-barrier: no go after 2 s")
     assert res["elapsed"] is None
     assert all(p.alive for p in pool.workers)
+
+
+def test_etcd_v3_nodes_report_their_watch_events(pool: Any, etcd_server: Any) -> None:
+    from benchmarks.b2_rendezvous import measure_round
+
+    res = measure_round(pool, OURS_ETCD_V3, 2, etcd_server, "", {}, 30.0, 2)
+    assert res["error"] is None, res["error"]
+    w = res["watch"]
+    # The handler's client is found inside it (c10d and torch's etcd-v2 give None), and its
+    # watches counted: bytes come with events only.
+    assert w is not None and w["nodes"] == 2
+    assert (w["events_max"] > 0) == (w["bytes_max"] > 0)
