@@ -45,12 +45,15 @@ def _b2_cell(r: dict[str, Any] | None) -> str:
     """A B2 figure, or why there is none (did not finish in its box, not run)."""
     if r is None:
         return "—"
-    if r.get("did_not_finish") is not None:
-        return f"did not finish in {r['did_not_finish']:g} s"
+    dnf = r.get("did_not_finish")
     if r.get("skipped"):
-        return r["skipped"]
+        return str(r["skipped"])
+    if r["ms"]["median"] is None and dnf is not None:
+        return f"did not finish in {dnf:g} s"
     cell = _fig(r["ms"])
-    if r.get("failed_runs"):
+    if dnf is not None:
+        cell += f" (a run did not finish in {dnf:g} s)"
+    elif r.get("failed_runs"):
         cell += f" ({r['failed_runs']} failed)"
     return cell
 
