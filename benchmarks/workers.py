@@ -352,10 +352,15 @@ class GroupRun:
         return max(r["end"] for r in self.results.values()) - self.t0
 
     def first_error(self) -> str | None:
-        for node_id, r in sorted(self.results.items()):
-            if not r["ok"]:
-                return f"node {node_id}: {r['error']}"
-        return None
+        """The failure that came first (usually the cause of the others, which then wait in
+        vain), and how many nodes failed."""
+        failed = [(r["end"] if r.get("end") is not None else float("inf"), node_id, r)
+                  for node_id, r in self.results.items() if not r["ok"]]
+        if not failed:
+            return None
+        _, node_id, r = min(failed, key=lambda x: (x[0], x[1]))
+        more = f" (and {len(failed) - 1} more node(s))" if len(failed) > 1 else ""
+        return f"node {node_id}: {r['error']}{more}"
 
 
 class NodeGroup:
