@@ -21,7 +21,7 @@ import uuid
 from typing import Any
 
 from .b2_rendezvous import handler_spec, validate
-from .common import C10D, FLOOR, TORCH_ETCD_V2, EtcdFarm, etcd_snapshot, say, snapshot_delta
+from .common import C10D, FLOORS, TORCH_ETCD_V2, EtcdFarm, etcd_snapshot, say, snapshot_delta
 from .workers import NodeGroup, Pool, WorkerError, assign
 
 
@@ -45,7 +45,7 @@ def run_b4(pool: Pool, binary: str | None, contenders: list[str], ns: list[int],
     ``together``: all N share one idle window (each (N, backend) still has its own
     etcd); otherwise one window per N (for N in the thousands).
     """
-    etcd_contenders = [c for c in contenders if c not in (C10D, FLOOR)]
+    etcd_contenders = [c for c in contenders if c != C10D and c not in FLOORS]
     conf = dict(conf)
     conf.setdefault("join_timeout", str(int(timeout)))
     rows: list[dict[str, Any]] = []

@@ -33,20 +33,27 @@ OURS_STORE = "EtcdStore"
 TORCH_V2_STORE = "torch v2 EtcdStore"
 TCP_STORE = "TCPStore"
 FLOOR = "floor"
+FLOOR_BARRIER = "floor-barrier"
 
 C10D = "c10d"
 TORCH_ETCD_V2 = "torch etcd-v2"
 OURS_ETCD_V2 = "etcd-v2"
 OURS_ETCD_V3 = "etcd-v3"
 
-RDZV_CONTENDERS = (C10D, TORCH_ETCD_V2, OURS_ETCD_V2, OURS_ETCD_V3, FLOOR)
+RDZV_CONTENDERS = (C10D, TORCH_ETCD_V2, OURS_ETCD_V2, OURS_ETCD_V3, FLOOR, FLOOR_BARRIER)
+# The B2-only contenders that are no rendezvous handler (B3 and B4 leave them out).
+FLOORS = (FLOOR, FLOOR_BARRIER)
 STORE_CONTENDERS = (OURS_STORE, TORCH_V2_STORE, TCP_STORE, FLOOR)
 
 DESCRIPTIONS = {
     OURS_STORE: "etcd_store.EtcdStore (this package, etcd v3 API, gRPC)",
     TORCH_V2_STORE: "torch.distributed.elastic.rendezvous.etcd_store.EtcdStore (v2 API, python-etcd, HTTP)",
     TCP_STORE: "torch.distributed.TCPStore (server in the benchmark process)",
-    FLOOR: "bare etcd_store.client.EtcdClient calls doing the same work",
+    FLOOR: "bare etcd_store.client.EtcdClient calls doing the same work (B2: one Put per node, then a "
+           "prefix watch until N keys exist: every node receives every later join, O(N²) events in all)",
+    FLOOR_BARRIER: "B2's O(N) barrier floor: per node a watch on one `go` key (from now), then one Txn "
+                   "[count the joined keys, put mine] whose count is its rank; the N-th node puts `go` "
+                   "(one event per waiting node)",
     C10D: "torch's c10d handler (DynamicRendezvousHandler over a TCPStore hosted by the benchmark)",
     TORCH_ETCD_V2: "torch's built-in etcd-v2 (DynamicRendezvousHandler + EtcdRendezvousBackend, v2 API)",
     OURS_ETCD_V2: "this package's etcd-v2 (DynamicRendezvousHandler over the etcd v3 API)",
@@ -263,6 +270,20 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - non-Linux
         return os.cpu_count() or 1
+
+
+def raise_fd_limit() -> None:
+    """Raise this process's soft limit of open files to the hard limit (B2 at N = 4096
+    opens a connection per node, in the workers and in etcd, which inherits it)."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        target = 65536 if hard == resource.RLIM_INFINITY else hard
+        if soft != resource.RLIM_INFINITY and soft < target:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ImportError, ValueError, OSError) as e:  # pragma: no cover - non-Linux or not allowed
+        log.debug("could not raise the open-files limit: %s", e)
 
 
 def machine_facts(etcd_binary: str | None, label: str | None) -> dict[str, Any]:

@@ -6,7 +6,11 @@ built by :func:`make_node` from a picklable spec sent by the coordinator.
 * ``handler``: a rendezvous handler of one contender (c10d, torch's etcd-v2,
   our etcd-v2, our etcd-v3), built the way torchrun builds it.
 * ``floor``: the least etcd work a rendezvous can do: one Put of its own key,
-  then a watch until N keys exist.
+  then a watch until N keys exist (every node sees every later join: O(N²)
+  events in all).
+* ``floor-barrier``: the O(N) barrier: a watch on one ``go`` key (from now),
+  then one Txn [count the joined keys, put mine] whose count is the node's
+  rank; the N-th node puts ``go``. One watch event per waiting node.
 * ``pg``: one rank of ``init_process_group("gloo")`` over a store.
 """
 
@@ -21,6 +25,7 @@ from typing import Any
 from .common import (
     C10D,
     FLOOR,
+    FLOOR_BARRIER,
     OURS_ETCD_V2,
     OURS_ETCD_V3,
     OURS_STORE,
@@ -148,6 +153,47 @@ class FloorNode:
         self.client.close()
 
 
+class FloorBarrierNode:
+    """The O(N) barrier floor: watch ``go`` from now, one Txn [count the joined keys, put mine]
+    (its count is the rank; a ``count_only`` range ignores revision filters, so the count is
+    taken in the same Txn, before the put); the node whose count is ``n - 1`` puts ``go``."""
+
+    def __init__(self, spec: dict[str, Any], node_id: int) -> None:
+        from etcd_store.client import EtcdClient
+
+        self.client = EtcdClient(spec["endpoint"], timeout=spec.get("timeout", 60.0))
+        prefix = spec["prefix"].encode()
+        self.joined = prefix + b"joined/"
+        self.key = self.joined + f"{node_id:06d}".encode()
+        self.go_key = prefix + b"go"
+        self.n = int(spec["n"])
+        self.timeout = float(spec.get("timeout", 60.0))
+
+    def rendezvous(self) -> tuple[int, int]:
+        from etcd_store.client import op_get, op_put
+
+        deadline = time.monotonic() + self.timeout
+        with self.client.watch(self.go_key) as w:
+            if not w.wait_created(self.timeout):
+                raise TimeoutError(f"floor-barrier: the watch on {self.go_key!r} was not created "
+                                   f"within {self.timeout:g} s")
+            res = self.client.txn([], [op_get(self.joined, prefix=True, count_only=True),
+                                       op_put(self.key, b"127.0.0.1")])
+            rank = res.responses[0].count  # type: ignore[union-attr]
+            if rank == self.n - 1:
+                self.client.put(self.go_key, b"go")
+                return rank, self.n
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"floor-barrier: no go after {self.timeout:g} s (rank {rank})")
+                if any(ev.type == "PUT" for ev in w.get(timeout=left)):
+                    return rank, self.n
+
+    def close(self) -> None:
+        self.client.close()
+
+
 class PgNode:
     """One rank of ``init_process_group("gloo")`` over a store; one per worker process."""
 
@@ -210,6 +256,45 @@ def make_node(kind: str, spec: dict[str, Any], node_id: int) -> Any:
         return HandlerNode(spec, node_id)
     if kind == FLOOR:
         return FloorNode(spec, node_id)
+    if kind == FLOOR_BARRIER:
+        return FloorBarrierNode(spec, node_id)
     if kind == "pg":
         return PgNode(spec, node_id)
     raise ValueError(f"unknown node kind {kind!r}")
+
+
+def _clients(obj: Any, depth: int = 4) -> list[Any]:
+    """This package's ``EtcdClient`` objects reachable from ``obj`` through attributes
+    (``depth`` levels: node, handler, state holder, backend, client)."""
+    from etcd_store.client import EtcdClient
+
+    found: dict[int, Any] = {}
+    seen: set[int] = set()
+
+    def walk(o: Any, d: int) -> None:
+        if id(o) in seen:
+            return
+        seen.add(id(o))
+        if isinstance(o, EtcdClient):
+            found[id(o)] = o
+            return
+        if d == 0:
+            return
+        for v in list(getattr(o, "__dict__", {}).values()):
+            if v is not None and not isinstance(v, (str, bytes, int, float, bool, list, dict, tuple)):
+                walk(v, d - 1)
+
+    walk(obj, depth)
+    return list(found.values())
+
+
+def watch_counts(node: Any) -> tuple[int, int] | None:
+    """``(events, bytes)`` the watches of ``node``'s etcd clients delivered so far; None when the
+    node holds none of this package's clients (c10d, torch's etcd-v2)."""
+    from etcd_store.client.testing import watch_stats
+
+    clients = _clients(node)
+    if not clients:
+        return None
+    snaps = [watch_stats(c).snapshot() for c in clients]
+    return sum(e for e, _ in snaps), sum(b for _, b in snaps)

@@ -1,4 +1,4 @@
-"""Turn a results dict into the targets table, a markdown report and PNG plots.
+"""Turn a results dict into a markdown report (with the targets table) and PNG plots.
 
 ``python -m benchmarks.report benchmarks/results/<dir>/results.json`` rebuilds
 ``results.md`` and the plots from a saved JSON (no measurement).
@@ -16,6 +16,7 @@ from .common import (
     C10D,
     DESCRIPTIONS,
     FLOOR,
+    FLOOR_BARRIER,
     OURS_ETCD_V2,
     OURS_ETCD_V3,
     OURS_STORE,
@@ -23,159 +24,56 @@ from .common import (
     TORCH_ETCD_V2,
     TORCH_V2_STORE,
 )
+from .targets import PRODUCTION_RERDZV_S, targets
+from .targets import fig as _fig
+from .targets import fmt as _fmt
+from .targets import ratio as _ratio
 
 log = logging.getLogger(__name__)
 
-PRODUCTION_RERDZV_S = 14.5
 COLORS = {
     OURS_STORE: "tab:blue", OURS_ETCD_V2: "tab:blue", OURS_ETCD_V3: "tab:green",
     TORCH_V2_STORE: "tab:orange", TORCH_ETCD_V2: "tab:orange",
-    TCP_STORE: "tab:gray", C10D: "tab:gray", FLOOR: "black",
+    TCP_STORE: "tab:gray", C10D: "tab:gray", FLOOR: "black", FLOOR_BARRIER: "tab:purple",
 }
 
 
 # --------------------------------------------------------------------------- formatting
 
 
-def _fmt(x: float | None, digits: int = 0) -> str:
-    if x is None:
+def _b2_cell(r: dict[str, Any] | None) -> str:
+    """A B2 figure, or why there is none (did not finish in its box, not run)."""
+    if r is None:
         return "—"
-    if abs(x) >= 100 or digits == 0:
-        return f"{x:,.0f}"
-    return f"{x:.{digits}f}"
+    dnf = r.get("did_not_finish")
+    if r.get("skipped"):
+        return str(r["skipped"])
+    if r["ms"]["median"] is None and dnf is not None:
+        return f"did not finish in {dnf:g} s"
+    cell = _fig(r["ms"])
+    if dnf is not None:
+        cell += f" (a run did not finish in {dnf:g} s)"
+    elif r.get("failed_runs"):
+        cell += f" ({r['failed_runs']} failed)"
+    return cell
 
 
-def _fig(s: dict[str, Any] | None, unit: str = "", digits: int = 0) -> str:
-    """``median (lo–hi)``."""
-    if not s or s.get("median") is None:
-        return "—"
-    med, lo, hi = s["median"], s.get("lo"), s.get("hi")
-    spread = f" ({_fmt(lo, digits)}–{_fmt(hi, digits)})" if s.get("runs", 0) > 1 else ""
-    return f"{_fmt(med, digits)}{unit}{spread}"
+def _events(w: dict[str, Any] | None) -> str:
+    if not w:
+        return "n/a"
+    return f"{w['events_mean']:,.1f} / {w['events_max']:,.0f}"
 
 
-def _ratio(r: dict[str, Any] | None) -> str:
-    if not r:
-        return "—"
-    spread = f" ({r['lo']:.2f}–{r['hi']:.2f})" if r.get("runs", 0) > 1 else ""
-    return f"{r['ratio']:.2f}×{spread}"
+def _bytes(w: dict[str, Any] | None) -> str:
+    if not w:
+        return "n/a"
+    return f"{w['bytes_mean']:,.0f} / {w['bytes_max']:,.0f}"
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
     out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     out += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(out)
-
-
-# --------------------------------------------------------------------------- targets
-
-
-def _target(name: str, figure: str, met: bool | None, note: str = "", status: str | None = None) -> dict[str, Any]:
-    if status is None:
-        status = "met" if met else ("not met" if met is not None else "not measured")
-    return {"target": name, "figure": figure, "status": status, "note": note}
-
-
-def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every target of the issue, with its figure and met / not met / not measured."""
-    out: list[dict[str, Any]] = []
-    b1 = results.get("b1")
-    if b1:
-        by = {(r["op"], r["contender"]): r for r in b1["rows"]}
-        for op in b1["ops"]:
-            label = b1["labels"][op]
-            ours = by.get((op, OURS_STORE))
-            if ours is None or ours.get("na") or ours["us"]["median"] is None:
-                out.append(_target(f"B1 {label}: EtcdStore ≤ 1.2× floor", "—", None,
-                                   (ours or {}).get("na", "")))
-                continue
-            r = ours.get(f"ratio_vs_{FLOOR}")
-            out.append(_target(f"B1 {label}: EtcdStore ≤ 1.2× floor", _ratio(r),
-                               None if r is None else r["ratio"] <= 1.2,
-                               f"{_fmt(ours['us']['median'])} µs vs {_fmt(by[(op, FLOOR)]['us']['median'])} µs"
-                               if (op, FLOOR) in by else ""))
-        for op in b1["ops"]:
-            label = b1["labels"][op]
-            ours = by.get((op, OURS_STORE))
-            torch_row = by.get((op, TORCH_V2_STORE))
-            if torch_row is None or ours is None:
-                continue
-            if torch_row.get("na"):
-                out.append(_target(f"B1 {label}: EtcdStore faster than torch's v2 EtcdStore", "—", None,
-                               "torch's v2 EtcdStore does not implement it", status="n/a"))
-                continue
-            r = ours.get(f"ratio_vs_{TORCH_V2_STORE}")
-            out.append(_target(f"B1 {label}: EtcdStore faster than torch's v2 EtcdStore", _ratio(r),
-                               None if r is None else r["ratio"] < 1.0))
-    b2 = results.get("b2")
-    if b2:
-        by2 = {(r["n"], r["contender"]): r for r in b2["rows"]}
-        for n in b2["ns"]:
-            row = by2.get((n, OURS_ETCD_V2))
-            if row is None or n > 64:
-                continue
-            r = row.get(f"ratio_vs_{C10D}")
-            out.append(_target(f"B2 N={n}: etcd-v2 within 1.2× of c10d", _ratio(r),
-                               None if r is None else r["ratio"] <= 1.2))
-        for n in b2["ns"]:
-            row = by2.get((n, OURS_ETCD_V2))
-            if row is None:
-                continue
-            r = row.get(f"ratio_vs_{TORCH_ETCD_V2}")
-            out.append(_target(f"B2 N={n}: etcd-v2 faster than torch's etcd-v2", _ratio(r),
-                               None if r is None else r["ratio"] < 1.0))
-        row = by2.get((64, OURS_ETCD_V3))
-        if row is not None:
-            r = row.get(f"ratio_vs_{FLOOR}")
-            out.append(_target("B2 N=64: etcd-v3 within 2× of the floor", _ratio(r),
-                               None if r is None else r["ratio"] <= 2.0,
-                               f"{_fig(row['ms'], ' ms')} vs floor {_fig(by2.get((64, FLOOR), {}).get('ms'), ' ms')}"))
-        else:
-            out.append(_target("B2 N=64: etcd-v3 within 2× of the floor", "—", None,
-                               "N=64 not in this mode's N list"))
-        row = by2.get((512, OURS_ETCD_V3))
-        cores = results.get("machine", {}).get("cores", 0)
-        if row is not None and row["ms"]["median"] is not None:
-            med = row["ms"]["median"]
-            out.append(_target(f"B2 N=512: etcd-v3 under 1 s on 16 cores (this machine: {cores} cores)",
-                               _fig(row["ms"], " ms"), med < 1000 if cores >= 16 else None,
-                               "" if cores >= 16 else "measured on fewer than 16 cores: indicative only"))
-        else:
-            out.append(_target("B2 N=512: etcd-v3 under 1 s on 16 cores", "—", None,
-                               "run `python -m benchmarks.run --scale` on a 16-core machine"))
-    for b3 in results.get("b3") or []:
-        st = b3["settings"]
-        setting = (f"dead after {st['dead_after_s']:g} s (keep_alive_interval {st['keep_alive_interval']} × "
-                   f"max_attempt {st['keep_alive_max_attempt']}), last_call_timeout {st['last_call_timeout']} s, "
-                   f"min {st['min_nodes']} / max {st['max_nodes']}, "
-                   f"{'defaults' if st['defaults'] else 'NOT the defaults'}")
-        for row in b3["rows"]:
-            if row["contender"] not in (OURS_ETCD_V2, OURS_ETCD_V3):
-                continue
-            med = row["s"]["median"]
-            met = None if med is None else med < PRODUCTION_RERDZV_S / 2
-            note = setting
-            if row["contender"] == OURS_ETCD_V3 and st.get("fast_recovery"):
-                note += "; etcd-v3 fast_recovery on (no last call when the round only re-forms the group)"
-            out.append(_target(f"B3 {b3.get('name', b3['scenario'])} N={b3['n']}: {row['contender']} "
-                               f"re-rendezvous well under {PRODUCTION_RERDZV_S} s (met: < half of it, "
-                               f"settings stated)", _fig(row["s"], " s", 2), met, note))
-    b4 = results.get("b4")
-    if b4:
-        for row in b4["rows"]:
-            if row["contender"] != OURS_ETCD_V3:
-                continue
-            if row.get("error"):
-                out.append(_target(f"B4 N={row['n']}: etcd-v3 idle job makes 0 revisions/min", "failed",
-                                   False, row["error"][:100]))
-                continue
-            others = [r for r in b4["rows"] if r["n"] == row["n"] and r["contender"] in (OURS_ETCD_V2, TORCH_ETCD_V2)
-                      and r.get("revisions_per_min") is not None]
-            beside = "; ".join(f"{r['contender']}: {r['revisions_per_min']:.0f}/min" for r in others)
-            out.append(_target(f"B4 N={row['n']}: etcd-v3 idle job makes 0 revisions/min",
-                               f"{row['revisions_per_min']:.1f}/min", row["revisions_per_min"] == 0, beside))
-    return out
-
 
 # --------------------------------------------------------------------------- markdown
 
@@ -244,32 +142,44 @@ def markdown(results: dict[str, Any]) -> str:
         by2 = {(r["n"], r["contender"]): r for r in b2["rows"]}
         rows = []
         for n in b2["ns"]:
-            line = [str(n)]
-            for c in cs:
-                r = by2[(n, c)]
-                cell = _fig(r["ms"])
-                if r["failed_runs"]:
-                    cell += f" ({r['failed_runs']} failed)"
-                line.append(cell)
+            line = [str(n)] + [_b2_cell(by2.get((n, c))) for c in cs]
             o2 = by2.get((n, OURS_ETCD_V2), {})
             o3 = by2.get((n, OURS_ETCD_V3), {})
             line += [_ratio(o2.get(f"ratio_vs_{C10D}")), _ratio(o2.get(f"ratio_vs_{TORCH_ETCD_V2}")),
-                     _ratio(o3.get(f"ratio_vs_{FLOOR}"))]
+                     _ratio(o3.get(f"ratio_vs_{FLOOR}")), _ratio(o3.get(f"ratio_vs_{FLOOR_BARRIER}"))]
             rows.append(line)
         wrows = []
         for n in b2["ns"]:
             wrows.append([str(n)] + [f"{_fmt(by2[(n, c)]['etcd_writes'])} / {_fmt(by2[(n, c)]['revisions'])}"
                                      if c != C10D else "n/a" for c in cs])
+        wcs = [c for c in cs if c not in (C10D, TORCH_ETCD_V2)]
+        erows = [[str(n)] + [_events(by2[(n, c)].get("watch")) for c in wcs]
+                 + [_bytes(by2[(n, c)].get("watch")) for c in wcs] for n in b2["ns"]]
+        boxes = b2.get("box_s") or {}
+        if isinstance(boxes, dict) and len(set(boxes.values())) == 1:
+            box_text = f"{next(iter(boxes.values())):g} s for every contender"
+        elif isinstance(boxes, dict):
+            box_text = ", ".join(f"{c} {sec:g} s" for c, sec in boxes.items())
+        else:
+            box_text = f"{boxes} s"
         parts += [
             "## B2: rendezvous of N nodes (ms until all N hold their RendezvousInfo)",
             "",
-            _table(["N"] + cs + ["etcd-v2 / c10d", "etcd-v2 / torch etcd-v2", "etcd-v3 / floor"], rows),
+            _table(["N"] + cs + ["etcd-v2 / c10d", "etcd-v2 / torch etcd-v2", "etcd-v3 / floor",
+                                 "etcd-v3 / floor-barrier"], rows),
             "",
-            f"Nodes spread over {b2['workers']} worker processes; conf {b2['conf']}.",
+            f"Nodes spread over {b2['workers']} worker processes, one thread each; conf {b2['conf']}. "
+            f"Time box of one round: {box_text or 'none'}; a contender that did not finish in its box is "
+            "not run at larger N.",
             "",
             "etcd writes (raft entries) / revisions consumed per round:",
             "",
             _table(["N"] + cs, wrows),
+            "",
+            "Watch events delivered per node per round, mean / max over the nodes (left), and the bytes of "
+            "those watch responses per node, mean / max (right):",
+            "",
+            _table(["N"] + [f"{c} events" for c in wcs] + [f"{c} bytes" for c in wcs], erows),
             "",
             b2["note"],
             "",
@@ -399,20 +309,28 @@ def plots(results: dict[str, Any], outdir: str) -> list[str]:
     b2 = results.get("b2")
     if b2:
         by2 = {(r["n"], r["contender"]): r for r in b2["rows"]}
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        fig, (ax, ax_ev) = plt.subplots(1, 2, figsize=(12, 4.5))
         for c in b2["contenders"]:
+            style = "--" if c in (TORCH_ETCD_V2, C10D, FLOOR, FLOOR_BARRIER) else "-"
             pts = [(n, by2[(n, c)]["ms"]) for n in b2["ns"] if by2[(n, c)]["ms"]["median"] is not None]
-            if not pts:
-                continue
-            ax.errorbar([p[0] for p in pts], [p[1]["median"] for p in pts],
-                        yerr=list(zip(*[err(p[1]) for p in pts], strict=True)), marker="o", capsize=3, label=c,
-                        color=COLORS.get(c), linestyle="--" if c in (TORCH_ETCD_V2, C10D, FLOOR) else "-")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("N nodes")
+            if pts:
+                ax.errorbar([p[0] for p in pts], [p[1]["median"] for p in pts],
+                            yerr=list(zip(*[err(p[1]) for p in pts], strict=True)), marker="o", capsize=3,
+                            label=c, color=COLORS.get(c), linestyle=style)
+            evs = [(n, by2[(n, c)]["watch"]) for n in b2["ns"] if by2[(n, c)].get("watch")]
+            if evs:
+                ax_ev.plot([p[0] for p in evs], [max(p[1]["events_mean"], 0.1) for p in evs], marker="o",
+                           label=c, color=COLORS.get(c), linestyle=style)
+        for a in (ax, ax_ev):
+            a.set_xscale("log", base=2)
+            a.set_yscale("log")
+            a.set_xlabel("N nodes")
+            if a.get_legend_handles_labels()[0]:
+                a.legend(fontsize=8)
         ax.set_ylabel("ms until all N hold their RendezvousInfo")
-        ax.set_title("B2 rendezvous" + title_suffix)
-        ax.legend(fontsize=8)
+        ax.set_title("B2 rendezvous" + title_suffix, fontsize=10)
+        ax_ev.set_ylabel("watch events delivered per node per round (mean)")
+        ax_ev.set_title("B2 watch events per node", fontsize=10)
         save(fig, "b2_rendezvous.png")
     for b3 in results.get("b3") or []:
         fig, ax = plt.subplots(figsize=(7, 4))

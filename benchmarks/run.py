@@ -6,7 +6,10 @@ Modes (sizes in :data:`MODES`):
 * ``--quick``: every benchmark at a tiny size, under 2 minutes on 2 cores; the
   CI smoke test. Exits 1 when a benchmark crashed or a contender produced no
   figure at all (something is broken), 0 otherwise.
-* ``--scale``: B2 and B4 up to N = 1024, for a 16-core machine.
+* ``--scale``: B2 up to N = 4096 and B4 up to N = 1024, for a 16-core machine.
+
+B2 time-boxes every round (``--box``): a contender that does not finish in its
+box is reported as "did not finish in X s" and not run at larger N.
 
 Results go to ``benchmarks/results/<mode>-<cores>core/`` (``--out`` to change):
 ``results.json`` (every figure, machine facts, versions, the command),
@@ -28,6 +31,7 @@ from typing import Any
 from . import report
 from .common import (
     FLOOR,
+    FLOORS,
     OURS_ETCD_V2,
     OURS_ETCD_V3,
     OURS_STORE,
@@ -40,6 +44,7 @@ from .common import (
     machine_facts,
     ours_handler_missing,
     ours_store_missing,
+    raise_fd_limit,
     say,
     usable_cores,
     write_json,
@@ -53,7 +58,7 @@ MODES: dict[str, dict[str, Any]] = {
     "quick": {
         "sections": ["b1", "b2", "b3", "b4", "b5"],
         "b1": {"reps": 2, "ops": 10, "late_ops": 3, "batch_budget": 0.2},
-        "b2": {"ns": [4], "reps": 2, "workers": 2, "warmup": False},
+        "b2": {"ns": [4], "reps": 2, "workers": 2, "warmup": False, "box": {"*": 60.0}},
         "b3": {"n": 3, "reps": 1, "conf": FAST_B3, "scenarios": ["shrink"], "workers": 2, "timeout": 30.0},
         "b4": {"ns": [4], "window": 5.0, "workers": 2},
         "b5": {"worlds": [2, 4], "reps": 1},
@@ -62,7 +67,7 @@ MODES: dict[str, dict[str, Any]] = {
     "full": {
         "sections": ["b1", "b2", "b3", "b4", "b5"],
         "b1": {"reps": 4, "ops": 100, "late_ops": 15, "batch_budget": 2.0},
-        "b2": {"ns": [2, 4, 8, 16, 32, 64], "reps": 3, "workers": 4},
+        "b2": {"ns": [2, 4, 8, 16, 32, 64], "reps": 3, "workers": 4, "box": {"*": 120.0}},
         "b3": {"n": 8, "reps": 2, "conf": {}, "scenarios": ["shrink", "replace"], "tuned": ["shrink"],
                "workers": 4, "timeout": 80.0},
         "b4": {"ns": [8, 64], "window": 60.0, "workers": 4, "timeout": 120.0},
@@ -71,7 +76,8 @@ MODES: dict[str, dict[str, Any]] = {
     },
     "scale": {
         "sections": ["b2", "b4"],
-        "b2": {"ns": [64, 128, 256, 512, 1024], "reps": 3, "workers": 16},
+        "b2": {"ns": [64, 256, 512, 1024, 2048, 4096], "reps": 3, "workers": 16,
+               "box": {"*": 120.0, OURS_ETCD_V3: 300.0, FLOOR: 300.0}},
         "b4": {"ns": [64, 256, 1024], "window": 60.0, "workers": 16, "together": False},
         "timeout": 600.0,
     },
@@ -88,16 +94,42 @@ def _parse_ints(text: str) -> list[int]:
     return values
 
 
+def _parse_contenders(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [x for x in names if x not in RDZV_CONTENDERS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"unknown contender(s) {unknown or text!r}; use {','.join(RDZV_CONTENDERS)}")
+    return names
+
+
+def _parse_box(text: str) -> tuple[str, float]:
+    """``SECONDS`` (every contender) or ``CONTENDER=SECONDS``."""
+    name, _, value = text.rpartition("=")
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"expected SECONDS or CONTENDER=SECONDS (seconds > 0), got {text!r}")
+    if name and name not in RDZV_CONTENDERS:
+        raise argparse.ArgumentTypeError(f"unknown contender {name!r} in {text!r}; one of {list(RDZV_CONTENDERS)}")
+    return name or "*", seconds
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="tiny sizes, under 2 minutes (CI smoke test)")
-    mode.add_argument("--scale", action="store_true", help="B2 and B4 up to N = 1024 (16-core machine)")
+    mode.add_argument("--scale", action="store_true", help="B2 up to N = 4096, B4 up to 1024 (16-core machine)")
     p.add_argument("--only", default="", help="comma-separated subset of b1,b2,b3,b4,b5")
     p.add_argument("--ns", type=_parse_ints, help="N list for B2 and B4 (overrides the mode's)")
     p.add_argument("--reps", type=int, help="runs per figure (overrides the mode's)")
     p.add_argument("--window", type=float, help="B4 idle window in seconds (overrides the mode's)")
+    p.add_argument("--contenders", type=_parse_contenders,
+                   help=f"comma-separated rendezvous contenders of B2-B4 (default all: {','.join(RDZV_CONTENDERS)})")
+    p.add_argument("--box", type=_parse_box, action="append", default=[], metavar="[CONTENDER=]SECONDS",
+                   help="B2 time box of one round (repeatable; a bare number sets every contender's)")
     p.add_argument("--workers", type=int, help="worker processes hosting the nodes of B2-B4")
     p.add_argument("--etcd-binary", help="etcd binary (default: etcd_server's lookup)")
     p.add_argument("--machine-name", help="label of this machine in the results")
@@ -126,6 +158,13 @@ def _config(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
                 cfg[s]["reps"] = args.reps
     if args.window and "b4" in cfg:
         cfg["b4"]["window"] = args.window
+    if args.box and "b2" in cfg:
+        box = dict(cfg["b2"].get("box", {}))
+        for name, seconds in args.box:
+            if name == "*":
+                box = {}  # a bare number replaces the mode's per-contender boxes too
+            box[name] = seconds
+        cfg["b2"]["box"] = box
     if args.workers:
         for s in ("b2", "b3", "b4"):
             if s in cfg:
@@ -194,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    raise_fd_limit()  # etcd (started from here) and the workers hold a connection per node
     mode, cfg = _config(args)
     cores = usable_cores()
     outdir = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"{mode}-{cores}core")
@@ -207,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     json_path = os.path.join(outdir, "results.json")
     stores, rdzv = available(results)
+    if args.contenders:
+        rdzv = [c for c in rdzv if c in args.contenders]
     say(f"{mode} mode, sections {cfg['sections']}, output {outdir}")
     for c, why in results["skipped"].items():
         say(f"not measured: {c}: {why}")
@@ -244,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
 
                         assert pool is not None
                         results["b2"] = run_b2(pool, farm, tcp_endpoint, rdzv, c["ns"], c["reps"], timeout,
-                                               c["workers"], warmup=c.get("warmup", True))
+                                               c["workers"], warmup=c.get("warmup", True), box=c.get("box"))
                     elif section == "b3":
                         from .b3_rerendezvous import TUNED, run_b3
 
@@ -252,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
                         b3_cases = [(sc, c["conf"], sc) for sc in c["scenarios"]]
                         b3_cases += [(sc, TUNED, f"{sc}-tuned") for sc in c.get("tuned", [])]
                         results["b3"] = [
-                            run_b3(pool, farm, tcp_endpoint, [x for x in rdzv if x != FLOOR], c["n"], c["reps"],
+                            run_b3(pool, farm, tcp_endpoint, [x for x in rdzv if x not in FLOORS], c["n"], c["reps"],
                                    conf, c.get("timeout", timeout), c["workers"], scenario=sc, name=name)
                             for sc, conf, name in b3_cases
                         ]

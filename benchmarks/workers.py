@@ -12,6 +12,8 @@ drives a measurement in four steps, each a message to every worker involved::
                just before the first send)
     collect -> join the threads; each reports its CLOCK_MONOTONIC end time
 
+(``watch_counts``, before and after, reads each node's delivered watch events.)
+
 ``CLOCK_MONOTONIC`` is system wide on Linux, so the coordinator computes
 "time until the last node finished" as ``max(end) - t0`` across processes.
 Every wait has a deadline; a worker that does not answer in time is killed.
@@ -148,6 +150,12 @@ class _WorkerState:
                 out[node_id] = {"ok": rec.ok, "error": rec.error, "end": rec.end, "start": rec.start, "value": rec.value}
         return out
 
+    def watch_counts(self, group: str) -> dict[int, tuple[int, int] | None]:
+        """Per node, the ``(events, bytes)`` its clients' watches delivered so far."""
+        from . import nodes
+
+        return {node_id: nodes.watch_counts(node) for node_id, node in self.groups[group].nodes.items()}
+
     def close(self, group: str, timeout: float) -> int:
         g = self.groups.pop(group, None)
         if g is None:
@@ -173,6 +181,9 @@ def _worker_main(conn: Connection, index: int, log_level: int) -> None:
     # Quiet torch's per-node INFO lines (thousands at N = 1024).
     for name in ("torch.distributed", "etcd_rdzv", "etcd_store"):
         logging.getLogger(name).setLevel(max(log_level, logging.WARNING))
+    from .common import raise_fd_limit
+
+    raise_fd_limit()  # a worker may hold 512 nodes, each with its own etcd connection
     state = _WorkerState(index)
     while True:
         try:
@@ -341,10 +352,15 @@ class GroupRun:
         return max(r["end"] for r in self.results.values()) - self.t0
 
     def first_error(self) -> str | None:
-        for node_id, r in sorted(self.results.items()):
-            if not r["ok"]:
-                return f"node {node_id}: {r['error']}"
-        return None
+        """The failure that came first (usually the cause of the others, which then wait in
+        vain), and how many nodes failed."""
+        failed = [(r["end"] if r.get("end") is not None else float("inf"), node_id, r)
+                  for node_id, r in self.results.items() if not r["ok"]]
+        if not failed:
+            return None
+        _, node_id, r = min(failed, key=lambda x: (x[0], x[1]))
+        more = f" (and {len(failed) - 1} more node(s))" if len(failed) > 1 else ""
+        return f"node {node_id}: {r['error']}{more}"
 
 
 class NodeGroup:
@@ -388,6 +404,15 @@ class NodeGroup:
         for w in targets:
             results.update({int(k): v for k, v in w.recv(timeout + 30).items()})
         return GroupRun(t0, results)
+
+    def watch_counts(self, timeout: float = 60.0) -> dict[int, tuple[int, int] | None]:
+        """Per node, the ``(events, bytes)`` its etcd clients' watches delivered so far."""
+        for w in self.layout:
+            w.send("watch_counts", group=self.name)
+        out: dict[int, tuple[int, int] | None] = {}
+        for w in self.layout:
+            out.update({int(k): (int(v[0]), int(v[1])) if v is not None else None for k, v in w.recv(timeout).items()})
+        return out
 
     def run(self, action: str, timeout: float, args: dict[str, Any] | None = None) -> GroupRun:
         """arm + go + collect: one timed phase on every node of the group."""

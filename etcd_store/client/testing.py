@@ -1,15 +1,20 @@
-"""Test instruments of the client layer: :class:`RpcCounter` counts RPCs by method."""
+"""Test instruments of the client layer.
+
+:class:`RpcCounter` counts RPCs by method; :func:`watch_stats` returns the
+:class:`WatchStats` of a client (the watch events and bytes its watches delivered).
+"""
 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
 import grpc
 
-__all__ = ["RpcCounter"]
+__all__ = ["RpcCounter", "WatchStats", "watch_stats"]
 
 # --------------------------------------------------------------------------- RPC counting
 
@@ -67,3 +72,42 @@ class RpcCounter(
         self._count(details)
         return continuation(details, it)
 
+
+
+# --------------------------------------------------------------------------- watch counting
+
+
+class WatchStats:
+    """Watch events (and their responses' serialized bytes) delivered by one client's watches.
+
+    Counted by every :class:`~etcd_store.client.Watch` of the client as its reader
+    thread queues a batch; thread-safe, never reset (take differences).
+    """
+
+    def __init__(self) -> None:
+        self.events = 0
+        self.bytes = 0
+        self._lock = threading.Lock()
+
+    def add(self, events: int, nbytes: int) -> None:
+        with self._lock:
+            self.events += events
+            self.bytes += nbytes
+
+    def snapshot(self) -> tuple[int, int]:
+        """``(events, bytes)`` so far."""
+        with self._lock:
+            return self.events, self.bytes
+
+
+_watch_stats: weakref.WeakKeyDictionary[Any, WatchStats] = weakref.WeakKeyDictionary()
+_watch_stats_lock = threading.Lock()
+
+
+def watch_stats(client: Any) -> WatchStats:
+    """The :class:`WatchStats` of ``client`` (an ``EtcdClient``), created on first use."""
+    with _watch_stats_lock:
+        stats = _watch_stats.get(client)
+        if stats is None:
+            stats = _watch_stats[client] = WatchStats()
+        return stats

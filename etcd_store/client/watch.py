@@ -18,6 +18,7 @@ from etcd3.etcdrpc import rpc_pb2
 
 from ..errors import EtcdCompactedError, EtcdError
 from .kv import Event, KeyValue
+from .testing import watch_stats
 from .transport import Transport, show_key
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,8 @@ class Watch:
         self._created = threading.Event()
         self.created_revision = 0
         self._call: Any = None
+        self._stats = watch_stats(client)  # events and bytes delivered, per client
+        self._thread = threading.Thread(target=self._run, name=f"etcd-watch-{key!r}", daemon=True)
         self._thread = threading.Thread(target=self._run, name=f"etcd-watch-{show_key(key, 40)}", daemon=True)
         self._thread.start()
 
@@ -159,6 +162,7 @@ class Watch:
                     if resp.events:
                         batch = [self._event(ev) for ev in resp.events]
                         self._next_revision = batch[-1].kv.mod_revision + 1
+                        self._stats.add(len(batch), resp.ByteSize())
                         self._queue.put(batch)
                 if self._cancelled.is_set():
                     return

@@ -1,0 +1,233 @@
+"""The targets of the issue: each with its figure and met / not met / not measured.
+
+:func:`targets` reads a results dict (as :mod:`benchmarks.run` writes it) and
+returns one entry per target; :mod:`benchmarks.report` renders them. Pure
+functions, no I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .common import (
+    C10D,
+    FLOOR,
+    FLOOR_BARRIER,
+    OURS_ETCD_V2,
+    OURS_ETCD_V3,
+    OURS_STORE,
+    TORCH_ETCD_V2,
+    TORCH_V2_STORE,
+)
+
+PRODUCTION_RERDZV_S = 14.5
+# B2 targets (issue 12): etcd-v3 within 2x of the barrier floor at these N, and its growth
+# from 1024 to 2048 nodes; N = 2 under 20 ms; watch events per waiting node.
+B2_BARRIER_NS = (64, 256, 1024, 2048)
+B2_BARRIER_RATIO = 2.0
+B2_GROWTH = (1024, 2048, 2.5)
+B2_N2_MS = 20.0
+B2_EVENTS_PER_NODE = 3  # + the nodes that left; none leaves in B2
+
+
+# --------------------------------------------------------------------------- formatting
+
+
+def fmt(x: float | None, digits: int = 0) -> str:
+    if x is None:
+        return "—"
+    if abs(x) >= 100 or digits == 0:
+        return f"{x:,.0f}"
+    return f"{x:.{digits}f}"
+
+
+def fig(s: dict[str, Any] | None, unit: str = "", digits: int = 0) -> str:
+    """``median (lo–hi)``."""
+    if not s or s.get("median") is None:
+        return "—"
+    med, lo, hi = s["median"], s.get("lo"), s.get("hi")
+    spread = f" ({fmt(lo, digits)}–{fmt(hi, digits)})" if s.get("runs", 0) > 1 else ""
+    return f"{fmt(med, digits)}{unit}{spread}"
+
+
+def ratio(r: dict[str, Any] | None) -> str:
+    if not r:
+        return "—"
+    spread = f" ({r['lo']:.2f}–{r['hi']:.2f})" if r.get("runs", 0) > 1 else ""
+    return f"{r['ratio']:.2f}×{spread}"
+
+# --------------------------------------------------------------------------- targets
+
+
+def _target(name: str, figure: str, met: bool | None, note: str = "", status: str | None = None) -> dict[str, Any]:
+    if status is None:
+        status = "met" if met else ("not met" if met is not None else "not measured")
+    return {"target": name, "figure": figure, "status": status, "note": note}
+
+
+def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every target of the issue, with its figure and met / not met / not measured."""
+    out: list[dict[str, Any]] = []
+    b1 = results.get("b1")
+    if b1:
+        by = {(r["op"], r["contender"]): r for r in b1["rows"]}
+        for op in b1["ops"]:
+            label = b1["labels"][op]
+            ours = by.get((op, OURS_STORE))
+            if ours is None or ours.get("na") or ours["us"]["median"] is None:
+                out.append(_target(f"B1 {label}: EtcdStore ≤ 1.2× floor", "—", None,
+                                   (ours or {}).get("na", "")))
+                continue
+            r = ours.get(f"ratio_vs_{FLOOR}")
+            out.append(_target(f"B1 {label}: EtcdStore ≤ 1.2× floor", ratio(r),
+                               None if r is None else r["ratio"] <= 1.2,
+                               f"{fmt(ours['us']['median'])} µs vs {fmt(by[(op, FLOOR)]['us']['median'])} µs"
+                               if (op, FLOOR) in by else ""))
+        for op in b1["ops"]:
+            label = b1["labels"][op]
+            ours = by.get((op, OURS_STORE))
+            torch_row = by.get((op, TORCH_V2_STORE))
+            if torch_row is None or ours is None:
+                continue
+            if torch_row.get("na"):
+                out.append(_target(f"B1 {label}: EtcdStore faster than torch's v2 EtcdStore", "—", None,
+                               "torch's v2 EtcdStore does not implement it", status="n/a"))
+                continue
+            r = ours.get(f"ratio_vs_{TORCH_V2_STORE}")
+            out.append(_target(f"B1 {label}: EtcdStore faster than torch's v2 EtcdStore", ratio(r),
+                               None if r is None else r["ratio"] < 1.0))
+    b2 = results.get("b2")
+    if b2:
+        by2 = {(r["n"], r["contender"]): r for r in b2["rows"]}
+        for n in b2["ns"]:
+            row = by2.get((n, OURS_ETCD_V2))
+            if row is None or n > 64:
+                continue
+            r = row.get(f"ratio_vs_{C10D}")
+            out.append(_target(f"B2 N={n}: etcd-v2 within 1.2× of c10d", ratio(r),
+                               None if r is None else r["ratio"] <= 1.2))
+        for n in b2["ns"]:
+            row = by2.get((n, OURS_ETCD_V2))
+            if row is None or row.get("skipped"):
+                continue
+            r = row.get(f"ratio_vs_{TORCH_ETCD_V2}")
+            out.append(_target(f"B2 N={n}: etcd-v2 faster than torch's etcd-v2", ratio(r),
+                               None if r is None else r["ratio"] < 1.0))
+        row = by2.get((64, OURS_ETCD_V3))
+        if row is not None:
+            r = row.get(f"ratio_vs_{FLOOR}")
+            out.append(_target("B2 N=64: etcd-v3 within 2× of the floor", ratio(r),
+                               None if r is None else r["ratio"] <= 2.0,
+                               f"{fig(row['ms'], ' ms')} vs floor {fig(by2.get((64, FLOOR), {}).get('ms'), ' ms')}"))
+        else:
+            out.append(_target("B2 N=64: etcd-v3 within 2× of the floor", "—", None,
+                               "N=64 not in this mode's N list"))
+        out += _b2_v3_targets(b2, by2)
+        row = by2.get((512, OURS_ETCD_V3))
+        cores = results.get("machine", {}).get("cores", 0)
+        if row is not None and row["ms"]["median"] is not None:
+            med = row["ms"]["median"]
+            out.append(_target(f"B2 N=512: etcd-v3 under 1 s on 16 cores (this machine: {cores} cores)",
+                               fig(row["ms"], " ms"), med < 1000 if cores >= 16 else None,
+                               "" if cores >= 16 else "measured on fewer than 16 cores: indicative only"))
+        else:
+            out.append(_target("B2 N=512: etcd-v3 under 1 s on 16 cores", "—", None,
+                               "run `python -m benchmarks.run --scale` on a 16-core machine"))
+    for b3 in results.get("b3") or []:
+        st = b3["settings"]
+        setting = (f"dead after {st['dead_after_s']:g} s (keep_alive_interval {st['keep_alive_interval']} × "
+                   f"max_attempt {st['keep_alive_max_attempt']}), last_call_timeout {st['last_call_timeout']} s, "
+                   f"min {st['min_nodes']} / max {st['max_nodes']}, "
+                   f"{'defaults' if st['defaults'] else 'NOT the defaults'}")
+        for row in b3["rows"]:
+            if row["contender"] not in (OURS_ETCD_V2, OURS_ETCD_V3):
+                continue
+            med = row["s"]["median"]
+            met = None if med is None else med < PRODUCTION_RERDZV_S / 2
+            note = setting
+            if row["contender"] == OURS_ETCD_V3 and st.get("fast_recovery"):
+                note += "; etcd-v3 fast_recovery on (no last call when the round only re-forms the group)"
+            out.append(_target(f"B3 {b3.get('name', b3['scenario'])} N={b3['n']}: {row['contender']} "
+                               f"re-rendezvous well under {PRODUCTION_RERDZV_S} s (met: < half of it, "
+                               f"settings stated)", fig(row["s"], " s", 2), met, note))
+    b4 = results.get("b4")
+    if b4:
+        for row in b4["rows"]:
+            if row["contender"] != OURS_ETCD_V3:
+                continue
+            if row.get("error"):
+                out.append(_target(f"B4 N={row['n']}: etcd-v3 idle job makes 0 revisions/min", "failed",
+                                   False, row["error"][:100]))
+                continue
+            others = [r for r in b4["rows"] if r["n"] == row["n"] and r["contender"] in (OURS_ETCD_V2, TORCH_ETCD_V2)
+                      and r.get("revisions_per_min") is not None]
+            beside = "; ".join(f"{r['contender']}: {r['revisions_per_min']:.0f}/min" for r in others)
+            out.append(_target(f"B4 N={row['n']}: etcd-v3 idle job makes 0 revisions/min",
+                               f"{row['revisions_per_min']:.1f}/min", row["revisions_per_min"] == 0, beside))
+    return out
+
+
+def _b2_v3_targets(b2: dict[str, Any], by2: dict[tuple[int, str], dict[str, Any]]) -> list[dict[str, Any]]:
+    """etcd-v3 against the barrier floor, its growth 1024 -> 2048, N = 2, watch events per node."""
+    out: list[dict[str, Any]] = []
+
+    def unfinished(row: dict[str, Any]) -> str | None:
+        if row.get("did_not_finish") is not None:
+            return f"did not finish in {row['did_not_finish']:g} s"
+        if row.get("skipped"):
+            return str(row["skipped"])
+        if row["ms"]["median"] is None:
+            return f"failed: {(row.get('failures') or ['?'])[0][:100]}"
+        return None
+
+    for n in B2_BARRIER_NS:
+        name = f"B2 N={n}: etcd-v3 within {B2_BARRIER_RATIO:g}× of the barrier floor"
+        row, base = by2.get((n, OURS_ETCD_V3)), by2.get((n, FLOOR_BARRIER))
+        if row is None or base is None:
+            out.append(_target(name, "—", None, f"N={n} (or the barrier floor) not in this run"))
+            continue
+        why = unfinished(row)
+        if why:
+            out.append(_target(name, "—", False, why))
+            continue
+        r = row.get(f"ratio_vs_{FLOOR_BARRIER}")
+        out.append(_target(name, ratio(r), None if r is None else r["ratio"] <= B2_BARRIER_RATIO,
+                           f"{fig(row['ms'], ' ms')} vs barrier floor {fig(base['ms'], ' ms')}"))
+    lo_n, hi_n, limit = B2_GROWTH
+    name = f"B2 N={lo_n}→{hi_n}: etcd-v3 time grows at most {limit:g}×"
+    lo_row, hi_row = by2.get((lo_n, OURS_ETCD_V3)), by2.get((hi_n, OURS_ETCD_V3))
+    if lo_row is None or hi_row is None:
+        out.append(_target(name, "—", None, f"N={lo_n} and N={hi_n} not both in this run"))
+    elif unfinished(lo_row) or unfinished(hi_row):
+        out.append(_target(name, "—", False, "; ".join(f"N={r['n']}: {unfinished(r)}" for r in (lo_row, hi_row)
+                                                       if unfinished(r))))
+    else:
+        growth = hi_row["ms"]["median"] / lo_row["ms"]["median"]
+        floor_lo, floor_hi = by2.get((lo_n, FLOOR_BARRIER)), by2.get((hi_n, FLOOR_BARRIER))
+        note = f"{fmt(lo_row['ms']['median'])} → {fmt(hi_row['ms']['median'])} ms"
+        if floor_lo and floor_hi and floor_lo["ms"]["median"] and floor_hi["ms"]["median"]:
+            note += f"; barrier floor {floor_hi['ms']['median'] / floor_lo['ms']['median']:.2f}×"
+        out.append(_target(name, f"{growth:.2f}×", growth <= limit, note))
+    row = by2.get((2, OURS_ETCD_V3))
+    name = f"B2 N=2: etcd-v3 under {B2_N2_MS:g} ms"
+    if row is None:
+        out.append(_target(name, "—", None, "N=2 not in this run"))
+    else:
+        why = unfinished(row)
+        med = row["ms"]["median"]
+        out.append(_target(name, fig(row["ms"], " ms"), False if why else med < B2_N2_MS, why or ""))
+    for n in b2["ns"]:
+        row = by2.get((n, OURS_ETCD_V3))
+        if row is None:
+            continue
+        name = (f"B2 N={n}: etcd-v3 watch events per waiting node ≤ {B2_EVENTS_PER_NODE} "
+                f"(+ nodes that left: none)")
+        w = row.get("watch")
+        if not w:
+            out.append(_target(name, "—", None, unfinished(row) or "no watch counts"))
+            continue
+        out.append(_target(name, f"mean {w['events_mean']:,.1f}, max {w['events_max']:,.0f}",
+                           w["events_max"] <= B2_EVENTS_PER_NODE,
+                           f"bytes/node mean {w['bytes_mean']:,.0f}, max {w['bytes_max']:,.0f}; "
+                           f"over {w['rounds']} round(s), every node counted"))
+    return out
