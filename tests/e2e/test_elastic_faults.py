@@ -421,7 +421,7 @@ def test_bad_input_fails_fast_and_clearly(
     of torchrun (a real agent); wrong CA -> a TLS error; corrupt state ->
     RendezvousStateError naming the key (both through the handler torchrun
     creates, in this process: the message is what torchrun would print)."""
-    from certs import make_certs
+    from helpers.certs import make_certs
     from torch.distributed.elastic.rendezvous import RendezvousParameters, RendezvousStateError
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
