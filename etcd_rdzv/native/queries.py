@@ -129,3 +129,32 @@ def read_round(client: EtcdClient, keys: RunKeys, round_: int, *, timeout: float
     (O(joiners) bytes: only seal candidates call it)."""
     res = client.txn([], round_ops(keys, round_), timeout=timeout, idempotent=True)
     return parse_round(keys, res)
+
+
+@dataclass(frozen=True)
+class CatchUp:
+    """What a waiting node missed between its join and its watch's start, read at ``revision``.
+
+    ``control``: the key-values under ``ctl/`` (``sealed``, ``closed``); ``prev_count``: join keys
+    left in round ``T - 1``.
+    """
+
+    revision: int
+    control: list[Any]
+    prev_count: int
+
+
+def catch_up(client: EtcdClient, keys: RunKeys, round_: int, *, timeout: float | None = None) -> CatchUp:
+    """One read-only Txn: ``ctl/`` (two small keys) and the count of round ``T - 1``'s join keys.
+
+    O(1) bytes whatever the number of nodes (no join key is listed).
+    """
+    res = client.txn(
+        [],
+        [op_get(keys.ctl, keys.ctl_end), op_get(keys.join_prefix(round_ - 1), prefix=True, count_only=True)],
+        timeout=timeout,
+        idempotent=True,
+    )
+    control = res.responses[0]
+    assert isinstance(control, RangeResult)
+    return CatchUp(res.revision, list(control.kvs), count_of(res.responses[1]))

@@ -337,7 +337,7 @@ class Participant:
         state = Barrier.start(clock, _tally(view), s, recover_size)
         wide = view.prev_count > 0 and (state.candidate or _tally(view).kept_out(s))
         start, end = self._keys.watch_range(round_, previous=wide)
-        watch = self._client.watch(start, end, start_revision=outcome.revision + 1)
+        watch = self._client.watch(start, end)  # from now: a synced watcher (see _catch_up)
         with self._lock:
             session = self.session
             if self.shut_down or session is None or session.done().is_set():
@@ -348,6 +348,9 @@ class Participant:
             self._watch = watch
         self.on_watch(watch, view)
         try:
+            caught = self._catch_up(watch, view, round_, previous)
+            if caught is not None:
+                return self._on_signal(caught, view, previous, state)
             while True:
                 state, action = decide(state, _tally(view), s, time.monotonic())
                 if isinstance(action, Check):
@@ -388,6 +391,28 @@ class Participant:
                 if self._watch is watch:
                     self._watch = None
             watch.cancel()
+
+    def _catch_up(self, watch: Watch, view: RoundView, round_: int, previous: Sealed) -> Signal | None:
+        """Read what happened between our join and the watch's start; a signal if that ended the wait.
+
+        The watch opens from "now", because etcd holds back events for a watcher whose start
+        revision is already in the past until its 100 ms catch-up tick, while a watcher that starts
+        at the current revision gets them at once. etcd confirms the watch with the revision W it
+        starts after. If nothing was written since our join (W is the join's revision) the watch
+        covers everything; else one read-only Txn at a revision R >= W (ctl/ and the count of
+        round T-1, O(1) bytes) covers the gap, and the view skips watch events at or below R. So
+        every revision after the join is seen once, by the read or by the watch: no lost wake-up.
+        """
+        timeout = self._client.timeout
+        if not watch.wait_created(timeout):
+            raise EtcdTimeoutError(
+                f"etcd at {self._client.describe()} did not confirm the watch of node {self._node_id} "
+                f"within {timeout:g} s"
+            )
+        if watch.created_revision <= view.revision:
+            return None
+        read = queries.catch_up(self._client, self._keys, round_)
+        return view.catch_up(read, expect_sealed=previous.revision > 0)
 
     def on_watch(self, watch: Watch, view: RoundView) -> None:
         """Called with each wait's watch and view before waiting (tests count events)."""

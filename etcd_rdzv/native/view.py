@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from etcd_store.client import Event
 
 from .keys import RunKeys
-from .queries import RoundRead
+from .queries import CatchUp, RoundRead
 from .records import Membership, Sealed
 
 log = logging.getLogger(__name__)
@@ -84,6 +84,7 @@ class RoundView:
         self.read: RoundRead | None = None
         self.events = 0  # watch events applied (tests count them)
         self.departures = 0  # of them, departures from the previous round
+        self.read_through = 0  # events at or below this revision are already in the view (a read)
 
     @property
     def vacated(self) -> bool:
@@ -96,26 +97,56 @@ class RoundView:
         self.revision = max(self.revision, read.revision)
         self.changes += 1
 
+    def catch_up(self, read: CatchUp, *, expect_sealed: bool) -> Signal | None:
+        """Take in what happened between the join and the watch's start (read, not watched).
+
+        A ``sealed`` or ``closed`` record written after the join gives its signal, as its event
+        would have (a ``sealed`` record gone since, when the join saw one, is the RESET its
+        delete would have given); the previous round's count is taken as read, and later watch
+        events at or below the read's revision are skipped (the read already holds them).
+        """
+        since = self.revision  # the join's revision: the watch used to start right after it
+        self.prev_count = read.prev_count
+        self.read_through = read.revision
+        self.revision = max(self.revision, read.revision)
+        self.changes += 1
+        self.read = None
+        control = {kv.key: kv for kv in read.control}
+        closed = control.get(self.keys.closed)
+        if closed is not None and closed.mod_revision > since:
+            return self._control(Event("PUT", closed))
+        sealed = control.get(self.keys.sealed)
+        if sealed is None:
+            return Signal(SignalKind.RESET) if expect_sealed else None
+        return self._control(Event("PUT", sealed)) if sealed.mod_revision > since else None
+
     def apply(self, event: Event) -> Signal | None:
         """Fold one watch event into the view; a :class:`Signal` when it ends the wait."""
         self.events += 1
         kv = event.kv
-        self.revision = max(self.revision, kv.mod_revision)
         key = kv.key
-        if key == self.keys.sealed:
-            if event.type == "DELETE":
-                return Signal(SignalKind.RESET)
-            return Signal(SignalKind.SEALED, Sealed.from_kv(kv))
-        if key == self.keys.closed:
-            return Signal(SignalKind.CLOSED) if event.type == "PUT" else None
         parsed = self.keys.parse_join_key(key)
+        departure = parsed is not None and parsed[0] == self.round - 1 and event.type == "DELETE"
+        self.departures += departure
+        if kv.mod_revision <= self.read_through:
+            return None  # already in the view: the catch-up read was at or after this revision
+        self.revision = max(self.revision, kv.mod_revision)
+        if key in (self.keys.sealed, self.keys.closed):
+            return self._control(event)
         if parsed is None or parsed[0] != self.round - 1:
             return None
         self.changes += 1
         self.read = None
-        if event.type == "DELETE":
+        if departure:
             self.prev_count -= 1
-            self.departures += 1
         elif kv.version == 1:
             self.prev_count += 1
         return None
+
+    def _control(self, event: Event) -> Signal | None:
+        kv = event.kv
+        if kv.key == self.keys.sealed:
+            if event.type == "DELETE":
+                return Signal(SignalKind.RESET)
+            return Signal(SignalKind.SEALED, Sealed.from_kv(kv))
+        return Signal(SignalKind.CLOSED) if event.type == "PUT" else None
