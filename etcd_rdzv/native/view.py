@@ -85,6 +85,7 @@ class RoundView:
         self.events = 0  # watch events applied (tests count them)
         self.departures = 0  # of them, departures from the previous round
         self.read_through = 0  # events at or below this revision are already in the view (a read)
+        self.caught_up = 0  # control records found by the catch-up read instead of as events (0 or 1)
 
     @property
     def vacated(self) -> bool:
@@ -111,6 +112,11 @@ class RoundView:
         self.revision = max(self.revision, read.revision)
         self.changes += 1
         self.read = None
+        signal = self._caught(read, since, expect_sealed=expect_sealed)
+        self.caught_up += signal is not None
+        return signal
+
+    def _caught(self, read: CatchUp, since: int, *, expect_sealed: bool) -> Signal | None:
         control = {kv.key: kv for kv in read.control}
         closed = control.get(self.keys.closed)
         if closed is not None and closed.mod_revision > since:

@@ -304,8 +304,11 @@ def test_a_waiting_node_hears_one_event_per_round(
     hs = nodes.many(32, min_nodes, 32, last_call_timeout=last_call)
     assert_group(results(nodes.start(*hs)), 32)
     assert len(views) == 32
-    assert all(view.events <= 1 for _, view in views), sorted(v.events for _, v in views)
-    assert sum(view.events for _, view in views) >= 31  # the sealer may see its own seal first
+    heard = sorted(view.events + view.caught_up for _, view in views)
+    assert all(n <= 1 for n in heard), heard
+    # The seal reaches a node as its watch event or, when the seal came before the node's watch
+    # started, through the catch-up read; the sealer may see its own seal first.
+    assert sum(heard) >= 31, heard
 
 
 def test_a_re_rendezvous_costs_each_node_the_departures_it_waits_for(
