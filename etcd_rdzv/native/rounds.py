@@ -383,8 +383,11 @@ class Participant:
         except EtcdError:
             if self.shut_down:
                 raise RendezvousClosedError(f"the handler of node {self._node_id} was shut down") from None
-            if session.lost.is_set():  # on_lost cancelled the watch: our join key is gone
+            if session.lost.is_set() or session.done().is_set():  # our lease ended: the join key is gone
                 return self._lease_lost(previous, state.clock)
+            if watch.cancelled:  # cancelled by a stale lease's on_lost: our lease is fine, join again
+                log.info("node %s: its watch was cancelled; joining again", self._node_id)
+                return _Retry(previous, state.clock)
             raise
         finally:
             with self._lock:

@@ -94,6 +94,11 @@ class Watch:
         """Block until etcd confirmed the watch (or ``timeout``)."""
         return self._created.wait(timeout)
 
+    @property
+    def cancelled(self) -> bool:
+        """Whether :meth:`cancel` was called."""
+        return self._cancelled.is_set()
+
     def cancel(self) -> None:
         """Stop the watch and its thread. Idempotent, never blocks long."""
         self._cancelled.set()
