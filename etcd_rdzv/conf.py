@@ -56,6 +56,7 @@ from .conf_env import (
     own_env_password,
     read_secret,
 )
+from .conf_keys import warn_unknown_keys
 from .defaults import (
     DEFAULT_CLOSE_TIMEOUT,
     DEFAULT_ENDPOINT,
@@ -472,8 +473,10 @@ def parse_dynamic_settings(params: HandlerParams, *, legacy: bool = False) -> Dy
     """The settings of an ``etcd-v2`` (or, with ``legacy``, ``etcd``) rendezvous.
 
     ``legacy`` reads torch's legacy ``etcd`` keys too (:func:`translate_legacy_params`).
-    Raises ``ValueError`` naming the bad key.
+    Raises ``ValueError`` naming the bad key; warns once about keys it would ignore
+    (:func:`etcd_rdzv.conf_keys.warn_unknown_keys`).
     """
+    warn_unknown_keys(params.backend, "etcd" if legacy else "etcd-v2", params.config)
     if legacy:
         params = translate_legacy_params(params)
     return DynamicSettings(
@@ -497,10 +500,11 @@ def parse_dynamic_settings(params: HandlerParams, *, legacy: bool = False) -> Dy
 def parse_v3_settings(params: HandlerParams) -> tuple[V3Settings, EtcdClientOptions]:
     """The settings and the client options of an ``etcd-v3`` rendezvous.
 
-    Raises ``ValueError`` naming the rdzv-conf key whose value is invalid. The
-    lease TTL is ``heartbeat`` (rounded up to whole seconds) when given, else
+    Raises ``ValueError`` naming the rdzv-conf key whose value is invalid; warns once
+    about keys it would ignore (:mod:`etcd_rdzv.conf_keys`). The lease TTL is ``heartbeat`` (rounded up to whole seconds) when given, else
     ``keep_alive_interval * keep_alive_max_attempt`` (whole seconds each).
     """
+    warn_unknown_keys(params.backend, "etcd-v3", params.config)
     config = parse_rdzv_config(params)
     if "heartbeat" in params.config and params.get("heartbeat") is not None:
         lease_ttl = math.ceil(get_seconds_or(params, "heartbeat", DEFAULT_LEASE_TTL))
