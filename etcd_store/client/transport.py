@@ -281,10 +281,12 @@ class Transport:
         except grpc.RpcError as e:
             text = _details(e)
             if "authentication failed" in text or "invalid user" in text:
-                raise EtcdAuthError(
+                refused = EtcdAuthError(
                     f"etcd at {member.endpoint} rejected the credentials of user "
                     f"{self._user!r}: wrong user name or password."
-                ) from None
+                )
+                self.stats.failed(refused)
+                raise refused from None
             if "authentication is not enabled" in text:
                 # Auth is off: run without a token.
                 member.token = ""

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from helpers.ports import closed_port
@@ -27,12 +28,17 @@ from torch.distributed.elastic.events import NodeState, RdzvEvent
 from torch.distributed.elastic.events import handlers as event_handlers
 from torch.distributed.elastic.metrics import api as metrics_api
 from torch.distributed.elastic.rendezvous import RendezvousParameters
-from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousTimeoutError,
+)
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from etcd_rdzv import metrics
 from etcd_rdzv.native.handler import EtcdV3RendezvousHandler
 from etcd_rdzv.plugin import create_etcd_v3_rdzv_handler
+from etcd_server import AuthConfig, EtcdServer
 from etcd_store.client import EtcdClient
 from etcd_store.errors import EtcdLeaseNotFound
 
@@ -53,16 +59,16 @@ class _Events(logging.Handler):
     def __init__(self) -> None:
         super().__init__()
         self.events: list[RdzvEvent] = []
-        self._lock2 = threading.Lock()
+        self._lock = threading.Lock()
 
     def emit(self, record: logging.LogRecord) -> None:
         event = RdzvEvent.deserialize(record.getMessage())
-        with self._lock2:
+        with self._lock:
             self.events.append(event)
 
     def of(self, host_node: str, method: str, state: NodeState | None = None) -> list[RdzvEvent]:
         """Events of one node (its id is in the message) for ``EtcdV3RendezvousHandler.<method>``."""
-        with self._lock2:
+        with self._lock:
             return [e for e in self.events if e.name.endswith(f"EtcdV3RendezvousHandler.{method}")
                     and f"'{host_node}'" in e.message and (state is None or e.node_state == state)]
 
@@ -260,6 +266,7 @@ _PROMETHEUS_AGENT = """
 import sys, urllib.request
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from etcd_rdzv.plugin import create_etcd_v3_rdzv_handler
+from etcd_server import AuthConfig, EtcdServer
 endpoint, port, prefix = sys.argv[1:]
 params = RendezvousParameters(
     backend="etcd-v3", endpoint=endpoint, run_id="prom", min_nodes=1, max_nodes=1, local_addr="127.0.0.1",
@@ -286,3 +293,35 @@ def test_prometheus_endpoint_serves_the_rendezvous_metrics(etcd_endpoint: str) -
     assert 'etcd_rdzv_rendezvous_joins_total{backend="etcd-v3"} 1.0' in out.stdout
     assert 'etcd_rdzv_rendezvous_completed_total{backend="etcd-v3"} 1.0' in out.stdout
     assert 'etcd_rdzv_rendezvous_world_size{backend="etcd-v3"} 1.0' in out.stdout
+
+
+def test_no_secret_in_logs_events_or_metrics(
+    etcd_binary: str, tmp_path: Path, rdzv_events: _Events, recorded_metrics: _Metrics,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    secret, wrong = "s3cr3t-Pw-1", "wr0ng-Pw-2"
+    auth = AuthConfig("r00t-Pw-3", user="alice", password=secret, prefix=b"/jobs/alice/")
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    good.write_text(secret + "\n")
+    bad.write_text(wrong + "\n")
+    caplog.set_level(logging.DEBUG)
+    with EtcdServer(binary=etcd_binary, auth=auth) as server:
+        run = V3Run(server.get_endpoint())
+        run.prefix = "/jobs/alice/rdzv"
+        try:
+            ok = run.new(1, 1, user="alice", password_file=str(good))
+            assert ok.next_round().round == 1
+            refused = run.new(1, 1, user="alice", password_file=str(bad), read_timeout="5")
+            with pytest.raises(RendezvousConnectionError, match="alice"):
+                refused.next_round()
+            assert ok.shutdown()
+        finally:
+            run.close()
+    assert rdzv_events.of(refused.node_id, "next_rendezvous", NodeState.FAILED)
+    assert recorded_metrics.values("etcd_client.errors.EtcdAuthError")
+    seen = [r.getMessage() for r in caplog.records]
+    seen += [e.serialize() for e in rdzv_events.events]
+    seen += [str(d) for d in recorded_metrics.data]
+    assert len(seen) > 10
+    for password in (secret, wrong, "r00t-Pw-3"):
+        assert not [line for line in seen if password in line]
