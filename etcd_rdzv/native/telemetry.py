@@ -11,19 +11,19 @@ Events (``name`` is ``EtcdV3RendezvousHandler.<method>``, as torch's handlers
 name theirs; ``hostname`` the node's address, ``pid`` its process, ``local_id``
 the handler's number in the process):
 
-==================  ==========  ======================================================
-method              node_state  when
-==================  ==========  ======================================================
-``next_rendezvous``  RUNNING    the node starts to join the next round
-``join``             RUNNING    its join key is in round T (each join transaction)
-``next_rendezvous``  RUNNING    round T sealed with the node in it (``rank`` set)
-``next_rendezvous``  FAILED     it raised (timeout, closed, etcd error; with the trace)
-``lease``            RUNNING    its lease was lost and replaced by a new one
-``num_nodes_waiting`` RUNNING   a member of its running round went (once per round)
-``set_closed``       SUCCEEDED  the node closed the run (also from ``shutdown``)
-``leave``            SUCCEEDED  the node left the rendezvous without closing it
-``<method>``         FAILED     any other torch-facing method raised
-==================  ==========  ======================================================
+=====================  ==========  ======================================================
+method                 node_state  when
+=====================  ==========  ======================================================
+``next_rendezvous``    RUNNING     the node starts to join the next round
+``join``               RUNNING     its join key is in round T (each join transaction)
+``next_rendezvous``    RUNNING     round T sealed with the node in it (``rank`` set)
+``next_rendezvous``    FAILED      it raised (timeout, closed, etcd error; with the trace)
+``lease``              RUNNING     its lease was lost and replaced by a new one
+``num_nodes_waiting``  RUNNING     a member of its running round went (once per round)
+``set_closed``         SUCCEEDED   the node closed the run (also from ``shutdown``)
+``leave``              SUCCEEDED   the node left the rendezvous without closing it
+``<method>``           FAILED      any other torch-facing method raised
+=====================  ==========  ======================================================
 
 Recording never raises and costs nothing (one ``isinstance``) while torch's
 event destination is its default null handler. No secret is in any event: the
