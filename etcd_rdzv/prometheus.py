@@ -11,7 +11,8 @@ so is this endpoint. The first handler creator of a process that finds a port
 configured (:func:`maybe_start`, called by the ``etcd-v2``/``etcd``/``etcd-v3``
 creators before any RPC) starts ``prometheus_client``'s HTTP server on a daemon
 thread and configures a :class:`PrometheusMetricHandler` for the ``etcd_rdzv``
-group; later creators with the same port reuse it. It serves until the process
+group (replacing a handler configured for that group before); later creators
+with the same port reuse it. It serves until the process
 exits (a scrape after ``shutdown()`` still sees the final counts).
 
 Raises ``ValueError`` naming the key for a bad port, for a port while
