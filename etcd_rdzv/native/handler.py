@@ -45,6 +45,7 @@ from torch.distributed.elastic.rendezvous.api import (
 from etcd_store.client import EtcdClient
 from etcd_store.errors import EtcdError, EtcdTimeoutError
 
+from .. import metrics
 from . import protocol, queries
 from .barrier import JoinClock
 from .bootstrap import bootstrap_info
@@ -52,6 +53,7 @@ from .keys import RunKeys
 from .records import ProtocolStateError
 from .rounds import Participant, RoundResult
 from .settings import V3Settings
+from .telemetry import Telemetry
 
 if TYPE_CHECKING:
     from etcd_store import EtcdStore
@@ -88,9 +90,12 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._owns_client = owns_client
         self._keys = RunKeys.for_run(settings.key_prefix, settings.run_id)
         addr = settings.node_addr.replace("/", "_")
-        self._node_id = f"{addr}_{os.getpid()}_{next(_local_ids)}_{uuid.uuid4().hex[:6]}"
+        local_id = next(_local_ids)
+        self._node_id = f"{addr}_{os.getpid()}_{local_id}_{uuid.uuid4().hex[:6]}"
         self._rdzv_lock = threading.Lock()
-        self._node = Participant(settings, client, self._keys, self._node_id)
+        self._telemetry = Telemetry(settings, self._node_id, local_id)
+        self._node = Participant(settings, client, self._keys, self._node_id, observer=self._telemetry)
+        metrics.watch_client(client.stats)
         self._store: EtcdStore | None = None
         self._closed_run = False  # shutdown() closed the run
         self.last_round: RoundResult | None = None
@@ -134,17 +139,21 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         ``MASTER_ADDR`` and a free port of its own host, every round).
         """
         result = self.next_round()
-        store = self._round_store(result.round)
         try:
-            bootstrap = bootstrap_info(
-                self._client, self._keys, result.round, result.rank, result.seal_revision, store,
-                self._node.round_master, self._node_id, self._settings.node_addr,
-            )
-        except Exception as e:
-            raise RendezvousConnectionError(
-                f"Round {result.round} of the rendezvous {self._settings.run_id!r} was sealed, "
-                f"but exchanging MASTER_ADDR/MASTER_PORT through its store failed: {e}"
-            ) from e
+            store = self._round_store(result.round)
+            try:
+                bootstrap = bootstrap_info(
+                    self._client, self._keys, result.round, result.rank, result.seal_revision, store,
+                    self._node.round_master, self._node_id, self._settings.node_addr,
+                )
+            except Exception as e:
+                raise RendezvousConnectionError(
+                    f"Round {result.round} of the rendezvous {self._settings.run_id!r} was sealed, "
+                    f"but exchanging MASTER_ADDR/MASTER_PORT through its store failed: {e}"
+                ) from e
+        except RendezvousError as e:
+            self._telemetry.failed("next_rendezvous", e)
+            raise
         return RendezvousInfo(store, result.rank, result.world_size, bootstrap)
 
     def next_round(self) -> RoundResult:
@@ -155,27 +164,39 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         ``RendezvousTimeoutError`` (``join_timeout``), ``RendezvousConnectionError``
         (etcd unreachable within ``read_timeout``), ``RendezvousStateError``
         (records this protocol never writes), ``RendezvousGracefulExitError``
-        (closed while kept out by a full group).
+        (closed while kept out by a full group). Records torch rendezvous events and
+        metrics (:mod:`etcd_rdzv.native.telemetry`).
         """
         with self._rdzv_lock:
             self._node.check_not_shut_down()
+            started = self._telemetry.attempt()
             clock = JoinClock.start(self._settings.join_timeout, time.monotonic())
             try:
-                result = self._node.rendezvous(clock)
-            except EtcdTimeoutError as e:
-                raise RendezvousConnectionError(f"etcd did not answer in time: {e}") from e
-            except EtcdError as e:
-                if self._node.shut_down:
-                    raise RendezvousClosedError("the handler was shut down") from e
-                raise RendezvousConnectionError(str(e)) from e
-            except ProtocolStateError as e:
-                raise RendezvousStateError(f"rendezvous {self._settings.run_id!r}: {e}") from e
+                result = self._barrier(clock)
+            except Exception as e:
+                self._telemetry.failed("next_rendezvous", e)
+                raise
             self.last_round = result
+            self._telemetry.completed(result.round, result.rank, result.world_size, started,
+                                      self._node.round_master)
             log.info(
                 "node %s joined round %d of %r as rank %d of %d",
                 self._node_id, result.round, self._settings.run_id, result.rank, result.world_size,
             )
             return result
+
+    def _barrier(self, clock: JoinClock) -> RoundResult:
+        """:meth:`Participant.rendezvous`, its etcd and protocol errors translated to torch's."""
+        try:
+            return self._node.rendezvous(clock)
+        except EtcdTimeoutError as e:
+            raise RendezvousConnectionError(f"etcd did not answer in time: {e}") from e
+        except EtcdError as e:
+            if self._node.shut_down:
+                raise RendezvousClosedError("the handler was shut down") from e
+            raise RendezvousConnectionError(str(e)) from e
+        except ProtocolStateError as e:
+            raise RendezvousStateError(f"rendezvous {self._settings.run_id!r}: {e}") from e
 
     def is_closed(self) -> bool:
         """Whether the run is closed. One Range (none after :meth:`shutdown`, which closed it)."""
@@ -184,7 +205,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         try:
             return queries.is_closed(self._client, self._keys)
         except EtcdError as e:
-            raise RendezvousConnectionError(str(e)) from e
+            error = RendezvousConnectionError(str(e))
+            self._telemetry.failed("is_closed", error)
+            raise error from e
 
     def set_closed(self) -> None:
         """Close the run for every node: a one-time put of ``ctl/closed``. One Txn
@@ -196,7 +219,12 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """
         if self._node.shut_down:
             return
-        self._node.close_run(time.monotonic() + self._settings.close_timeout)
+        try:
+            self._node.close_run(time.monotonic() + self._settings.close_timeout)
+        except RendezvousError as e:
+            self._telemetry.failed("set_closed", e)
+            raise
+        self._telemetry.closed()
 
     def num_nodes_waiting(self) -> int:
         """Nodes waiting to join the round after ours (one read-only Txn, no scan of keys).
@@ -221,7 +249,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 round_ = queries.read_meta(self._client, self._keys).sealed.round
             occ = queries.count_waiting(self._client, self._keys, round_)
         except EtcdError as e:
-            raise RendezvousConnectionError(str(e)) from e
+            error = RendezvousConnectionError(str(e))
+            self._telemetry.failed("num_nodes_waiting", error)
+            raise error from e
         if occ.closed:
             # torch's agent polls only this while its workers run: a positive count
             # makes it stop them and call next_rendezvous(), which raises
@@ -229,7 +259,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             return max(occ.waiting, 1)
         if member_round is not None:
             session = self._node.session
-            if session is None or session.done().is_set() or occ.active < world_size:
+            if session is None or session.done().is_set():
+                return max(occ.waiting, 1)
+            if occ.active < world_size:
+                self._telemetry.member_lost(member_round, occ.active, world_size)
                 return max(occ.waiting, 1)
         return occ.waiting if occ.active < self._settings.max_nodes else 0
 
@@ -248,9 +281,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         try:
             self._node.close_run(deadline)
             self._closed_run = True
+            self._telemetry.closed()
         except RendezvousError as e:
             log.warning("node %s could not close the rendezvous %r: %s", self._node_id,
                         self._settings.run_id, e)
+            self._telemetry.failed("shutdown", e)
             ok = False
         session = self._node.stop()
         self._close_store()
@@ -299,6 +334,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             self._client.close()
         log.info("node %s left the rendezvous %r%s", self._node_id, self._settings.run_id,
                  "" if ok else " (etcd did not answer: its lease will expire)")
+        self._telemetry.left(ok)
         return ok
 
     # ------------------------------------------------------------------ the store

@@ -42,6 +42,7 @@ from .bootstrap import join_value
 from .keys import RunKeys
 from .records import ProtocolStateError, Sealed
 from .settings import V3Settings
+from .telemetry import RoundObserver
 from .view import RoundView, Signal, SignalKind
 
 log = logging.getLogger(__name__)
@@ -108,8 +109,10 @@ class Participant:
     One :meth:`rendezvous` at a time; :meth:`stop` may be called from any thread.
     """
 
-    def __init__(self, settings: V3Settings, client: EtcdClient, keys: RunKeys, node_id: str) -> None:
+    def __init__(self, settings: V3Settings, client: EtcdClient, keys: RunKeys, node_id: str,
+                 observer: RoundObserver | None = None) -> None:
         self._settings = settings
+        self.observer = observer or RoundObserver()  # told of joins and lost leases
         self._client = client
         self._keys = keys
         self._node_id = node_id
@@ -199,6 +202,7 @@ class Participant:
                 return session.id
             if session is not None:
                 log.warning("node %s lost its lease; joining with a new one", self._node_id)
+                self.observer.lease_lost()
             session = self._client.session(self._settings.lease_ttl, on_lost=self._on_lease_lost)
             self.session = session
             self._joined = None  # keys bound to the old lease are gone
@@ -295,6 +299,7 @@ class Participant:
             self._joined = _Joined(target, key, sealed)
             log.debug("node %s joined round %d at revision %d (join %d of the round, %d present)",
                       self._node_id, target, outcome.revision, outcome.seq, outcome.count)
+            self.observer.joined(target, outcome.count)
             recovering = self._settings.fast_recovery and prior_round == target - 1
             waited = self._wait(target, outcome, sealed, clock, prior_world if recovering else None)
             if isinstance(waited, RoundResult):

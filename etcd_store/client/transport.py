@@ -35,6 +35,7 @@ from ..errors import (
     EtcdTLSError,
 )
 from .endpoints import Endpoint, parse_endpoints
+from .stats import CallStats, counts_error
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +216,8 @@ class Transport:
         self._current = 0
         self._lock = threading.Lock()
         self._closed = False
+        #: Retries and errors of this client (:mod:`.stats`), read by the layers above.
+        self.stats = CallStats()
 
     # ---------------------------------------------------------------- plumbing
 
@@ -278,10 +281,12 @@ class Transport:
         except grpc.RpcError as e:
             text = _details(e)
             if "authentication failed" in text or "invalid user" in text:
-                raise EtcdAuthError(
+                refused = EtcdAuthError(
                     f"etcd at {member.endpoint} rejected the credentials of user "
                     f"{self._user!r}: wrong user name or password."
-                ) from None
+                )
+                self.stats.failed(refused)
+                raise refused from None
             if "authentication is not enabled" in text:
                 # Auth is off: run without a token.
                 member.token = ""
@@ -340,6 +345,7 @@ class Transport:
         # several addresses may alternate with "connection refused" from the others).
         tls_failed: dict[int, grpc.RpcError] = {}
         reauthenticated = False
+        attempts = 0
         while True:
             order = self._order()
             timeouts = 0  # members that timed out in this round
@@ -353,6 +359,9 @@ class Transport:
                 # per-attempt deadlines (2 s, 4 s, ...) so the next member is tried in
                 # time; others get the whole remaining deadline in one attempt.
                 attempt = min(remaining, attempt_budget) if idempotent else remaining
+                attempts += 1
+                if attempts > 1:
+                    self.stats.retried(method)
                 try:
                     metadata = self._metadata(member, deadline)
                     stub = member.stub(service)
@@ -400,6 +409,7 @@ class Transport:
             threading.Event().wait(min(pause, remaining))
             pause = min(pause * 2, 0.5)
 
+    @counts_error
     def _translate(self, err: grpc.RpcError, what: str, timed_out: float | None = None) -> EtcdError:
         code = err.code()
         text = _details(err)
@@ -435,6 +445,7 @@ class Transport:
             return EtcdConnectionError(f"Cannot reach {where}{op}: {shown}")
         return EtcdError(f"{where} failed{op}: {code.name}: {shown}")
 
+    @counts_error
     def _never_connected(self, err: grpc.RpcError, what: str) -> EtcdConnectionError:
         op = f" ({what})" if what else ""
         return EtcdConnectionError(
@@ -443,6 +454,7 @@ class Transport:
             f"ports? Last error: {_clip(_details(err))}"
         )
 
+    @counts_error
     def _translate_cancel(self, reason: str, what: str) -> EtcdError:
         """The error for a watch etcd cancelled, from the code in its ``cancel_reason``."""
         text = f"etcd at {self.describe()} cancelled the {what}: {_clip(reason)}"
