@@ -37,8 +37,10 @@ __all__ = [
 CONNECTION_KEYS = frozenset({
     "read_timeout", "protocol", "ssl_cert", "ssl_cert_key", "ca_cert",
     "user", "password", "password_file", "key_prefix", "state_ttl",
+    "metrics_port", "metrics_addr",
 })  # fmt: skip
-"""Read by every backend (etcd_rdzv/conf.py ``parse_rdzv_config``)."""
+"""Read by every backend (etcd_rdzv/conf.py ``parse_rdzv_config``; the metrics keys by
+etcd_rdzv/prometheus.py)."""
 
 DYNAMIC_KEYS = frozenset({
     "join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",

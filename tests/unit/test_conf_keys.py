@@ -62,11 +62,13 @@ def test_keys_of_another_backend_say_which_one_reads_them(caplog: pytest.LogCapt
 def test_no_warning_for_torch_keys_ours_or_legacy_names_on_etcd(caplog: pytest.LogCaptureFixture) -> None:
     v3 = {"join_timeout": "60", "last_call_timeout": "1", "close_timeout": "5", "heartbeat": "3",
           "heartbeat_timeout": "5", "keep_alive_interval": "1", "keep_alive_max_attempt": "3",
-          "fast_recovery": "true", "read_timeout": "5", "state_ttl": "60", "key_prefix": "/k"}
+          "fast_recovery": "true", "read_timeout": "5", "state_ttl": "60", "key_prefix": "/k",
+          "metrics_port": "9400", "metrics_addr": "127.0.0.1"}
     torch_only = {"timeout": "900", "rank": "0", "is_host": "1", "store_type": "tcp"}
     with caplog.at_level(logging.DEBUG):
         parse_v3_settings(_params("etcd-v3", **v3, **torch_only))
-        parse_dynamic_settings(_params("etcd-v2", timeout="900", rank="0", heartbeat="5", join_timeout="60"))
+        parse_dynamic_settings(_params("etcd-v2", timeout="900", rank="0", heartbeat="5", join_timeout="60",
+                                       metrics_port="9400"))
         parse_dynamic_settings(_params("etcd", timeout="900", etcd_prefix="/p"), legacy=True)
     assert _warnings(caplog) == []
 
