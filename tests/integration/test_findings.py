@@ -8,6 +8,8 @@
   that reached etcd rides out a short outage within its call's deadline.
 * ``python -m etcd_server`` removes its temporary data dir on SIGHUP too.
 * Error messages about huge keys stay short.
+* A member cut off from its quorum answers with etcd's own request timeout (UNKNOWN "context
+  deadline exceeded" on 3.4/3.5): the call goes on to another member within its deadline.
 """
 
 from __future__ import annotations
@@ -19,13 +21,15 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 from helpers import REPO_ROOT
 from helpers.certs import _make_leaf, have_openssl, make_certs
 from helpers.ports import closed_port
 
-from etcd_server import AuthConfig, EtcdServer, TLSConfig
+from etcd_server import AuthConfig, EtcdCluster, EtcdServer, TLSConfig
 from etcd_store.client import DEFAULT_CONNECT_TIMEOUT, EtcdClient
 from etcd_store.errors import (
     EtcdConnectionError,
@@ -36,8 +40,6 @@ from etcd_store.errors import (
 )
 
 _REPO = REPO_ROOT
-
-
 
 
 # ------------------------------------------------------------------ auth tokens after a restart
@@ -193,3 +195,55 @@ def test_errors_about_a_huge_key_are_short(etcd_endpoint: str) -> None:
         text = str(error)
         assert len(text) < 1500, len(text)
         assert "/huge/kkk" in text and f"({len(key)} bytes)" in text
+
+
+# ------------------------------------------------------------------ a leader cut off from its quorum
+
+
+class _ServerTimeouts(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """Calls ``then`` once when a member answers with its own request timeout (not the client's)."""
+
+    def __init__(self, then: Any) -> None:
+        self.seen: list[tuple[grpc.StatusCode, str]] = []
+        self._then = then
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        outcome = continuation(details, request)
+        err = outcome.exception()
+        # The client's own deadline reads "Deadline Exceeded"; etcd's reads like Go's context error.
+        if err is not None and err.details() == "context deadline exceeded":
+            self.seen.append((err.code(), err.details()))
+            if len(self.seen) == 1:
+                self._then()
+        return outcome
+
+
+@pytest.mark.etcd_matrix
+def test_a_server_side_timeout_from_a_leader_without_quorum_fails_over(etcd_binary: str) -> None:
+    """The leader loses its quorum (both followers frozen), steps down, and holds proposals until
+    etcd's request timeout (~7 s), then answers UNKNOWN "context deadline exceeded" (3.4/3.5;
+    DEADLINE_EXCEEDED on 3.6+). Every member times out, so the per-attempt deadlines grow (2 s,
+    4 s, 8 s) and the third round at the latest outlasts etcd's timeout (an earlier attempt may
+    see it too, when etcd's side of the same deadline fires first). The followers resume as
+    that answer arrives, and the lease grant must go on to them."""
+    with EtcdCluster(3, binary=etcd_binary) as cluster:
+        leader = cluster.leader()
+        followers = [p for i, p in enumerate(cluster.pids) if i != leader and p is not None]
+        order = [cluster.endpoints[leader]] + [e for i, e in enumerate(cluster.endpoints) if i != leader]
+
+        def resume() -> None:
+            for pid in followers:
+                os.kill(pid, signal.SIGCONT)
+
+        timeouts = _ServerTimeouts(resume)
+        with EtcdClient(order, timeout=60, interceptors=[timeouts]) as client:
+            for i in range(len(order)):
+                client.status(i)  # connect every channel: a frozen member then times out, not refuses
+            for pid in followers:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                lease = client.lease_grant(30)
+            finally:
+                resume()
+            assert timeouts.seen, "no member answered with etcd's request timeout: the path was not taken"
+            assert client.lease_time_to_live(lease) > 0
