@@ -8,6 +8,7 @@
   that reached etcd rides out a short outage within its call's deadline.
 * ``python -m etcd_server`` removes its temporary data dir on SIGHUP too.
 * Error messages about huge keys stay short.
+* ``num_keys`` of a namespace with another nested in it agrees with ``list_keys``.
 * A member cut off from its quorum answers with etcd's own request timeout (UNKNOWN "context
   deadline exceeded" on 3.4/3.5): the call goes on to another member within its deadline.
 """
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +32,8 @@ from helpers.certs import _make_leaf, have_openssl, make_certs
 from helpers.ports import closed_port
 
 from etcd_server import AuthConfig, EtcdCluster, EtcdServer, TLSConfig
-from etcd_store.client import DEFAULT_CONNECT_TIMEOUT, EtcdClient
+from etcd_store import EtcdStore
+from etcd_store.client import DEFAULT_CONNECT_TIMEOUT, EtcdClient, RpcCounter
 from etcd_store.errors import (
     EtcdConnectionError,
     EtcdPermissionDenied,
@@ -247,3 +250,37 @@ def test_a_server_side_timeout_from_a_leader_without_quorum_fails_over(etcd_bina
                 resume()
             assert timeouts.seen, "no member answered with etcd's request timeout: the path was not taken"
             assert client.lease_time_to_live(lease) > 0
+
+
+# ------------------------------------------------------------------ nested namespaces
+
+
+def test_num_keys_of_a_namespace_with_a_nested_one_agrees_with_list_keys(etcd_endpoint: str) -> None:
+    """The inner namespace's internal keys (lease record, add markers, chunks, queue items)
+    lie in the outer one's user range; the outer count must leave them out, like its listing."""
+    job = f"findings-nest-{uuid.uuid4().hex[:8]}"
+    counter = RpcCounter()
+    with EtcdClient(etcd_endpoint, timeout=10, interceptors=[counter]) as client:
+        outer = EtcdStore(client, prefix=job, chunk_bytes=1024)
+        plain = EtcdStore(client, prefix=f"{job}-plain")
+        inner = EtcdStore(client, prefix=f"{job}/sub", chunk_bytes=1024)
+        deeper = EtcdStore(client, prefix=f"{job}/sub/deeper")
+        try:
+            outer.set("a", "1")
+            inner.set("k", "v")
+            inner.add("n", 1)  # a store-thread marker
+            inner.set("big", "x" * 5000)  # chunks
+            inner.queue_push("q", "item")  # a queue item (no user key)
+            deeper.set("d", "1")
+            assert outer.list_keys() == ["a", "sub/big", "sub/deeper/d", "sub/k", "sub/n"]
+            assert outer.num_keys() == 5
+            assert inner.list_keys() == ["big", "deeper/d", "k", "n"] and inner.num_keys() == 4
+            assert deeper.num_keys() == len(deeper.list_keys()) == 1
+            # A namespace with nothing nested in it still counts with one Txn.
+            plain.set("x", "1")
+            counter.reset()
+            assert plain.num_keys() == 1
+            assert counter.snapshot() == {"KV/Txn": 1}
+        finally:
+            for store in (deeper, inner, plain, outer):
+                store.close()
