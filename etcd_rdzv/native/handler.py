@@ -43,7 +43,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from etcd_store.client import EtcdClient
-from etcd_store.errors import EtcdError, EtcdTimeoutError
+from etcd_store.errors import EtcdConnectionError, EtcdError, EtcdTimeoutError
 
 from . import protocol, queries
 from .barrier import JoinClock
@@ -65,6 +65,14 @@ BACKEND_NAME = "etcd-v3"
 LEAVE_TIMEOUT = 2.0
 """Seconds :meth:`EtcdV3RendezvousHandler.leave` may take (all its RPCs together):
 it runs at interpreter exit, which it must never hold up for long."""
+
+OUTAGE_CLOSE_TIMEOUT = 2.0
+"""Seconds :meth:`EtcdV3RendezvousHandler.shutdown` gives closing the run (instead of
+``close_timeout``) when the handler's last etcd call failed because etcd was unreachable.
+torch's launcher calls ``shutdown()`` right after the failure that ends the agent; waiting
+``close_timeout`` more for an etcd that just failed to answer for a whole ``read_timeout``
+only delays the exit. So an agent that lost etcd exits about ``read_timeout`` + 2 s after
+its failing call began; the run stays open then (the node's lease expires after its TTL)."""
 
 _local_ids = itertools.count()
 
@@ -93,6 +101,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._node = Participant(settings, client, self._keys, self._node_id)
         self._store: EtcdStore | None = None
         self._closed_run = False  # shutdown() closed the run
+        self._etcd_lost = False  # the last etcd call failed for want of etcd (see shutdown())
         self.last_round: RoundResult | None = None
         # A process that exits without shutdown() (torchrun's agent on SIGTERM/SIGINT
         # deliberately skips it: it would close the run) leaves its round at exit.
@@ -141,6 +150,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 self._node.round_master, self._node_id, self._settings.node_addr,
             )
         except Exception as e:
+            self._etcd_lost = isinstance(e, EtcdConnectionError)
             raise RendezvousConnectionError(
                 f"Round {result.round} of the rendezvous {self._settings.run_id!r} was sealed, "
                 f"but exchanging MASTER_ADDR/MASTER_PORT through its store failed: {e}"
@@ -163,13 +173,16 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             try:
                 result = self._node.rendezvous(clock)
             except EtcdTimeoutError as e:
+                self._etcd_lost = True
                 raise RendezvousConnectionError(f"etcd did not answer in time: {e}") from e
             except EtcdError as e:
                 if self._node.shut_down:
                     raise RendezvousClosedError("the handler was shut down") from e
+                self._etcd_lost = isinstance(e, EtcdConnectionError)
                 raise RendezvousConnectionError(str(e)) from e
             except ProtocolStateError as e:
                 raise RendezvousStateError(f"rendezvous {self._settings.run_id!r}: {e}") from e
+            self._etcd_lost = False
             self.last_round = result
             log.info(
                 "node %s joined round %d of %r as rank %d of %d",
@@ -184,6 +197,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         try:
             return queries.is_closed(self._client, self._keys)
         except EtcdError as e:
+            self._etcd_lost = isinstance(e, EtcdConnectionError)
             raise RendezvousConnectionError(str(e)) from e
 
     def set_closed(self) -> None:
@@ -221,7 +235,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 round_ = queries.read_meta(self._client, self._keys).sealed.round
             occ = queries.count_waiting(self._client, self._keys, round_)
         except EtcdError as e:
+            self._etcd_lost = isinstance(e, EtcdConnectionError)
             raise RendezvousConnectionError(str(e)) from e
+        self._etcd_lost = False
         if occ.closed:
             # torch's agent polls only this while its workers run: a positive count
             # makes it stop them and call next_rendezvous(), which raises
@@ -238,12 +254,19 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
         Revoking the lease deletes this node's join keys at once. The last node to
         leave also deletes the rounds' stores. Returns False if closing failed
-        (then the lease is left to expire). Takes at most about ``close_timeout``.
+        (then the lease is left to expire). Takes at most about ``close_timeout``, or
+        :data:`OUTAGE_CLOSE_TIMEOUT` when the handler's last etcd call had failed
+        because etcd was unreachable (what ends an agent that lost etcd).
         """
         if self._node.shut_down:
             return True
         atexit.unregister(self._at_exit)
-        deadline = time.monotonic() + self._settings.close_timeout
+        budget = self._settings.close_timeout
+        if self._etcd_lost:
+            budget = min(budget, OUTAGE_CLOSE_TIMEOUT)
+            log.info("node %s: etcd was unreachable at its last call; closing %r gets %g s",
+                     self._node_id, self._settings.run_id, budget)
+        deadline = time.monotonic() + budget
         ok = True
         try:
             self._node.close_run(deadline)

@@ -284,3 +284,40 @@ def test_num_keys_of_a_namespace_with_a_nested_one_agrees_with_list_keys(etcd_en
         finally:
             for store in (deeper, inner, plain, outer):
                 store.close()
+
+
+# ------------------------------------------------------------------ etcd-v3 exit after an outage
+
+
+def test_an_etcd_v3_agent_that_lost_etcd_exits_within_read_timeout_plus_the_outage_close_bound(
+    fresh_etcd: EtcdServer,
+) -> None:
+    """What torch's launcher does when the rendezvous cannot reach etcd: ``next_rendezvous``
+    raises after ``read_timeout``, then ``shutdown()`` tries to close the run. That close gets
+    :data:`OUTAGE_CLOSE_TIMEOUT`, not the whole ``close_timeout`` (30 s)."""
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
+
+    from etcd_rdzv.native.handler import OUTAGE_CLOSE_TIMEOUT
+    from etcd_rdzv.plugin import create_etcd_v3_rdzv_handler
+
+    read_timeout = 3.0
+    params = RendezvousParameters(
+        backend="etcd-v3", endpoint=fresh_etcd.get_endpoint(), run_id=f"outage-{uuid.uuid4().hex[:6]}",
+        min_nodes=1, max_nodes=1, local_addr="127.0.0.1", read_timeout=str(read_timeout),
+        last_call_timeout="0.2",
+    )  # fmt: skip
+    handler = create_etcd_v3_rdzv_handler(params)
+    assert handler.settings.close_timeout == 30  # the default the exit no longer waits out
+    handler.next_rendezvous()
+    fresh_etcd.stop()
+    start = time.monotonic()
+    with pytest.raises(RendezvousConnectionError):
+        handler.next_rendezvous()
+    failed = time.monotonic() - start
+    closing = time.monotonic()
+    assert handler.shutdown() is False  # the run could not be closed: etcd is gone
+    shutdown_took = time.monotonic() - closing
+    # The failing call is bounded by read_timeout (one call's deadline, retries included);
+    # +1 s: scheduling on a loaded machine, well below the close_timeout this test is about.
+    assert failed < read_timeout + 1.0
+    assert shutdown_took < OUTAGE_CLOSE_TIMEOUT + 1.0, shutdown_took
