@@ -43,7 +43,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from etcd_store.client import EtcdClient
-from etcd_store.errors import EtcdError, EtcdTimeoutError
+from etcd_store.errors import EtcdConnectionError, EtcdError, EtcdTimeoutError
 
 from .. import metrics
 from . import protocol, queries
@@ -67,6 +67,11 @@ BACKEND_NAME = "etcd-v3"
 LEAVE_TIMEOUT = 2.0
 """Seconds :meth:`EtcdV3RendezvousHandler.leave` may take (all its RPCs together):
 it runs at interpreter exit, which it must never hold up for long."""
+
+OUTAGE_CLOSE_TIMEOUT = LEAVE_TIMEOUT
+"""Seconds :meth:`EtcdV3RendezvousHandler.shutdown` may take when the handler's last
+etcd call failed because etcd was unreachable: it then leaves (never closes the run), so
+an agent that lost etcd exits about ``read_timeout`` + 2 s after its failing call began."""
 
 _local_ids = itertools.count()
 
@@ -98,6 +103,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         metrics.watch_client(client.stats)
         self._store: EtcdStore | None = None
         self._closed_run = False  # shutdown() closed the run
+        self._etcd_lost = False  # the last etcd call failed for want of etcd (see shutdown())
         self.last_round: RoundResult | None = None
         # A process that exits without shutdown() (torchrun's agent on SIGTERM/SIGINT
         # deliberately skips it: it would close the run) leaves its round at exit.
@@ -147,6 +153,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     self._node.round_master, self._node_id, self._settings.node_addr,
                 )
             except Exception as e:
+                self._etcd_lost = isinstance(e, EtcdConnectionError)
                 raise RendezvousConnectionError(
                     f"Round {result.round} of the rendezvous {self._settings.run_id!r} was sealed, "
                     f"but exchanging MASTER_ADDR/MASTER_PORT through its store failed: {e}"
@@ -188,26 +195,33 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def _barrier(self, clock: JoinClock) -> RoundResult:
         """:meth:`Participant.rendezvous`, its etcd and protocol errors translated to torch's."""
         try:
-            return self._node.rendezvous(clock)
+            result = self._node.rendezvous(clock)
         except EtcdTimeoutError as e:
+            self._etcd_lost = True
             raise RendezvousConnectionError(f"etcd did not answer in time: {e}") from e
         except EtcdError as e:
             if self._node.shut_down:
                 raise RendezvousClosedError("the handler was shut down") from e
+            self._etcd_lost = isinstance(e, EtcdConnectionError)
             raise RendezvousConnectionError(str(e)) from e
         except ProtocolStateError as e:
             raise RendezvousStateError(f"rendezvous {self._settings.run_id!r}: {e}") from e
+        self._etcd_lost = False
+        return result
 
     def is_closed(self) -> bool:
         """Whether the run is closed. One Range (none after :meth:`shutdown`, which closed it)."""
         if self._closed_run:
             return True
         try:
-            return queries.is_closed(self._client, self._keys)
+            closed = queries.is_closed(self._client, self._keys)
         except EtcdError as e:
+            self._etcd_lost = isinstance(e, EtcdConnectionError)
             error = RendezvousConnectionError(str(e))
             self._telemetry.failed("is_closed", error)
             raise error from e
+        self._etcd_lost = False
+        return closed
 
     def set_closed(self) -> None:
         """Close the run for every node: a one-time put of ``ctl/closed``. One Txn
@@ -249,9 +263,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 round_ = queries.read_meta(self._client, self._keys).sealed.round
             occ = queries.count_waiting(self._client, self._keys, round_)
         except EtcdError as e:
+            self._etcd_lost = isinstance(e, EtcdConnectionError)
             error = RendezvousConnectionError(str(e))
             self._telemetry.failed("num_nodes_waiting", error)
             raise error from e
+        self._etcd_lost = False
         if occ.closed:
             # torch's agent polls only this while its workers run: a positive count
             # makes it stop them and call next_rendezvous(), which raises
@@ -272,9 +288,25 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         Revoking the lease deletes this node's join keys at once. The last node to
         leave also deletes the rounds' stores. Returns False if closing failed
         (then the lease is left to expire). Takes at most about ``close_timeout``.
+
+        Except after this node lost etcd (its last etcd call failed for want of etcd):
+        torch's launcher calls ``shutdown()`` when its agent fails, also on the
+        ``RendezvousConnectionError`` of a node cut off from etcd. The other nodes may
+        still reach etcd and re-form without it; closing the run (which would succeed
+        as soon as the link heals) would end their job, and waiting ``close_timeout``
+        for an etcd that just failed for a whole ``read_timeout`` only delays the
+        exit. So it only leaves (:meth:`leave`), within :data:`OUTAGE_CLOSE_TIMEOUT`, and
+        returns False: the agent exits about ``read_timeout`` + 2 s after its failing
+        call began, the run stays open, and the node's keys go with its lease (revoked
+        if etcd answers, else after its TTL).
         """
         if self._node.shut_down:
             return True
+        if self._etcd_lost:
+            log.warning("node %s lost etcd: leaving the rendezvous %r without closing it",
+                        self._node_id, self._settings.run_id)
+            self.leave(OUTAGE_CLOSE_TIMEOUT)
+            return False
         atexit.unregister(self._at_exit)
         deadline = time.monotonic() + self._settings.close_timeout
         ok = True
