@@ -49,6 +49,7 @@ from . import protocol, queries
 from .barrier import JoinClock
 from .bootstrap import bootstrap_info
 from .keys import RunKeys
+from .liveness import GroupCheck
 from .records import ProtocolStateError
 from .rounds import Participant, RoundResult
 from .settings import V3Settings
@@ -91,6 +92,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._node_id = f"{addr}_{os.getpid()}_{next(_local_ids)}_{uuid.uuid4().hex[:6]}"
         self._rdzv_lock = threading.Lock()
         self._node = Participant(settings, client, self._keys, self._node_id)
+        self._group = GroupCheck(settings, client, self._keys, self._node, self._node_id)
         self._store: EtcdStore | None = None
         self._closed_run = False  # shutdown() closed the run
         self.last_round: RoundResult | None = None
@@ -209,29 +211,24 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
           torch's redundancy list);
         * the number of nodes joined in the next round otherwise;
         * at least 1 when our group lost a member (it died: its lease expired, or it
-          left to re-join) or this node's own lease expired: the group is broken,
-          so re-rendezvous now instead of waiting for the workers' collective timeout.
+          left to re-join): the group is broken, so re-rendezvous now instead of
+          waiting for the workers' collective timeout.
+
+        After etcd was out of reach for longer than the lease TTL (every lease
+        expired meanwhile), a member puts its key back with a new lease (one
+        LeaseGrant and one Txn, only if no later round was sealed; else at least 1)
+        and gives the other members one TTL to do the same before counting them
+        lost: :mod:`etcd_rdzv.native.liveness`.
         """
         if self._node.shut_down:
             return 0
-        member_round, world_size = self._node.member_round, self._node.member_world
         try:
-            round_ = member_round
-            if round_ is None:
-                round_ = queries.read_meta(self._client, self._keys).sealed.round
-            occ = queries.count_waiting(self._client, self._keys, round_)
+            # torch's agent polls only this while its workers run: a positive count for a
+            # closed run makes it stop them and call next_rendezvous(), which raises
+            # RendezvousClosedError, so a run closed from outside ends every agent.
+            return self._group.nodes_waiting()
         except EtcdError as e:
             raise RendezvousConnectionError(str(e)) from e
-        if occ.closed:
-            # torch's agent polls only this while its workers run: a positive count
-            # makes it stop them and call next_rendezvous(), which raises
-            # RendezvousClosedError, so a run closed from outside ends every agent.
-            return max(occ.waiting, 1)
-        if member_round is not None:
-            session = self._node.session
-            if session is None or session.done().is_set() or occ.active < world_size:
-                return max(occ.waiting, 1)
-        return occ.waiting if occ.active < self._settings.max_nodes else 0
 
     def shutdown(self) -> bool:
         """Close the run (as torch's handlers do), revoke this node's lease, release resources.
