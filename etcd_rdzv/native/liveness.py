@@ -13,9 +13,12 @@ the lease TTL, etcd expired every lease meanwhile although no node died. So:
   (:meth:`~etcd_rdzv.native.rounds.Participant.reattach`). If that fails, a round was sealed without
   it, or the run closed: its group is over (positive answer);
 * after such a sign of an outage (this node re-attached, or etcd took longer than a keep-alive
-  interval, a third of the TTL, to answer the read), members missing from the round are given one
-  lease TTL to re-attach before they count as lost (``grace``), unless a node already waits in the
-  next round. Without such a sign a missing member counts at once, as before.
+  interval, a third of the TTL, to answer the read), members missing from the round are given
+  ``read_timeout + heartbeat`` (the client's timeout plus the lease TTL, :meth:`GroupCheck.grace`)
+  to re-attach before they count as lost, unless a node already waits in the next round. A live
+  member re-attaches at its first poll that etcd answers; the poll it had in flight during the
+  outage is answered within the client's timeout, or fails, and then its agent fails too. Without
+  such a sign a missing member counts at once, as before.
 
 Blocks: one read Txn; after an outage one LeaseGrant and one Txn more; each bounded by the client's
 timeout. Raises :class:`~etcd_store.errors.EtcdError` subclasses (the handler translates them).
@@ -86,6 +89,11 @@ class GroupCheck:
         self._tolerate_until = 0.0
         self._tolerated_round: int | None = None
 
+    @property
+    def grace(self) -> float:
+        """Seconds that members missing after an outage have to re-attach (see the module docstring)."""
+        return self._client.timeout + self._settings.lease_ttl
+
     def nodes_waiting(self) -> int:
         node, s = self._node, self._settings
         member_round = node.member_round
@@ -110,7 +118,7 @@ class GroupCheck:
                 occ = reattached
             now = time.monotonic()
         if outage:
-            self._tolerate_until = max(self._tolerate_until, now + s.lease_ttl)
+            self._tolerate_until = max(self._tolerate_until, now + self.grace)
         group = Group(node.member_world, lease_ok, self._tolerate_until)
         answer = nodes_waiting(occ, group, s.max_nodes, now)
         if outage and answer == 0 and occ.active < group.world:
