@@ -7,7 +7,8 @@ the run's ``ctl/`` keys (about one event a round) that starts right after the
 join's revision; sealing a round is one transaction fenced by the ``sealed``
 record's mod revision, by "the previous round is empty" and by the join counter
 as the sealer read it.
-No node rewrites anything while a job runs: liveness is the lease alone.
+No node rewrites anything while a job runs: liveness is the lease alone (after an outage
+longer than the lease TTL a member re-attaches: one Txn, :mod:`etcd_rdzv.native.liveness`).
 This module is torch's interface (and its errors); one node's join, wait and
 seal are :class:`~etcd_rdzv.native.rounds.Participant`'s, the transactions
 :mod:`etcd_rdzv.native.protocol`'s; see docs/etcd-v3-design.md.
