@@ -40,7 +40,7 @@ from .settings import V3Settings
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GroupCheck", "nodes_waiting"]
+__all__ = ["Group", "GroupCheck", "nodes_waiting"]
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,7 @@ class GroupCheck:
         self._node = node
         self._tolerate_until = 0.0
         self._tolerated_round: int | None = None
+        self._cannot_reattach: int | None = None  # a round whose re-attach failed: the group is over
 
     @property
     def grace(self) -> float:
@@ -112,9 +113,11 @@ class GroupCheck:
         lease_ok = True
         session = node.session
         if not occ.closed and (not occ.mine or session is None or session.done().is_set()):
-            reattached = node.reattach()
+            reattached = None if self._cannot_reattach == member_round else node.reattach()
             lease_ok, outage = reattached is not None, True
-            if reattached is not None:
+            if reattached is None:
+                self._cannot_reattach = member_round  # no second LeaseGrant for a group that is over
+            else:
                 occ = reattached
             now = time.monotonic()
         if outage:
