@@ -2,8 +2,9 @@
 
 etcd is frozen with SIGSTOP and resumed with SIGCONT: its clock runs on, so every node's lease
 expires (and its join key with it) while nobody can reach it, exactly as when the whole cluster is
-cut off. The handlers run in this process; ``poll`` calls ``num_nodes_waiting()`` as torch's agent
-does every monitor interval while its workers are healthy. A running group must survive such an
+cut off. The handlers run in this process; a :class:`Monitor` thread per node calls
+``num_nodes_waiting()`` as torch's agent does every monitor interval while its workers are healthy
+(so a call is in flight during the outage, as with an agent). A running group must survive such an
 outage when no member died (each member re-attaches to its round), and still restart when one did.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import itertools
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -42,7 +44,7 @@ class Run:
         self.endpoint = server.get_endpoint()
         self.run_id = f"outage{next(_ids)}"
         self.prefix = f"/v3o{next(_ids)}"
-        self.client = EtcdClient(self.endpoint, timeout=5)  # read_timeout
+        self.client = EtcdClient(self.endpoint, timeout=10)  # read_timeout
         self.handlers: list[EtcdV3RendezvousHandler] = []
         self.pool = ThreadPoolExecutor(max_workers=8)
         self.keys = RunKeys.for_run(self.prefix, self.run_id)
@@ -51,7 +53,7 @@ class Run:
         params = RendezvousParameters(
             backend="etcd-v3", endpoint=self.endpoint, run_id=self.run_id, min_nodes=min_nodes,
             max_nodes=max_nodes, local_addr="127.0.0.1", join_timeout="60", last_call_timeout="0.5",
-            close_timeout="5", heartbeat=str(TTL), read_timeout="5", key_prefix=self.prefix,
+            close_timeout="5", heartbeat=str(TTL), read_timeout="10", key_prefix=self.prefix,
         )
         handler = create_etcd_v3_rdzv_handler(params, client=self.client)
         self.handlers.append(handler)
@@ -94,18 +96,37 @@ def run(fresh_etcd: EtcdServer) -> Iterator[Run]:
         r.close()
 
 
-def poll(handlers: list[EtcdV3RendezvousHandler], seconds: float) -> list[tuple[float, str, int]]:
-    """``num_nodes_waiting()`` of every handler every monitor interval for ``seconds``:
-    (time since the start, node id, answer) of every positive answer."""
-    start = time.monotonic()
-    positive = []
-    while (t := time.monotonic() - start) < seconds:
-        for h in handlers:
-            n = h.num_nodes_waiting()
-            if n:
-                positive.append((round(t, 2), h.node_id, n))
-        time.sleep(MONITOR_INTERVAL)  # the agent's monitor interval (a caller's pace, not a wait)
-    return positive
+class Monitor:
+    """torch's agent loop while its workers are healthy, in a thread: ``num_nodes_waiting()`` every
+    monitor interval (before, during and after the outage) until its first positive answer (the
+    agent would restart its workers there) or :meth:`stop`."""
+
+    def __init__(self, handler: EtcdV3RendezvousHandler) -> None:
+        self.handler = handler
+        self.positive: tuple[float, int] | None = None  # (monotonic time, answer)
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                n = self.handler.num_nodes_waiting()
+                if n:
+                    self.positive = (time.monotonic(), n)
+                    return
+                self._stop.wait(MONITOR_INTERVAL)
+        except BaseException as e:
+            self.error = e
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(WAIT)
+        assert not self._thread.is_alive()
 
 
 def lease(handler: EtcdV3RendezvousHandler) -> int:
@@ -117,13 +138,16 @@ def lease(handler: EtcdV3RendezvousHandler) -> int:
 def test_a_running_group_survives_an_outage_longer_than_the_lease_ttl(run: Run) -> None:
     nodes = [run.new(3, 3) for _ in range(3)]
     run.form(*nodes)
-    assert [h.num_nodes_waiting() for h in nodes] == [0, 0, 0]
     leases = [lease(h) for h in nodes]
+    monitors = [Monitor(h) for h in nodes]
     run.freeze_etcd(OUTAGE)
     # Every lease expired meanwhile. The members re-attach to round 1 (new leases) and no
     # agent is told to restart, also past the grace for absent members.
-    positive = poll(nodes, nodes[0]._group.grace + 1)
-    assert positive == [], f"the group was told to restart although no node died: {positive[:6]}"
+    time.sleep(nodes[0]._group.grace + 1)  # how long the agents are watched (not a synchronisation)
+    for m in monitors:
+        m.stop()
+    assert [(m.positive, m.error) for m in monitors] == [(None, None)] * 3, \
+        "the group was told to restart although no node died"
     assert run.joined(1) == 3 and run.joined(2) == 0
     assert all(lease(h) != old for h, old in zip(nodes, leases, strict=True))
     # The group is still a group: a later restart of its agents forms round 2 of 3.
@@ -133,21 +157,20 @@ def test_a_running_group_survives_an_outage_longer_than_the_lease_ttl(run: Run) 
 def test_a_member_that_died_in_the_outage_still_breaks_the_group(run: Run) -> None:
     a, b, c = (run.new(2, 3) for _ in range(3))
     run.form(a, b, c)
+    monitors = [Monitor(a), Monitor(b)]
     session = c._node.stop()  # c dies: no more keep-alives, and it never re-attaches
     assert session is not None
     session.close(revoke=False)
     run.freeze_etcd(OUTAGE)
     thawed = time.monotonic()
-    reported: dict[str, float] = {}
     grace = a._group.grace  # read_timeout + heartbeat
-    while len(reported) < 2:  # the survivors re-attach, and give c the grace to do so
-        assert time.monotonic() - thawed < grace + WAIT, "the dead member was never reported"
-        for h in (a, b):
-            if h.node_id not in reported and h.num_nodes_waiting() >= 1:
-                reported[h.node_id] = time.monotonic() - thawed
-        time.sleep(MONITOR_INTERVAL)  # the agent's monitor interval (a caller's pace, not a wait)
-    # Reported after the grace (counted from the re-attach), and not much later.
-    assert all(grace * 0.9 <= t <= grace + 5 for t in reported.values()), reported
+    reported = []
+    for m in monitors:  # the survivors re-attach, and give c the grace to do so
+        m.join(grace + WAIT)
+        assert m.error is None and m.positive is not None, "the dead member was never reported"
+        reported.append(m.positive[0] - thawed)
+    # Reported after the grace (counted from the end of the outage), and not much later.
+    assert all(grace <= t <= grace + WAIT / 3 for t in reported), reported
     assert run.joined(1) == 2
     res = run.form(a, b)
     assert {(r.round, r.world_size) for r in res} == {(2, 2)}
