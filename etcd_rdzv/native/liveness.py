@@ -18,7 +18,9 @@ the lease TTL, etcd expired every lease meanwhile although no node died. So:
   to re-attach before they count as lost, unless a node already waits in the next round. A live
   member re-attaches at its first poll that etcd answers; the poll it had in flight during the
   outage is answered within the client's timeout, or fails, and then its agent fails too. Without
-  such a sign a missing member counts at once, as before.
+  such a sign a missing member counts at once, as before. (The sign needs a poll in flight during
+  the outage, which torch's agent has while its monitor interval, 0.1 s by default, is shorter than
+  the outage; an outage that expires leases lasts at least two thirds of the TTL.)
 
 Blocks: one read Txn; after an outage one LeaseGrant and one Txn more; each bounded by the client's
 timeout. Raises :class:`~etcd_store.errors.EtcdError` subclasses (the handler translates them).
