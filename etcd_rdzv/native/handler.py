@@ -7,7 +7,8 @@ the run's ``ctl/`` keys (about one event a round) that starts right after the
 join's revision; sealing a round is one transaction fenced by the ``sealed``
 record's mod revision, by "the previous round is empty" and by the join counter
 as the sealer read it.
-No node rewrites anything while a job runs: liveness is the lease alone.
+No node rewrites anything while a job runs: liveness is the lease alone (after an outage
+longer than the lease TTL a member re-attaches: one Txn, :mod:`etcd_rdzv.native.liveness`).
 This module is torch's interface (and its errors); one node's join, wait and
 seal are :class:`~etcd_rdzv.native.rounds.Participant`'s, the transactions
 :mod:`etcd_rdzv.native.protocol`'s; see docs/etcd-v3-design.md.
@@ -50,6 +51,7 @@ from . import protocol, queries
 from .barrier import JoinClock
 from .bootstrap import bootstrap_info
 from .keys import RunKeys
+from .liveness import GroupCheck
 from .records import ProtocolStateError
 from .rounds import Participant, RoundResult
 from .settings import V3Settings
@@ -101,6 +103,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._telemetry = Telemetry(settings, self._node_id, local_id)
         self._node = Participant(settings, client, self._keys, self._node_id, observer=self._telemetry)
         metrics.watch_client(client.stats)
+        self._group = GroupCheck(settings, client, self._keys, self._node, self._node_id,
+                                 on_member_lost=self._telemetry.member_lost)
         self._store: EtcdStore | None = None
         self._closed_run = False  # shutdown() closed the run
         self._etcd_lost = False  # the last etcd call failed for want of etcd (see shutdown())
@@ -251,36 +255,29 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
           torch's redundancy list);
         * the number of nodes joined in the next round otherwise;
         * at least 1 when our group lost a member (it died: its lease expired, or it
-          left to re-join) or this node's own lease expired: the group is broken,
-          so re-rendezvous now instead of waiting for the workers' collective timeout.
+          left to re-join): the group is broken, so re-rendezvous now instead of
+          waiting for the workers' collective timeout.
+
+        After etcd was out of reach for longer than the lease TTL (every lease
+        expired meanwhile), a member puts its key back with a new lease (one
+        LeaseGrant and one Txn, only if no later round was sealed; else at least 1)
+        and gives the other members one TTL to do the same before counting them
+        lost: :mod:`etcd_rdzv.native.liveness`.
         """
         if self._node.shut_down:
             return 0
-        member_round, world_size = self._node.member_round, self._node.member_world
         try:
-            round_ = member_round
-            if round_ is None:
-                round_ = queries.read_meta(self._client, self._keys).sealed.round
-            occ = queries.count_waiting(self._client, self._keys, round_)
+            # torch's agent polls only this while its workers run: a positive count for a
+            # closed run makes it stop them and call next_rendezvous(), which raises
+            # RendezvousClosedError, so a run closed from outside ends every agent.
+            waiting = self._group.nodes_waiting()
         except EtcdError as e:
             self._etcd_lost = isinstance(e, EtcdConnectionError)
             error = RendezvousConnectionError(str(e))
             self._telemetry.failed("num_nodes_waiting", error)
             raise error from e
         self._etcd_lost = False
-        if occ.closed:
-            # torch's agent polls only this while its workers run: a positive count
-            # makes it stop them and call next_rendezvous(), which raises
-            # RendezvousClosedError, so a run closed from outside ends every agent.
-            return max(occ.waiting, 1)
-        if member_round is not None:
-            session = self._node.session
-            if session is None or session.done().is_set():
-                return max(occ.waiting, 1)
-            if occ.active < world_size:
-                self._telemetry.member_lost(member_round, occ.active, world_size)
-                return max(occ.waiting, 1)
-        return occ.waiting if occ.active < self._settings.max_nodes else 0
+        return waiting
 
     def shutdown(self) -> bool:
         """Close the run (as torch's handlers do), revoke this node's lease, release resources.

@@ -233,14 +233,7 @@ def test_a_node_cut_off_from_etcd_stops_and_rejoins(make_bed: Any, backend: str,
 # --------------------------------------------------------------------------- e. etcd unreachable
 
 
-_E_V3_DEFECT = (
-    "etcd-v3 (etcd_rdzv/native): after etcd was unreachable for 10 s, num_nodes_waiting() reports "
-    "1-2 waiting nodes on every agent ('Detected 1 new nodes from group_rank=2; will restart worker "
-    "group') although no node joined, so the running group restarts and a round is lost"
-)
-
-
-@pytest.mark.parametrize(("backend", "version"), backends(4, xfail={"etcd-v3": _E_V3_DEFECT}))
+@pytest.mark.parametrize(("backend", "version"), backends(4))
 def test_e_etcd_unreachable_for_10s_training_goes_on(make_bed: Any, backend: str, version: str) -> None:
     bed = make_bed(version, 1, ["n0", "n1", "n2"])
     job = bed.job(backend=backend, nnodes="3:3", conf={"read_timeout": 20})
