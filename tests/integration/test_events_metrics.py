@@ -214,8 +214,9 @@ def test_v3_timeout_and_lost_lease_are_recorded(
     with EtcdClient(etcd_endpoint, timeout=10) as other:
         other.lease_revoke(session.id)  # the node's lease is gone, as after an expiry
     assert session.lost.wait(WAIT)
-    assert solo.num_nodes_waiting() >= 1
-    assert solo.next_round().round == 2
+    # Its round still runs (nothing sealed since): it re-attaches with a new lease.
+    assert solo.num_nodes_waiting() == 0
+    assert solo._node.session is not None and solo._node.session is not session
     assert len(rdzv_events.of(solo.node_id, "lease")) == 1
     assert recorded_metrics.values("etcd-v3.lease.lost") == [1]
 
