@@ -59,13 +59,18 @@ class SharedClients:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._clients: dict[Hashable, Any] = {}
+        self._takers: dict[Hashable, int] = {}
 
-    def get(self, key: Hashable, factory: Callable[[], Any]) -> Any:
-        """The client for ``key``, made by ``factory`` (and connected) on first use."""
+    def get(self, key: Hashable, factory: Callable[[], Any], per_client: int = 0) -> Any:
+        """A client for ``key``, made by ``factory`` (and connected) on first use; with
+        ``per_client``, every ``per_client`` callers of one key get a new client."""
         with self._lock:
-            client = self._clients.get(key)
+            taken = self._takers.get(key, 0)
+            self._takers[key] = taken + 1
+            slot = (key, taken // per_client if per_client > 0 else 0)
+            client = self._clients.get(slot)
             if client is None:
-                client = self._clients[key] = factory()
+                client = self._clients[slot] = factory()
                 client.get(_CONNECT_KEY)
             return client
 
@@ -144,7 +149,8 @@ class HandlerNode:
 
             creator, _how = ours_creator(backend)
             _, options = parse_v3_settings(params)
-            client = self._shared.get(("etcd-v3", spec["endpoint"]), options.create_client)  # one conf per group
+            client = self._shared.get(("etcd-v3", spec["endpoint"]), options.create_client,  # one conf per group
+                                      int(spec.get("nodes_per_client", 0)))
             self.handler = creator(params, client=client)
         else:
             creator, _how = ours_creator(backend)
@@ -183,7 +189,8 @@ def _floor_client(spec: dict[str, Any], shared: SharedClients | None) -> tuple[A
     timeout = float(spec.get("timeout", 60.0))
     pool = _shared(spec, shared)
     if pool is not None:
-        return pool.get(("floor", spec["endpoint"], timeout), lambda: EtcdClient(spec["endpoint"], timeout=timeout)), False
+        return pool.get(("floor", spec["endpoint"], timeout), lambda: EtcdClient(spec["endpoint"], timeout=timeout),
+                        int(spec.get("nodes_per_client", 0))), False
     return EtcdClient(spec["endpoint"], timeout=timeout), True
 
 

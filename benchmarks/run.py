@@ -134,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clients", choices=("process", "node"), default="process",
                    help="B2: the etcd-v3 and floor nodes of a worker share one etcd client (process, the "
                         "default) or have one each (node)")
+    p.add_argument("--nodes-per-client", type=int, default=0, metavar="K",
+                   help="B2 with --clients process: every K nodes of a worker share one client (default 0: all)")
     p.add_argument("--etcd-binary", help="etcd binary (default: etcd_server's lookup)")
     p.add_argument("--machine-name", help="label of this machine in the results")
     p.add_argument("--out", help="output directory (default benchmarks/results/<mode>-<cores>core)")
@@ -290,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                         assert pool is not None
                         results["b2"] = run_b2(pool, farm, tcp_endpoint, rdzv, c["ns"], c["reps"], timeout,
                                                c["workers"], warmup=c.get("warmup", True), box=c.get("box"),
-                                               clients=args.clients)
+                                               clients=args.clients, nodes_per_client=args.nodes_per_client)
                     elif section == "b3":
                         from .b3_rerendezvous import TUNED, run_b3
 

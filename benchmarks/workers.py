@@ -194,7 +194,7 @@ class _WorkerState:
 
 
 def _worker_main(conn: Connection, index: int, log_level: int) -> None:
-    logging.basicConfig(level=log_level, format=f"[worker {index}] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=log_level, format=f"%(asctime)s [worker {index}] %(levelname)s %(name)s: %(message)s")
     # Quiet torch's per-node INFO lines (thousands at N = 1024).
     for name in ("torch.distributed", "etcd_rdzv", "etcd_store"):
         logging.getLogger(name).setLevel(max(log_level, logging.WARNING))
