@@ -4,7 +4,7 @@ Rule: one lease per namespace, recorded under ``ns\\0lease`` (itself attached to
 the lease). The first store of a namespace grants it and records it with a
 create-if-absent transaction; every later store, in any process, adopts the
 recorded lease. Every live store keeps it alive with a
-:class:`~etcd_store.client.Session` (one keep-alive stream, a refresh every third
+:class:`~etcd_store.client.Session` (the client's keep-alive stream, a refresh every third
 of the TTL its creator granted) and never revokes it. When no live store is left
 (jobs finished, crashed or were killed), nobody refreshes the lease: etcd
 deletes it ``ttl`` seconds later, and with it every key of the namespace.

@@ -18,6 +18,12 @@ endpoint and every lease is refreshed at once on it. Nothing here blocks a
 caller: :meth:`KeepAlives.keep` and :meth:`KeepAlives.drop` only take a lock.
 Callbacks into the sessions (lease lost, TTL learnt, stopped) run in the reader
 thread, outside the lock; they must not block.
+
+Limit: etcd answers the requests of one stream in order, and the renewal of a
+lease that already expired waits until etcd has revoked it, so on an overloaded
+etcd one stream of hundreds of leases renews the later ones late. A process that
+keeps that many leases alive (a benchmark of simulated nodes) can spread them
+over several clients.
 """
 
 from __future__ import annotations
