@@ -158,18 +158,25 @@ def test_b1_operations_against_real_etcd(etcd_server: Any) -> None:
     import torch.distributed as dist
 
     from benchmarks.b1_store import OPS, run_b1
+    from benchmarks.b1_waits import WAIT_OPS
 
     tcp = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     res = run_b1(_OneServer(etcd_server), f"127.0.0.1:{tcp.port}",  # type: ignore[arg-type]
                  [OURS_STORE, FLOOR, "TCPStore"], reps=1, ops=3, late_ops=1, batch_budget=5.0)
     rows = {(r["op"], r["contender"]): r for r in res["rows"]}
-    for op in OPS:
+    base_ops = [op for op in OPS if op not in WAIT_OPS]
+    for op in base_ops:
         for c in (OURS_STORE, FLOOR, "TCPStore"):
             assert rows[(op, c)]["us"]["median"] > 0, (op, c, rows[(op, c)].get("na"))
+    # The waits with other ranks: EtcdStore and TCPStore (torch's barrier needs a c10d Store).
+    for c in (OURS_STORE, "TCPStore"):
+        assert rows[("wake_busy", c)]["us"]["median"] is not None, rows[("wake_busy", c)].get("na")
+        assert rows[("barrier_4", c)]["us"]["median"] > 0, rows[("barrier_4", c)].get("na")
+    assert all("not implemented" in rows[(op, FLOOR)]["na"] for op in WAIT_OPS)
     # The floor's RPC counts are the documented minimum for each operation.
     expected = {"set": 1, "get": 1, "add": 1, "compare_set": 1, "wait": 1, "wait_later": 2,
                 "multi_get_16": 1, "multi_get_256": 2, "num_keys": 1}
-    assert {op: rows[(op, FLOOR)]["rpcs_per_op"] for op in OPS} == expected
+    assert {op: rows[(op, FLOOR)]["rpcs_per_op"] for op in base_ops} == expected
     # wait (written 10 ms later) cannot return before the write.
     assert rows[("wait_later", OURS_STORE)]["us"]["median"] >= 10_000
     assert rows[("set", OURS_STORE)][f"ratio_vs_{FLOOR}"] is not None
