@@ -5,7 +5,7 @@ the lease). The first store of a namespace grants it and records it with a
 create-if-absent transaction (which also writes the namespace's ``\\0n/`` markers in
 the namespaces enclosing it, attached to the same lease: see :mod:`etcd_store._layout`); every later store, in any process, adopts the
 recorded lease. Every live store keeps it alive with a
-:class:`~etcd_store.client.Session` (one keep-alive stream, a refresh every third
+:class:`~etcd_store.client.Session` (the client's keep-alive stream, a refresh every third
 of the TTL its creator granted) and never revokes it. When no live store is left
 (jobs finished, crashed or were killed), nobody refreshes the lease: etcd
 deletes it ``ttl`` seconds later, and with it every key of the namespace.
