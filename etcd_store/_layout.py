@@ -20,7 +20,8 @@ out) and no ``ns\\0n/`` marker exists; after that it lists the keys. A namespace
 in another (``job/sub`` in ``job``) has its keys, internal ones included, inside the outer
 one's user range: its store marks every enclosing namespace with ``ns\\0n/<inner>`` in the
 transaction that records its namespace lease (the marker lives and dies with that lease),
-so the outer ``num_keys`` knows to list. A store given a lease of its own (``lease=``)
+so the outer ``num_keys`` knows to list (a user whose role does not cover the enclosing
+namespaces records its lease without them: one more Txn, and the same counting as for ``lease=``). A store given a lease of its own (``lease=``)
 writes no marker (opening it costs no RPC): an enclosing store's ``num_keys`` then counts
 such a store's internal keys too. A queue's items sit right after its key, so one range
 ``[ns/<key>, ns/<key>\\1)`` covers a key and its queue: ``check`` and ``wait``

@@ -25,8 +25,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from .client import EtcdClient, Session, compare_create, op_get, op_put, renewing_lease
-from .errors import EtcdError, EtcdLeaseNotFound
+from .client import EtcdClient, Session, TxnResult, compare_create, op_get, op_put, renewing_lease
+from .errors import EtcdError, EtcdLeaseNotFound, EtcdPermissionDenied
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class NamespaceLease(StoreLease):
             raise ValueError(f"EtcdStore lease_ttl must be at least 2 seconds, got {ttl}")
         self._client = client
         self._key = lease_key
-        self._markers = tuple(markers)  # written with the lease record, attached to the lease
+        self._markers: tuple[bytes, ...] = tuple(markers)  # written with the lease record, on the lease
         self.ttl = int(ttl)
         self._lock = threading.Lock()
         self._id = 0
@@ -124,14 +124,19 @@ class NamespaceLease(StoreLease):
             if kv is not None:
                 return int(kv.value), True
             granted = client.lease_grant(self.ttl, timeout=left())
-            result = client.txn(
-                [compare_create(self._key, "==", 0)],
-                [op_put(self._key, str(granted).encode(), lease=granted),
-                 *(op_put(marker, b"", lease=granted) for marker in self._markers)],
-                [op_get(self._key)],
-                timeout=left(),
-                idempotent=True,
-            )
+            try:
+                result = self._record(granted, self._markers, left())
+            except EtcdPermissionDenied:
+                if not self._markers:
+                    raise
+                # A user whose role covers only its own prefix may not write the markers
+                # into the enclosing namespaces: record the lease without them (one more
+                # Txn, only for such users); an enclosing store's num_keys then counts
+                # this namespace's internal keys (see etcd_store/_layout.py).
+                log.debug("no permission to mark the namespaces enclosing %r; recording its "
+                          "lease without the markers", self._key)
+                self._markers = ()
+                result = self._record(granted, (), left())
             if result.succeeded:
                 log.debug("created namespace lease %x for %r", granted, self._key)
                 return granted, False
@@ -144,6 +149,18 @@ class NamespaceLease(StoreLease):
             if getattr(theirs, "kvs", None):
                 return int(theirs.kvs[0].value), True  # type: ignore[union-attr]
             # It vanished again (expired in between): try once more.
+
+
+    def _record(self, granted: int, markers: Sequence[bytes], timeout: float) -> TxnResult:
+        """One Txn: record ``granted`` as the namespace lease if none is, with ``markers``."""
+        return self._client.txn(
+            [compare_create(self._key, "==", 0)],
+            [op_put(self._key, str(granted).encode(), lease=granted),
+             *(op_put(marker, b"", lease=granted) for marker in markers)],
+            [op_get(self._key)],
+            timeout=timeout,
+            idempotent=True,
+        )
 
 
 class GivenLease(StoreLease):

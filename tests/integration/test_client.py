@@ -298,8 +298,14 @@ def test_many_sessions_share_one_keep_alive_stream(etcd_endpoint: str, client: E
     and a later session opens a new one."""
     counter = RpcCounter()
     lost: list[int] = []
+    fired = threading.Event()
+
+    def on_lost(i: int) -> None:
+        lost.append(i)
+        fired.set()
+
     with EtcdClient(etcd_endpoint, timeout=5, interceptors=[counter]) as c:
-        sessions = [c.session(1, on_lost=lambda i=i: lost.append(i)) for i in range(20)]
+        sessions = [c.session(1, on_lost=lambda i=i: on_lost(i)) for i in range(20)]
         assert threading.active_count() < 40  # no thread per session
         for i, s in enumerate(sessions):
             c.put(prefix + b"%02d" % i, b"x", lease=s.id)
@@ -308,7 +314,7 @@ def test_many_sessions_share_one_keep_alive_stream(etcd_endpoint: str, client: E
             client.lease_revoke(sessions[3].id)  # another client, as an operator would
             assert sessions[3].lost.wait(2) and sessions[3].done().is_set()
             assert [e.key for e in w.get(timeout=2)] == [prefix + b"03"]
-            assert lost == [3]
+            assert fired.wait(2) and lost == [3]  # on_lost runs just after done() is set
             for s in sessions[10:]:
                 s.close()  # revoked: their keys go
             gone = [e.key for _ in range(10) for e in w.get(timeout=2)][:10]
