@@ -93,6 +93,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._node = Participant(settings, client, self._keys, self._node_id)
         self._store: EtcdStore | None = None
         self._closed_run = False  # shutdown() closed the run
+        # The last etcd call torch made through this handler failed to reach etcd: the
+        # agent exits on that RendezvousConnectionError, and its shutdown() must not
+        # close the run of the nodes that still reach etcd (see shutdown()).
+        self._unreachable = False
         self.last_round: RoundResult | None = None
         # A process that exits without shutdown() (torchrun's agent on SIGTERM/SIGINT
         # deliberately skips it: it would close the run) leaves its round at exit.
@@ -141,6 +145,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 self._node.round_master, self._node_id, self._settings.node_addr,
             )
         except Exception as e:
+            self._unreachable = True
             raise RendezvousConnectionError(
                 f"Round {result.round} of the rendezvous {self._settings.run_id!r} was sealed, "
                 f"but exchanging MASTER_ADDR/MASTER_PORT through its store failed: {e}"
@@ -163,13 +168,16 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             try:
                 result = self._node.rendezvous(clock)
             except EtcdTimeoutError as e:
+                self._unreachable = True
                 raise RendezvousConnectionError(f"etcd did not answer in time: {e}") from e
             except EtcdError as e:
                 if self._node.shut_down:
                     raise RendezvousClosedError("the handler was shut down") from e
+                self._unreachable = True
                 raise RendezvousConnectionError(str(e)) from e
             except ProtocolStateError as e:
                 raise RendezvousStateError(f"rendezvous {self._settings.run_id!r}: {e}") from e
+            self._unreachable = False
             self.last_round = result
             log.info(
                 "node %s joined round %d of %r as rank %d of %d",
@@ -182,9 +190,12 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if self._closed_run:
             return True
         try:
-            return queries.is_closed(self._client, self._keys)
+            closed = queries.is_closed(self._client, self._keys)
         except EtcdError as e:
+            self._unreachable = True
             raise RendezvousConnectionError(str(e)) from e
+        self._unreachable = False
+        return closed
 
     def set_closed(self) -> None:
         """Close the run for every node: a one-time put of ``ctl/closed``. One Txn
@@ -221,7 +232,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 round_ = queries.read_meta(self._client, self._keys).sealed.round
             occ = queries.count_waiting(self._client, self._keys, round_)
         except EtcdError as e:
+            self._unreachable = True
             raise RendezvousConnectionError(str(e)) from e
+        self._unreachable = False
         if occ.closed:
             # torch's agent polls only this while its workers run: a positive count
             # makes it stop them and call next_rendezvous(), which raises
@@ -239,9 +252,21 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         Revoking the lease deletes this node's join keys at once. The last node to
         leave also deletes the rounds' stores. Returns False if closing failed
         (then the lease is left to expire). Takes at most about ``close_timeout``.
+
+        Except after a failed etcd call: torch's launcher calls ``shutdown()`` when its
+        agent fails, also when it fails because this handler raised
+        ``RendezvousConnectionError`` (this node lost etcd). That node failed; the
+        others may still reach etcd and re-form without it, so closing the run (which
+        would succeed once its link heals, within ``close_timeout``) would end their
+        job. Then it only leaves (:meth:`leave`, at most ``LEAVE_TIMEOUT``) and returns False.
         """
         if self._node.shut_down:
             return True
+        if self._unreachable:
+            log.warning("node %s lost etcd: leaving the rendezvous %r without closing it",
+                        self._node_id, self._settings.run_id)
+            self.leave()
+            return False
         atexit.unregister(self._at_exit)
         deadline = time.monotonic() + self._settings.close_timeout
         ok = True
