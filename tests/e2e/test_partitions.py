@@ -10,11 +10,13 @@ Scenarios, each on etcd-v2 and etcd-v3, times in benchmarks/results/recovery.jso
 c. the etcd leader cut off from the two other members (a minority of one), while a rendezvous
    waits for its last node: the clients fail over, the rendezvous completes;
 a. a node cut off from etcd only: the others re-form without it, it stops training (never
-   beside the new group) and rejoins after the link heals;
+   beside the new group), its agent exits without closing the run, and started again after
+   the link heals (a pod restart) it rejoins;
 e. the whole etcd cluster unreachable for 10 s mid-training: the job keeps training, no
    round is lost;
 d. 200 ms latency and 5 % loss between the nodes and etcd: the rendezvous completes;
-b. a node cut off from its peers but not from etcd: the job re-forms without a split brain.
+b. a node cut off from its peers but not from etcd: no group trains while the cut lasts (no
+   split brain), every agent restarts its workers, and the job re-forms once it heals.
 
 The module skips, saying why, where network namespaces cannot be created (not root, no
 ``ip``/``iptables``). Scenario d uses ``tc netem`` where the kernel has it, and otherwise
