@@ -78,6 +78,7 @@ class StoreLoad:
         self.acked = [0] * threads
         self.errors: list[str] = []
         self._stop = threading.Event()
+        self._started = False
         self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
 
     def _store(self) -> EtcdStore:
@@ -108,10 +109,13 @@ class StoreLoad:
     def start(self) -> None:
         for t in self._threads:
             t.start()
+        self._started = True
 
     def stop(self) -> None:
         """Stop the threads (each finishes its current call, bounded by the store timeout)."""
         self._stop.set()
+        if not self._started:
+            return
         for t in self._threads:
             t.join(60)
         assert not any(t.is_alive() for t in self._threads), "a store load thread hangs"
@@ -173,7 +177,7 @@ def test_chaos_soak(backend: str, cluster: EtcdCluster, tmp_path: Any) -> None:
     try:
         for n in NODES:
             job.start(n)
-        job.wait_for("a world of 3 training", lambda r: [g for g in steps_of(r) if g.world_size == 3][1:], 120)
+        job.wait_for("a world of 3 training", lambda r: [g for g in steps_of(r) if g.world_size == 3][1:], 240)
         load.start()
         end = time.monotonic() + MINUTES * 60
         kinds = ["kill_node", "stop_node", "kill_member", "stop_member"]
