@@ -142,6 +142,18 @@ def _exclusive_records(records: Sequence[Record], thaws: Sequence[tuple[str, flo
     return [r for i, r in enumerate(records) if i not in late]
 
 
+def _states(job: Job) -> dict[str, dict[int, str]]:
+    """Each node's processes and their /proc state letters (a node left stopped shows T)."""
+    out: dict[str, dict[int, str]] = {}
+    for name, agent in job.nodes.items():
+        out[name] = {}
+        for pid in sorted(agent.pids()):
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{pid}/stat", "rb") as f:
+                    out[name][pid] = f.read().rpartition(b")")[2].split()[0].decode()
+    return out
+
+
 def _all_keys(client: Any) -> list[Any]:
     return list(client.range(b"\0", b"\0").kvs)
 
@@ -230,11 +242,14 @@ def test_chaos_soak(backend: str, cluster: EtcdCluster, tmp_path: Any) -> None:
             assert_groups_never_overlap(_exclusive_records(job.records(), thaws))
             leases.update(kv.lease for kv in _all_keys(client) if kv.lease)
         calm = time.time()
-        job.wait_for(
-            f"a world of 3 training after the last fault (seed {SEED})",
-            lambda r: len({s.step for s in steps_of(r) if s.t > calm + 0.5 and s.world_size == 3}) >= 2,
-            180,
-        )
+        try:
+            job.wait_for(
+                f"a world of 3 training after the last fault (seed {SEED})",
+                lambda r: len({s.step for s in steps_of(r) if s.t > calm + 0.5 and s.world_size == 3}) >= 2,
+                180,
+            )
+        except AssertionError as e:
+            raise AssertionError(f"{e}\nprocess states: {_states(job)}") from None
         final_recovery = time.time() - calm
         load.stop()
         count = load.count()
