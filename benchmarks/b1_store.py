@@ -24,6 +24,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from .b1_waits import SUPPORTED as WAITS_SUPPORTED
+from .b1_waits import WAIT_LABELS, WAIT_OPS, Latency, Ranks, make_ranks, wait_fn
 from .common import (
     FLOOR,
     OURS_STORE,
@@ -38,7 +40,8 @@ from .common import (
 
 VALUE = b"v" * 64
 MG_KEYS = 256
-OPS = ["set", "get", "add", "compare_set", "wait", "wait_later", "multi_get_16", "multi_get_256", "num_keys"]
+OPS = ["set", "get", "add", "compare_set", "wait", "wait_later", "multi_get_16", "multi_get_256", "num_keys",
+       *WAIT_OPS]
 OP_LABELS = {
     "set": "set",
     "get": "get (present)",
@@ -49,6 +52,7 @@ OP_LABELS = {
     "multi_get_16": "multi_get 16 keys",
     "multi_get_256": "multi_get 256 keys",
     "num_keys": "num_keys",
+    **WAIT_LABELS,
 }
 LATE_DELAY = 0.010
 
@@ -173,8 +177,11 @@ class Contender:
         self.counter = counter
         self.closers = closers
         self.unsupported: dict[str, str] = {}
+        self.ranks: Ranks | None = None  # the other ranks of the B1 waits (b1_waits)
 
     def close(self) -> None:
+        if self.ranks is not None:
+            self.ranks.close()
         for c in self.closers:
             try:
                 c()
@@ -336,7 +343,11 @@ def _interleaved(cs: dict[str, Contender], op: str, rep: int, ops: int, warmup: 
     fns: dict[str, Callable[[int], Any]] = {}
     for name, c in cs.items():
         try:
-            fn = _late_fn(c, writers[name], rep) if op == "wait_later" else _op_fn(c, op, rep)
+            if op in WAIT_OPS:
+                assert c.ranks is not None
+                fn = wait_fn(op, c.waiter, c.ranks, rep)
+            else:
+                fn = _late_fn(c, writers[name], rep) if op == "wait_later" else _op_fn(c, op, rep)
             for i in range(warmup):
                 fn(-1 - i if op != "wait_later" else ops + i)
         except Exception as e:
@@ -355,13 +366,15 @@ def _interleaved(cs: dict[str, Contender], op: str, rep: int, ops: int, warmup: 
         for name in rotated(live, i):
             t0 = time.perf_counter()
             try:
-                fns[name](i)
+                res = fns[name](i)
             except Exception as e:
                 errors[name][op] = f"{type(e).__name__}: {e}"
                 say(f"B1 {name} {op}: FAILED {errors[name][op][:200]}")
                 live.remove(name)
                 continue
             elapsed = time.perf_counter() - t0
+            if isinstance(res, Latency):  # the op measured its own figure
+                elapsed = float(res)
             times[name].append(elapsed)
             spent[name] += elapsed
             if spent[name] > budget:
@@ -387,6 +400,11 @@ def run_b1(farm: EtcdFarm, tcp_endpoint: str, contenders: list[str], reps: int, 
         for name in contenders:
             objs[name] = make_contender(name, farm, tcp_endpoint, timeout)
             _populate(objs[name])
+            if name in WAITS_SUPPORTED:
+                objs[name].ranks = make_ranks(name, farm, tcp_endpoint, timeout)
+            else:
+                for op in WAIT_OPS:
+                    objs[name].unsupported[op] = "torch's store_util.barrier needs a c10d Store (timeout, set_timeout)"
             writers[name] = _LateWriter(objs[name].writer)
         gc_was = gc.isenabled()
         for rep in range(reps):
@@ -394,13 +412,18 @@ def run_b1(farm: EtcdFarm, tcp_endpoint: str, contenders: list[str], reps: int, 
             for op in OPS:
                 cs = {name: objs[name] for name in contenders
                       if op not in objs[name].unsupported and op not in errors[name]}
-                n = late_ops if op == "wait_later" else ops
+                n = late_ops if op == "wait_later" or op in WAIT_OPS else ops
+                noisy = [c.ranks for c in cs.values() if op == "wake_busy" and c.ranks is not None]
+                for r in noisy:
+                    r.start_noise()
                 gc.disable()
                 try:
                     measured = _interleaved(cs, op, rep, n, 2, writers, batch_budget, errors)
                 finally:
                     if gc_was:
                         gc.enable()
+                    for r in noisy:
+                        r.stop_noise()
                 for name, (times, per_call) in measured.items():
                     series[name][op].add_run(times)
                     if per_call is not None:
@@ -438,4 +461,6 @@ def summarize_b1(series: dict[str, dict[str, Series]], rpcs: dict[str, dict[str,
             "rows": rows,
             "note": "RPCs per op: gRPC calls (watch streams count once) for EtcdStore and the floor, "
                     "HTTP requests for torch's v2 EtcdStore; TCPStore: not counted (one request per "
-                    "call by protocol). wait (written 10 ms later) includes the 10 ms."}
+                    "call by protocol). wait (written 10 ms later) includes the 10 ms. get woken by a write: from the "
+                    "writing rank's set() returning to the waiting rank's get() returning, while a third rank "
+                    "writes back to back; store_util.barrier of 4 ranks: 4 threads, one store and client each."}

@@ -9,8 +9,8 @@ torchrun creates them (``min_nodes = max_nodes = N``), spread round-robin over
 the worker processes, one thread each. The figure is the time from the shared
 go signal to the return of the last node's ``next_rendezvous()``; the etcd
 counters around the timed phase give the writes (raft entries) and revisions
-it consumed, and each node's etcd clients count the watch events (and bytes)
-they were delivered in the round.
+it consumed, and each node counts the watch events (and bytes) its watches
+were delivered in the round.
 
 Two floors: ``floor`` (one Put per node, then a prefix watch until N keys:
 O(N²) watch events in all) and ``floor-barrier`` (one watch event per waiting
@@ -52,17 +52,22 @@ _BOX_SHARE = 0.95
 
 
 def handler_spec(contender: str, endpoint: str, tcp_endpoint: str, run_id: str, min_nodes: int,
-                 max_nodes: int, conf: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """(node kind, spec) for one node group of ``contender``."""
+                 max_nodes: int, conf: dict[str, Any], clients: str = "node",
+                 nodes_per_client: int = 0) -> tuple[str, dict[str, Any]]:
+    """(node kind, spec) for one node group of ``contender``; ``clients``: ``"node"`` or
+    ``"process"`` (the etcd-v3 handlers and floors of a worker share a client; with
+    ``nodes_per_client``, every that many nodes of a worker share one)."""
     if contender in FLOORS:
         return contender, {"endpoint": endpoint, "prefix": f"/bench/{contender}/{run_id}/", "n": max_nodes,
-                           "timeout": float(conf.get("join_timeout", 60))}
+                           "timeout": float(conf.get("join_timeout", 60)), "clients": clients,
+                           "nodes_per_client": nodes_per_client}
     spec_conf = dict(conf)
     if contender == C10D:
         spec_conf.setdefault("is_host", False)
         endpoint = tcp_endpoint
     return "handler", {"contender": contender, "endpoint": endpoint, "run_id": run_id,
-                       "min_nodes": min_nodes, "max_nodes": max_nodes, "conf": spec_conf}
+                       "min_nodes": min_nodes, "max_nodes": max_nodes, "conf": spec_conf, "clients": clients,
+                       "nodes_per_client": nodes_per_client}
 
 
 def validate(run: Any, n: int) -> str | None:
@@ -92,13 +97,14 @@ def watch_delta(before: dict[int, tuple[int, int] | None],
 
 def measure_round(pool: Pool, contender: str, n: int, server: Any, tcp_endpoint: str,
                   conf: dict[str, Any], timeout: float, max_workers: int,
-                  box: float | None = None, missing: int = 0) -> dict[str, Any]:
+                  box: float | None = None, missing: int = 0, clients: str = "process",
+                  nodes_per_client: int = 0) -> dict[str, Any]:
     """One timed rendezvous of ``n`` fresh nodes of ``contender`` (``server``: None for c10d).
 
     ``timeout`` bounds creating the nodes; ``box`` (default ``timeout``) the timed round:
     the handlers' ``join_timeout`` is set to it. ``out["did_not_finish"]`` is the box when
     the round failed after (nearly) all of it. ``missing``: nodes of the ``n`` that never
-    come (a round that cannot finish: the test of the box).
+    come (a round that cannot finish: the test of the box). ``clients``: see :func:`handler_spec`.
     """
     box = float(box or timeout)
     conf = {**conf, "join_timeout": str(max(1, math.ceil(box)))}
@@ -106,7 +112,7 @@ def measure_round(pool: Pool, contender: str, n: int, server: Any, tcp_endpoint:
     run_id = f"b2-{contender.replace(' ', '_')}-{n}-{uuid.uuid4().hex[:8]}"
     workers = pool.workers[: max(1, min(max_workers, n))]
     group = NodeGroup(run_id, assign(list(range(n - missing)), workers))
-    kind, spec = handler_spec(contender, endpoint, tcp_endpoint, run_id, n, n, conf)
+    kind, spec = handler_spec(contender, endpoint, tcp_endpoint, run_id, n, n, conf, clients, nodes_per_client)
     out: dict[str, Any] = {"elapsed": None, "error": None, "delta": None, "watch": None, "did_not_finish": None}
     try:
         errors = group.create(kind, spec, timeout)
@@ -127,18 +133,27 @@ def measure_round(pool: Pool, contender: str, n: int, server: Any, tcp_endpoint:
         out["watch"] = watch_delta(counts_before, group.watch_counts())
     except WorkerError as e:
         out["error"] = str(e)
+    except OSError as e:  # the counters' read failed: etcd is gone (it may crash under overload)
+        out["error"] = f"etcd did not answer its status read after the round ({e}); log: {_log_of(server)}"
     finally:
         group.close()
     return out
 
 
+def _log_of(server: Any) -> str:
+    return str(getattr(server, "log_path", None) or "n/a")
+
+
 def run_b2(pool: Pool, farm: EtcdFarm, tcp_endpoint: str, contenders: list[str], ns: list[int], reps: int,
            timeout: float, max_workers: int, conf: dict[str, Any] | None = None,
-           warmup: bool = True, box: dict[str, float] | None = None) -> dict[str, Any]:
+           warmup: bool = True, box: dict[str, float] | None = None,
+           clients: str = "process", nodes_per_client: int = 0) -> dict[str, Any]:
     """Measure every contender at every N, ``reps`` runs each; returns the B2 section.
 
     ``box``: the time box of one round per contender name, ``"*"`` for the others
-    (default ``timeout``)."""
+    (default ``timeout``). ``clients``: ``"process"`` (default: the etcd-v3 nodes and
+    the floors' nodes of one worker share one client, or every ``nodes_per_client`` of
+    them one) or ``"node"`` (one each)."""
     conf = dict(conf or {})
     boxes = {c: float((box or {}).get(c, (box or {}).get("*", timeout))) for c in contenders}
     series: dict[str, dict[int, Series]] = {c: {n: Series() for n in ns} for c in contenders}
@@ -151,7 +166,8 @@ def run_b2(pool: Pool, farm: EtcdFarm, tcp_endpoint: str, contenders: list[str],
     warm_n = max(2, min(max_workers, max(ns)))
     for c in contenders if warmup else []:
         server = None if c == C10D else farm.get(c)
-        res = measure_round(pool, c, warm_n, server, tcp_endpoint, conf, timeout, max_workers, boxes[c])
+        res = measure_round(pool, c, warm_n, server, tcp_endpoint, conf, timeout, max_workers, boxes[c],
+                            clients=clients, nodes_per_client=nodes_per_client)
         if res["error"]:
             say(f"B2 warm-up {c}: FAILED {res['error'][:300]}")
     gave_up: dict[str, str] = {}  # contender -> why it is not run at larger N
@@ -166,7 +182,8 @@ def run_b2(pool: Pool, farm: EtcdFarm, tcp_endpoint: str, contenders: list[str],
                 if len(failures[c][n]) >= 2:
                     continue
                 server = None if c == C10D else farm.get(c)
-                res = measure_round(pool, c, n, server, tcp_endpoint, conf, timeout, max_workers, boxes[c])
+                res = measure_round(pool, c, n, server, tcp_endpoint, conf, timeout, max_workers, boxes[c],
+                                    clients=clients, nodes_per_client=nodes_per_client)
                 if res["error"]:
                     say(f"B2 N={n} {c}: FAILED {res['error'][:300]}")
                     failures[c][n].append(res["error"])
@@ -189,7 +206,10 @@ def run_b2(pool: Pool, farm: EtcdFarm, tcp_endpoint: str, contenders: list[str],
                 gave_up[c] = f"not run: did not finish in {dnf[c][n]:g} s at N={n}"
             elif len(failures[c][n]) >= 2:
                 gave_up[c] = f"not run: failed twice at N={n}"
-    return summarize_b2(series, deltas, watches, failures, dnf, skipped, contenders, ns, conf, max_workers, boxes)
+    out = summarize_b2(series, deltas, watches, failures, dnf, skipped, contenders, ns, conf, max_workers, boxes)
+    out["clients"] = clients
+    out["nodes_per_client"] = nodes_per_client
+    return out
 
 
 def _median_int(values: list[int | None]) -> float | None:

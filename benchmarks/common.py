@@ -137,13 +137,18 @@ def rotated(items: Sequence[str], rep: int) -> list[str]:
 # --------------------------------------------------------------------------- etcd
 
 
-def start_etcd(binary: str | None = None, *, enable_v2: bool = True) -> Any:
-    """Start a fresh single-member etcd (v2 API on, so torch's built-ins can use it too).
+def start_etcd(binary: str | None = None, *, enable_v2: bool | None = None) -> Any:
+    """Start a fresh single-member etcd (v2 API on where the binary has it, so torch's
+    built-ins can use it too; ``enable_v2`` forces it on or off).
 
-    Returns the started :class:`etcd_server.EtcdServer`; the caller stops it.
+    Returns the started :class:`etcd_server.EtcdServer`; the caller stops it. etcd 3.6+
+    has no v2 API: the v2 contenders then fail with etcd's answer, the others run.
     """
     from etcd_server import EtcdServer
+    from etcd_server.binary import etcd_version, find_etcd_binary, has_v2_api
 
+    if enable_v2 is None:
+        enable_v2 = has_v2_api(etcd_version(find_etcd_binary(binary)))
     server = EtcdServer(binary=binary, enable_v2=enable_v2)
     server.start(timeout=60)
     return server

@@ -12,13 +12,25 @@ built by :func:`make_node` from a picklable spec sent by the coordinator.
   then one Txn [count the joined keys, put mine] whose count is the node's
   rank; the N-th node puts ``go``. One watch event per waiting node.
 * ``pg``: one rank of ``init_process_group("gloo")`` over a store.
+
+Clients (``spec["clients"]``): ``"node"`` (the default) gives every node its own
+``EtcdClient`` (its own gRPC channel and TCP connection), as every host of a real
+job has; ``"process"`` has the etcd-v3 handlers and the floors of one worker
+process share one client (:class:`SharedClients`: one channel, one keep-alive
+stream; every node still has its own lease, watch and transactions), which
+models many hosts cheaply: on 2 cores, 1,024 channels cost the harness more than
+etcd. Either way every client of this package is connected (one Range) while the
+nodes are built, outside the timed phase, as a host's agent is connected before
+its rendezvous.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
+from collections.abc import Callable, Hashable
 from datetime import timedelta
 from typing import Any
 
@@ -37,6 +49,44 @@ from .common import (
 log = logging.getLogger(__name__)
 
 _OURS_BACKEND = {OURS_ETCD_V2: "etcd-v2", OURS_ETCD_V3: "etcd-v3"}
+#: A key no benchmark writes: the Range that connects a client before the timed phase.
+_CONNECT_KEY = b"/bench/connect"
+
+
+class SharedClients:
+    """The clients that the nodes of one group share within a worker process (``clients="process"``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._clients: dict[Hashable, Any] = {}
+        self._takers: dict[Hashable, int] = {}
+
+    def get(self, key: Hashable, factory: Callable[[], Any], per_client: int = 0) -> Any:
+        """A client for ``key``, made by ``factory`` (and connected) on first use; with
+        ``per_client``, every ``per_client`` callers of one key get a new client."""
+        with self._lock:
+            taken = self._takers.get(key, 0)
+            self._takers[key] = taken + 1
+            slot = (key, taken // per_client if per_client > 0 else 0)
+            client = self._clients.get(slot)
+            if client is None:
+                client = self._clients[slot] = factory()
+                client.get(_CONNECT_KEY)
+            return client
+
+    def owns(self, client: Any) -> bool:
+        with self._lock:
+            return any(c is client for c in self._clients.values())
+
+    def close(self) -> None:
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for c in clients:
+            c.close()
+
+
+def _shared(spec: dict[str, Any], shared: SharedClients | None) -> SharedClients | None:
+    return shared if spec.get("clients", "node") == "process" else None
 
 
 def ours_creator(backend: str) -> tuple[Any, str]:
@@ -63,10 +113,11 @@ def ours_creator(backend: str) -> tuple[Any, str]:
 class HandlerNode:
     """One node: a ``RendezvousHandler`` of the contender named in ``spec["contender"]``."""
 
-    def __init__(self, spec: dict[str, Any], node_id: int) -> None:
+    def __init__(self, spec: dict[str, Any], node_id: int, shared: SharedClients | None = None) -> None:
         from torch.distributed.elastic.rendezvous import RendezvousParameters
 
         contender = spec["contender"]
+        self._shared = _shared(spec, shared) if contender == OURS_ETCD_V3 else None
         self.handler: Any
         conf = dict(spec.get("conf", {}))
         backend = {C10D: "c10d", TORCH_ETCD_V2: "etcd-v2"}.get(contender) or _OURS_BACKEND[contender]
@@ -93,6 +144,14 @@ class HandlerNode:
 
             backend_obj, store = etcd_rendezvous_backend.create_backend(params)
             self.handler = create_handler(store, backend_obj, params)
+        elif self._shared is not None:
+            from etcd_rdzv.conf import parse_v3_settings
+
+            creator, _how = ours_creator(backend)
+            _, options = parse_v3_settings(params)
+            client = self._shared.get(("etcd-v3", spec["endpoint"]), options.create_client,  # one conf per group
+                                      int(spec.get("nodes_per_client", 0)))
+            self.handler = creator(params, client=client)
         else:
             creator, _how = ours_creator(backend)
             self.handler = creator(params)
@@ -113,6 +172,8 @@ class HandlerNode:
         finally:
             for attr in ("_backend", "backend"):
                 client = getattr(getattr(self.handler, attr, None), "_client", None)
+                if self._shared is not None and self._shared.owns(client):
+                    continue
                 close = getattr(client, "close", None)
                 if callable(close):
                     try:
@@ -121,13 +182,23 @@ class HandlerNode:
                         pass
 
 
+def _floor_client(spec: dict[str, Any], shared: SharedClients | None) -> tuple[Any, bool]:
+    """A floor node's client (shared or its own) and whether the node owns it."""
+    from etcd_store.client import EtcdClient
+
+    timeout = float(spec.get("timeout", 60.0))
+    pool = _shared(spec, shared)
+    if pool is not None:
+        return pool.get(("floor", spec["endpoint"], timeout), lambda: EtcdClient(spec["endpoint"], timeout=timeout),
+                        int(spec.get("nodes_per_client", 0))), False
+    return EtcdClient(spec["endpoint"], timeout=timeout), True
+
+
 class FloorNode:
     """The floor: one Put of this node's key, then a watch until ``n`` keys exist."""
 
-    def __init__(self, spec: dict[str, Any], node_id: int) -> None:
-        from etcd_store.client import EtcdClient
-
-        self.client = EtcdClient(spec["endpoint"], timeout=spec.get("timeout", 60.0))
+    def __init__(self, spec: dict[str, Any], node_id: int, shared: SharedClients | None = None) -> None:
+        self.client, self._owns_client = _floor_client(spec, shared)
         self.prefix = spec["prefix"].encode()
         self.key = self.prefix + f"{node_id:06d}".encode()
         self.n = int(spec["n"])
@@ -150,7 +221,8 @@ class FloorNode:
         return sorted(seen).index(self.key), len(seen)
 
     def close(self) -> None:
-        self.client.close()
+        if self._owns_client:
+            self.client.close()
 
 
 class FloorBarrierNode:
@@ -158,10 +230,8 @@ class FloorBarrierNode:
     (its count is the rank; a ``count_only`` range ignores revision filters, so the count is
     taken in the same Txn, before the put); the node whose count is ``n - 1`` puts ``go``."""
 
-    def __init__(self, spec: dict[str, Any], node_id: int) -> None:
-        from etcd_store.client import EtcdClient
-
-        self.client = EtcdClient(spec["endpoint"], timeout=spec.get("timeout", 60.0))
+    def __init__(self, spec: dict[str, Any], node_id: int, shared: SharedClients | None = None) -> None:
+        self.client, self._owns_client = _floor_client(spec, shared)
         prefix = spec["prefix"].encode()
         self.joined = prefix + b"joined/"
         self.key = self.joined + f"{node_id:06d}".encode()
@@ -191,7 +261,8 @@ class FloorBarrierNode:
                     return rank, self.n
 
     def close(self) -> None:
-        self.client.close()
+        if self._owns_client:
+            self.client.close()
 
 
 class PgNode:
@@ -251,16 +322,25 @@ class PgNode:
                 close()
 
 
-def make_node(kind: str, spec: dict[str, Any], node_id: int) -> Any:
+def make_node(kind: str, spec: dict[str, Any], node_id: int, shared: SharedClients | None = None) -> Any:
+    """A node of ``kind``; ``shared`` holds the clients its process shares (``spec["clients"]``).
+
+    Every client of this package the node holds is connected here (one Range)."""
+    node: Any
     if kind == "handler":
-        return HandlerNode(spec, node_id)
-    if kind == FLOOR:
-        return FloorNode(spec, node_id)
-    if kind == FLOOR_BARRIER:
-        return FloorBarrierNode(spec, node_id)
-    if kind == "pg":
+        node = HandlerNode(spec, node_id, shared)
+    elif kind == FLOOR:
+        node = FloorNode(spec, node_id, shared)
+    elif kind == FLOOR_BARRIER:
+        node = FloorBarrierNode(spec, node_id, shared)
+    elif kind == "pg":
         return PgNode(spec, node_id)
-    raise ValueError(f"unknown node kind {kind!r}")
+    else:
+        raise ValueError(f"unknown node kind {kind!r}")
+    for client in _clients(node):
+        if shared is None or not shared.owns(client):
+            client.get(_CONNECT_KEY)
+    return node
 
 
 def _clients(obj: Any, depth: int = 4) -> list[Any]:
@@ -288,13 +368,10 @@ def _clients(obj: Any, depth: int = 4) -> list[Any]:
     return list(found.values())
 
 
-def watch_counts(node: Any) -> tuple[int, int] | None:
-    """``(events, bytes)`` the watches of ``node``'s etcd clients delivered so far; None when the
-    node holds none of this package's clients (c10d, torch's etcd-v2)."""
-    from etcd_store.client.testing import watch_stats
-
-    clients = _clients(node)
-    if not clients:
+def watch_counts(node: Any, stats: Any) -> tuple[int, int] | None:
+    """``(events, bytes)`` delivered so far to the watches ``node``'s threads created (``stats``:
+    the node's :class:`~etcd_store.client.testing.WatchStats`, see ``counting_watches``);
+    None when the node holds none of this package's clients (c10d, torch's etcd-v2)."""
+    if not _clients(node):
         return None
-    snaps = [watch_stats(c).snapshot() for c in clients]
-    return sum(e for e, _ in snaps), sum(b for _, b in snaps)
+    return tuple(stats.snapshot())  # type: ignore[return-value]

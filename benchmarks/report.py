@@ -168,7 +168,8 @@ def markdown(results: dict[str, Any]) -> str:
             _table(["N"] + cs + ["etcd-v2 / c10d", "etcd-v2 / torch etcd-v2", "etcd-v3 / floor",
                                  "etcd-v3 / floor-barrier"], rows),
             "",
-            f"Nodes spread over {b2['workers']} worker processes, one thread each; conf {b2['conf']}. "
+            f"Nodes spread over {b2['workers']} worker processes, one thread each"
+            f"{_clients_note(b2.get('clients', 'node'), b2.get('nodes_per_client', 0))}; conf {b2['conf']}. "
             f"Time box of one round: {box_text or 'none'}; a contender that did not finish in its box is "
             "not run at larger N.",
             "",
@@ -403,3 +404,10 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def _clients_note(clients: str, per_client: int = 0) -> str:
+    if clients == "process":
+        share = f"every {per_client} share" if per_client > 0 else "share"
+        return f" (the etcd-v3 and floor nodes of a worker {share} one etcd client; the others have one each)"
+    return " (every node has its own etcd client)"

@@ -131,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--box", type=_parse_box, action="append", default=[], metavar="[CONTENDER=]SECONDS",
                    help="B2 time box of one round (repeatable; a bare number sets every contender's)")
     p.add_argument("--workers", type=int, help="worker processes hosting the nodes of B2-B4")
+    p.add_argument("--clients", choices=("process", "node"), default="process",
+                   help="B2: the etcd-v3 and floor nodes of a worker share one etcd client (process, the "
+                        "default) or have one each (node)")
+    p.add_argument("--nodes-per-client", type=int, default=0, metavar="K",
+                   help="B2 with --clients process: every K nodes of a worker share one client (default 0: all)")
     p.add_argument("--etcd-binary", help="etcd binary (default: etcd_server's lookup)")
     p.add_argument("--machine-name", help="label of this machine in the results")
     p.add_argument("--out", help="output directory (default benchmarks/results/<mode>-<cores>core)")
@@ -286,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
 
                         assert pool is not None
                         results["b2"] = run_b2(pool, farm, tcp_endpoint, rdzv, c["ns"], c["reps"], timeout,
-                                               c["workers"], warmup=c.get("warmup", True), box=c.get("box"))
+                                               c["workers"], warmup=c.get("warmup", True), box=c.get("box"),
+                                               clients=args.clients, nodes_per_client=args.nodes_per_client)
                     elif section == "b3":
                         from .b3_rerendezvous import TUNED, run_b3
 

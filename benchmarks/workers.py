@@ -12,7 +12,10 @@ drives a measurement in four steps, each a message to every worker involved::
                just before the first send)
     collect -> join the threads; each reports its CLOCK_MONOTONIC end time
 
-(``watch_counts``, before and after, reads each node's delivered watch events.)
+(``watch_counts``, before and after, reads each node's delivered watch events: those
+of the watches its threads created, counted per node also when nodes share a client.)
+Nodes of one group in one worker share clients when their spec says
+``clients="process"`` (see :mod:`benchmarks.nodes`).
 
 ``CLOCK_MONOTONIC`` is system wide on Linux, so the coordinator computes
 "time until the last node finished" as ``max(end) - t0`` across processes.
@@ -53,6 +56,10 @@ class _NodeRun:
 
 class _Group:
     def __init__(self) -> None:
+        from .nodes import SharedClients
+
+        self.shared = SharedClients()  # the clients the group's nodes share here (spec["clients"])
+        self.stats: dict[int, Any] = {}  # per node: the WatchStats of the watches its threads made
         self.nodes: dict[int, Any] = {}
         self.go = threading.Event()
         self.threads: list[threading.Thread] = []
@@ -78,6 +85,8 @@ class _WorkerState:
         return os.getpid()
 
     def create(self, group: str, kind: str, spec: dict[str, Any], node_ids: list[int], timeout: float) -> dict[str, Any]:
+        from etcd_store.client.testing import WatchStats, counting_watches
+
         from . import nodes
 
         g = self.groups.setdefault(group, _Group())
@@ -86,9 +95,12 @@ class _WorkerState:
 
         def build(node_id: int) -> None:
             try:
-                node = nodes.make_node(kind, spec, node_id)
+                stats = WatchStats()
+                with counting_watches(stats):
+                    node = nodes.make_node(kind, spec, node_id, g.shared)
                 with lock:
                     g.nodes[node_id] = node
+                    g.stats[node_id] = stats
             except BaseException as e:
                 with lock:
                     errors[node_id] = f"{type(e).__name__}: {e}"
@@ -105,6 +117,8 @@ class _WorkerState:
         return {"created": len(g.nodes), "errors": errors}
 
     def arm(self, group: str, action: str, args: dict[str, Any] | None = None) -> int:
+        from etcd_store.client.testing import counting_watches
+
         g = self.groups[group]
         g.go = threading.Event()
         g.runs = {}
@@ -118,7 +132,8 @@ class _WorkerState:
             g.go.wait()
             rec.start = time.monotonic()
             try:
-                rec.value = getattr(node, action)(**(args or {}))
+                with counting_watches(g.stats[node_id]):
+                    rec.value = getattr(node, action)(**(args or {}))
                 rec.ok = True
             except BaseException as e:
                 rec.error = f"{type(e).__name__}: {e}"
@@ -154,7 +169,8 @@ class _WorkerState:
         """Per node, the ``(events, bytes)`` its clients' watches delivered so far."""
         from . import nodes
 
-        return {node_id: nodes.watch_counts(node) for node_id, node in self.groups[group].nodes.items()}
+        g = self.groups[group]
+        return {node_id: nodes.watch_counts(node, g.stats[node_id]) for node_id, node in g.nodes.items()}
 
     def close(self, group: str, timeout: float) -> int:
         g = self.groups.pop(group, None)
@@ -173,11 +189,12 @@ class _WorkerState:
         deadline = time.monotonic() + timeout
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
+        g.shared.close()
         return sum(t.is_alive() for t in threads)
 
 
 def _worker_main(conn: Connection, index: int, log_level: int) -> None:
-    logging.basicConfig(level=log_level, format=f"[worker {index}] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=log_level, format=f"%(asctime)s [worker {index}] %(levelname)s %(name)s: %(message)s")
     # Quiet torch's per-node INFO lines (thousands at N = 1024).
     for name in ("torch.distributed", "etcd_rdzv", "etcd_store"):
         logging.getLogger(name).setLevel(max(log_level, logging.WARNING))

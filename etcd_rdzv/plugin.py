@@ -16,7 +16,11 @@ Two kinds of callables live here:
   first remove torch's registration for their name. With
   ``ETCD_RDZV_DISABLE_OVERRIDE=1`` they instead return torch's current creator,
   leaving the built-in in place. ``etcd-v3`` is not a torch name: its factory
-  just returns its creator.
+  just returns its creator. Every factory first checks the shape of torch's registry
+  (``rendezvous_handler_registry`` with ``register`` and, to replace a built-in, its
+  ``_registry`` dict) and raises :class:`EtcdRdzvPluginError` naming the torch version
+  and what was expected, instead of an ``AttributeError``; torch logs that error as it
+  loads the entry points, and a factory called by hand raises it.
 * **Creators** (``RendezvousParameters -> RendezvousHandler``):
   :func:`create_etcd_v2_rdzv_handler`, :func:`create_etcd_legacy_rdzv_handler`
   and :func:`create_etcd_v3_rdzv_handler`.
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -62,28 +67,70 @@ Creator = Callable[["RendezvousParameters"], "RendezvousHandler"]
 
 
 class EtcdRdzvPluginError(ImportError):
-    """The plugin's dependencies could not be imported when a handler was created."""
+    """The plugin cannot work with this install: its dependencies could not be imported when a
+    handler was created, or torch's handler registry does not have the shape the plugin expects."""
+
+
+REGISTRY_EXPECTED = (
+    "torch.distributed.elastic.rendezvous.api.rendezvous_handler_registry: a RendezvousHandlerRegistry "
+    "with register(backend, creator) and its backend -> creator dict _registry (as in torch 2.4 to 2.13)"
+)
+
+
+def _torch_version() -> str:
+    torch = sys.modules.get("torch")
+    found = getattr(torch, "__version__", None)
+    if found:
+        return str(found)
+    try:
+        from importlib.metadata import version
+
+        return version("torch")
+    except Exception:
+        return "(version unknown)"
 
 
 def _override_disabled() -> bool:
     return os.environ.get(DISABLE_OVERRIDE_ENV, "").strip().lower() in ("1", "true", "yes", "y", "on")
 
 
-def _registration(name: str, ours: Creator) -> Creator:
-    """Return the creator torch should register under ``name`` (see the module docstring)."""
+def _registry_table(name: str, *, need_table: bool) -> dict[str, Any]:
+    """torch's backend -> creator table (``{}`` when ``need_table`` is false and only ``register`` is checked).
+
+    Raises :class:`EtcdRdzvPluginError` naming the torch version and what was expected when the
+    registry is missing or has another shape (torch logs it while loading the entry points).
+    """
     try:
-        from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry
-    except Exception as e:  # torch itself is broken: nothing to override
-        log.warning("etcd-rdzv: cannot reach torch's rendezvous registry (%s)", e)
-        return ours
-    table: dict[str, Any] | None = getattr(rendezvous_handler_registry, "_registry", None)
-    if table is None:
-        log.warning(
-            "etcd-rdzv: torch's rendezvous registry has no '_registry' table; "
-            "cannot replace the built-in %r handler",
-            name,
-        )
-        return ours
+        from torch.distributed.elastic.rendezvous import api
+    except Exception as e:
+        raise EtcdRdzvPluginError(
+            f"etcd-rdzv cannot register its {name!r} rendezvous handler: importing "
+            f"torch.distributed.elastic.rendezvous.api failed under torch {_torch_version()} "
+            f"({type(e).__name__}: {e}); expected {REGISTRY_EXPECTED}."
+        ) from e
+    registry = getattr(api, "rendezvous_handler_registry", None)
+    table = getattr(registry, "_registry", None)
+    if registry is None:
+        problem = "has no rendezvous_handler_registry"
+    elif not callable(getattr(registry, "register", None)):
+        problem = f"has a rendezvous_handler_registry ({type(registry).__name__}) without register()"
+    elif need_table and not isinstance(table, dict):
+        problem = f"has a rendezvous_handler_registry ({type(registry).__name__}) without a _registry dict"
+    else:
+        return table if need_table else {}  # type: ignore[return-value]
+    raise EtcdRdzvPluginError(
+        f"etcd-rdzv cannot register its {name!r} rendezvous handler: in torch {_torch_version()}, "
+        f"torch.distributed.elastic.rendezvous.api {problem}; expected {REGISTRY_EXPECTED}. "
+        "Install a torch version the plugin supports, or a newer etcd-rdzv."
+    )
+
+
+def _registration(name: str, ours: Creator) -> Creator:
+    """Return the creator torch should register under ``name`` (see the module docstring).
+
+    Raises :class:`EtcdRdzvPluginError` if torch's registry is not the expected shape.
+    """
+    table = _registry_table(name, need_table=True)
     current = table.get(name)
     if _override_disabled():
         if current is not None:
@@ -154,20 +201,27 @@ def create_etcd_v3_rdzv_handler(
 ) -> EtcdV3RendezvousHandler:
     """Create an ``etcd-v3`` handler from torchrun's parameters (the registered creator).
 
-    Reads the rdzv-conf keys with :func:`etcd_rdzv.conf.parse_v3_settings`;
+    Reads the rdzv-conf keys with :func:`etcd_rdzv.conf.parse_v3_settings`
+    (and ``metrics_port``, :mod:`etcd_rdzv.prometheus`);
     raises ``ValueError`` naming a bad key. No RPC is
     made here. ``client`` (an ``EtcdClient``) is used instead of a new one when
     given, and is then not closed by ``shutdown()``.
     """
     from .conf import parse_v3_settings
     from .native.handler import EtcdV3RendezvousHandler
+    from .prometheus import maybe_start
 
     settings, options = parse_v3_settings(params)
+    maybe_start(params)  # the optional metrics endpoint (rdzv-conf metrics_port)
     if client is not None:
         return EtcdV3RendezvousHandler(settings, client, owns_client=False)
     return EtcdV3RendezvousHandler(settings, options.create_client(), owns_client=True)
 
 
 def create_etcd_v3_handler() -> Any:
-    """``torchrun.handlers`` entry point for ``etcd-v3``: returns :func:`create_etcd_v3_rdzv_handler`."""
+    """``torchrun.handlers`` entry point for ``etcd-v3``: returns :func:`create_etcd_v3_rdzv_handler`.
+
+    Raises :class:`EtcdRdzvPluginError` if torch's registry has no ``register`` to take it.
+    """
+    _registry_table("etcd-v3", need_table=False)
     return create_etcd_v3_rdzv_handler

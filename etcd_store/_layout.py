@@ -9,13 +9,20 @@ For a namespace ``ns`` (the store's prefix, UTF-8):
 ``ns\\0c/<gen>/<index>``                        one chunk of a value too big for one request
 ``ns\\0w/<store>/<thread>``                     the last add/append/queue_pop of one store thread
 ``ns\\0queues``                                 exists once a queue item was pushed in the namespace
+``ns\\0n/<inner>``                               a namespace ``<inner>`` nested in this one exists
 =============================================  =========================================
 
 User keys live under ``ns/`` and contain no NUL byte, so every internal key is
 either outside that range (``ns\\0...`` sorts before ``ns/``) or contains a NUL
 (queue items). ``num_keys`` is one count-only range over ``ns/`` as long as
 ``ns\\0queues`` does not exist (no queue item was ever pushed: nothing to leave
-out); after that it lists the keys. A queue's items sit right after its key, so one range
+out) and no ``ns\\0n/`` marker exists; after that it lists the keys. A namespace nested
+in another (``job/sub`` in ``job``) has its keys, internal ones included, inside the outer
+one's user range: its store marks every enclosing namespace with ``ns\\0n/<inner>`` in the
+transaction that records its namespace lease (the marker lives and dies with that lease),
+so the outer ``num_keys`` knows to list. A store given a lease of its own (``lease=``)
+writes no marker (opening it costs no RPC): an enclosing store's ``num_keys`` then counts
+such a store's internal keys too. A queue's items sit right after its key, so one range
 ``[ns/<key>, ns/<key>\\1)`` covers a key and its queue: ``check`` and ``wait``
 read or watch one range per key.
 
@@ -79,6 +86,9 @@ class Layout:
         self.queues_key = self.ns + b"\0queues"
         self._chunks = self.ns + b"\0c/"
         self._markers = self.ns + b"\0w/"
+        #: ``ns\0n/<inner>`` keys: namespaces nested in this one (see the module docstring).
+        self.nested_start = self.ns + b"\0n/"
+        self.nested_end = self.ns + b"\0n0"
 
     # ------------------------------------------------------------------ user keys
 
@@ -109,6 +119,11 @@ class Layout:
     def span_end(etcd_key: bytes) -> bytes:
         """End of the range holding a user key and its queue items."""
         return etcd_key + b"\x01"
+
+    def enclosing_markers(self) -> list[bytes]:
+        """The ``<outer>\\0n/<ns>`` marker of this namespace in every namespace that encloses it."""
+        outers = [self.ns[:i] for i, byte in enumerate(self.ns) if byte == ord("/")]
+        return [outer + b"\0n/" + self.ns for outer in outers if not outer.endswith(b"/")]
 
     # ------------------------------------------------------------------ queues
 

@@ -2,9 +2,10 @@
 
 Rule: one lease per namespace, recorded under ``ns\\0lease`` (itself attached to
 the lease). The first store of a namespace grants it and records it with a
-create-if-absent transaction; every later store, in any process, adopts the
+create-if-absent transaction (which also writes the namespace's ``\\0n/`` markers in
+the namespaces enclosing it, attached to the same lease: see :mod:`etcd_store._layout`); every later store, in any process, adopts the
 recorded lease. Every live store keeps it alive with a
-:class:`~etcd_store.client.Session` (one keep-alive stream, a refresh every third
+:class:`~etcd_store.client.Session` (the client's keep-alive stream, a refresh every third
 of the TTL its creator granted) and never revokes it. When no live store is left
 (jobs finished, crashed or were killed), nobody refreshes the lease: etcd
 deletes it ``ttl`` seconds later, and with it every key of the namespace.
@@ -21,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from .client import EtcdClient, Session, compare_create, op_get, op_put, renewing_lease
@@ -57,11 +58,14 @@ class NamespaceLease(StoreLease):
     Range (adopting) or Range + LeaseGrant + Txn (creating).
     """
 
-    def __init__(self, client: EtcdClient, lease_key: bytes, ttl: int) -> None:
+    def __init__(
+        self, client: EtcdClient, lease_key: bytes, ttl: int, markers: Sequence[bytes] = ()
+    ) -> None:
         if int(ttl) < 2:
             raise ValueError(f"EtcdStore lease_ttl must be at least 2 seconds, got {ttl}")
         self._client = client
         self._key = lease_key
+        self._markers = tuple(markers)  # written with the lease record, attached to the lease
         self.ttl = int(ttl)
         self._lock = threading.Lock()
         self._id = 0
@@ -122,7 +126,8 @@ class NamespaceLease(StoreLease):
             granted = client.lease_grant(self.ttl, timeout=left())
             result = client.txn(
                 [compare_create(self._key, "==", 0)],
-                [op_put(self._key, str(granted).encode(), lease=granted)],
+                [op_put(self._key, str(granted).encode(), lease=granted),
+                 *(op_put(marker, b"", lease=granted) for marker in self._markers)],
                 [op_get(self._key)],
                 timeout=left(),
                 idempotent=True,

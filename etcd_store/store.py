@@ -181,7 +181,10 @@ class EtcdStore(Queues, dist.Store):
                 f"EtcdStore endpoints must be a str or an EtcdClient, got {type(endpoints).__name__}"
             )
         keeper: StoreLease
-        keeper = NamespaceLease(client, layout.lease_key, lease_ttl) if lease is None else GivenLease(lease)
+        if lease is None:
+            keeper = NamespaceLease(client, layout.lease_key, lease_ttl, layout.enclosing_markers())
+        else:
+            keeper = GivenLease(lease)
         self._setup(_Shared(client, owns, keeper), layout, datetime.timedelta(seconds=seconds), chunk_bytes)
         try:
             with _dist_errors(f"__init__(prefix={layout.prefix!r})"):
@@ -343,23 +346,27 @@ class EtcdStore(Queues, dist.Store):
     def num_keys(self) -> int:  # type: ignore[override]
         """How many keys this namespace holds (queues and internal keys not counted).
 
-        One Txn of two count-only ranges while no queue item was ever pushed in the
-        namespace; after that one more Range listing the keys (queue items share the
-        user key range and must be left out). TCPStore counts one internal key more;
-        this store counts only user keys.
+        One Txn of three count-only ranges while no queue item was ever pushed in the
+        namespace and no namespace is nested in it (``job/sub`` in ``job``); otherwise
+        one more Range listing the keys (queue items and the internal keys of nested
+        namespaces share the user key range and must be left out), so that it always
+        agrees with :meth:`list_keys`. TCPStore counts one internal key more; this
+        store counts only user keys.
         """
         layout = self._layout
         with _dist_errors("num_keys()"):
             res = self._client.txn(
                 [],
                 [op_get(layout.user_start, layout.user_end, count_only=True),
-                 op_get(layout.queues_key, count_only=True)],
+                 op_get(layout.queues_key, count_only=True),
+                 op_get(layout.nested_start, layout.nested_end, count_only=True)],
                 timeout=self._rpc_timeout(),
                 idempotent=True,
             )
-        users, queues = res.responses
+        users, queues, nested = res.responses
         assert isinstance(users, RangeResult) and isinstance(queues, RangeResult)
-        if queues.count == 0:
+        assert isinstance(nested, RangeResult)
+        if queues.count == 0 and nested.count == 0:
             return users.count
         return len(self._user_keys("num_keys()"))
 

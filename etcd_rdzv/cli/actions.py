@@ -179,7 +179,9 @@ def _gc_v2(client: EtcdClient, prefix: str, run_id: str, deadline: Deadline, gra
         return Removal(run_id, V2, reason, 1 + count)
     done = client.txn(
         [compare_mod(raw, "==", kv.mod_revision)],
-        [op_delete(raw), op_delete(store, prefix=True)],
+        # ``key\0n/...``: the store's marker that a namespace is nested under ``key``
+        # (etcd_store/_layout.py); it would go with the store's lease, gc removes it now.
+        [op_delete(raw), op_delete(store, prefix=True), op_delete(raw + b"\0n/", prefix=True)],
         timeout=deadline.left(), idempotent=True,
     )
     if not done.succeeded:

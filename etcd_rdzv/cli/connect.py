@@ -2,11 +2,14 @@
 
 Options (accepted before or after the sub-command): ``--endpoints`` (comma list;
 default ``$ETCDCTL_ENDPOINTS``, else ``localhost:2379``), ``--cacert``/``--cert``/``--key``
-(TLS files), ``--key-prefix`` (default ``/torch/elastic/rendezvous``, the rendezvous'
-default) and ``--timeout`` (seconds, default 10: the bound of the whole command's etcd
-work, retries included). The user name and password come from ``$ETCD_RDZV_USER`` and
-``$ETCD_RDZV_PASSWORD`` only, never from the command line, where other users could
-read them. Nothing here contacts etcd; bad values raise :class:`CliError`.
+(TLS files; defaults ``$ETCDCTL_CACERT`` and the pair ``$ETCDCTL_CERT``/``$ETCDCTL_KEY``),
+``--key-prefix`` (default ``/torch/elastic/rendezvous``, the rendezvous' default) and
+``--timeout`` (seconds, default 10: the bound of the whole command's etcd work, retries
+included). The user name and password come from the environment only, never from the
+command line, where other users could read them: ``$ETCD_RDZV_USER`` with
+``$ETCD_RDZV_PASSWORD`` or ``$ETCD_RDZV_PASSWORD_FILE``, else etcdctl's ``$ETCDCTL_USER``
+(``name:password``) / ``$ETCDCTL_PASSWORD``; the precedence is the rendezvous' one
+(:mod:`etcd_rdzv.conf_env`). Nothing here contacts etcd; bad values raise :class:`CliError`.
 """
 
 from __future__ import annotations
@@ -14,8 +17,24 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from ..conf_env import (
+    ETCDCTL_CACERT,
+    ETCDCTL_CERT,
+    ETCDCTL_ENDPOINTS,
+    ETCDCTL_KEY,
+    ETCDCTL_USER,
+    etcdctl_ca_cert,
+    etcdctl_cert_pair,
+    etcdctl_credentials,
+    etcdctl_endpoints,
+    note_etcdctl_used,
+    own_env_password,
+)
+from ..defaults import PASSWORD_ENV, PASSWORD_FILE_ENV, USER_ENV
 
 if TYPE_CHECKING:
     from etcd_store.client import EtcdClient
@@ -32,9 +51,7 @@ __all__ = [
 
 DEFAULT_KEY_PREFIX = "/torch/elastic/rendezvous"
 DEFAULT_TIMEOUT = 10.0
-ENDPOINTS_ENV = "ETCDCTL_ENDPOINTS"
-USER_ENV = "ETCD_RDZV_USER"
-PASSWORD_ENV = "ETCD_RDZV_PASSWORD"
+ENDPOINTS_ENV = ETCDCTL_ENDPOINTS
 
 
 class CliError(Exception):
@@ -85,19 +102,31 @@ def add_connect_arguments(parser: argparse.ArgumentParser) -> None:
     s = argparse.SUPPRESS
     group.add_argument("--endpoints", default=s, metavar="H:P,...",
                        help=f"etcd endpoints (default ${ENDPOINTS_ENV}, else localhost:2379)")
-    group.add_argument("--cacert", default=s, metavar="FILE", help="CA bundle that signed etcd's certificate")
-    group.add_argument("--cert", default=s, metavar="FILE", help="client certificate (PEM)")
-    group.add_argument("--key", default=s, metavar="FILE", help="private key of --cert")
+    group.add_argument("--cacert", default=s, metavar="FILE",
+                       help=f"CA bundle that signed etcd's certificate (default ${ETCDCTL_CACERT})")
+    group.add_argument("--cert", default=s, metavar="FILE", help=f"client certificate (PEM; default ${ETCDCTL_CERT})")
+    group.add_argument("--key", default=s, metavar="FILE", help=f"private key of --cert (default ${ETCDCTL_KEY})")
     group.add_argument("--key-prefix", default=s, metavar="PREFIX",
                        help=f"the rendezvous' key_prefix (default {DEFAULT_KEY_PREFIX})")
     group.add_argument("--timeout", default=s, type=float, metavar="S",
                        help=f"bound of the command's etcd calls in seconds (default {DEFAULT_TIMEOUT:g})")
 
 
-def connect_options(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> ConnectOptions:
+def connect_options(ns: argparse.Namespace, environ: Mapping[str, str] | None = None) -> ConnectOptions:
     """Resolve the parsed options and the environment into :class:`ConnectOptions`."""
     env = os.environ if environ is None else environ
-    endpoints = getattr(ns, "endpoints", None) or env.get(ENDPOINTS_ENV) or "localhost:2379"
+    try:
+        return _resolve(ns, env)
+    except ValueError as e:  # a bad ETCDCTL_* / ETCD_RDZV_* value, named in the message
+        raise CliError(str(e)) from None
+
+
+def _resolve(ns: argparse.Namespace, env: Mapping[str, str]) -> ConnectOptions:
+    used: list[str] = []
+    endpoints = getattr(ns, "endpoints", None)
+    if not endpoints and (endpoints := etcdctl_endpoints(env)) is not None:
+        used.append(ETCDCTL_ENDPOINTS)
+    endpoints = endpoints or "localhost:2379"
     timeout = getattr(ns, "timeout", DEFAULT_TIMEOUT)
     if not timeout > 0:
         raise CliError(f"--timeout must be positive, got {timeout:g}")
@@ -111,12 +140,24 @@ def connect_options(ns: argparse.Namespace, environ: dict[str, str] | None = Non
     for flag, path in files.items():
         if path is not None and not os.path.isfile(path):
             raise CliError(f"{flag} {path!r}: no such file")
-    user, password = env.get(USER_ENV) or None, env.get(PASSWORD_ENV)
-    if user is None and password:
-        raise CliError(f"${PASSWORD_ENV} is set but ${USER_ENV} is not")
-    if user is not None and not password:
-        raise CliError(f"${USER_ENV} is set but ${PASSWORD_ENV} is not")
+    ca_cert = files["--cacert"]
+    if ca_cert is None and (ca_cert := etcdctl_ca_cert(env)) is not None:
+        used.append(ETCDCTL_CACERT)
+    if cert is None and (pair := etcdctl_cert_pair(env))[0] is not None:
+        cert, key = pair
+        used += [ETCDCTL_CERT, ETCDCTL_KEY]
+    user, password = env.get(USER_ENV) or None, own_env_password(env)
+    if user is None and password is None:
+        user, password = etcdctl_credentials(env)
+        used += [ETCDCTL_USER] if user is not None else []
+    elif user is None and password:
+        raise CliError(f"${PASSWORD_ENV} or ${PASSWORD_FILE_ENV} is set but ${USER_ENV} is not")
+    elif user is not None and not password:
+        raise CliError(f"${USER_ENV} is set but ${PASSWORD_ENV} (or ${PASSWORD_FILE_ENV}) is not")
+    if user is None:
+        password = None
+    note_etcdctl_used(used)
     return ConnectOptions(
         endpoints, prefix.rstrip("/") if prefix != "/" else "", float(timeout),
-        files["--cacert"], cert, key, user, password,
+        ca_cert, cert, key, user, password,
     )

@@ -44,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, parents=[common],
         description="Inspect and operate the torchrun rendezvous runs (etcd-v2, etcd-v3) kept in etcd.",
-        epilog="The etcd user and password are read from $ETCD_RDZV_USER and $ETCD_RDZV_PASSWORD.",
+        epilog="The etcd user and password are read from the environment only: $ETCD_RDZV_USER with "
+               "$ETCD_RDZV_PASSWORD (or $ETCD_RDZV_PASSWORD_FILE), else etcdctl's $ETCDCTL_USER "
+               "(name:password) and $ETCDCTL_PASSWORD.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 

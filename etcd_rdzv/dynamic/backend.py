@@ -52,6 +52,7 @@ from etcd_store.client import (
 )
 from etcd_store.errors import EtcdError
 
+from .. import metrics
 from ..conf import DEFAULT_KEY_PREFIX, DEFAULT_STATE_TTL, RdzvConfig, check_run_id, parse_rdzv_config
 
 if TYPE_CHECKING:
@@ -191,8 +192,11 @@ class EtcdRendezvousBackend(RendezvousBackend):
 
     def _forget_lease(self, lease: int) -> None:
         with self._lease_lock:
-            if self._lease_id == lease:
+            lost = self._lease_id == lease
+            if lost:
                 self._lease_id = 0
+        if lost:
+            metrics.put_rdzv(self._name, metrics.LEASE_LOST)
 
     def _remaining(self, deadline: float) -> float:
         remaining = deadline - time.monotonic()

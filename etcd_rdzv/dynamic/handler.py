@@ -15,21 +15,24 @@ closed first; the agent has already stopped the workers that used it) and every
 node reads the round's ``MASTER_ADDR``/``MASTER_PORT`` from the round's own
 (per-round prefixed) etcd store. It relies on two attributes of torch's handler,
 ``_shared_tcp_store_server`` and ``_bootstrap_store_info`` (present since torch
-2.4). Everything else is torch's handler unchanged.
+2.4). It also reports the metrics of :mod:`etcd_rdzv.metrics` (torch's handler
+records the rendezvous events itself). Everything else is torch's handler unchanged.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from torch.distributed.elastic.rendezvous.api import RendezvousInfo
+from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousTimeoutError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousTimeout,
 )
 
+from .. import metrics
 from ..conf import DynamicSettings, parse_dynamic_settings
 from .backend import open_backend
 
@@ -49,10 +52,22 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
 
         Before joining, drops the previous round's shared TCPStore server and
         bootstrap info, so the round's rank 0 serves a fresh store and every node
-        learns its address from this round.
+        learns its address from this round. Reports the ``rendezvous.*`` metrics.
         """
+        backend = self.get_backend()
         self._drop_shared_store()
-        return super().next_rendezvous()
+        started = time.monotonic()
+        metrics.put_rdzv(backend, metrics.JOINS)
+        try:
+            info = super().next_rendezvous()
+        except Exception as e:
+            timed_out = isinstance(e, RendezvousTimeoutError)
+            metrics.put_rdzv(backend, metrics.TIMEOUTS if timed_out else metrics.FAILURES)
+            raise
+        metrics.put_rdzv(backend, metrics.COMPLETED)
+        metrics.put_rdzv(backend, metrics.DURATION_MS, int((time.monotonic() - started) * 1000))
+        metrics.put_rdzv(backend, metrics.WORLD_SIZE, info.world_size)
+        return info
 
     def num_nodes_waiting(self) -> int:
         """See base class; at least 1 once the rendezvous is closed. One Range.
@@ -96,12 +111,17 @@ def create_handler_from_params(
     ``RendezvousConnectionError`` when the run's store cannot be opened within
     ``read_timeout``.
     """
-    return create_handler(parse_dynamic_settings(params, legacy=legacy))
+    from ..prometheus import maybe_start
+
+    settings = parse_dynamic_settings(params, legacy=legacy)
+    maybe_start(params)  # the optional metrics endpoint (rdzv-conf metrics_port)
+    return create_handler(settings)
 
 
 def create_handler(settings: DynamicSettings) -> EtcdRendezvousHandler:
     """The handler of ``settings``: opens the backend and the run's store (one to three RPCs)."""
     backend, store = open_backend(settings.config, settings.run_id, name=settings.backend)
+    metrics.watch_client(backend.client.stats)
     timeout = RendezvousTimeout(
         join=timedelta(seconds=settings.join_timeout),
         last_call=timedelta(seconds=settings.last_call_timeout),

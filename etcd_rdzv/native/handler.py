@@ -7,7 +7,8 @@ the run's ``ctl/`` keys (about one event a round) that starts right after the
 join's revision; sealing a round is one transaction fenced by the ``sealed``
 record's mod revision, by "the previous round is empty" and by the join counter
 as the sealer read it.
-No node rewrites anything while a job runs: liveness is the lease alone.
+No node rewrites anything while a job runs: liveness is the lease alone (after an outage
+longer than the lease TTL a member re-attaches: one Txn, :mod:`etcd_rdzv.native.liveness`).
 This module is torch's interface (and its errors); one node's join, wait and
 seal are :class:`~etcd_rdzv.native.rounds.Participant`'s, the transactions
 :mod:`etcd_rdzv.native.protocol`'s; see docs/etcd-v3-design.md.
@@ -43,15 +44,18 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from etcd_store.client import EtcdClient
-from etcd_store.errors import EtcdError, EtcdTimeoutError
+from etcd_store.errors import EtcdConnectionError, EtcdError, EtcdTimeoutError
 
+from .. import metrics
 from . import protocol, queries
 from .barrier import JoinClock
 from .bootstrap import bootstrap_info
 from .keys import RunKeys
+from .liveness import GroupCheck
 from .records import ProtocolStateError
 from .rounds import Participant, RoundResult
 from .settings import V3Settings
+from .telemetry import Telemetry
 
 if TYPE_CHECKING:
     from etcd_store import EtcdStore
@@ -66,6 +70,11 @@ LEAVE_TIMEOUT = 2.0
 """Seconds :meth:`EtcdV3RendezvousHandler.leave` may take (all its RPCs together):
 it runs at interpreter exit, which it must never hold up for long."""
 
+OUTAGE_CLOSE_TIMEOUT = LEAVE_TIMEOUT
+"""Seconds :meth:`EtcdV3RendezvousHandler.shutdown` may take when the handler's last
+etcd call failed because etcd was unreachable: it then leaves (never closes the run), so
+an agent that lost etcd exits about ``read_timeout`` + 2 s after its failing call began."""
+
 _local_ids = itertools.count()
 
 
@@ -75,7 +84,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     Args:
         settings: the rendezvous settings (:func:`~etcd_rdzv.conf.parse_v3_settings`).
         client: the etcd client. Several handlers may share one; each keeps its own
-            lease, watch and keep-alive stream on it.
+            lease and watch on it, and the client's one keep-alive stream refreshes them all.
         owns_client: close ``client`` in :meth:`shutdown`.
 
     Thread safety: one ``next_rendezvous`` runs at a time per handler; the other
@@ -88,15 +97,17 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._owns_client = owns_client
         self._keys = RunKeys.for_run(settings.key_prefix, settings.run_id)
         addr = settings.node_addr.replace("/", "_")
-        self._node_id = f"{addr}_{os.getpid()}_{next(_local_ids)}_{uuid.uuid4().hex[:6]}"
+        local_id = next(_local_ids)
+        self._node_id = f"{addr}_{os.getpid()}_{local_id}_{uuid.uuid4().hex[:6]}"
         self._rdzv_lock = threading.Lock()
-        self._node = Participant(settings, client, self._keys, self._node_id)
+        self._telemetry = Telemetry(settings, self._node_id, local_id)
+        self._node = Participant(settings, client, self._keys, self._node_id, observer=self._telemetry)
+        metrics.watch_client(client.stats)
+        self._group = GroupCheck(settings, client, self._keys, self._node, self._node_id,
+                                 on_member_lost=self._telemetry.member_lost)
         self._store: EtcdStore | None = None
         self._closed_run = False  # shutdown() closed the run
-        # The last etcd call torch made through this handler failed to reach etcd: the
-        # agent exits on that RendezvousConnectionError, and its shutdown() must not
-        # close the run of the nodes that still reach etcd (see shutdown()).
-        self._unreachable = False
+        self._etcd_lost = False  # the last etcd call failed for want of etcd (see shutdown())
         self.last_round: RoundResult | None = None
         # A process that exits without shutdown() (torchrun's agent on SIGTERM/SIGINT
         # deliberately skips it: it would close the run) leaves its round at exit.
@@ -138,18 +149,22 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         ``MASTER_ADDR`` and a free port of its own host, every round).
         """
         result = self.next_round()
-        store = self._round_store(result.round)
         try:
-            bootstrap = bootstrap_info(
-                self._client, self._keys, result.round, result.rank, result.seal_revision, store,
-                self._node.round_master, self._node_id, self._settings.node_addr,
-            )
-        except Exception as e:
-            self._unreachable = True
-            raise RendezvousConnectionError(
-                f"Round {result.round} of the rendezvous {self._settings.run_id!r} was sealed, "
-                f"but exchanging MASTER_ADDR/MASTER_PORT through its store failed: {e}"
-            ) from e
+            store = self._round_store(result.round)
+            try:
+                bootstrap = bootstrap_info(
+                    self._client, self._keys, result.round, result.rank, result.seal_revision, store,
+                    self._node.round_master, self._node_id, self._settings.node_addr,
+                )
+            except Exception as e:
+                self._etcd_lost = isinstance(e, EtcdConnectionError)
+                raise RendezvousConnectionError(
+                    f"Round {result.round} of the rendezvous {self._settings.run_id!r} was sealed, "
+                    f"but exchanging MASTER_ADDR/MASTER_PORT through its store failed: {e}"
+                ) from e
+        except RendezvousError as e:
+            self._telemetry.failed("next_rendezvous", e)
+            raise
         return RendezvousInfo(store, result.rank, result.world_size, bootstrap)
 
     def next_round(self) -> RoundResult:
@@ -160,30 +175,43 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         ``RendezvousTimeoutError`` (``join_timeout``), ``RendezvousConnectionError``
         (etcd unreachable within ``read_timeout``), ``RendezvousStateError``
         (records this protocol never writes), ``RendezvousGracefulExitError``
-        (closed while kept out by a full group).
+        (closed while kept out by a full group). Records torch rendezvous events and
+        metrics (:mod:`etcd_rdzv.native.telemetry`).
         """
         with self._rdzv_lock:
             self._node.check_not_shut_down()
+            started = self._telemetry.attempt()
             clock = JoinClock.start(self._settings.join_timeout, time.monotonic())
             try:
-                result = self._node.rendezvous(clock)
-            except EtcdTimeoutError as e:
-                self._unreachable = True
-                raise RendezvousConnectionError(f"etcd did not answer in time: {e}") from e
-            except EtcdError as e:
-                if self._node.shut_down:
-                    raise RendezvousClosedError("the handler was shut down") from e
-                self._unreachable = True
-                raise RendezvousConnectionError(str(e)) from e
-            except ProtocolStateError as e:
-                raise RendezvousStateError(f"rendezvous {self._settings.run_id!r}: {e}") from e
-            self._unreachable = False
+                result = self._barrier(clock)
+            except Exception as e:
+                self._telemetry.failed("next_rendezvous", e)
+                raise
             self.last_round = result
+            self._telemetry.completed(result.round, result.rank, result.world_size, started,
+                                      self._node.round_master)
             log.info(
                 "node %s joined round %d of %r as rank %d of %d",
                 self._node_id, result.round, self._settings.run_id, result.rank, result.world_size,
             )
             return result
+
+    def _barrier(self, clock: JoinClock) -> RoundResult:
+        """:meth:`Participant.rendezvous`, its etcd and protocol errors translated to torch's."""
+        try:
+            result = self._node.rendezvous(clock)
+        except EtcdTimeoutError as e:
+            self._etcd_lost = True
+            raise RendezvousConnectionError(f"etcd did not answer in time: {e}") from e
+        except EtcdError as e:
+            if self._node.shut_down:
+                raise RendezvousClosedError("the handler was shut down") from e
+            self._etcd_lost = isinstance(e, EtcdConnectionError)
+            raise RendezvousConnectionError(str(e)) from e
+        except ProtocolStateError as e:
+            raise RendezvousStateError(f"rendezvous {self._settings.run_id!r}: {e}") from e
+        self._etcd_lost = False
+        return result
 
     def is_closed(self) -> bool:
         """Whether the run is closed. One Range (none after :meth:`shutdown`, which closed it)."""
@@ -192,9 +220,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         try:
             closed = queries.is_closed(self._client, self._keys)
         except EtcdError as e:
-            self._unreachable = True
-            raise RendezvousConnectionError(str(e)) from e
-        self._unreachable = False
+            self._etcd_lost = isinstance(e, EtcdConnectionError)
+            error = RendezvousConnectionError(str(e))
+            self._telemetry.failed("is_closed", error)
+            raise error from e
+        self._etcd_lost = False
         return closed
 
     def set_closed(self) -> None:
@@ -207,7 +237,12 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """
         if self._node.shut_down:
             return
-        self._node.close_run(time.monotonic() + self._settings.close_timeout)
+        try:
+            self._node.close_run(time.monotonic() + self._settings.close_timeout)
+        except RendezvousError as e:
+            self._telemetry.failed("set_closed", e)
+            raise
+        self._telemetry.closed()
 
     def num_nodes_waiting(self) -> int:
         """Nodes waiting to join the round after ours (one read-only Txn, no scan of keys).
@@ -220,31 +255,29 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
           torch's redundancy list);
         * the number of nodes joined in the next round otherwise;
         * at least 1 when our group lost a member (it died: its lease expired, or it
-          left to re-join) or this node's own lease expired: the group is broken,
-          so re-rendezvous now instead of waiting for the workers' collective timeout.
+          left to re-join): the group is broken, so re-rendezvous now instead of
+          waiting for the workers' collective timeout.
+
+        After etcd was out of reach for longer than the lease TTL (every lease
+        expired meanwhile), a member puts its key back with a new lease (one
+        LeaseGrant and one Txn, only if no later round was sealed; else at least 1)
+        and gives the other members one TTL to do the same before counting them
+        lost: :mod:`etcd_rdzv.native.liveness`.
         """
         if self._node.shut_down:
             return 0
-        member_round, world_size = self._node.member_round, self._node.member_world
         try:
-            round_ = member_round
-            if round_ is None:
-                round_ = queries.read_meta(self._client, self._keys).sealed.round
-            occ = queries.count_waiting(self._client, self._keys, round_)
-        except EtcdError as e:
-            self._unreachable = True
-            raise RendezvousConnectionError(str(e)) from e
-        self._unreachable = False
-        if occ.closed:
-            # torch's agent polls only this while its workers run: a positive count
-            # makes it stop them and call next_rendezvous(), which raises
+            # torch's agent polls only this while its workers run: a positive count for a
+            # closed run makes it stop them and call next_rendezvous(), which raises
             # RendezvousClosedError, so a run closed from outside ends every agent.
-            return max(occ.waiting, 1)
-        if member_round is not None:
-            session = self._node.session
-            if session is None or session.done().is_set() or occ.active < world_size:
-                return max(occ.waiting, 1)
-        return occ.waiting if occ.active < self._settings.max_nodes else 0
+            waiting = self._group.nodes_waiting()
+        except EtcdError as e:
+            self._etcd_lost = isinstance(e, EtcdConnectionError)
+            error = RendezvousConnectionError(str(e))
+            self._telemetry.failed("num_nodes_waiting", error)
+            raise error from e
+        self._etcd_lost = False
+        return waiting
 
     def shutdown(self) -> bool:
         """Close the run (as torch's handlers do), revoke this node's lease, release resources.
@@ -253,19 +286,23 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         leave also deletes the rounds' stores. Returns False if closing failed
         (then the lease is left to expire). Takes at most about ``close_timeout``.
 
-        Except after a failed etcd call: torch's launcher calls ``shutdown()`` when its
-        agent fails, also when it fails because this handler raised
-        ``RendezvousConnectionError`` (this node lost etcd). That node failed; the
-        others may still reach etcd and re-form without it, so closing the run (which
-        would succeed once its link heals, within ``close_timeout``) would end their
-        job. Then it only leaves (:meth:`leave`, at most ``LEAVE_TIMEOUT``) and returns False.
+        Except after this node lost etcd (its last etcd call failed for want of etcd):
+        torch's launcher calls ``shutdown()`` when its agent fails, also on the
+        ``RendezvousConnectionError`` of a node cut off from etcd. The other nodes may
+        still reach etcd and re-form without it; closing the run (which would succeed
+        as soon as the link heals) would end their job, and waiting ``close_timeout``
+        for an etcd that just failed for a whole ``read_timeout`` only delays the
+        exit. So it only leaves (:meth:`leave`), within :data:`OUTAGE_CLOSE_TIMEOUT`, and
+        returns False: the agent exits about ``read_timeout`` + 2 s after its failing
+        call began, the run stays open, and the node's keys go with its lease (revoked
+        if etcd answers, else after its TTL).
         """
         if self._node.shut_down:
             return True
-        if self._unreachable:
+        if self._etcd_lost:
             log.warning("node %s lost etcd: leaving the rendezvous %r without closing it",
                         self._node_id, self._settings.run_id)
-            self.leave()
+            self.leave(OUTAGE_CLOSE_TIMEOUT)
             return False
         atexit.unregister(self._at_exit)
         deadline = time.monotonic() + self._settings.close_timeout
@@ -273,9 +310,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         try:
             self._node.close_run(deadline)
             self._closed_run = True
+            self._telemetry.closed()
         except RendezvousError as e:
             log.warning("node %s could not close the rendezvous %r: %s", self._node_id,
                         self._settings.run_id, e)
+            self._telemetry.failed("shutdown", e)
             ok = False
         session = self._node.stop()
         self._close_store()
@@ -324,6 +363,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             self._client.close()
         log.info("node %s left the rendezvous %r%s", self._node_id, self._settings.run_id,
                  "" if ok else " (etcd did not answer: its lease will expire)")
+        self._telemetry.left(ok)
         return ok
 
     # ------------------------------------------------------------------ the store

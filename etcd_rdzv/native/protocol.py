@@ -39,7 +39,7 @@ from etcd_store.client import (
 )
 
 from .keys import RunKeys
-from .queries import RoundRead, parse_round, round_ops
+from .queries import Occupancy, RoundRead, parse_round, round_ops
 from .records import Membership, Sealed, count_of, encode_sealed, first_kv, lease_of
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,7 @@ __all__ = [
     "ensure_run_lease",
     "join",
     "leave_if_unsealed",
+    "reattach",
     "remove_round_records_if_idle",
     "seal",
 ]
@@ -241,6 +242,47 @@ def seal(
     if res.succeeded:
         return SealOutcome(True, res.revision)
     return SealOutcome(False, res.revision, parse_round(keys, res))
+
+
+def reattach(
+    client: EtcdClient,
+    keys: RunKeys,
+    round_: int,
+    join_key: bytes,
+    value: bytes,
+    lease: int,
+    seal_revision: int,
+    *,
+    timeout: float | None = None,
+) -> Occupancy | None:
+    """Put a member's join key of ``round_`` back, bound to a new ``lease``, if ``round_``
+    is still the last sealed round and the run is open. One Txn::
+
+        if   mod(sealed) == seal_revision and version(closed) == 0
+        then put join/R/<node> (new lease); count join/(R+1)/; count join/R/
+        else (nothing)
+
+    For a member whose lease ended while its group still runs (etcd was out of
+    reach for longer than the TTL). ``seal_revision`` is the revision that sealed
+    ``round_``: no later seal happened, so no group formed without this node, and
+    from the put on its key keeps the next round from being sealed again. Returns
+    the counts after the put (``mine`` True), or None when the compare failed.
+    A replay re-puts the same key with the same lease (or fails the same compare).
+    """
+    prefix = keys.join_prefix(round_)
+    res = client.txn(
+        [compare_mod(keys.sealed, "==", seal_revision), compare_version(keys.closed, "==", 0)],
+        [
+            op_put(join_key, value, lease=lease),
+            op_get(keys.join_prefix(round_ + 1), prefix=True, count_only=True),
+            op_get(prefix, prefix=True, count_only=True),
+        ],
+        timeout=timeout,
+        idempotent=True,
+    )
+    if not res.succeeded:
+        return None
+    return Occupancy(count_of(res.responses[1]), count_of(res.responses[2]), False, True)
 
 
 def leave_if_unsealed(

@@ -47,24 +47,30 @@ class Occupancy:
     waiting: int  # join keys of round_ + 1
     active: int  # join keys of round_ (its members that are alive and still in it)
     closed: bool
+    mine: bool | None = None  # whether the asking node's own join key of round_ exists (if asked)
 
 
 def count_waiting(
-    client: EtcdClient, keys: RunKeys, round_: int, *, timeout: float | None = None
+    client: EtcdClient,
+    keys: RunKeys,
+    round_: int,
+    *,
+    node_key: bytes | None = None,
+    timeout: float | None = None,
 ) -> Occupancy:
-    """Join keys of ``round_ + 1`` and of ``round_``, and ``closed``. One read-only Txn
-    of three count-only ranges (no revision, O(1) bytes)."""
-    res = client.txn(
-        [],
-        [
-            op_get(keys.join_prefix(round_ + 1), prefix=True, count_only=True),
-            op_get(keys.join_prefix(round_), prefix=True, count_only=True),
-            op_get(keys.closed, count_only=True),
-        ],
-        timeout=timeout,
-        idempotent=True,
-    )
-    return Occupancy(count_of(res.responses[0]), count_of(res.responses[1]), count_of(res.responses[2]) > 0)
+    """Join keys of ``round_ + 1`` and of ``round_``, ``closed`` and, if given, whether
+    ``node_key`` exists. One read-only Txn of three or four count-only ranges (no
+    revision, O(1) bytes)."""
+    ops = [
+        op_get(keys.join_prefix(round_ + 1), prefix=True, count_only=True),
+        op_get(keys.join_prefix(round_), prefix=True, count_only=True),
+        op_get(keys.closed, count_only=True),
+    ]
+    if node_key is not None:
+        ops.append(op_get(node_key, count_only=True))
+    res = client.txn([], ops, timeout=timeout, idempotent=True)
+    counts = [count_of(r) for r in res.responses]
+    return Occupancy(counts[0], counts[1], counts[2] > 0, None if node_key is None else counts[3] > 0)
 
 
 def read_members(

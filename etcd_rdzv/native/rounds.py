@@ -42,6 +42,7 @@ from .bootstrap import join_value
 from .keys import RunKeys
 from .records import ProtocolStateError, Sealed
 from .settings import V3Settings
+from .telemetry import RoundObserver
 from .view import RoundView, Signal, SignalKind
 
 log = logging.getLogger(__name__)
@@ -108,8 +109,10 @@ class Participant:
     One :meth:`rendezvous` at a time; :meth:`stop` may be called from any thread.
     """
 
-    def __init__(self, settings: V3Settings, client: EtcdClient, keys: RunKeys, node_id: str) -> None:
+    def __init__(self, settings: V3Settings, client: EtcdClient, keys: RunKeys, node_id: str,
+                 observer: RoundObserver | None = None) -> None:
         self._settings = settings
+        self.observer = observer or RoundObserver()  # told of joins and lost leases
         self._client = client
         self._keys = keys
         self._node_id = node_id
@@ -120,6 +123,8 @@ class Participant:
         self._joined: _Joined | None = None
         self.member_round: int | None = None
         self.member_world = 0
+        self.member_seal = 0  # the revision that sealed member_round (0: not known)
+        self._join_value = b""  # the value of our latest join key
         self.round_master: tuple[str, int] | None = None  # from the sealed record of our round
         self._watch: Watch | None = None
         self.shut_down = False
@@ -199,12 +204,47 @@ class Participant:
                 return session.id
             if session is not None:
                 log.warning("node %s lost its lease; joining with a new one", self._node_id)
-            session = self._client.session(self._settings.lease_ttl, on_lost=self._on_lease_lost)
-            self.session = session
+                self.observer.lease_lost()
             self._joined = None  # keys bound to the old lease are gone
-            if self.run_lease is not None:
-                session.keep_also(self.run_lease)
-            return session.id
+            return self._new_session_locked().id
+
+    def _new_session_locked(self) -> Session:
+        """A new lease session for this node (one LeaseGrant), also keeping the run lease alive."""
+        session = self._client.session(self._settings.lease_ttl, on_lost=self._on_lease_lost)
+        self.session = session
+        if self.run_lease is not None:
+            session.keep_also(self.run_lease)
+        return session
+
+    def reattach(self) -> queries.Occupancy | None:
+        """Put our join key back into the round we are a member of, with a new lease.
+
+        For a member whose lease ended (etcd was out of reach for longer than its TTL)
+        while its group still runs: one LeaseGrant and one Txn
+        (:func:`protocol.reattach`), which succeeds only if no round was sealed since
+        ours and the run is open. Returns the group's counts after it, or None when
+        the node cannot re-attach (sealed over, closed, or its round's seal revision
+        is not known): its group is over. Raises ``EtcdError`` if etcd fails.
+        """
+        joined, round_ = self._joined, self.member_round
+        if round_ is None or not self.member_seal or joined is None or joined.round != round_:
+            return None
+        with self._lock:
+            self.check_not_shut_down()
+            old = self.session
+            session = self._new_session_locked()
+        if old is not None:
+            old.close(revoke=False)  # its lease is gone (our key went with it)
+        self.observer.lease_lost()
+        occ = protocol.reattach(self._client, self._keys, round_, joined.key, self._join_value,
+                                session.id, self.member_seal)
+        if occ is None:
+            log.warning("node %s cannot re-attach to round %d: a later round was sealed or the run "
+                        "closed", self._node_id, round_)
+        else:
+            log.warning("node %s re-attached to round %d with a new lease %x after its lease ended",
+                        self._node_id, round_, session.id)
+        return occ
 
     def _forget_lease(self, lease: int) -> None:
         """End the session of a lease etcd no longer knows, so the next join grants a new one."""
@@ -259,8 +299,9 @@ class Participant:
         value = join_value(self._settings.node_addr)  # one free port per next_round call
         # The group this node leaves: a round that only re-forms it may skip the last call.
         prior_round, prior_world = self.member_round, self.member_world
-        self.member_round = None
+        self.member_round, self.member_seal = None, 0
         self.round_master = None
+        self._join_value = value
         sealed = self._sealed
         fresh_read = False
         while True:
@@ -295,6 +336,7 @@ class Participant:
             self._joined = _Joined(target, key, sealed)
             log.debug("node %s joined round %d at revision %d (join %d of the round, %d present)",
                       self._node_id, target, outcome.revision, outcome.seq, outcome.count)
+            self.observer.joined(target, outcome.count)
             recovering = self._settings.fast_recovery and prior_round == target - 1
             waited = self._wait(target, outcome, sealed, clock, prior_world if recovering else None)
             if isinstance(waited, RoundResult):
@@ -487,6 +529,7 @@ class Participant:
             )
         elif isinstance(place, Admitted):
             self.member_round, self.member_world = view.round, place.world_size
+            self.member_seal = sealed.revision
             self.round_master = sealed.master
             return RoundResult(view.round, place.rank, place.world_size, sealed.revision, self._node_id)
         joined = self._joined
@@ -513,6 +556,7 @@ class Participant:
         if joined is not None:
             self._joined = replace(joined, member=True)
         revision = sealed.revision if sealed.round == round_ else 0
+        self.member_seal = revision
         if sealed.round == round_:
             self.round_master = sealed.master
         return RoundResult(round_, members.index(self._node_id), len(members), revision, self._node_id)

@@ -3,7 +3,8 @@
 Modules: :mod:`.transport` (channels, auth, failover, the retry policy, error
 translation: :class:`EtcdClient`), :mod:`.kv` (results, compare and op
 builders), :mod:`.watch` (:class:`Watch`), :mod:`.session` (:class:`Session`: a lease kept alive),
-:mod:`.testing` (:class:`RpcCounter`). Every public name is re-exported here:
+:mod:`.testing` (:class:`RpcCounter`), :mod:`.stats` (:class:`CallStats`: retries
+and errors, ``EtcdClient.stats``). Every public name is re-exported here:
 ``from etcd_store.client import EtcdClient, Watch, op_put, ...``.
 """
 
@@ -34,11 +35,13 @@ from .kv import (
     prefix_range_end,
 )
 from .session import Session, renewing_lease
+from .stats import CallStats
 from .testing import RpcCounter
 from .transport import DEFAULT_CONNECT_TIMEOUT, DEFAULT_TIMEOUT
 from .watch import Watch
 
 __all__ = [
+    "CallStats",
     "DEFAULT_CONNECT_TIMEOUT",
     "DEFAULT_PORT",
     "DEFAULT_TIMEOUT",

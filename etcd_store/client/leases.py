@@ -1,23 +1,320 @@
-"""``LeaseCalls``: the unary lease RPCs (grant, revoke, time-to-live) on top of the transport.
+"""``LeaseCalls``: the unary lease RPCs, and :class:`KeepAlives`, the client's ONE keep-alive stream.
 
-A base of :class:`~etcd_store.client.EtcdClient`, and all that a
+:class:`LeaseCalls` is a base of :class:`~etcd_store.client.EtcdClient`, and all that a
 :class:`~etcd_store.client.session.Session` needs besides the transport's streams,
 so the session module depends on the lease calls and not on the whole client.
-Each call is one RPC under the transport's retry policy.
+Each unary call is one RPC under the transport's retry policy.
+
+:class:`KeepAlives` refreshes every lease that the client's sessions keep, over
+one bidirectional ``LeaseKeepAlive`` stream per client (etcd Go's ``clientv3``
+lessor does the same): a timer heap holds each lease's next refresh (a third of
+the TTL etcd last reported, at least 0.2 s), answers are routed to the sessions
+by lease ID. Costs: no thread and no stream per session; one reader thread and
+one stream per client while it keeps any lease (the stream opens when the first
+refresh is due, so a burst of grants opens none, and is half-closed when the
+last lease is dropped); one request per lease per interval, however many
+sessions keep that lease. A broken stream is reopened on the next reachable
+endpoint and every lease is refreshed at once on it. Nothing here blocks a
+caller: :meth:`KeepAlives.keep` and :meth:`KeepAlives.drop` only take a lock.
+Callbacks into the sessions (lease lost, TTL learnt, stopped) run in the reader
+thread, outside the lock; they must not block.
+
+Limit: etcd answers the requests of one stream in order, and the renewal of a
+lease that already expired waits until etcd has revoked it, so on an overloaded
+etcd one stream of hundreds of leases renews the later ones late. A process that
+keeps that many leases alive (a benchmark of simulated nodes) can spread them
+over several clients.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import grpc
 from etcd3.etcdrpc import rpc_pb2
 
-from ..errors import EtcdLeaseNotFound, EtcdRequestError
-from .transport import Transport
+from ..errors import EtcdError, EtcdLeaseNotFound, EtcdRequestError
+from .transport import Transport, _details
 
-__all__ = ["LeaseCalls"]
+log = logging.getLogger(__name__)
+
+__all__ = ["KeepAlives", "LeaseCalls"]
+
+#: The shortest pause between two keep-alives of one lease.
+MIN_INTERVAL = 0.2
+
+
+def refresh_interval(ttl: float) -> float:
+    """Seconds between two keep-alives of a lease with ``ttl``: a third of it, at least 0.2 s."""
+    return max(ttl / 3.0, MIN_INTERVAL)
+
+
+class Keeper(Protocol):
+    """What :class:`KeepAlives` tells a session (run in the reader thread; must not block)."""
+
+    def _lease_lost(self, lease_id: int, primary: bool) -> None: ...
+
+    def _learn_ttl(self, ttl: int) -> None: ...
+
+    def _stopped(self, reason: BaseException) -> None: ...
+
+
+class _Kept:
+    """One lease on the stream: its refresh pace and the sessions that keep it
+    (``True``: the session's own lease, ``False``: kept for others, see ``Session.keep_also``)."""
+
+    __slots__ = ("due", "id", "interval", "keepers")
+
+    def __init__(self, lease_id: int, interval: float, due: float) -> None:
+        self.id = lease_id
+        self.interval = interval
+        self.due = due
+        self.keepers: dict[Keeper, bool] = {}
+
+
+class KeepAlives:
+    """The keep-alive multiplexer of one client (see the module docstring)."""
+
+    def __init__(self, client: Transport) -> None:
+        self._client = client
+        self._cond = threading.Condition()
+        self._leases: dict[int, _Kept] = {}
+        self._heap: list[tuple[float, int, int]] = []  # (due, tie-breaker, lease id); stale items skipped
+        self._ties = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._call: Any = None
+        self._stream_gen = 0  # bumped when a stream ends: its request generator stops
+        self._halted = False
+        self.streams_opened = 0
+
+    # ------------------------------------------------------------------ callers' side
+
+    def keep(self, keeper: Keeper, lease_id: int, ttl: int, *, first_in: float, primary: bool = True) -> None:
+        """Refresh ``lease_id`` for ``keeper`` from ``first_in`` seconds on (sooner if already kept)."""
+        with self._cond:
+            closed = self._halted or self._client._closed
+            if not closed:
+                self._add_locked(keeper, lease_id, refresh_interval(ttl),
+                                 time.monotonic() + max(first_in, 0.0), primary)
+        if closed:
+            keeper._stopped(EtcdError(f"The etcd client for {self._client.describe()} is closed."))
+
+    def keep_with(self, keeper: Keeper, own: int, lease_id: int) -> None:
+        """Refresh ``lease_id`` for ``keeper`` too, first together with its lease ``own``."""
+        with self._cond:
+            kept = self._leases.get(own)
+            if kept is None or keeper not in kept.keepers or lease_id == own:
+                return  # the keeper's own lease is gone or dropped: nothing is refreshed for it
+            self._add_locked(keeper, lease_id, kept.interval, kept.due, False)
+
+    def drop(self, keeper: Keeper) -> None:
+        """Stop refreshing every lease for ``keeper`` (a lease others keep goes on)."""
+        with self._cond:
+            self._drop_locked(keeper)
+            self._cond.notify_all()
+
+    def stop(self) -> None:
+        """Stop for good (the client closes): end the stream; every keeper is told it stopped."""
+        with self._cond:
+            self._halted = True
+            call = self._call
+            self._cond.notify_all()
+        if call is not None:
+            call.cancel()
+        self._stop_all(EtcdError(f"The etcd client for {self._client.describe()} was closed."))
+
+    def kept(self) -> int:
+        """How many leases are being refreshed."""
+        with self._cond:
+            return len(self._leases)
+
+    def _add_locked(self, keeper: Keeper, lease_id: int, interval: float, due: float, primary: bool) -> None:
+        kept = self._leases.get(lease_id)
+        if kept is None:
+            kept = self._leases[lease_id] = _Kept(lease_id, interval, due)
+            self._push(kept)
+        elif due < kept.due or interval < kept.interval:
+            kept.interval = min(kept.interval, interval)
+            kept.due = min(kept.due, due)
+            self._push(kept)
+        kept.keepers[keeper] = kept.keepers.get(keeper, False) or primary
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="etcd-keepalive", daemon=True)
+            self._thread.start()
+        self._cond.notify_all()
+
+    def _drop_locked(self, keeper: Keeper) -> None:
+        for lease_id in [i for i, k in self._leases.items() if keeper in k.keepers]:
+            kept = self._leases[lease_id]
+            del kept.keepers[keeper]
+            if not kept.keepers:
+                del self._leases[lease_id]
+
+    def _push(self, kept: _Kept) -> None:
+        heapq.heappush(self._heap, (kept.due, next(self._ties), kept.id))
+
+    # ------------------------------------------------------------------ the reader thread
+
+    def _next_due(self) -> float:
+        """The earliest refresh due (stale heap items dropped); inf when none."""
+        while self._heap:
+            due, _, lease_id = self._heap[0]
+            kept = self._leases.get(lease_id)
+            if kept is not None and kept.due == due:
+                return due
+            heapq.heappop(self._heap)
+        return float("inf")
+
+    def _run(self) -> None:
+        client = self._client
+        while True:
+            with self._cond:
+                while True:
+                    if self._halted or client._closed:
+                        self._thread = None
+                        return
+                    if not self._leases:
+                        self._thread = None  # idle: the next keep() starts a new thread
+                        return
+                    wait = self._next_due() - time.monotonic()
+                    if wait <= 0:
+                        break
+                    self._cond.wait(min(wait, 3600.0))
+            if not self._stream():
+                with self._cond:
+                    self._thread = None
+                return
+
+    def _requests(self, gen: int) -> Iterator[Any]:
+        """The keep-alive requests of stream ``gen``, each when its lease is due (grpc's sending thread)."""
+        while True:
+            with self._cond:
+                while True:
+                    if self._halted or gen != self._stream_gen or not self._leases:
+                        return  # stopped, the stream ended, or nothing to keep: half-close
+                    now = time.monotonic()
+                    due: list[int] = []
+                    while self._next_due() <= now:
+                        _, _, lease_id = heapq.heappop(self._heap)
+                        kept = self._leases[lease_id]
+                        kept.due = now + kept.interval
+                        self._push(kept)
+                        due.append(lease_id)
+                    if due:
+                        break
+                    self._cond.wait(min(self._next_due() - now, 3600.0))
+            for lease_id in due:
+                yield rpc_pb2.LeaseKeepAliveRequest(ID=lease_id)
+
+    def _stream(self) -> bool:
+        """One stream until it ends; True to go on (reopen or idle), False when stopped for good."""
+        client = self._client
+        index, member = client._stream_member()
+        with self._cond:
+            gen = self._stream_gen
+        try:
+            metadata = client._metadata(member, time.monotonic() + client.timeout)
+            call = member.stub("Lease").LeaseKeepAlive(self._requests(gen), metadata=metadata)
+            with self._cond:
+                self._call = call
+                self.streams_opened += 1
+            if self._halted:
+                call.cancel()
+            for resp in call:
+                self._answer(resp)
+            with self._cond:
+                idle = not self._leases
+            if idle or self._halted:
+                return not self._halted  # half-closed by us: nothing left to keep
+            log.info("keep-alive stream ended by %s; reopening", member.endpoint)
+        except grpc.RpcError as e:
+            if self._halted or client._closed:
+                return False
+            # A token etcd forgot (it restarted) is dropped: the next stream logs in again.
+            fatal = client._stream_error(member, e, "keep-alive")
+            if fatal is not None and not isinstance(fatal, EtcdLeaseNotFound):
+                log.warning("keep-alive stream of %s stopped: %s", client.describe(), fatal)
+                self._stop_all(fatal)
+                return False
+            log.info("keep-alive stream lost %s: %s", member.endpoint, _details(e))
+        except (EtcdError, ValueError) as e:  # auth refused, or the client was closed
+            log.warning("keep-alive stream of %s stopped: %s", client.describe(), e)
+            self._stop_all(e)
+            return False
+        finally:
+            with self._cond:
+                self._call = None
+                self._stream_gen += 1  # the old request generator must not take refreshes
+                self._cond.notify_all()
+        if not self._reconnect(index):
+            return False
+        with self._cond:  # the old stream may have dropped refreshes: refresh every lease now
+            now = time.monotonic()
+            for kept in self._leases.values():
+                kept.due = now
+                self._push(kept)
+        return True
+
+    def _answer(self, resp: Any) -> None:
+        lost: list[tuple[Keeper, bool]] = []
+        learnt: list[Keeper] = []
+        ttl = int(resp.TTL)
+        with self._cond:
+            kept = self._leases.get(resp.ID)
+            if kept is None:
+                return
+            if ttl <= 0:
+                del self._leases[resp.ID]
+                lost = list(kept.keepers.items())
+                for keeper, primary in lost:
+                    if primary:  # a lost session refreshes nothing more (its extra leases neither)
+                        self._drop_locked(keeper)
+            else:
+                interval = refresh_interval(ttl)
+                if interval != kept.interval:
+                    kept.due += interval - kept.interval
+                    kept.interval = interval
+                    self._push(kept)
+                    self._cond.notify_all()
+                learnt = [k for k, primary in kept.keepers.items() if primary]
+        if ttl <= 0:
+            log.info("lease %x is gone (expired or revoked)", resp.ID)
+        for keeper, primary in lost:
+            keeper._lease_lost(int(resp.ID), primary)
+        for keeper in learnt:
+            keeper._learn_ttl(ttl)
+
+    def _stop_all(self, reason: BaseException) -> None:
+        with self._cond:
+            keepers = {k for kept in self._leases.values() for k in kept.keepers}
+            self._leases.clear()
+            self._heap.clear()
+        for keeper in keepers:
+            keeper._stopped(reason)
+
+    def _reconnect(self, index: int) -> bool:
+        """Wait for the next endpoint that is ready; False when stopped or the client closed."""
+        client = self._client
+        client._rotate_from(index)
+        _, nxt = client._stream_member()
+        while not (self._halted or client._closed):
+            if client._wait_ready(nxt, timeout=1.0):
+                return True
+            client._rotate_from(client._order()[0])
+            _, nxt = client._stream_member()
+        return False
 
 
 class LeaseCalls(Transport):
     """The lease RPCs of a client (see :class:`~etcd_store.client.EtcdClient` for the constructor)."""
+
+    _keep_alive_mux: KeepAlives | None = None
 
     def lease_grant(self, ttl: int, *, lease_id: int = 0, timeout: float | None = None) -> int:
         """Grant a lease of ``ttl`` seconds and return its id. One LeaseGrant RPC."""
@@ -41,3 +338,20 @@ class LeaseCalls(Transport):
         req = rpc_pb2.LeaseTimeToLiveRequest(ID=lease_id, keys=keys)
         resp = self._call("Lease", "LeaseTimeToLive", req, timeout=timeout, what=f"lease {lease_id:x}")
         return int(resp.TTL)
+
+    def keep_alives(self) -> KeepAlives:
+        """The client's keep-alive multiplexer (created on first use; no RPC)."""
+        mux = self._keep_alive_mux
+        if mux is None:
+            with self._lock:
+                mux = self._keep_alive_mux
+                if mux is None:
+                    mux = self._keep_alive_mux = KeepAlives(self)
+        return mux
+
+    def close(self) -> None:
+        """Stop the keep-alive stream (every session ends, unrevoked), then close the channels."""
+        mux = self._keep_alive_mux
+        if mux is not None:
+            mux.stop()
+        super().close()

@@ -1,7 +1,9 @@
 """Test instruments of the client layer.
 
 :class:`RpcCounter` counts RPCs by method; :func:`watch_stats` returns the
-:class:`WatchStats` of a client (the watch events and bytes its watches delivered).
+:class:`WatchStats` of a client (the watch events and bytes its watches delivered);
+:func:`counting_watches` also counts, into a :class:`WatchStats` of the caller's, the
+watches a thread creates (several simulated nodes sharing one client).
 """
 
 from __future__ import annotations
@@ -9,12 +11,13 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import grpc
 
-__all__ = ["RpcCounter", "WatchStats", "watch_stats"]
+__all__ = ["RpcCounter", "WatchStats", "counting_watches", "watch_stats"]
 
 # --------------------------------------------------------------------------- RPC counting
 
@@ -111,3 +114,23 @@ def watch_stats(client: Any) -> WatchStats:
         if stats is None:
             stats = _watch_stats[client] = WatchStats()
         return stats
+
+
+_scope = threading.local()
+
+
+@contextmanager
+def counting_watches(stats: WatchStats) -> Iterator[WatchStats]:
+    """Watches created by this thread inside the block also count into ``stats``
+    (for their whole life, also after the block)."""
+    previous = getattr(_scope, "stats", None)
+    _scope.stats = stats
+    try:
+        yield stats
+    finally:
+        _scope.stats = previous
+
+
+def scoped_watch_stats() -> WatchStats | None:
+    """The :class:`WatchStats` of the innermost :func:`counting_watches` of this thread."""
+    return getattr(_scope, "stats", None)

@@ -35,6 +35,7 @@ from ..errors import (
     EtcdTLSError,
 )
 from .endpoints import Endpoint, parse_endpoints
+from .stats import CallStats, counts_error
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,16 @@ _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 _FIRST_ATTEMPT_TIMEOUT = 2.0
 # Server replies that guarantee the request was not applied: safe to retry a write.
 _NOT_APPLIED = ("etcdserver: no leader", "etcdserver: not capable", "etcdserver: too many requests")
+# etcd's named errors (its rpctypes) for a member that cannot get a request through raft now
+# ("etcdserver: request timed out[, possibly due to ...]", "leader changed", "no leader", "not
+# capable", "server stopped", "unhealthy cluster") come with UNAVAILABLE, so _RETRYABLE covers
+# them. Two bare Go errors pass through unnamed, as UNKNOWN on etcd 3.4/3.5:
+#  - the member's own request timeout (about 7 s: 5 s + two election timeouts) expired while
+#    its raft had no leader to take the proposal (a leader cut off from its quorum steps down);
+#    3.6+ send the same text as DEADLINE_EXCEEDED. The proposal may still be in flight.
+#  - raft dropped the proposal (no leader, leadership transfer): it never entered the log.
+_SERVER_TIMED_OUT = "context deadline exceeded"
+_PROPOSAL_DROPPED = "raft proposal dropped"
 
 
 def _details(err: grpc.RpcError) -> str:
@@ -121,9 +132,26 @@ def _is_refused(err: grpc.RpcError) -> bool:
     return not _details(err).startswith("etcdserver:")
 
 
+def _member_cannot_serve(err: grpc.RpcError) -> bool:
+    """Whether the attempt failed for want of this member or of its quorum: try another member.
+
+    Unreachable or slow members (UNAVAILABLE, DEADLINE_EXCEEDED, etcd's named "etcdserver: ..."
+    unavailability errors) and the bare raft errors of a member without a leader (UNKNOWN
+    "context deadline exceeded" / "raft proposal dropped" from etcd 3.4/3.5).
+    """
+    code = err.code()
+    if code in _RETRYABLE:
+        return True
+    return code == grpc.StatusCode.UNKNOWN and _details(err) in (_SERVER_TIMED_OUT, _PROPOSAL_DROPPED)
+
+
 def _maybe_applied(err: grpc.RpcError) -> bool:
     """Whether a failed write may nevertheless have been applied by etcd."""
     text = _details(err)
+    if text == _PROPOSAL_DROPPED:
+        return False
+    if text == _SERVER_TIMED_OUT:
+        return True  # etcd gave up waiting; a proposal it had taken may still commit
     if not text.startswith("etcdserver:"):
         # Transport failure: with wait_for_ready=False gRPC fails before sending.
         return err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -215,6 +243,8 @@ class Transport:
         self._current = 0
         self._lock = threading.Lock()
         self._closed = False
+        #: Retries and errors of this client (:mod:`.stats`), read by the layers above.
+        self.stats = CallStats()
 
     # ---------------------------------------------------------------- plumbing
 
@@ -278,10 +308,12 @@ class Transport:
         except grpc.RpcError as e:
             text = _details(e)
             if "authentication failed" in text or "invalid user" in text:
-                raise EtcdAuthError(
+                refused = EtcdAuthError(
                     f"etcd at {member.endpoint} rejected the credentials of user "
                     f"{self._user!r}: wrong user name or password."
-                ) from None
+                )
+                self.stats.failed(refused)
+                raise refused from None
             if "authentication is not enabled" in text:
                 # Auth is off: run without a token.
                 member.token = ""
@@ -313,7 +345,10 @@ class Transport:
         """Run one unary RPC under the client's one retry policy; translate errors.
 
         ``timeout`` (default: the client's) bounds the whole call, retries included.
-        An attempt that fails because a member is unreachable goes to the next member;
+        An attempt that fails because a member is unreachable, or because it answers
+        that it cannot get the request through raft now (etcd's own request timeout, no
+        leader, leader changed, proposal dropped: a leader cut off from its quorum),
+        goes to the next member;
         when every member failed, the next round starts after a short pause (25 ms
         growing to 0.5 s). Requests that are safe to resend (``idempotent``: reads,
         plain writes, and writes fenced by a compare) get per-attempt deadlines of
@@ -321,7 +356,7 @@ class Transport:
         on a dead leader costs 2 s (and an isolated leader after it another 2 s), not
         the whole deadline. Others get the whole remaining deadline in one attempt and
         are resent only when the failure proves they were not applied (connection
-        refused; etcd: no leader, too many requests). An expired auth token is renewed
+        refused; etcd: no leader, too many requests, proposal dropped). An expired auth token is renewed
         once, at once. A client that never reached etcd gives up after
         ``connect_timeout`` when every attempt was refused (nothing listening); a TLS
         handshake failure on every member fails at once.
@@ -340,6 +375,7 @@ class Transport:
         # several addresses may alternate with "connection refused" from the others).
         tls_failed: dict[int, grpc.RpcError] = {}
         reauthenticated = False
+        attempts = 0
         while True:
             order = self._order()
             timeouts = 0  # members that timed out in this round
@@ -353,6 +389,9 @@ class Transport:
                 # per-attempt deadlines (2 s, 4 s, ...) so the next member is tried in
                 # time; others get the whole remaining deadline in one attempt.
                 attempt = min(remaining, attempt_budget) if idempotent else remaining
+                attempts += 1
+                if attempts > 1:
+                    self.stats.retried(method)
                 try:
                     metadata = self._metadata(member, deadline)
                     stub = member.stub(service)
@@ -366,7 +405,7 @@ class Transport:
                         reauthenticated = True
                         last = None
                         break
-                    if code not in _RETRYABLE:
+                    if not _member_cannot_serve(e):
                         raise self._translate(e, what) from None
                     if _is_tls_failure(e):
                         tls_failed[index] = e
@@ -374,7 +413,7 @@ class Transport:
                             raise self._translate(e, what) from None
                     if not idempotent and _maybe_applied(e):
                         raise self._translate(e, what) from None
-                    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    if code == grpc.StatusCode.DEADLINE_EXCEEDED or text == _SERVER_TIMED_OUT:
                         timeouts += 1
                         if timeouts == len(order):
                             attempt_budget *= 2
@@ -400,6 +439,7 @@ class Transport:
             threading.Event().wait(min(pause, remaining))
             pause = min(pause * 2, 0.5)
 
+    @counts_error
     def _translate(self, err: grpc.RpcError, what: str, timed_out: float | None = None) -> EtcdError:
         code = err.code()
         text = _details(err)
@@ -428,13 +468,14 @@ class Transport:
             return EtcdLeaseNotFound(f"{where}: {shown}{op}")
         if code == grpc.StatusCode.OUT_OF_RANGE and "compacted" in text:
             return EtcdCompactedError(f"{where}: {shown}{op}")
-        if timed_out is not None or code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        if timed_out is not None or code == grpc.StatusCode.DEADLINE_EXCEEDED or text == _SERVER_TIMED_OUT:
             budget = f" within {timed_out:g} s" if timed_out is not None else ""
             return EtcdTimeoutError(f"No answer from {where}{budget}{op}; last error: {shown}")
         if code == grpc.StatusCode.UNAVAILABLE:
             return EtcdConnectionError(f"Cannot reach {where}{op}: {shown}")
         return EtcdError(f"{where} failed{op}: {code.name}: {shown}")
 
+    @counts_error
     def _never_connected(self, err: grpc.RpcError, what: str) -> EtcdConnectionError:
         op = f" ({what})" if what else ""
         return EtcdConnectionError(
@@ -443,6 +484,7 @@ class Transport:
             f"ports? Last error: {_clip(_details(err))}"
         )
 
+    @counts_error
     def _translate_cancel(self, reason: str, what: str) -> EtcdError:
         """The error for a watch etcd cancelled, from the code in its ``cancel_reason``."""
         text = f"etcd at {self.describe()} cancelled the {what}: {_clip(reason)}"
@@ -475,7 +517,7 @@ class Transport:
         if _is_stale_token(err) and self._user is not None:
             member.token = None
             return None
-        if err.code() in _RETRYABLE or err.code() == grpc.StatusCode.CANCELLED:
+        if _member_cannot_serve(err) or err.code() == grpc.StatusCode.CANCELLED:
             return None
         return self._translate(err, what)
 

@@ -115,6 +115,7 @@ def test_demo_with_chaos_shows_re_rendezvous_and_cleans_up(tmp_path: Any, demos:
         tmp_path,
         "--nodes", "2", "--min-nodes", "1", "--steps", "12", "--step-time", "0.15",
         "--chaos", "--chaos-after", "3", "--rejoin-after", "2", "--backend", "etcd-v2",
+        "--plot", str(tmp_path / "timeline.png"),
     )  # fmt: skip
     demos.append(demo)
     rc = demo.wait(240)
@@ -130,6 +131,8 @@ def test_demo_with_chaos_shows_re_rendezvous_and_cleans_up(tmp_path: Any, demos:
         assert needle in out, f"{needle!r} not in the demo output:\n{out[-4000:]}"
     sizes = [g.world_size for g in summarize(demo.records())]
     assert 2 in sizes and 1 in sizes[sizes.index(2) :] and sizes[-1] == 2, sizes  # 2 -> 1 -> 2
+    png = (tmp_path / "timeline.png").read_bytes()  # --plot: the run's timeline
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000 and f"timeline plot: {tmp_path}" in out
     assert not demo.leftovers()
 
 

@@ -166,10 +166,10 @@ def _first_step_time(records: Sequence[Any], group: str) -> float:
 
 @pytest.mark.xfail(
     strict=False,
-    reason="known defect (issue 13, open): a call that reaches the isolated leader can fail with gRPC "
-    "UNKNOWN 'context deadline exceeded' (etcd's own server-side timeout), which the client does not yet "
-    "retry on another member (seen on a lease grant: the agent then closes the run); and under load the "
-    "etcd-v2 agents can miss the 60 s window. Passes most runs; both are recorded, neither hides a hang.",
+    reason="under load the workers can miss the 60 s window (seen with etcd-v2 on a loaded 2-core machine: "
+    "the rendezvous completed 2 s after the third node started, the first steps came too late). The "
+    "isolated leader's UNKNOWN 'context deadline exceeded' (issue 13) now fails over to another member "
+    "(tests/integration/test_findings.py). Passes most runs; recorded, never a hang.",
 )
 @pytest.mark.parametrize(("backend", "version"), backends(3))
 def test_c_leader_isolated_in_a_minority_rendezvous_completes(make_bed: Any, backend: str, version: str) -> None:
@@ -252,14 +252,7 @@ def test_a_node_cut_off_from_etcd_stops_and_rejoins(make_bed: Any, backend: str,
 # --------------------------------------------------------------------------- e. etcd unreachable
 
 
-_E_V3_DEFECT = (
-    "etcd-v3 (etcd_rdzv/native): after etcd was unreachable for 10 s, num_nodes_waiting() reports "
-    "1-2 waiting nodes on every agent ('Detected 1 new nodes from group_rank=2; will restart worker "
-    "group') although no node joined, so the running group restarts and a round is lost"
-)
-
-
-@pytest.mark.parametrize(("backend", "version"), backends(4, xfail={"etcd-v3": _E_V3_DEFECT}))
+@pytest.mark.parametrize(("backend", "version"), backends(4))
 def test_e_etcd_unreachable_for_10s_training_goes_on(make_bed: Any, backend: str, version: str) -> None:
     bed = make_bed(version, 1, ["n0", "n1", "n2"])
     job = bed.job(backend=backend, nnodes="3:3", conf={"read_timeout": 20})

@@ -158,18 +158,25 @@ def test_b1_operations_against_real_etcd(etcd_server: Any) -> None:
     import torch.distributed as dist
 
     from benchmarks.b1_store import OPS, run_b1
+    from benchmarks.b1_waits import WAIT_OPS
 
     tcp = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     res = run_b1(_OneServer(etcd_server), f"127.0.0.1:{tcp.port}",  # type: ignore[arg-type]
                  [OURS_STORE, FLOOR, "TCPStore"], reps=1, ops=3, late_ops=1, batch_budget=5.0)
     rows = {(r["op"], r["contender"]): r for r in res["rows"]}
-    for op in OPS:
+    base_ops = [op for op in OPS if op not in WAIT_OPS]
+    for op in base_ops:
         for c in (OURS_STORE, FLOOR, "TCPStore"):
             assert rows[(op, c)]["us"]["median"] > 0, (op, c, rows[(op, c)].get("na"))
+    # The waits with other ranks: EtcdStore and TCPStore (torch's barrier needs a c10d Store).
+    for c in (OURS_STORE, "TCPStore"):
+        assert rows[("wake_busy", c)]["us"]["median"] is not None, rows[("wake_busy", c)].get("na")
+        assert rows[("barrier_4", c)]["us"]["median"] > 0, rows[("barrier_4", c)].get("na")
+    assert all("not implemented" in rows[(op, FLOOR)]["na"] for op in WAIT_OPS)
     # The floor's RPC counts are the documented minimum for each operation.
     expected = {"set": 1, "get": 1, "add": 1, "compare_set": 1, "wait": 1, "wait_later": 2,
                 "multi_get_16": 1, "multi_get_256": 2, "num_keys": 1}
-    assert {op: rows[(op, FLOOR)]["rpcs_per_op"] for op in OPS} == expected
+    assert {op: rows[(op, FLOOR)]["rpcs_per_op"] for op in base_ops} == expected
     # wait (written 10 ms later) cannot return before the write.
     assert rows[("wait_later", OURS_STORE)]["us"]["median"] >= 10_000
     assert rows[("set", OURS_STORE)][f"ratio_vs_{FLOOR}"] is not None
@@ -195,11 +202,13 @@ def test_floor_rendezvous_through_the_worker_pool(pool: Any, etcd_server: Any) -
     assert all(p.alive for p in pool.workers)
 
 
-def test_barrier_floor_delivers_one_event_per_waiting_node(pool: Any, etcd_server: Any) -> None:
+@pytest.mark.parametrize("clients", ["process", "node"])
+def test_barrier_floor_delivers_one_event_per_waiting_node(pool: Any, etcd_server: Any, clients: str) -> None:
+    """Also when the three nodes of each worker share one client: events are counted per node."""
     from benchmarks.b2_rendezvous import measure_round
 
     n = 6
-    res = measure_round(pool, FLOOR_BARRIER, n, etcd_server, "", {}, 30.0, 2)
+    res = measure_round(pool, FLOOR_BARRIER, n, etcd_server, "", {}, 30.0, 2, clients=clients)
     assert res["error"] is None, res["error"]
     assert res["delta"]["revision"] == n + 1  # n joins and the go key
     w = res["watch"]
@@ -223,13 +232,15 @@ def test_a_round_over_its_box_is_reported_as_not_finished(pool: Any, etcd_server
     assert all(p.alive for p in pool.workers)
 
 
-def test_etcd_v3_nodes_report_their_watch_events(pool: Any, etcd_server: Any) -> None:
+@pytest.mark.parametrize("clients", ["process", "node"])
+def test_etcd_v3_nodes_report_their_watch_events(pool: Any, etcd_server: Any, clients: str) -> None:
     from benchmarks.b2_rendezvous import measure_round
 
-    res = measure_round(pool, OURS_ETCD_V3, 2, etcd_server, "", {}, 30.0, 2)
+    res = measure_round(pool, OURS_ETCD_V3, 4, etcd_server, "", {}, 30.0, 2, clients=clients)
     assert res["error"] is None, res["error"]
     w = res["watch"]
-    # The handler's client is found inside it (c10d and torch's etcd-v2 give None), and its
-    # watches counted: bytes come with events only.
-    assert w is not None and w["nodes"] == 2
+    # The handler's client is found inside it (c10d and torch's etcd-v2 give None), and each
+    # node's watches counted (also with two nodes per shared client): bytes come with events only.
+    assert w is not None and w["nodes"] == 4
+    assert 1 <= w["events_max"] <= 3
     assert (w["events_max"] > 0) == (w["bytes_max"] > 0)

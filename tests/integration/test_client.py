@@ -291,6 +291,90 @@ def test_session_close_revokes_and_existing_sessions_do_not(client: EtcdClient, 
     client.lease_revoke(lease)
 
 
+def test_many_sessions_share_one_keep_alive_stream(etcd_endpoint: str, client: EtcdClient,
+                                                   prefix: bytes) -> None:
+    """Twenty sessions of one client: one LeaseKeepAlive stream refreshes them all; a
+    revoke reaches only its own session; the stream half-closes when the last one ends
+    and a later session opens a new one."""
+    counter = RpcCounter()
+    lost: list[int] = []
+    with EtcdClient(etcd_endpoint, timeout=5, interceptors=[counter]) as c:
+        sessions = [c.session(1, on_lost=lambda i=i: lost.append(i)) for i in range(20)]
+        assert threading.active_count() < 40  # no thread per session
+        for i, s in enumerate(sessions):
+            c.put(prefix + b"%02d" % i, b"x", lease=s.id)
+        with client.watch(prefix, prefix_range_end(prefix)) as w:
+            assert w.get(timeout=2.5) == []  # two and a half TTLs: every key stays
+            client.lease_revoke(sessions[3].id)  # another client, as an operator would
+            assert sessions[3].lost.wait(2) and sessions[3].done().is_set()
+            assert [e.key for e in w.get(timeout=2)] == [prefix + b"03"]
+            assert lost == [3]
+            for s in sessions[10:]:
+                s.close()  # revoked: their keys go
+            gone = [e.key for _ in range(10) for e in w.get(timeout=2)][:10]
+            assert sorted(gone) == [prefix + b"%02d" % i for i in range(10, 20)]
+            assert w.get(timeout=2.2) == []  # the other nine are still refreshed
+        alive = [s for i, s in enumerate(sessions[:10]) if i != 3]
+        assert not any(s.done().is_set() for s in alive) and lost == [3]
+        assert counter.counts["Lease/LeaseKeepAlive"] == 1
+        for s in alive:
+            s.close()
+        assert c.keep_alives().kept() == 0
+        late = Session.existing(c, c.lease_grant(2), ttl=2, revoke_on_close=True)
+        with late:
+            deadline = time.monotonic() + 5
+            while counter.counts["Lease/LeaseKeepAlive"] < 2 and time.monotonic() < deadline:
+                threading.Event().wait(0.05)
+            assert counter.counts["Lease/LeaseKeepAlive"] == 2  # the idle stream was closed
+            assert c.lease_time_to_live(late.id) > 0
+
+
+def test_a_lease_kept_by_two_sessions_lives_while_either_keeps_it(client: EtcdClient, prefix: bytes) -> None:
+    shared = client.lease_grant(1)
+    client.put(prefix + b"shared", b"x", lease=shared)
+    a, b = client.session(30), client.session(30)
+    with client.watch(prefix + b"shared") as w:
+        a.keep_also(shared)
+        b.keep_also(shared)
+        assert a.also_kept() == b.also_kept() == frozenset({shared})
+        # The first refresh of an extra lease goes out with the session's own (10 s away
+        # for a fresh 30 s lease): refresh it now by adopting it, at its own pace from then on.
+        adopted = Session.existing(client, shared, ttl=1)
+        adopted.close()
+        assert w.get(timeout=2.5) == []
+        a.close()
+        assert w.get(timeout=2.5) == []  # b still keeps it
+        b.close(revoke=True)
+        assert [e.type for e in w.get(timeout=4)] == ["DELETE"]  # nobody keeps it: it expires
+    assert client.lease_time_to_live(shared) == -1
+
+
+def test_closing_the_client_ends_its_sessions_without_revoking(etcd_endpoint: str, client: EtcdClient) -> None:
+    c = EtcdClient(etcd_endpoint, timeout=5)
+    sessions = [c.session(30) for _ in range(3)]
+    c.close()
+    assert all(s.done().is_set() and not s.lost.is_set() for s in sessions)
+    assert all(client.lease_time_to_live(s.id) > 20 for s in sessions)  # left to expire
+    for s in sessions:
+        client.lease_revoke(s.id)
+
+
+def test_the_keep_alive_stream_comes_back_after_etcd_restarts(fresh_etcd: EtcdServer) -> None:
+    counter = RpcCounter()
+    with EtcdClient(fresh_etcd.get_endpoint(), timeout=5, interceptors=[counter]) as c:
+        sessions = [Session.existing(c, c.lease_grant(2), ttl=2, revoke_on_close=True) for _ in range(5)]
+        for i, s in enumerate(sessions):
+            c.put(b"/restart/%d" % i, b"x", lease=s.id)
+        fresh_etcd.restart(timeout=30, graceful=False)
+        with c.watch(b"/restart/", prefix_range_end(b"/restart/")) as w:
+            assert w.get(timeout=4.5) == []  # more than two TTLs after the restart
+        assert not any(s.done().is_set() for s in sessions)
+        assert counter.counts["Lease/LeaseKeepAlive"] >= 2  # reopened
+        for s in sessions:
+            s.close()
+        assert c.range(b"/restart/", prefix=True, count_only=True).count == 0
+
+
 def test_renewing_lease_writes_again_with_a_new_lease(client: EtcdClient, prefix: bytes) -> None:
     leases = [client.lease_grant(30), client.lease_grant(30)]
     client.lease_revoke(leases[0])

@@ -8,6 +8,9 @@
   that reached etcd rides out a short outage within its call's deadline.
 * ``python -m etcd_server`` removes its temporary data dir on SIGHUP too.
 * Error messages about huge keys stay short.
+* ``num_keys`` of a namespace with another nested in it agrees with ``list_keys``.
+* A member cut off from its quorum answers with etcd's own request timeout (UNKNOWN "context
+  deadline exceeded" on 3.4/3.5): the call goes on to another member within its deadline.
 """
 
 from __future__ import annotations
@@ -18,15 +21,19 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 from helpers import REPO_ROOT
 from helpers.certs import _make_leaf, have_openssl, make_certs
 from helpers.ports import closed_port
 
-from etcd_server import AuthConfig, EtcdServer, TLSConfig
-from etcd_store.client import DEFAULT_CONNECT_TIMEOUT, EtcdClient
+from etcd_server import AuthConfig, EtcdCluster, EtcdServer, TLSConfig
+from etcd_store import EtcdStore
+from etcd_store.client import DEFAULT_CONNECT_TIMEOUT, EtcdClient, RpcCounter
 from etcd_store.errors import (
     EtcdConnectionError,
     EtcdPermissionDenied,
@@ -36,8 +43,6 @@ from etcd_store.errors import (
 )
 
 _REPO = REPO_ROOT
-
-
 
 
 # ------------------------------------------------------------------ auth tokens after a restart
@@ -193,3 +198,126 @@ def test_errors_about_a_huge_key_are_short(etcd_endpoint: str) -> None:
         text = str(error)
         assert len(text) < 1500, len(text)
         assert "/huge/kkk" in text and f"({len(key)} bytes)" in text
+
+
+# ------------------------------------------------------------------ a leader cut off from its quorum
+
+
+class _ServerTimeouts(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """Calls ``then`` once when a member answers with its own request timeout (not the client's)."""
+
+    def __init__(self, then: Any) -> None:
+        self.seen: list[tuple[grpc.StatusCode, str]] = []
+        self._then = then
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        outcome = continuation(details, request)
+        err = outcome.exception()
+        # The client's own deadline reads "Deadline Exceeded"; etcd's reads like Go's context error.
+        if err is not None and err.details() == "context deadline exceeded":
+            self.seen.append((err.code(), err.details()))
+            if len(self.seen) == 1:
+                self._then()
+        return outcome
+
+
+@pytest.mark.etcd_matrix
+def test_a_server_side_timeout_from_a_leader_without_quorum_fails_over(etcd_binary: str) -> None:
+    """The leader loses its quorum (both followers frozen), steps down, and holds proposals until
+    etcd's request timeout (~7 s), then answers UNKNOWN "context deadline exceeded" (3.4/3.5;
+    DEADLINE_EXCEEDED on 3.6+). Every member times out, so the per-attempt deadlines grow (2 s,
+    4 s, 8 s) and the third round at the latest outlasts etcd's timeout (an earlier attempt may
+    see it too, when etcd's side of the same deadline fires first). The followers resume as
+    that answer arrives, and the lease grant must go on to them."""
+    with EtcdCluster(3, binary=etcd_binary) as cluster:
+        leader = cluster.leader()
+        followers = [p for i, p in enumerate(cluster.pids) if i != leader and p is not None]
+        order = [cluster.endpoints[leader]] + [e for i, e in enumerate(cluster.endpoints) if i != leader]
+
+        def resume() -> None:
+            for pid in followers:
+                os.kill(pid, signal.SIGCONT)
+
+        timeouts = _ServerTimeouts(resume)
+        with EtcdClient(order, timeout=60, interceptors=[timeouts]) as client:
+            for i in range(len(order)):
+                client.status(i)  # connect every channel: a frozen member then times out, not refuses
+            for pid in followers:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                lease = client.lease_grant(30)
+            finally:
+                resume()
+            assert timeouts.seen, "no member answered with etcd's request timeout: the path was not taken"
+            assert client.lease_time_to_live(lease) > 0
+
+
+# ------------------------------------------------------------------ nested namespaces
+
+
+def test_num_keys_of_a_namespace_with_a_nested_one_agrees_with_list_keys(etcd_endpoint: str) -> None:
+    """The inner namespace's internal keys (lease record, add markers, chunks, queue items)
+    lie in the outer one's user range; the outer count must leave them out, like its listing."""
+    job = f"findings-nest-{uuid.uuid4().hex[:8]}"
+    counter = RpcCounter()
+    with EtcdClient(etcd_endpoint, timeout=10, interceptors=[counter]) as client:
+        outer = EtcdStore(client, prefix=job, chunk_bytes=1024)
+        plain = EtcdStore(client, prefix=f"{job}-plain")
+        inner = EtcdStore(client, prefix=f"{job}/sub", chunk_bytes=1024)
+        deeper = EtcdStore(client, prefix=f"{job}/sub/deeper")
+        try:
+            outer.set("a", "1")
+            inner.set("k", "v")
+            inner.add("n", 1)  # a store-thread marker
+            inner.set("big", "x" * 5000)  # chunks
+            inner.queue_push("q", "item")  # a queue item (no user key)
+            deeper.set("d", "1")
+            assert outer.list_keys() == ["a", "sub/big", "sub/deeper/d", "sub/k", "sub/n"]
+            assert outer.num_keys() == 5
+            assert inner.list_keys() == ["big", "deeper/d", "k", "n"] and inner.num_keys() == 4
+            assert deeper.num_keys() == len(deeper.list_keys()) == 1
+            # A namespace with nothing nested in it still counts with one Txn.
+            plain.set("x", "1")
+            counter.reset()
+            assert plain.num_keys() == 1
+            assert counter.snapshot() == {"KV/Txn": 1}
+        finally:
+            for store in (deeper, inner, plain, outer):
+                store.close()
+
+
+# ------------------------------------------------------------------ etcd-v3 exit after an outage
+
+
+def test_an_etcd_v3_agent_that_lost_etcd_exits_within_read_timeout_plus_the_outage_close_bound(
+    fresh_etcd: EtcdServer,
+) -> None:
+    """What torch's launcher does when the rendezvous cannot reach etcd: ``next_rendezvous``
+    raises after ``read_timeout``, then ``shutdown()``. A node that lost etcd only leaves (it
+    never closes the run), within :data:`OUTAGE_CLOSE_TIMEOUT`, not the whole ``close_timeout`` (30 s)."""
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
+
+    from etcd_rdzv.native.handler import OUTAGE_CLOSE_TIMEOUT
+    from etcd_rdzv.plugin import create_etcd_v3_rdzv_handler
+
+    read_timeout = 3.0
+    params = RendezvousParameters(
+        backend="etcd-v3", endpoint=fresh_etcd.get_endpoint(), run_id=f"outage-{uuid.uuid4().hex[:6]}",
+        min_nodes=1, max_nodes=1, local_addr="127.0.0.1", read_timeout=str(read_timeout),
+        last_call_timeout="0.2",
+    )  # fmt: skip
+    handler = create_etcd_v3_rdzv_handler(params)
+    assert handler.settings.close_timeout == 30  # the default the exit no longer waits out
+    handler.next_rendezvous()
+    fresh_etcd.stop()
+    start = time.monotonic()
+    with pytest.raises(RendezvousConnectionError):
+        handler.next_rendezvous()
+    failed = time.monotonic() - start
+    closing = time.monotonic()
+    assert handler.shutdown() is False  # left without closing the run (etcd is gone anyway)
+    shutdown_took = time.monotonic() - closing
+    # The failing call is bounded by read_timeout (one call's deadline, retries included);
+    # +1 s: scheduling on a loaded machine, well below the close_timeout this test is about.
+    assert failed < read_timeout + 1.0
+    assert shutdown_took < OUTAGE_CLOSE_TIMEOUT + 1.0, shutdown_took

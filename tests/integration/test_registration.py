@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import subprocess
 import sys
@@ -250,3 +251,29 @@ def test_auth_user_and_password_from_environment(
         with config.client.create_client() as client:
             with pytest.raises(RendezvousConnectionError, match="alice"):
                 EtcdRendezvousBackend(client, "auth-run", config.key_prefix).get_state()
+
+
+def test_etcdctl_environment_alone_reaches_a_tls_and_auth_etcd(
+    etcd_binary: str, certs: CertPaths, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A shell set up for etcdctl (ETCDCTL_*) serves the rendezvous and the CLI with no other option."""
+    from etcd_rdzv.cli import main as cli_main
+
+    tls = TLSConfig(
+        certs.server_cert, certs.server_key, certs.ca,
+        client_cert_file=certs.client_cert, client_key_file=certs.client_key,
+    )  # fmt: skip
+    auth = AuthConfig("r00t-pw-e", user="erin", password="er1n-pw-e", prefix=b"/jobs/erin/")
+    with EtcdServer(binary=etcd_binary, tls=tls, auth=auth) as server:
+        for name, value in {"ETCDCTL_ENDPOINTS": server.get_client_url(), "ETCDCTL_CACERT": certs.ca,
+                            "ETCDCTL_CERT": certs.client_cert, "ETCDCTL_KEY": certs.client_key,
+                            "ETCDCTL_USER": "erin:er1n-pw-e"}.items():  # fmt: skip
+            monkeypatch.setenv(name, value)
+        params = _params(endpoint="", key_prefix="/jobs/erin/rdzv", read_timeout="10")
+        _roundtrip(params)
+        assert cli_main(["--key-prefix", "/jobs/erin/rdzv", "--timeout", "10", "list", "--json"]) == 0
+        assert [r["run_id"] for r in json.loads(capsys.readouterr().out)["runs"]] == [params.run_id]
+        monkeypatch.setenv("ETCDCTL_USER", "erin:wrong-pw-e")
+        assert cli_main(["--key-prefix", "/jobs/erin/rdzv", "--timeout", "5", "list"]) == 2
+        err = capsys.readouterr().err
+        assert "erin" in err and "wrong-pw-e" not in err and err.count("\n") == 1

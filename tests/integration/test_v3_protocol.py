@@ -387,14 +387,19 @@ def test_waiting_node_whose_lease_expires_rejoins(nodes: Nodes) -> None:
     assert lease_of(a) != old_lease
 
 
-def test_member_lease_loss_asks_for_a_new_round(nodes: Nodes) -> None:
+def test_member_lease_loss_re_attaches_while_its_round_runs(nodes: Nodes) -> None:
+    """A member whose lease ended while no later round was sealed puts its key back
+    with a new lease instead of restarting its group (see also test_v3_outage.py)."""
     a, b = nodes.many(2, 2, 2)
     assert_group(results(nodes.start(a, b)), 2)
     session = a._node.session
     assert session is not None
     nodes.client.lease_revoke(session.id)
     assert session.lost.wait(WAIT)
-    assert a.num_nodes_waiting() >= 1  # a's agent will re-rendezvous
+    assert a.num_nodes_waiting() == 0  # re-attached: a's agent keeps its workers
+    kv = nodes.client.get(nodes.keys.join_key(1, a.node_id))
+    assert kv is not None and kv.lease == lease_of(a) != session.id
+    assert b.num_nodes_waiting() == 0
     res = results(nodes.start(a, b))
     assert_group(res, 2)
     assert {r.round for r in res} == {2}

@@ -1,0 +1,149 @@
+"""torch rendezvous events and etcd-rdzv metrics of one ``etcd-v3`` node.
+
+:class:`RoundObserver` is what :class:`~etcd_rdzv.native.rounds.Participant`
+tells about a node's rounds (no-ops: the participant works without one);
+:class:`Telemetry` is the handler's: it records each as a torch rendezvous
+event (``construct_and_record_rdzv_event``, the API torch's own handlers use,
+so the events reach torch's ``dynamic_rendezvous`` event destination) and as
+the metrics of :mod:`etcd_rdzv.metrics`.
+
+Events (``name`` is ``EtcdV3RendezvousHandler.<method>``, as torch's handlers
+name theirs; ``hostname`` the node's address, ``pid`` its process, ``local_id``
+the handler's number in the process):
+
+=====================  ==========  ======================================================
+method                 node_state  when
+=====================  ==========  ======================================================
+``next_rendezvous``    RUNNING     the node starts to join the next round
+``join``               RUNNING     its join key is in round T (each join transaction)
+``next_rendezvous``    RUNNING     round T sealed with the node in it (``rank`` set)
+``next_rendezvous``    FAILED      it raised (timeout, closed, etcd error; with the trace)
+``lease``              RUNNING     its lease was lost and replaced by a new one
+``num_nodes_waiting``  RUNNING     a member of its running round went (once per round)
+``set_closed``         SUCCEEDED   the node closed the run (also from ``shutdown``)
+``leave``              SUCCEEDED   the node left the rendezvous without closing it
+``<method>``           FAILED      any other torch-facing method raised
+=====================  ==========  ======================================================
+
+Recording never raises and costs nothing (one ``isinstance``) while torch's
+event destination is its default null handler. No secret is in any event: the
+messages name the run, the node, rounds, ranks and addresses only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from torch.distributed.elastic.events import NodeState, construct_and_record_rdzv_event
+from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+
+from .. import metrics
+from .settings import V3Settings
+
+log = logging.getLogger(__name__)
+
+__all__ = ["HANDLER_NAME", "RoundObserver", "Telemetry"]
+
+HANDLER_NAME = "EtcdV3RendezvousHandler"
+BACKEND = "etcd-v3"
+
+
+class RoundObserver:
+    """What a participant reports about its rounds; every method is a no-op here."""
+
+    def joined(self, round_: int, count: int) -> None:
+        """The node's join key is in round ``round_`` (``count`` joined, ours included)."""
+
+    def lease_lost(self) -> None:
+        """The node's lease ended without a shutdown; a new one replaces it now."""
+
+
+class Telemetry(RoundObserver):
+    """Events and metrics of one handler (see the module docstring). Thread-safe."""
+
+    def __init__(self, settings: V3Settings, node_id: str, local_id: int) -> None:
+        self._run_id = settings.run_id
+        self._host = settings.node_addr
+        self._node_id = node_id
+        self._local_id = local_id
+        self._lost_round: int | None = None  # the round whose member loss was reported
+
+    def record(
+        self,
+        method: str,
+        message: str,
+        state: NodeState = NodeState.RUNNING,
+        *,
+        rank: int | None = None,
+        master: str = "",
+    ) -> None:
+        """One torch rendezvous event; FAILED ones carry the trace of the exception being handled."""
+        try:
+            construct_and_record_rdzv_event(
+                run_id=self._run_id, message=message, node_state=state,
+                name=f"{HANDLER_NAME}.{method}", hostname=self._host,
+                pid=None, master_endpoint=master, local_id=self._local_id, rank=rank,
+            )
+        except Exception as e:  # an event destination must never break the rendezvous
+            log.debug("recording the rendezvous event %s failed: %s", method, e)
+
+    # ------------------------------------------------------------------ RoundObserver
+
+    def joined(self, round_: int, count: int) -> None:
+        self.record("join", f"The node '{self._node_id}' joined round {round_} of the rendezvous "
+                            f"'{self._run_id}' ({count} joined).")
+        metrics.put_rdzv(BACKEND, metrics.JOINS)
+
+    def lease_lost(self) -> None:
+        self.record("lease", f"The node '{self._node_id}' lost its lease in the rendezvous "
+                             f"'{self._run_id}' and joins with a new one.")
+        metrics.put_rdzv(BACKEND, metrics.LEASE_LOST)
+
+    # ------------------------------------------------------------------ the handler's
+
+    def attempt(self) -> float:
+        """The node starts ``next_rendezvous``; returns the start time for :meth:`completed`."""
+        self.record("next_rendezvous", f"The node '{self._node_id}' attempts to join the next round "
+                                       f"of the rendezvous '{self._run_id}'.")
+        return time.monotonic()
+
+    def completed(self, round_: int, rank: int, world_size: int, started: float,
+                  master: tuple[str, int] | None) -> None:
+        self.record(
+            "next_rendezvous",
+            f"The node '{self._node_id}' has joined round {round_} of the rendezvous "
+            f"'{self._run_id}' as rank {rank} in a world of size {world_size}.",
+            rank=rank, master="" if master is None else f"{master[0]}:{master[1]}",
+        )
+        metrics.put_rdzv(BACKEND, metrics.COMPLETED)
+        metrics.put_rdzv(BACKEND, metrics.DURATION_MS, int((time.monotonic() - started) * 1000))
+        metrics.put_rdzv(BACKEND, metrics.WORLD_SIZE, world_size)
+
+    def failed(self, method: str, error: BaseException) -> None:
+        """``method`` raised ``error``; call from its ``except`` block (the event carries the trace)."""
+        self.record(method, f"{type(error).__name__}: {error} (node '{self._node_id}')", NodeState.FAILED)
+        if method == "next_rendezvous":
+            timed_out = isinstance(error, RendezvousTimeoutError)
+            metrics.put_rdzv(BACKEND, metrics.TIMEOUTS if timed_out else metrics.FAILURES)
+
+    def member_lost(self, round_: int, active: int, world_size: int) -> None:
+        """A member of round ``round_`` went (``active`` of ``world_size`` left); once per round."""
+        if self._lost_round == round_:
+            return
+        self._lost_round = round_
+        self.record("num_nodes_waiting",
+                    f"The node '{self._node_id}' sees {world_size - active} of {world_size} members "
+                    f"of round {round_} of the rendezvous '{self._run_id}' gone.")
+        metrics.put_rdzv(BACKEND, metrics.MEMBERS_LOST)
+        log.info("node %s: %d of %d members of round %d of %r are gone", self._node_id,
+                 world_size - active, world_size, round_, self._run_id)
+
+    def closed(self) -> None:
+        self.record("set_closed", f"The node '{self._node_id}' has closed the rendezvous "
+                                  f"'{self._run_id}'.", NodeState.SUCCEEDED)
+
+    def left(self, revoked: bool) -> None:
+        how = "" if revoked else " (etcd did not confirm: its lease will expire)"
+        self.record("leave", f"The node '{self._node_id}' has left the rendezvous '{self._run_id}'{how}.",
+                    NodeState.SUCCEEDED)

@@ -1,0 +1,115 @@
+"""``CallStats``: counters of one client's retry policy, for layers above to read or subscribe to.
+
+The transport (:mod:`.transport`, which owns the one retry policy) reports two
+things here, and nothing else does:
+
+* a **retry**: a unary call sends another attempt after a failed one (the next
+  member, the next round after a pause, or the same call after logging in again);
+* an **error**: the client raises (or ends a stream with) an
+  :class:`~etcd_store.errors.EtcdError`, counted by its class name.
+
+Contract: counting never blocks (one short lock) and never raises into the
+call it counts; listeners are called synchronously, in the thread of that call,
+after the counter moved, and must be quick: a listener that raises is logged at
+DEBUG and otherwise ignored. Dependencies point one way: this module knows
+nothing of torch or of the rendezvous layer, which subscribes here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import wraps
+from typing import Any, TypeVar
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ERROR", "RETRY", "CallStats", "StatsListener", "StatsSnapshot", "counts_error"]
+
+RETRY = "retry"
+ERROR = "error"
+
+StatsListener = Callable[[str, str], None]
+"""``listener(kind, detail)``: ``kind`` is :data:`RETRY` (``detail``: the RPC method)
+or :data:`ERROR` (``detail``: the error's class name, e.g. ``"EtcdTimeoutError"``)."""
+
+
+@dataclass(frozen=True)
+class StatsSnapshot:
+    """The counters at one moment: retries in total, errors by class name."""
+
+    retries: int
+    errors: dict[str, int]
+
+    @property
+    def error_count(self) -> int:
+        return sum(self.errors.values())
+
+
+class CallStats:
+    """Thread-safe counters of retries and errors of one client, with listeners."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._retries = 0
+        self._errors: Counter[str] = Counter()
+        self._listeners: tuple[StatsListener, ...] = ()
+
+    def snapshot(self) -> StatsSnapshot:
+        with self._lock:
+            return StatsSnapshot(self._retries, dict(self._errors))
+
+    def subscribe(self, listener: StatsListener) -> Callable[[], None]:
+        """Call ``listener`` on every retry and error from now on; returns the unsubscribe.
+
+        Subscribing the same callable twice is a no-op (it is called once per event).
+        """
+        with self._lock:
+            if listener not in self._listeners:
+                self._listeners += (listener,)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                self._listeners = tuple(x for x in self._listeners if x != listener)
+
+        return unsubscribe
+
+    def retried(self, method: str) -> None:
+        with self._lock:
+            self._retries += 1
+            listeners = self._listeners
+        self._notify(listeners, RETRY, method)
+
+    def failed(self, error: BaseException) -> None:
+        name = type(error).__name__
+        with self._lock:
+            self._errors[name] += 1
+            listeners = self._listeners
+        self._notify(listeners, ERROR, name)
+
+    @staticmethod
+    def _notify(listeners: tuple[StatsListener, ...], kind: str, detail: str) -> None:
+        for listener in listeners:
+            try:
+                listener(kind, detail)
+            except Exception as e:  # a broken listener must not break an etcd call
+                log.debug("etcd client stats listener %r failed: %s", listener, e)
+
+
+_E = TypeVar("_E", bound=BaseException)
+
+
+def counts_error(make: Callable[..., _E]) -> Callable[..., _E]:
+    """Decorate a method of an object with a ``stats`` (:class:`CallStats`) attribute
+    that builds the error the client raises: each error it builds is counted."""
+
+    @wraps(make)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> _E:
+        error = make(self, *args, **kwargs)
+        self.stats.failed(error)
+        return error
+
+    return wrapper

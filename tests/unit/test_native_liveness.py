@@ -1,0 +1,34 @@
+"""The pure decision of ``num_nodes_waiting()`` (etcd_rdzv.native.liveness.nodes_waiting): no etcd."""
+
+from __future__ import annotations
+
+import pytest
+
+from etcd_rdzv.native.liveness import Group, nodes_waiting
+from etcd_rdzv.native.queries import Occupancy
+
+MAX = 4
+NOW = 100.0
+
+
+def occ(waiting: int, active: int, closed: bool = False) -> Occupancy:
+    return Occupancy(waiting, active, closed, True)
+
+
+@pytest.mark.parametrize(
+    ("o", "group", "want"),
+    [
+        (occ(0, 3), Group(3), 0),  # intact
+        (occ(0, 2), Group(3), 1),  # a member is gone, no outage seen: at once
+        (occ(0, 2), Group(3, tolerate_until=NOW + 5), 0),  # after an outage: it may re-attach
+        (occ(0, 2), Group(3, tolerate_until=NOW), 1),  # the grace is over
+        (occ(2, 2), Group(3, tolerate_until=NOW + 5), 2),  # somebody waits in the next round: at once
+        (occ(0, 3), Group(3, lease_ok=False), 1),  # could not re-attach: the group is over
+        (occ(0, 3, closed=True), Group(3), 1),  # closed: the agent must learn it
+        (occ(1, 3), Group(3), 1),  # a newcomer, room in the round (max 4)
+        (occ(1, 4), Group(4), 0),  # a newcomer, the round is full: redundancy list
+        (occ(2, 1), Group(), 2),  # not a member: the joiners of the next round
+    ],
+)
+def test_nodes_waiting(o: Occupancy, group: Group, want: int) -> None:
+    assert nodes_waiting(o, group, MAX, NOW) == want

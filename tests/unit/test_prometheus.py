@@ -1,0 +1,65 @@
+"""The optional Prometheus endpoint: conf validation, the metric mapping (no etcd here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+
+import pytest
+from torch.distributed.elastic.metrics import MetricData
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+from etcd_rdzv import prometheus
+
+HAVE_PROMETHEUS = importlib.util.find_spec("prometheus_client") is not None
+needs_prometheus = pytest.mark.skipif(
+    not HAVE_PROMETHEUS, reason="prometheus_client is not installed (pip install 'etcd-rdzv[prometheus]')"
+)
+
+
+def params(**conf: str) -> RendezvousParameters:
+    return RendezvousParameters(backend="etcd-v3", endpoint="127.0.0.1:2379", run_id="r", min_nodes=1,
+                                max_nodes=1, **conf)
+
+
+def test_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(prometheus.METRICS_PORT_ENV, raising=False)
+    assert prometheus.maybe_start(params()) is None
+    assert prometheus.maybe_start(params(metrics_port=" ")) is None
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "70000", "http"])
+def test_a_bad_port_is_named(bad: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(prometheus.METRICS_PORT_ENV, raising=False)
+    with pytest.raises(ValueError, match=f"'metrics_port' must be a TCP port.*{bad!r}"):
+        prometheus.maybe_start(params(metrics_port=bad))
+    monkeypatch.setenv(prometheus.METRICS_PORT_ENV, bad)
+    with pytest.raises(ValueError, match="metrics_port"):
+        prometheus.maybe_start(params())
+
+
+@pytest.mark.skipif(HAVE_PROMETHEUS, reason="prometheus_client is installed: the missing case cannot occur")
+def test_a_port_without_prometheus_client_says_what_to_install() -> None:
+    with pytest.raises(ValueError, match=r"prometheus_client is not installed.*etcd-rdzv\[prometheus\]"):
+        prometheus.maybe_start(params(metrics_port="9400"))
+
+
+@needs_prometheus
+def test_handler_maps_torch_metrics_to_prometheus() -> None:
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    handler = prometheus.PrometheusMetricHandler(registry)
+    now = time.time()
+    for name, value in [("etcd-v3.rendezvous.joins", 1), ("etcd-v3.rendezvous.joins", 1),
+                        ("etcd-v2.rendezvous.joins", 1), ("etcd-v3.rendezvous.duration.ms", 120),
+                        ("etcd-v3.rendezvous.duration.ms", 80), ("etcd_client.retries", 3),
+                        ("etcd_client.errors.EtcdTimeoutError", 1), ("custom.thing", 7)]:
+        handler.emit(MetricData(now, "etcd_rdzv", name, value))
+    get = registry.get_sample_value
+    assert get("etcd_rdzv_rendezvous_joins_total", {"backend": "etcd-v3"}) == 2
+    assert get("etcd_rdzv_rendezvous_joins_total", {"backend": "etcd-v2"}) == 1
+    assert get("etcd_rdzv_rendezvous_duration_ms", {"backend": "etcd-v3"}) == 80  # a gauge: the last
+    assert get("etcd_rdzv_etcd_client_retries_total") == 3
+    assert get("etcd_rdzv_etcd_client_errors_total", {"error": "EtcdTimeoutError"}) == 1
+    assert get("etcd_rdzv_custom_thing") == 7
