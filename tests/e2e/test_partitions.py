@@ -65,14 +65,15 @@ if _WHY_NOT is not None:
 VERSIONS = list(FULL_VERSIONS) or sorted(ETCD_BINARIES)
 
 
-def backends(scenario: int, xfail: dict[str, str] | None = None) -> list[Any]:
-    """``(backend, version)`` parameters; ``xfail`` maps a backend to a known defect."""
+def backends(scenario: int, xfail: dict[str, str] | None = None, *, strict: bool = True) -> list[Any]:
+    """``(backend, version)`` parameters; ``xfail`` maps a backend to a known defect
+    (``strict=False`` for one seen in only some runs)."""
     out = []
     for b in BACKENDS:
         version = pick_version(VERSIONS, scenario, b)
         param = version_param(version, b, version, id=f"{b}-etcd{version}")
         if xfail and b in xfail:
-            marks = (*param.marks, pytest.mark.xfail(strict=True, reason=xfail[b]))
+            marks = (*param.marks, pytest.mark.xfail(strict=strict, reason=xfail[b]))
             param = pytest.param(*param.values, id=param.id, marks=marks)
         out.append(param)
     return out
@@ -286,8 +287,16 @@ def test_e_etcd_unreachable_for_10s_training_goes_on(make_bed: Any, backend: str
 
 DELAY_PROXY_PORT = 2479
 
+_D_V2_DEFECT = (
+    "etcd-v2 (torch's DynamicRendezvousHandler over our backend), 2 of 7 runs (6 on etcd 3.7, 1 on 3.5): with "
+    "--nnodes=3:3 a world-2 group of n0, n1 formed and trained while n2 stayed in 'Rendezvous'ing worker "
+    "group' for 150 s (apparently dropped from the completed round as dead: its heartbeats were late over "
+    "the lossy 400 ms link, keep-alive 1 s x 3), never re-admitted; the same stuck node as the etcd-v2 "
+    "chaos soak's (issue 13)"
+)
 
-@pytest.mark.parametrize(("backend", "version"), backends(2))
+
+@pytest.mark.parametrize(("backend", "version"), backends(2, xfail={"etcd-v2": _D_V2_DEFECT}, strict=False))
 def test_d_latency_and_loss_to_etcd_rendezvous_completes(make_bed: Any, backend: str, version: str) -> None:
     """With ``tc netem`` where the kernel has it (200 ms on every packet etcd's host
     sends, 5 % of them lost); otherwise iptables ``statistic`` drops 5 % of the packets
