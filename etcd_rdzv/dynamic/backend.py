@@ -238,21 +238,25 @@ def open_backend(
         backend = EtcdRendezvousBackend(
             client, run_id, key_prefix=config.key_prefix, ttl=config.state_ttl, name=name
         )
-        store = _create_store(client, config.store_prefix(run_id))
+        store = _create_store(client, config.store_prefix(run_id), config.state_ttl)
     except BaseException:
         client.close()
         raise
     return backend, store
 
 
-def _create_store(client: EtcdClient, prefix: str) -> Store:
-    """The run's ``EtcdStore``; its constructor's RPCs are bounded by the client's timeout."""
+def _create_store(client: EtcdClient, prefix: str, ttl: int) -> Store:
+    """The run's ``EtcdStore``; its constructor's RPCs are bounded by the client's timeout.
+
+    Its namespace lease has the TTL ``ttl`` (``state_ttl``, at least 2 s): the store's keys
+    go ``state_ttl`` after the last agent, as the state does (they stayed an hour before,
+    the store's default)."""
     import torch.distributed as dist
 
     from etcd_store import EtcdStore
 
     try:
-        store = EtcdStore(client, prefix=prefix, timeout=timedelta(seconds=client.timeout))
+        store = EtcdStore(client, prefix=prefix, timeout=timedelta(seconds=client.timeout), lease_ttl=max(ttl, 2))
     except dist.DistError as e:
         raise RendezvousConnectionError(
             f"The rendezvous store {prefix!r} could not be opened in etcd at "

@@ -248,7 +248,12 @@ class Job:
 
 
 def rendezvous_completions(agent: LocalAgent) -> list[float]:
-    """Times (epoch seconds) at which the agent logged "Rendezvous complete for workers".
+    """Times (epoch seconds) at which the agent logged "Rendezvous complete for workers"."""
+    return agent_log_times(agent, "Rendezvous complete for workers")
+
+
+def agent_log_times(agent: LocalAgent, needle: str) -> list[float]:
+    """Times (epoch seconds) of the agent's log lines that contain ``needle``.
 
     Read from torchrun's INFO log lines (glog prefix ``I%m%d %H:%M:%S.%f``, local
     time; the year is taken as the current one).
@@ -256,7 +261,7 @@ def rendezvous_completions(agent: LocalAgent) -> list[float]:
     out: list[float] = []
     year = time.localtime().tm_year
     for line in agent.output_tail(100_000).splitlines():
-        if "Rendezvous complete for workers" not in line or len(line) < 21:
+        if needle not in line or len(line) < 21:
             continue
         try:
             stamp = time.strptime(f"{year} {line[1:5]} {line[6:14]}", "%Y %m%d %H:%M:%S")

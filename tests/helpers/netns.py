@@ -9,7 +9,10 @@ outside its namespaces, and it disappears with the hub namespace.
 Faults (all reversible by :meth:`Host.heal`): :meth:`Host.block` drops packets to and from
 given addresses (iptables inside the host's namespace), :meth:`Host.link_down` takes the
 host's interface down, :meth:`Host.netem` adds latency and loss (``tc netem``; raises
-:class:`NetemUnavailable` where the kernel lacks it).
+:class:`NetemUnavailable` where the kernel lacks it). Where netem is missing,
+:meth:`Host.random_loss` drops a share of the packets (iptables ``statistic``) and
+:meth:`Host.start_delay_proxy` runs :mod:`tests.helpers.delay_proxy` in the host's
+namespace: a TCP forwarder adding a latency to each direction of one port.
 
 Etcd members run on hosts (:class:`NetEtcd`: ``ip netns exec HOST etcd ...`` with the flags
 of :class:`etcd_server.member.EtcdMember`), and so do torchrun agents (:meth:`Host.argv`).
@@ -26,9 +29,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import selectors
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -122,6 +127,7 @@ class Host:
         self.name = name
         self.ns = f"{bed.prefix}{name}"
         self.address = address
+        self._proxies: list[subprocess.Popen[str]] = []
 
     def __repr__(self) -> str:
         return f"Host({self.name!r}, {self.address})"
@@ -154,8 +160,50 @@ class Host:
                 raise NetemUnavailable(f"tc netem is not available here: {proc.stderr.strip()}")
             raise RuntimeError(f"tc netem failed: {proc.stderr.strip()}")
 
+    def random_loss(self, percent: float, *peers: Host | str) -> None:
+        """Drop ``percent`` % of the packets between this host and ``peers``, each direction
+        (iptables ``statistic --mode random``: a netem-free packet loss)."""
+        share = f"{percent / 100:.4f}"
+        for peer in peers:
+            addr = peer.address if isinstance(peer, Host) else peer
+            for chain, side in (("INPUT", "-s"), ("OUTPUT", "-d")):
+                self.exec("iptables", "-w", "-A", chain, side, addr, "-m", "statistic", "--mode", "random",
+                          "--probability", share, "-j", "DROP")  # fmt: skip
+
+    def start_delay_proxy(self, listen_port: int, target_port: int, delay_ms: int, timeout: float = 10.0) -> str:
+        """Forward ``listen_port`` of this host to ``target_port`` with ``delay_ms`` added to
+        each direction (:mod:`tests.helpers.delay_proxy`); the address to connect to.
+
+        Blocks until the forwarder listens; it runs until :meth:`heal` or the bed's close."""
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "delay_proxy.py")
+        proc = subprocess.Popen(
+            self.argv([sys.executable, script, f"{self.address}:{listen_port}",
+                       f"{self.address}:{target_port}", str(delay_ms)]),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        self._proxies.append(proc)
+        assert proc.stdout is not None
+        # The first line says it listens (or why it could not); bounded by ``timeout``.
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            ready = sel.select(timeout)
+        line = proc.stdout.readline() if ready else ""
+        if not line.startswith("listening"):
+            self._stop_proxies()
+            raise RuntimeError(f"the delay proxy on {self.name} did not start within {timeout:g} s: {line!r}")
+        return f"{self.address}:{listen_port}"
+
+    def _stop_proxies(self) -> None:
+        for proc in self._proxies:
+            proc.kill()
+            proc.wait(timeout=10)
+            if proc.stdout is not None:
+                proc.stdout.close()
+        self._proxies.clear()
+
     def heal(self) -> None:
-        """Undo every fault: flush the filters, remove netem, bring the link up."""
+        """Undo every fault: flush the filters, remove netem, stop delay proxies, bring the link up."""
+        self._stop_proxies()
         self.exec("iptables", "-w", "-F", "INPUT")
         self.exec("iptables", "-w", "-F", "OUTPUT")
         self.exec("tc", "qdisc", "del", "dev", "eth0", "root", check=False)
@@ -218,6 +266,8 @@ class NetBed:
         return host
 
     def close(self) -> None:
+        for host in self.hosts.values():
+            host._stop_proxies()
         for ns in reversed(self._namespaces):
             _delete_namespace(ns)
         self._namespaces.clear()

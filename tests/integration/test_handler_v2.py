@@ -29,6 +29,7 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from etcd_rdzv import EtcdRendezvousBackend, EtcdRendezvousHandler
 from etcd_server import EtcdServer
+from etcd_store.client import EtcdClient
 
 _ids = itertools.count()
 CONF = {
@@ -230,6 +231,17 @@ def test_shutdown_after_etcd_went_away_returns_false(fresh_etcd: EtcdServer) -> 
     started = time.monotonic()
     assert handler.shutdown() is False
     assert time.monotonic() - started < 2 + 1 + 5  # close timeout + one read timeout, generously
+
+
+def test_the_run_store_expires_with_the_state(nodes: Nodes, etcd_endpoint: str) -> None:
+    """The run's EtcdStore (rank assignments, MASTER_ADDR per round) goes ``state_ttl`` after
+    the last agent, as the state does, not one hour later (the store's own default)."""
+    handler = nodes.new(1, 1, state_ttl="7")
+    nodes.join(handler)[0].result(timeout=WAIT)
+    with EtcdClient(etcd_endpoint, timeout=10) as client:
+        kv = client.get(f"/torch/elastic/rendezvous/{nodes.run_id}/store".encode() + b"\0lease")
+        assert kv is not None, "the run store has no namespace lease key"
+        assert 0 < client.lease_time_to_live(int(kv.value)) <= 7
 
 
 # ------------------------------------------------------------------ agent store sharing

@@ -869,6 +869,32 @@ def test_unreachable_etcd_is_a_connection_error_naming_it() -> None:
         assert time.monotonic() - started < 20  # about close_timeout
 
 
+def test_a_node_that_lost_etcd_does_not_close_the_run_once_etcd_is_back(fresh_etcd: Any) -> None:
+    """torch's launcher calls shutdown() when its agent fails, also on the
+    RendezvousConnectionError of a node that lost etcd. When etcd answers again by then
+    (the link healed), that shutdown must not close the run for the other nodes: the node
+    leaves (its lease revoked: the others see a lost member) and the run stays open."""
+    nodes = Nodes(fresh_etcd.get_endpoint())
+    try:
+        a, b = nodes.many(2, 1, 2, read_timeout="2")
+        assert_group(results(nodes.start(a, b)), 2)
+        lease = lease_of(a)
+        fresh_etcd.stop(keep_data=True)
+        with pytest.raises(RendezvousConnectionError):
+            a.num_nodes_waiting()  # torch's agent exits on this
+        fresh_etcd.start(timeout=30)
+        started = time.monotonic()
+        assert a.shutdown() is False  # did not close the run
+        assert time.monotonic() - started < 5  # LEAVE_TIMEOUT, not close_timeout
+        assert not b.is_closed()
+        assert nodes.client.lease_time_to_live(lease) == -1
+        assert b.num_nodes_waiting() >= 1  # its group lost a member: re-form
+        res = results(nodes.start(b))
+        assert [(r.round, r.world_size) for r in res] == [(2, 1)]
+    finally:
+        nodes.close()
+
+
 # --------------------------------------------------------------------------- plumbing
 
 
