@@ -722,7 +722,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from etcd_rdzv.plugin import create_etcd_v3_rdzv_handler
 endpoint, run_id, prefix = sys.argv[1:4]
 params = RendezvousParameters("etcd-v3", endpoint, run_id, 1, 2, local_addr="127.0.0.1",
-                              key_prefix=prefix, last_call_timeout="30", heartbeat="60")
+                              key_prefix=prefix, last_call_timeout="0.5", heartbeat="60")
 handler = create_etcd_v3_rdzv_handler(params)
 result = handler.next_round()
 print(handler.node_id, flush=True)
