@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 from helpers import REPO_ROOT
+from helpers.handlers import shut_down_all
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
@@ -249,12 +250,7 @@ class Run:
                 watch.get(timeout=deadline - time.monotonic())
 
     def close(self) -> None:
-        for h in self.handlers:
-            try:
-                h.shutdown()
-            except Exception:
-                pass
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        shut_down_all(self.handlers, self.pool)
         self.client.close()
 
 

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from helpers.handlers import shut_down_all
 from helpers.ports import closed_port
 from torch.distributed.elastic import events as torch_events
 from torch.distributed.elastic import metrics as torch_metrics
@@ -136,12 +137,7 @@ class V3Run:
         return handler
 
     def close(self) -> None:
-        for h in self.handlers:
-            try:
-                h.shutdown()
-            except Exception:
-                pass
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        shut_down_all(self.handlers, self.pool)
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
+from helpers.handlers import shut_down_all
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
@@ -77,12 +78,7 @@ class Nodes:
     def close(self) -> None:
         for h in self.handlers:
             h._stop_heartbeats()
-        for h in self.handlers:
-            try:
-                h.shutdown()
-            except Exception:
-                pass
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        shut_down_all(self.handlers, self.pool)
 
 
 @pytest.fixture

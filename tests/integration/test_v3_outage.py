@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from helpers.handlers import shut_down_all
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from etcd_rdzv.native.handler import EtcdV3RendezvousHandler, RoundResult
@@ -78,12 +79,7 @@ class Run:
         return self.client.range(self.keys.join_prefix(round_), prefix=True, count_only=True).count
 
     def close(self) -> None:
-        for h in self.handlers:
-            try:
-                h.shutdown()
-            except Exception:
-                pass
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        shut_down_all(self.handlers, self.pool)
         self.client.close()
 
 

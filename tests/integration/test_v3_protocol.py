@@ -18,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from typing import Any
 
 import pytest
+from helpers.handlers import shut_down_all
 from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
@@ -101,12 +102,7 @@ class Nodes:
         return list(json.loads(kv.value))
 
     def close(self) -> None:
-        for h in self.handlers:
-            try:
-                h.shutdown()
-            except Exception:
-                pass
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        shut_down_all(self.handlers, self.pool)
         self.client.close()
 
 
