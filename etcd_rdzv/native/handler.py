@@ -213,6 +213,14 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._etcd_lost = False
         return result
 
+    def _etcd_failed(self, what: str, e: EtcdError) -> RendezvousConnectionError:
+        """torch's error for a failed etcd call of ``what``, recorded as a failure event;
+        notes whether etcd was out of reach (what :meth:`shutdown` decides on)."""
+        self._etcd_lost = isinstance(e, EtcdConnectionError)
+        error = RendezvousConnectionError(str(e))
+        self._telemetry.failed(what, error)
+        return error
+
     def is_closed(self) -> bool:
         """Whether the run is closed. One Range (none after :meth:`shutdown`, which closed it)."""
         if self._closed_run:
@@ -220,10 +228,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         try:
             closed = queries.is_closed(self._client, self._keys)
         except EtcdError as e:
-            self._etcd_lost = isinstance(e, EtcdConnectionError)
-            error = RendezvousConnectionError(str(e))
-            self._telemetry.failed("is_closed", error)
-            raise error from e
+            raise self._etcd_failed("is_closed", e) from e
         self._etcd_lost = False
         return closed
 
@@ -272,10 +277,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             # RendezvousClosedError, so a run closed from outside ends every agent.
             waiting = self._group.nodes_waiting()
         except EtcdError as e:
-            self._etcd_lost = isinstance(e, EtcdConnectionError)
-            error = RendezvousConnectionError(str(e))
-            self._telemetry.failed("num_nodes_waiting", error)
-            raise error from e
+            raise self._etcd_failed("num_nodes_waiting", e) from e
         self._etcd_lost = False
         return waiting
 
