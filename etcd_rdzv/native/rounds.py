@@ -318,10 +318,20 @@ class Participant:
                 resolved = self._resolve(joined.round, sealed)
                 if resolved is not None:
                     return resolved
-            outcome = renewing_lease(
-                functools.partial(self._join, sealed, value), self._ensure_lease, self._forget_lease
-            )
+            # The control watch opens before the join (while the lease is granted) and the join
+            # waits for etcd to confirm it, so the watch starts below the join's revision and
+            # no catch-up read is needed (see _catch_up).
+            ctl_watch = client.watch(*keys.watch_range(sealed.round + 1, previous=False))
+            try:
+                outcome = renewing_lease(
+                    functools.partial(self._join, sealed, value, ready=ctl_watch),
+                    self._ensure_lease, self._forget_lease,
+                )
+            except BaseException:
+                ctl_watch.cancel()
+                raise
             if not outcome.ok:
+                ctl_watch.cancel()
                 if outcome.joined_anyway:
                     # A lost answer hid a join that did apply; its round is sealed now.
                     target = sealed.round + 1
@@ -334,11 +344,15 @@ class Participant:
             target = sealed.round + 1
             key = keys.join_key(target, self._node_id)
             self._joined = _Joined(target, key, sealed)
-            log.debug("node %s joined round %d at revision %d (join %d of the round, %d present)",
-                      self._node_id, target, outcome.revision, outcome.seq, outcome.count)
-            self.observer.joined(target, outcome.count)
-            recovering = self._settings.fast_recovery and prior_round == target - 1
-            waited = self._wait(target, outcome, sealed, clock, prior_world if recovering else None)
+            try:
+                log.debug("node %s joined round %d at revision %d (join %d of the round, %d present)",
+                          self._node_id, target, outcome.revision, outcome.seq, outcome.count)
+                self.observer.joined(target, outcome.count)
+                recovering = self._settings.fast_recovery and prior_round == target - 1
+                waited = self._wait(target, outcome, sealed, clock, prior_world if recovering else None,
+                                    opened=ctl_watch)
+            finally:
+                ctl_watch.cancel()  # (a no-op once the wait ended it)
             if isinstance(waited, RoundResult):
                 self._joined = _Joined(target, key, sealed, member=True)
                 return waited
@@ -348,8 +362,11 @@ class Participant:
             else:
                 sealed = waited.sealed
 
-    def _join(self, sealed: Sealed, value: bytes, lease: int) -> protocol.JoinOutcome:
-        """One join Txn with ``lease``, leaving our previous key (if its lease is still ours)."""
+    def _join(self, sealed: Sealed, value: bytes, lease: int, *, ready: Watch | None = None) -> protocol.JoinOutcome:
+        """One join Txn with ``lease``, leaving our previous key (if its lease is still ours);
+        first waits (at most the client's timeout) for etcd to confirm the watch ``ready``."""
+        if ready is not None:
+            self._confirmed(ready)
         previous = self._joined.key if self._joined is not None else None
         return protocol.join(
             self._client, self._keys, self._node_id, value, lease, sealed, previous_key=previous
@@ -362,6 +379,7 @@ class Participant:
         previous: Sealed,
         clock: JoinClock,
         recover_size: int | None = None,
+        opened: Watch | None = None,
     ) -> RoundResult | _Retry:
         """Wait on the watch until round ``round_`` is sealed; seal it when due.
 
@@ -370,6 +388,8 @@ class Participant:
         node was a member of in the previous round (``fast_recovery``). The watch
         covers ``ctl/``, and the join keys of the previous round while this node
         must tell when it empties (a candidate, or kept out by a full group).
+        ``opened``: a watch of ``ctl/`` alone, opened before the join; used when that
+        range suffices, else cancelled (this method owns it either way).
         """
         s = self._settings
         view = RoundView(
@@ -379,7 +399,15 @@ class Participant:
         state = Barrier.start(clock, _tally(view), s, recover_size)
         wide = view.prev_count > 0 and (state.candidate or _tally(view).kept_out(s))
         start, end = self._keys.watch_range(round_, previous=wide)
-        watch = self._client.watch(start, end)  # from now: a synced watcher (see _catch_up)
+        if opened is not None and (opened.key, opened.range_end) == (start, end):
+            watch = opened
+        else:
+            if opened is not None:
+                opened.cancel()
+            watch = self._client.watch(start, end)  # from now: a synced watcher (see _catch_up)
+        # Events at or below the join's revision are in the join's answer already (a watch
+        # opened before the join may deliver some of them).
+        view.read_through = view.revision
         with self._lock:
             session = self.session
             if self.shut_down or session is None or session.done().is_set():
@@ -443,21 +471,27 @@ class Participant:
         The watch opens from "now", because etcd holds back events for a watcher whose start
         revision is already in the past until its 100 ms catch-up tick, while a watcher that starts
         at the current revision gets them at once. etcd confirms the watch with the revision W it
-        starts after. If nothing was written since our join (W is the join's revision) the watch
-        covers everything; else one read-only Txn at a revision R >= W (ctl/ and the count of
-        round T-1, O(1) bytes) covers the gap, and the view skips watch events at or below R. So
+        starts after. The ``ctl/`` watch is confirmed before the join Txn is sent, so W is below
+        the join's revision J; events up to J are skipped (the join's compares saw that state).
+        A node that must also watch the previous round opens that watch after the join. If
+        W <= J the watch covers everything after the join; else one read-only Txn at a revision
+        R >= W (ctl/ and the count of round T-1, O(1) bytes) covers the gap, and the view skips watch events at or below R. So
         every revision after the join is seen once, by the read or by the watch: no lost wake-up.
         """
+        self._confirmed(watch)
+        if watch.created_revision <= view.revision:
+            return None
+        read = queries.catch_up(self._client, self._keys, round_)
+        return view.catch_up(read, expect_sealed=previous.revision > 0)
+
+    def _confirmed(self, watch: Watch) -> None:
+        """Wait for etcd to confirm ``watch``; ``EtcdTimeoutError`` after the client's timeout."""
         timeout = self._client.timeout
         if not watch.wait_created(timeout):
             raise EtcdTimeoutError(
                 f"etcd at {self._client.describe()} did not confirm the watch of node {self._node_id} "
                 f"within {timeout:g} s"
             )
-        if watch.created_revision <= view.revision:
-            return None
-        read = queries.catch_up(self._client, self._keys, round_)
-        return view.catch_up(read, expect_sealed=previous.revision > 0)
 
     def on_watch(self, watch: Watch, view: RoundView) -> None:
         """Called with each wait's watch and view before waiting (tests count events)."""
