@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.elastic import record_timing
+from helpers.elastic import log_line_times, record_timing
 from helpers.torchrun_agents import TorchrunAgents
 
 from etcd_server import EtcdServer
@@ -246,8 +246,16 @@ def test_a_node_that_ends_leaves_and_the_others_train_again(
         assert {r["sum"] for r in again} == {2 * NPROC}
         assert victim.pid not in {r["agent"] for r in again}  # (the agent is the worker's parent)
         recovery = max(r["t"] for r in again) - ended_at
+        # The survivors' agents log "Rendezvous complete" (torchrun's INFO log) when their
+        # new round is sealed: what is left of the figure is worker start-up.
+        completes = [min((t for t in log_line_times(log.read_text(errors="replace"),
+                                                    "Rendezvous complete for workers") if t > ended_at),
+                         default=float("nan")) for log in agents.logs[:2]]
+        rendezvous = max(completes) - ended_at
         record_timing(f"v3_node_ends/{how}/etcd{etcd_server.version}", {
             "end_to_first_step_s": round(recovery, 2), "heartbeat_s": heartbeat,
+            "end_to_rendezvous_complete_s": round(rendezvous, 2),
+            "rendezvous_complete_to_first_step_s": round(recovery - rendezvous, 2),
             "setup": "3 torchrun agents x 2 workers, --nnodes=2:3, last_call 2 s, monitor 0.5 s",
         })  # fmt: skip
         assert recovery < (15 if how == "sigterm" else heartbeat + 15), agents.log_tails()

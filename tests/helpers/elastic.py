@@ -258,9 +258,14 @@ def agent_log_times(agent: LocalAgent, needle: str) -> list[float]:
     Read from torchrun's INFO log lines (glog prefix ``I%m%d %H:%M:%S.%f``, local
     time; the year is taken as the current one).
     """
+    return log_line_times(agent.output_tail(100_000), needle)
+
+
+def log_line_times(text: str, needle: str) -> list[float]:
+    """Times (epoch seconds) of the torchrun INFO log lines of ``text`` that contain ``needle``."""
     out: list[float] = []
     year = time.localtime().tm_year
-    for line in agent.output_tail(100_000).splitlines():
+    for line in text.splitlines():
         if needle not in line or len(line) < 21:
             continue
         try:
