@@ -354,7 +354,8 @@ class Transport:
         plain writes, and writes fenced by a compare) get per-attempt deadlines of
         2 s, doubling after a round in which every member timed out, so a member stuck
         on a dead leader costs 2 s (and an isolated leader after it another 2 s), not
-        the whole deadline. Others get the whole remaining deadline in one attempt and
+        the whole deadline; with a single endpoint an attempt has the whole deadline
+        (there is no other member to try, and resending a slow request adds load). Others get the whole remaining deadline in one attempt and
         are resent only when the failure proves they were not applied (connection
         refused; etcd: no leader, too many requests, proposal dropped). An expired auth token is renewed
         once, at once. A client that never reached etcd gives up after
@@ -388,7 +389,9 @@ class Transport:
                 # request timeout (~7 s). Requests that are safe to resend get growing
                 # per-attempt deadlines (2 s, 4 s, ...) so the next member is tried in
                 # time; others get the whole remaining deadline in one attempt.
-                attempt = min(remaining, attempt_budget) if idempotent else remaining
+                # With one member there is no next one: a short deadline would only resend
+                # a request that is merely slow (an overloaded etcd) and add to its load.
+                attempt = min(remaining, attempt_budget) if idempotent and len(order) > 1 else remaining
                 attempts += 1
                 if attempts > 1:
                     self.stats.retried(method)
