@@ -84,7 +84,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     Args:
         settings: the rendezvous settings (:func:`~etcd_rdzv.conf.parse_v3_settings`).
         client: the etcd client. Several handlers may share one; each keeps its own
-            lease and watch on it, and the client's one keep-alive stream refreshes them all.
+            lease and watch on it, and the client's keep-alive stream(s) refresh them all.
         owns_client: close ``client`` in :meth:`shutdown`.
 
     Thread safety: one ``next_rendezvous`` runs at a time per handler; the other

@@ -156,7 +156,7 @@ class EtcdClient(LeaseCalls):
     def session(
         self, ttl: int, *, lease_id: int = 0, on_lost: Callable[[], None] | None = None
     ) -> Session:
-        """Grant a lease and keep it alive (over the client's one keep-alive stream) until the session is closed.
+        """Grant a lease and keep it alive (over one of the client's keep-alive streams) until the session is closed.
 
         One LeaseGrant RPC now; see :class:`~etcd_store.client.Session`.
         """

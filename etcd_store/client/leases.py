@@ -1,4 +1,4 @@
-"""``LeaseCalls``: the unary lease RPCs, and :class:`KeepAlives`, the client's ONE keep-alive stream.
+"""``LeaseCalls``: the unary lease RPCs, and :class:`KeepAlives`, the client's keep-alive streams.
 
 :class:`LeaseCalls` is a base of :class:`~etcd_store.client.EtcdClient`, and all that a
 :class:`~etcd_store.client.session.Session` needs besides the transport's streams,
@@ -19,11 +19,13 @@ caller: :meth:`KeepAlives.keep` and :meth:`KeepAlives.drop` only take a lock.
 Callbacks into the sessions (lease lost, TTL learnt, stopped) run in the reader
 thread, outside the lock; they must not block.
 
-Limit: etcd answers the requests of one stream in order, and the renewal of a
-lease that already expired waits until etcd has revoked it, so on an overloaded
-etcd one stream of hundreds of leases renews the later ones late. A process that
-keeps that many leases alive (a benchmark of simulated nodes) can spread them
-over several clients.
+etcd answers the requests of one stream in order, and its leader holds each
+renewal until it has applied every committed entry (up to 1 s), so under a burst
+of writes one stream renews about one lease per apply: hundreds of leases on one
+stream would be renewed late, and expire. A client therefore opens another
+stream (:class:`KeepAlives`, on the same channel) for every
+:data:`LEASES_PER_STREAM` sessions: an agent's few leases share one stream, a
+process of simulated nodes spreads its leases over several.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ __all__ = ["KeepAlives", "LeaseCalls"]
 
 #: The shortest pause between two keep-alives of one lease.
 MIN_INTERVAL = 0.2
+#: Sessions one keep-alive stream serves before a client opens another.
+LEASES_PER_STREAM = 32
 
 
 def refresh_interval(ttl: float) -> float:
@@ -92,12 +96,14 @@ class KeepAlives:
         self._stream_gen = 0  # bumped when a stream ends: its request generator stops
         self._halted = False
         self.streams_opened = 0
+        self._reserved = 0  # sessions given this multiplexer that have not called keep() yet
 
     # ------------------------------------------------------------------ callers' side
 
     def keep(self, keeper: Keeper, lease_id: int, ttl: int, *, first_in: float, primary: bool = True) -> None:
         """Refresh ``lease_id`` for ``keeper`` from ``first_in`` seconds on (sooner if already kept)."""
         with self._cond:
+            self._reserved = max(self._reserved - 1, 0)
             closed = self._halted or self._client._closed
             if not closed:
                 self._add_locked(keeper, lease_id, refresh_interval(ttl),
@@ -133,6 +139,14 @@ class KeepAlives:
         """How many leases are being refreshed."""
         with self._cond:
             return len(self._leases)
+
+    def reserve(self, limit: int) -> bool:
+        """Take one more session if fewer than ``limit`` leases are kept or promised."""
+        with self._cond:
+            if self._halted or len(self._leases) + self._reserved >= limit:
+                return False
+            self._reserved += 1
+            return True
 
     def _add_locked(self, keeper: Keeper, lease_id: int, interval: float, due: float, primary: bool) -> None:
         kept = self._leases.get(lease_id)
@@ -314,7 +328,7 @@ class KeepAlives:
 class LeaseCalls(Transport):
     """The lease RPCs of a client (see :class:`~etcd_store.client.EtcdClient` for the constructor)."""
 
-    _keep_alive_mux: KeepAlives | None = None
+    _keep_alive_muxes: tuple[KeepAlives, ...] = ()
 
     def lease_grant(self, ttl: int, *, lease_id: int = 0, timeout: float | None = None) -> int:
         """Grant a lease of ``ttl`` seconds and return its id. One LeaseGrant RPC."""
@@ -340,18 +354,23 @@ class LeaseCalls(Transport):
         return int(resp.TTL)
 
     def keep_alives(self) -> KeepAlives:
-        """The client's keep-alive multiplexer (created on first use; no RPC)."""
-        mux = self._keep_alive_mux
-        if mux is None:
-            with self._lock:
-                mux = self._keep_alive_mux
-                if mux is None:
-                    mux = self._keep_alive_mux = KeepAlives(self)
-        return mux
+        """The keep-alive stream for a new session (no RPC): the first that serves fewer than
+        :data:`LEASES_PER_STREAM` sessions, or a new one (see the module docstring)."""
+        with self._lock:
+            for mux in self._keep_alive_muxes:
+                if mux.reserve(LEASES_PER_STREAM):
+                    return mux
+            mux = KeepAlives(self)
+            mux.reserve(LEASES_PER_STREAM)
+            self._keep_alive_muxes += (mux,)
+            return mux
+
+    def kept_leases(self) -> int:
+        """How many leases the client's keep-alive streams refresh."""
+        return sum(mux.kept() for mux in self._keep_alive_muxes)
 
     def close(self) -> None:
         """Stop the keep-alive stream (every session ends, unrevoked), then close the channels."""
-        mux = self._keep_alive_mux
-        if mux is not None:
+        for mux in self._keep_alive_muxes:
             mux.stop()
         super().close()

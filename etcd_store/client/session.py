@@ -7,9 +7,10 @@ Contract:
   keeps a lease granted elsewhere alive instead (no RPC).
 * The client's :class:`~etcd_store.client.leases.KeepAlives` refreshes the lease
   every third of its TTL (the TTL etcd reports, so an adopted lease is refreshed
-  at its own pace) over ONE keep-alive stream per client, shared by all its
-  sessions: a session costs no thread and no stream of its own, and many
-  sessions on one client (many nodes in one process) cost one stream. A broken
+  at its own pace) over the client's keep-alive stream, shared by its
+  sessions: a session costs no thread and no stream of its own; a client opens
+  one more stream (same channel) per ``LEASES_PER_STREAM`` (32) sessions, so
+  many nodes in one process renew in parallel. A broken
   stream is reopened on the next reachable endpoint; nothing blocks the caller.
 * When etcd reports the lease gone (expired, or revoked by anyone), :attr:`lost`
   is set and ``on_lost`` runs once, in the client's keep-alive thread (it must

@@ -325,7 +325,7 @@ def test_many_sessions_share_one_keep_alive_stream(etcd_endpoint: str, client: E
         assert counter.counts["Lease/LeaseKeepAlive"] == 1
         for s in alive:
             s.close()
-        assert c.keep_alives().kept() == 0
+        assert c.kept_leases() == 0
         late = Session.existing(c, c.lease_grant(2), ttl=2, revoke_on_close=True)
         with late:
             deadline = time.monotonic() + 5
@@ -333,6 +333,32 @@ def test_many_sessions_share_one_keep_alive_stream(etcd_endpoint: str, client: E
                 threading.Event().wait(0.05)
             assert counter.counts["Lease/LeaseKeepAlive"] == 2  # the idle stream was closed
             assert c.lease_time_to_live(late.id) > 0
+
+
+def test_a_client_spreads_many_sessions_over_a_few_keep_alive_streams(etcd_endpoint: str) -> None:
+    """Past LEASES_PER_STREAM sessions a client opens another keep-alive stream on its
+    channel (etcd renews one stream's leases in turn): 2 x 32 + 1 sessions, three
+    streams, every lease alive after twice its TTL; a closed session frees its place."""
+    from etcd_store.client.leases import LEASES_PER_STREAM
+
+    counter = RpcCounter()
+    with EtcdClient(etcd_endpoint, timeout=5, interceptors=[counter]) as c:
+        sessions = [c.session(1) for _ in range(2 * LEASES_PER_STREAM + 1)]
+        try:
+            assert len({id(s._mux) for s in sessions}) == 3
+            threading.Event().wait(2.2)  # two TTLs: only refreshes keep them
+            assert all(c.lease_time_to_live(s.id) >= 0 for s in sessions)  # -1: expired
+            assert counter.counts["Lease/LeaseKeepAlive"] == 3
+            assert c.kept_leases() == len(sessions)
+            first = sessions[0]._mux
+            sessions[0].close()
+            again = c.session(1)
+            sessions[0] = again
+            assert again._mux is first  # the freed place is taken again, no fourth stream
+        finally:
+            for s in sessions:
+                s.close()
+        assert c.kept_leases() == 0
 
 
 def test_a_lease_kept_by_two_sessions_lives_while_either_keeps_it(client: EtcdClient, prefix: bytes) -> None:
