@@ -402,12 +402,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
-
 
 def _clients_note(clients: str, per_client: int = 0) -> str:
     if clients == "process":
         share = f"every {per_client} share" if per_client > 0 else "share"
         return f" (the etcd-v3 and floor nodes of a worker {share} one etcd client; the others have one each)"
     return " (every node has its own etcd client)"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -34,6 +34,8 @@ B2_BARRIER_RATIO = 2.0
 B2_GROWTH = (1024, 2048, 2.5)
 B2_N2_MS = 20.0
 B2_EVENTS_PER_NODE = 3  # + the nodes that left; none leaves in B2
+# B5 (issue 12): gloo start-up over EtcdStore at most 3x TCPStore's at world 16.
+B5_WORLD, B5_RATIO = 16, 3.0
 
 
 # --------------------------------------------------------------------------- formatting
@@ -182,6 +184,18 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             beside = "; ".join(f"{r['contender']}: {r['revisions_per_min']:.0f}/min" for r in others)
             out.append(_target(f"B4 N={row['n']}: etcd-v3 idle job makes 0 revisions/min",
                                f"{row['revisions_per_min']:.1f}/min", row["revisions_per_min"] == 0, beside))
+    b5 = results.get("b5")
+    if b5:
+        name = f"B5 world={B5_WORLD}: gloo start-up over EtcdStore at most {B5_RATIO:g}× TCPStore's"
+        row5 = next((r for r in b5["rows"] if r["world"] == B5_WORLD and r["contender"] == OURS_STORE), None)
+        r5 = (row5 or {}).get("ratio_vs_TCPStore")
+        if row5 is None or not r5 or r5.get("ratio") is None:
+            out.append(_target(name, "—", None, f"world {B5_WORLD} (or TCPStore) not in this run",
+                               status="not measured"))
+        else:
+            tcp = next(r for r in b5["rows"] if r["world"] == B5_WORLD and r["contender"] == TCP_STORE)
+            out.append(_target(name, ratio(r5), r5["ratio"] <= B5_RATIO,
+                               f"{fig(row5['ms'], ' ms')} vs {fig(tcp['ms'], ' ms')}"))
     return out
 
 
