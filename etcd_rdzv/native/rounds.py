@@ -1,8 +1,8 @@
 """One node's part in the rounds of an ``etcd-v3`` run: join, wait, seal, close.
 
-:class:`Participant` holds what a node knows of the run (its lease
-:class:`~etcd_store.client.Session`, which also keeps the run lease alive, the
-last sealed record it saw, the round it joined) and strings the transactions of
+:class:`Participant` holds what a node knows of the run (its leases, through
+:class:`~etcd_rdzv.native.node_leases.NodeLeases`; the last sealed record it
+saw, the round it joined) and strings the transactions of
 :mod:`etcd_rdzv.native.protocol` together: :meth:`Participant.rendezvous` joins
 rounds until one that includes this node is sealed, waiting on a watch of the
 run's ``ctl/`` keys and acting on :func:`~etcd_rdzv.native.barrier.decide`.
@@ -28,7 +28,6 @@ from dataclasses import dataclass, replace
 
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
-    RendezvousConnectionError,
     RendezvousGracefulExitError,
     RendezvousTimeoutError,
 )
@@ -40,6 +39,7 @@ from . import bootstrap, protocol, queries
 from .barrier import Admitted, Barrier, Check, JoinClock, Seal, Tally, TimeOut, Void, decide, verdict
 from .bootstrap import join_value
 from .keys import RunKeys
+from .node_leases import NodeLeases, _Joined
 from .records import ProtocolStateError, Sealed
 from .settings import V3Settings
 from .telemetry import RoundObserver
@@ -66,21 +66,6 @@ class RoundResult:
 
 
 @dataclass(frozen=True)
-class _Joined:
-    """The join key this node holds in ``round``.
-
-    ``member``: True (member of the sealed round), False (the round was sealed
-    without us: over ``max_nodes`` or void), None (not known: still waiting, or
-    the wait ended with an error before the outcome was seen).
-    """
-
-    round: int
-    key: bytes
-    under: Sealed  # the sealed record the join was fenced on (round - 1 sealed at its revision)
-    member: bool | None = None
-
-
-@dataclass(frozen=True)
 class _Retry:
     """Join again: from ``sealed`` when known, else after re-reading the run's records;
     ``clock`` is the ``join_timeout`` deadline as the wait left it."""
@@ -99,7 +84,7 @@ def _tally(view: RoundView) -> Tally:
     return Tally(view.count, view.prev_count, view.changes, fresh=view.read is not None)
 
 
-class Participant:
+class Participant(NodeLeases):
     """One node of the run: its leases and its place in the rounds (see the module docstring).
 
     ``session`` (this node's lease, None before the first join and after
@@ -128,164 +113,6 @@ class Participant:
         self.round_master: tuple[str, int] | None = None  # from the sealed record of our round
         self._watch: Watch | None = None
         self.shut_down = False
-
-    def stop(self) -> Session | None:
-        """Stop for good: cancel a wait's watch, forget the round; returns the lease session to close."""
-        with self._lock:
-            self.shut_down = True
-            watch, self._watch = self._watch, None
-            session, self.session = self.session, None
-        if watch is not None:
-            watch.cancel()
-        self._joined = None
-        self.member_round = None
-        return session
-
-    def leave(self, deadline: float) -> bool:
-        """Stop for good and release this node's keys now, without closing the run.
-
-        Revokes the node's lease (one LeaseRevoke: its join key vanishes with it), every
-        RPC bounded by ``deadline``. Returns whether etcd confirmed it.
-        """
-        joined = self._joined
-        session = self.stop()
-        if session is None:
-            return True
-        if joined is not None and not joined.member and time.monotonic() < deadline:
-            # Waiting in a round that may be unsealed: withdraw with a bump of its join
-            # counter, so that no seal prepared before names us (a bare revoke would not).
-            try:
-                protocol.leave_if_unsealed(self._client, self._keys, joined.round, joined.key,
-                                           joined.under, timeout=deadline - time.monotonic())
-            except EtcdError as e:
-                log.info("node %s could not withdraw from round %d: %s", self._node_id, joined.round, e)
-        session.close(revoke=False)  # stop refreshing; the revoke below says whether it worked
-        remaining = deadline - time.monotonic()
-        if remaining <= 0 or session.lost.is_set():
-            return session.lost.is_set()
-        try:
-            self._client.lease_revoke(session.id, timeout=remaining)
-        except EtcdError as e:
-            log.info("node %s could not revoke its lease %x: %s", self._node_id, session.id, e)
-            return False
-        return True
-
-    # ------------------------------------------------------------------ leases and closing
-
-    def close_run(self, deadline: float) -> None:
-        def left() -> float:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise EtcdTimeoutError(f"close_timeout={self._settings.close_timeout:g} s passed")
-            return remaining
-
-        def close(lease: int) -> bool:
-            return protocol.close(self._client, self._keys, lease, timeout=left())
-
-        try:
-            if renewing_lease(close, lambda: self._run_lease_or_create(left()), self._forget_run_lease,
-                              renewals=1):
-                log.info("node %s closed the rendezvous %r", self._node_id, self._settings.run_id)
-        except EtcdTimeoutError as e:
-            raise RendezvousTimeoutError(f"closing the rendezvous timed out: {e}") from e
-        except EtcdError as e:
-            raise RendezvousConnectionError(str(e)) from e
-
-    def check_not_shut_down(self) -> None:
-        if self.shut_down:
-            raise RendezvousClosedError(f"the handler of node {self._node_id} was shut down")
-
-    def _ensure_lease(self) -> int:
-        """This node's lease: a new session if there is none or it ended. 0-1 LeaseGrant."""
-        with self._lock:
-            self.check_not_shut_down()
-            session = self.session
-            if session is not None and not session.done().is_set():
-                return session.id
-            if session is not None:
-                log.warning("node %s lost its lease; joining with a new one", self._node_id)
-                self.observer.lease_lost()
-            self._joined = None  # keys bound to the old lease are gone
-            return self._new_session_locked().id
-
-    def _new_session_locked(self) -> Session:
-        """A new lease session for this node (one LeaseGrant), also keeping the run lease alive."""
-        session = self._client.session(self._settings.lease_ttl, on_lost=self._on_lease_lost)
-        self.session = session
-        if self.run_lease is not None:
-            session.keep_also(self.run_lease)
-        return session
-
-    def reattach(self) -> queries.Occupancy | None:
-        """Put our join key back into the round we are a member of, with a new lease.
-
-        For a member whose lease ended (etcd was out of reach for longer than its TTL)
-        while its group still runs: one LeaseGrant and one Txn
-        (:func:`protocol.reattach`), which succeeds only if no round was sealed since
-        ours and the run is open. Returns the group's counts after it, or None when
-        the node cannot re-attach (sealed over, closed, or its round's seal revision
-        is not known): its group is over. Raises ``EtcdError`` if etcd fails.
-        """
-        joined, round_ = self._joined, self.member_round
-        if round_ is None or not self.member_seal or joined is None or joined.round != round_:
-            return None
-        with self._lock:
-            self.check_not_shut_down()
-            old = self.session
-            session = self._new_session_locked()
-        if old is not None:
-            old.close(revoke=False)  # its lease is gone (our key went with it)
-        self.observer.lease_lost()
-        occ = protocol.reattach(self._client, self._keys, round_, joined.key, self._join_value,
-                                session.id, self.member_seal)
-        if occ is None:
-            log.warning("node %s cannot re-attach to round %d: a later round was sealed or the run "
-                        "closed", self._node_id, round_)
-        else:
-            log.warning("node %s re-attached to round %d with a new lease %x after its lease ended",
-                        self._node_id, round_, session.id)
-        return occ
-
-    def _forget_lease(self, lease: int) -> None:
-        """End the session of a lease etcd no longer knows, so the next join grants a new one."""
-        session = self.session
-        if session is not None and session.id == lease:
-            session.close(revoke=False)
-
-    def _drop_lease(self) -> None:
-        """Our join key vanished with our lease: end its session (see :meth:`_forget_lease`)."""
-        session = self.session
-        if session is not None:
-            self._forget_lease(session.id)
-
-    def _learn(self, sealed: Sealed) -> None:
-        """Remember the latest sealed record and help keep the run lease it names alive."""
-        self._sealed = sealed
-        if sealed.run_lease is not None:
-            self._adopt_run_lease(sealed.run_lease)
-
-    def _adopt_run_lease(self, lease: int) -> None:
-        if lease != self.run_lease:
-            self.run_lease = lease
-            session = self.session
-            if session is not None:
-                session.keep_also(lease)
-
-    def _run_lease_or_create(self, timeout: float | None = None) -> int:
-        return self.run_lease if self.run_lease is not None else self._create_run_lease(timeout)
-
-    def _forget_run_lease(self, lease: int) -> None:
-        """The run lease expired (``run`` went with it): the next use creates a new one."""
-        if self.run_lease == lease:
-            self.run_lease = None
-
-    def _create_run_lease(self, timeout: float | None = None) -> int:
-        """The run lease of ``run``, created if absent (sealers and closers only)."""
-        lease = protocol.ensure_run_lease(
-            self._client, self._keys, self._settings.state_ttl, timeout=timeout
-        )
-        self._adopt_run_lease(lease)
-        return lease
 
     # ------------------------------------------------------------------ the rounds
 
