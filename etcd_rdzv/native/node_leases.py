@@ -74,8 +74,12 @@ class NodeLeases:
     _join_value: bytes
     _watch: Watch | None
 
-    def _on_lease_lost(self) -> None:  # overridden by Participant
-        """``on_lost`` of this node's lease session (runs in the client's keep-alive thread)."""
+    def _on_lease_lost(self) -> None:
+        """``on_lost`` of this node's lease session: wake a waiting node (its key is gone)."""
+        with self._lock:
+            watch = self._watch
+        if watch is not None:
+            watch.cancel()
 
     def stop(self) -> Session | None:
         """Stop for good: cancel a wait's watch, forget the round; returns the lease session to close."""

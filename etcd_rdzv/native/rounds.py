@@ -148,38 +148,30 @@ class Participant(NodeLeases):
             # The control watch opens before the join (while the lease is granted) and the join
             # waits for etcd to confirm it, so the watch starts below the join's revision and
             # no catch-up read is needed (see _catch_up).
-            ctl_watch = client.watch(*keys.watch_range(sealed.round + 1, previous=False))
-            try:
+            with client.watch(*keys.watch_range(sealed.round + 1, previous=False)) as ctl_watch:
                 outcome = renewing_lease(
                     functools.partial(self._join, sealed, value, ready=ctl_watch),
                     self._ensure_lease, self._forget_lease,
                 )
-            except BaseException:
-                ctl_watch.cancel()
-                raise
-            if not outcome.ok:
-                ctl_watch.cancel()
-                if outcome.joined_anyway:
-                    # A lost answer hid a join that did apply; its round is sealed now.
-                    target = sealed.round + 1
-                    self._joined = _Joined(target, keys.join_key(target, self._node_id), sealed)
-                if outcome.closed:
-                    self._withdraw()
-                    raise RendezvousClosedError(f"the rendezvous {self._settings.run_id!r} is closed")
-                sealed = outcome.sealed
-                continue
-            target = sealed.round + 1
-            key = keys.join_key(target, self._node_id)
-            self._joined = _Joined(target, key, sealed)
-            try:
+                if not outcome.ok:
+                    if outcome.joined_anyway:
+                        # A lost answer hid a join that did apply; its round is sealed now.
+                        target = sealed.round + 1
+                        self._joined = _Joined(target, keys.join_key(target, self._node_id), sealed)
+                    if outcome.closed:
+                        self._withdraw()
+                        raise RendezvousClosedError(f"the rendezvous {self._settings.run_id!r} is closed")
+                    sealed = outcome.sealed
+                    continue
+                target = sealed.round + 1
+                key = keys.join_key(target, self._node_id)
+                self._joined = _Joined(target, key, sealed)
                 log.debug("node %s joined round %d at revision %d (join %d of the round, %d present)",
                           self._node_id, target, outcome.revision, outcome.seq, outcome.count)
                 self.observer.joined(target, outcome.count)
                 recovering = self._settings.fast_recovery and prior_round == target - 1
                 waited = self._wait(target, outcome, sealed, clock, prior_world if recovering else None,
                                     opened=ctl_watch)
-            finally:
-                ctl_watch.cancel()  # (a no-op once the wait ended it)
             if isinstance(waited, RoundResult):
                 self._joined = _Joined(target, key, sealed, member=True)
                 return waited
@@ -232,9 +224,6 @@ class Participant(NodeLeases):
             if opened is not None:
                 opened.cancel()
             watch = self._client.watch(start, end)  # from now: a synced watcher (see _catch_up)
-        # Events at or below the join's revision are in the join's answer already (a watch
-        # opened before the join may deliver some of them).
-        view.read_through = view.revision
         with self._lock:
             session = self.session
             if self.shut_down or session is None or session.done().is_set():
@@ -302,8 +291,9 @@ class Participant(NodeLeases):
         the join's revision J; events up to J are skipped (the join's compares saw that state).
         A node that must also watch the previous round opens that watch after the join. If
         W <= J the watch covers everything after the join; else one read-only Txn at a revision
-        R >= W (ctl/ and the count of round T-1, O(1) bytes) covers the gap, and the view skips watch events at or below R. So
-        every revision after the join is seen once, by the read or by the watch: no lost wake-up.
+        R >= W (ctl/ and the count of round T-1, O(1) bytes) covers the gap, and the view skips
+        watch events at or below R. So every revision after the join is seen once, by the read
+        or by the watch: no lost wake-up.
         """
         self._confirmed(watch)
         if watch.created_revision <= view.revision:
@@ -328,13 +318,6 @@ class Participant(NodeLeases):
         self._joined = None
         self._drop_lease()
         return _Retry(previous, clock)
-
-    def _on_lease_lost(self) -> None:
-        """``on_lost`` of this node's lease session: wake a waiting node (its key is gone)."""
-        with self._lock:
-            watch = self._watch
-        if watch is not None:
-            watch.cancel()
 
     def _try_seal(self, round_: int, previous: Sealed, view: RoundView, state: Barrier) -> Barrier:
         """One seal attempt with the view's fresh read (and the run lease, the first time).

@@ -84,7 +84,9 @@ class RoundView:
         self.read: RoundRead | None = None
         self.events = 0  # watch events applied (tests count them)
         self.departures = 0  # of them, departures from the previous round
-        self.read_through = 0  # events at or below this revision are already in the view (a read)
+        # Events at or below this revision are already in the view: the join's (its compares saw
+        # ctl/ there; a watch opened before the join may deliver them), then a catch-up read's.
+        self.read_through = revision
         self.caught_up = 0  # control records found by the catch-up read instead of as events (0 or 1)
 
     @property
