@@ -190,8 +190,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         row5 = next((r for r in b5["rows"] if r["world"] == B5_WORLD and r["contender"] == OURS_STORE), None)
         r5 = (row5 or {}).get("ratio_vs_TCPStore")
         if row5 is None or not r5 or r5.get("ratio") is None:
-            out.append(_target(name, "—", None, f"world {B5_WORLD} (or TCPStore) not in this run",
-                               status="not measured"))
+            out.append(_target(name, "—", None, f"world {B5_WORLD} (or TCPStore) not in this run"))
         else:
             tcp = next(r for r in b5["rows"] if r["world"] == B5_WORLD and r["contender"] == TCP_STORE)
             out.append(_target(name, ratio(r5), r5["ratio"] <= B5_RATIO,

@@ -50,7 +50,7 @@ __all__ = ["KeepAlives", "LeaseCalls"]
 
 #: The shortest pause between two keep-alives of one lease.
 MIN_INTERVAL = 0.2
-#: Sessions one keep-alive stream serves before a client opens another.
+#: Leases one keep-alive stream refreshes (or has promised to new sessions) before a client opens another.
 LEASES_PER_STREAM = 32
 
 
@@ -354,8 +354,8 @@ class LeaseCalls(Transport):
         return int(resp.TTL)
 
     def keep_alives(self) -> KeepAlives:
-        """The keep-alive stream for a new session (no RPC): the first that serves fewer than
-        :data:`LEASES_PER_STREAM` sessions, or a new one (see the module docstring)."""
+        """The keep-alive stream for a new session (no RPC): the first that keeps fewer than
+        :data:`LEASES_PER_STREAM` leases, or a new one (see the module docstring)."""
         with self._lock:
             for mux in self._keep_alive_muxes:
                 if mux.reserve(LEASES_PER_STREAM):
@@ -370,7 +370,7 @@ class LeaseCalls(Transport):
         return sum(mux.kept() for mux in self._keep_alive_muxes)
 
     def close(self) -> None:
-        """Stop the keep-alive stream (every session ends, unrevoked), then close the channels."""
+        """Stop the keep-alive streams (every session ends, unrevoked), then close the channels."""
         for mux in self._keep_alive_muxes:
             mux.stop()
         super().close()

@@ -355,8 +355,8 @@ class Transport:
         2 s, doubling after a round in which every member timed out, so a member stuck
         on a dead leader costs 2 s (and an isolated leader after it another 2 s), not
         the whole deadline; with a single endpoint an attempt has the whole deadline
-        (there is no other member to try, and resending a slow request adds load). Others get the whole remaining deadline in one attempt and
-        are resent only when the failure proves they were not applied (connection
+        (there is no other member to try, and resending a slow request adds load).
+        Others get the whole remaining deadline in one attempt and are resent only when the failure proves they were not applied (connection
         refused; etcd: no leader, too many requests, proposal dropped). An expired auth token is renewed
         once, at once. A client that never reached etcd gives up after
         ``connect_timeout`` when every attempt was refused (nothing listening); a TLS
