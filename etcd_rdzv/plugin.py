@@ -73,7 +73,7 @@ class EtcdRdzvPluginError(ImportError):
 
 REGISTRY_EXPECTED = (
     "torch.distributed.elastic.rendezvous.api.rendezvous_handler_registry: a RendezvousHandlerRegistry "
-    "with register(backend, creator) and its backend -> creator dict _registry (as in torch 2.4 to 2.13)"
+    "with register(backend, creator) and its backend -> creator dict _registry (as in torch 2.6 to 2.13)"
 )
 
 

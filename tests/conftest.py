@@ -3,10 +3,10 @@
 Names other test modules rely on (keep them stable):
 
 * ``ETCD_BINARIES``: ``{"3.7": path, ...}`` for the selected versions whose binary is present.
-* ``FULL_VERSIONS``: the selected versions that run the whole suite (``3.5``, ``3.7``).
+* ``FULL_VERSIONS``: the selected versions that run the whole suite (``3.7``).
 * ``version_param(version, *values)``: a ``pytest.param`` carrying the version mark.
 * ``etcd_binary``: parametrized over the selected versions (ids ``etcd3.4`` ... ``etcd3.7``); on
-  ``3.4``/``3.6`` only tests marked ``@pytest.mark.etcd_matrix`` run.
+  ``3.4``/``3.5``/``3.6`` only tests marked ``@pytest.mark.etcd_matrix`` run.
 * ``etcd_server``: module-scoped started :class:`etcd_server.EtcdServer`,
   parametrized over the binaries; stopped at module teardown.
 * ``etcd_endpoint``: module-scoped ``etcd_server.get_endpoint()``.

@@ -21,6 +21,7 @@ records the rendezvous events itself). Everything else is torch's handler unchan
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from datetime import timedelta
@@ -29,7 +30,10 @@ from typing import TYPE_CHECKING
 from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousTimeoutError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
+    RendezvousBackend,
+    RendezvousSettings,
     RendezvousTimeout,
+    _BackendRendezvousStateHolder,
 )
 
 from .. import metrics
@@ -37,6 +41,7 @@ from ..conf import DynamicSettings, parse_dynamic_settings
 from .backend import open_backend
 
 if TYPE_CHECKING:
+    from torch.distributed import Store
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 log = logging.getLogger(__name__)
@@ -128,16 +133,33 @@ def create_handler(settings: DynamicSettings) -> EtcdRendezvousHandler:
         close=timedelta(seconds=settings.close_timeout),
         heartbeat=timedelta(seconds=settings.heartbeat_timeout),
     )
-    handler = EtcdRendezvousHandler.from_backend(
-        settings.run_id,
-        store,
-        backend,
-        settings.min_nodes,
-        settings.max_nodes,
-        settings.local_addr,
-        timeout,
-        keep_alive_interval=settings.keep_alive_interval,  # type: ignore[arg-type]
-        keep_alive_max_attempt=settings.keep_alive_max_attempt,
-    )
+    handler = _from_backend(settings, store, backend, timeout)
     assert isinstance(handler, EtcdRendezvousHandler)
     return handler
+
+
+def _from_backend(
+    settings: DynamicSettings, store: Store, backend: RendezvousBackend, timeout: RendezvousTimeout
+) -> DynamicRendezvousHandler:
+    """torch's ``from_backend`` with our keep-alive settings.
+
+    Newer torch takes ``keep_alive_interval`` (seconds)/``keep_alive_max_attempt``; torch 2.6 (the floor) fixes them
+    at 5 s x 3 inside ``from_backend``, so there the handler is built the way its ``from_backend`` builds
+    it, with our values in the frozen ``RendezvousSettings`` (its public fields) that the state holder and
+    the handler share.
+    """
+    args = (settings.run_id, store, backend, settings.min_nodes, settings.max_nodes, settings.local_addr, timeout)
+    interval = timedelta(seconds=settings.keep_alive_interval)
+    if "keep_alive_interval" in inspect.signature(DynamicRendezvousHandler.from_backend).parameters:
+        return EtcdRendezvousHandler.from_backend(
+            *args,
+            keep_alive_interval=settings.keep_alive_interval,  # type: ignore[arg-type]  # seconds
+            keep_alive_max_attempt=settings.keep_alive_max_attempt,
+        )
+    rdzv_settings = RendezvousSettings(
+        settings.run_id, settings.min_nodes, settings.max_nodes, timeout,
+        keep_alive_interval=interval, keep_alive_max_attempt=settings.keep_alive_max_attempt,
+    )  # fmt: skip
+    node = EtcdRendezvousHandler._node_desc_generator.generate(settings.local_addr)
+    holder = _BackendRendezvousStateHolder(backend, rdzv_settings)
+    return EtcdRendezvousHandler(node, rdzv_settings, backend.name, store, holder)

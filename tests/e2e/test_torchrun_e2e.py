@@ -127,7 +127,7 @@ def test_fixed_size_completes_without_last_call_and_without_store_sharing(
     rendezvous that waited for the last call fails this test. Agent-store
     sharing is off here (the other scenarios run with it on).
     """
-    _only_on(etcd_server, "3.5")
+    _only_on(etcd_server, "3.7")
     conf = V2_CONF.replace("last_call_timeout=60", "last_call_timeout=300")
     agents.start(
         2, backend="etcd-v2", endpoint=etcd_server.get_endpoint(), nnodes="2", conf=conf,

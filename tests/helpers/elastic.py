@@ -26,8 +26,6 @@ from typing import Any, TypeVar
 from etcd_rdzv.testing.agents import LocalAgent, summarize, torchrun_command
 from etcd_rdzv.testing.train import Record, read_records
 
-from . import REPO_ROOT
-
 T = TypeVar("T")
 
 BACKENDS = ("etcd-v2", "etcd-v3")
@@ -44,10 +42,9 @@ FAST_CONF: dict[str, Any] = {
     "read_timeout": 5,
 }
 
-RESULTS_DIR = os.path.join(
-    REPO_ROOT, "benchmarks", "results"
-)
-RECOVERY_JSON = os.path.join(RESULTS_DIR, "recovery.json")
+#: Set by ``python -m benchmarks.recovery``: a directory where each timed scenario writes its figure.
+#: Unset (a plain test run), figures are only printed: tests write nothing tracked.
+TIMINGS_DIR_ENV = "ETCD_RDZV_TIMINGS_DIR"
 
 
 def pick_version(versions: Sequence[str], scenario: int, backend: str) -> str:
@@ -63,20 +60,19 @@ def pick_version(versions: Sequence[str], scenario: int, backend: str) -> str:
 
 
 def record_timing(key: str, values: Mapping[str, Any]) -> None:
-    """Merge ``{key: values}`` into benchmarks/results/recovery.json and print it."""
+    """Print ``{key: values}`` (a ``[timing]`` line); under ``python -m benchmarks.recovery`` also write it
+    as one JSON file of its own in ``$ETCD_RDZV_TIMINGS_DIR`` (no shared file, so parallel tests cannot
+    lose each other's figures; the benchmark command merges them into benchmarks/results/recovery.json)."""
+    record = {**values, "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     print(f"\n[timing] {key}: {json.dumps(dict(values))}")
-    os.makedirs(RESULTS_DIR, exist_ok=True)
-    try:
-        with open(RECOVERY_JSON) as f:
-            data = json.load(f)
-    except (FileNotFoundError, json.JSONDecodeError):
-        data = {}
-    data[key] = {**values, "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    tmp = f"{RECOVERY_JSON}.{os.getpid()}.tmp"
+    out_dir = os.environ.get(TIMINGS_DIR_ENV)
+    if not out_dir:
+        return
+    name = key.replace("/", "__") + ".json"
+    tmp = os.path.join(out_dir, f".{name}.{os.getpid()}.tmp")
     with open(tmp, "w") as f:
-        json.dump(dict(sorted(data.items())), f, indent=2)
-        f.write("\n")
-    os.replace(tmp, RECOVERY_JSON)
+        json.dump({key: record}, f, indent=2)
+    os.replace(tmp, os.path.join(out_dir, name))
 
 
 class Job:

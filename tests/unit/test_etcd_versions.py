@@ -20,7 +20,7 @@ def _pytest(tmp_path: Any, **env: str) -> subprocess.CompletedProcess[str]:
     child_env = {k: v for k, v in os.environ.items() if k not in ("CI", "TORCHELASTIC_ETCD_BINARY_PATH")}
     child_env.update({etcd_versions.CACHE_VAR: str(tmp_path / "empty-cache"), **env})
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", ONE_TEST],
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-n", "0", "-p", "no:cacheprovider", ONE_TEST],
         cwd=ROOT, env=child_env, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
 

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         env["ETCD_RDZV_SOAK_SEED"] = str(args.seed)
     if args.backends:
         env["ETCD_RDZV_SOAK_BACKENDS"] = args.backends
-    cmd = [sys.executable, "-m", "pytest", "-q", "-s", "tests/e2e/test_chaos_soak.py", *rest]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-n", "0", "tests/e2e/test_chaos_soak.py", *rest]
     return subprocess.call(cmd, cwd=ROOT, env=env)
 
 
