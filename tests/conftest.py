@@ -1,17 +1,18 @@
-"""Shared pytest fixtures: real etcd servers of the version matrix (tests/helpers/etcd_versions.py) and leak checks.
+"""Shared pytest fixtures and the matrix rules: real etcd servers of the version matrix
+(tests/helpers/etcd_versions.py, tests/helpers/matrix.py) and leak checks.
 
-Names other test modules rely on (keep them stable):
+Fixtures:
 
-* ``ETCD_BINARIES``: ``{"3.7": path, ...}`` for the selected versions whose binary is present.
-* ``FULL_VERSIONS``: the selected versions that run the whole suite (``3.7``).
-* ``version_param(version, *values)``: a ``pytest.param`` carrying the version mark.
 * ``etcd_binary``: parametrized over the selected versions (ids ``etcd3.4`` ... ``etcd3.7``); on
   ``3.4``/``3.5``/``3.6`` only tests marked ``@pytest.mark.etcd_matrix`` run.
 * ``etcd_server``: module-scoped started :class:`etcd_server.EtcdServer`,
   parametrized over the binaries; stopped at module teardown.
 * ``etcd_endpoint``: module-scoped ``etcd_server.get_endpoint()``.
 * ``fresh_etcd``: a new started server per test (free to stop/restart).
-* ``etcd_pids()``: running etcd processes, for leak checks.
+
+Test modules import the matrix names (``ETCD_BINARIES``, ``FULL_VERSIONS``, ``SELECTED``,
+``version_param``) from ``helpers.matrix`` and the process checks (``etcd_pids``, ``pid_alive``) from
+``helpers.processes``; they are re-exported here only for older imports.
 
 No torch import here.
 """
@@ -23,32 +24,17 @@ import signal
 import time
 import warnings
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 from helpers import etcd_versions
+from helpers.matrix import ETCD_BINARIES, FULL_VERSIONS, SELECTED, version_param
+from helpers.processes import etcd_pids, pid_alive
 
 from etcd_server import EtcdServer
 
-
-def _version_mark(version: str) -> pytest.MarkDecorator:
-    return pytest.mark.etcd_version(version)
+__all__ = ["ETCD_BINARIES", "FULL_VERSIONS", "SELECTED", "etcd_pids", "pid_alive", "version_param"]
 
 
-def version_param(version: str, *values: object, id: str | None = None) -> Any:
-    """A ``pytest.param`` of a test that runs on etcd ``version`` (``values`` default to the version).
-
-    The param carries the ``etcd_version`` mark, so the matrix rules below apply to it: skipped (or
-    failed under CI) when the binary is missing, deselected on a subset version unless the test is
-    marked ``etcd_matrix``.
-    """
-    return pytest.param(*(values or (version,)), id=id or f"etcd{version}", marks=_version_mark(version))
-
-
-SELECTED: tuple[str, ...] = etcd_versions.selected()
-ETCD_BINARIES: dict[str, str] = {v: p for v, p in etcd_versions.discover().items() if v in SELECTED}
-#: Versions that run the whole suite in this session (present or not: a missing one skips).
-FULL_VERSIONS: tuple[str, ...] = tuple(v for v in SELECTED if v in etcd_versions.FULL)
 _VERSION_PARAMS = [version_param(v) for v in SELECTED]
 
 
@@ -88,66 +74,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = keep
-
-
-def _is_etcd(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        # "pid (comm) state ...": comm may contain spaces/parens, split at the last ")"
-        comm = stat[stat.index(b"(") + 1 : stat.rindex(b")")]
-        state = stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3]
-    except (OSError, ValueError):
-        return False
-    return comm == b"etcd" and state not in (b"Z", b"X")
-
-
-def _ppid(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        return int(stat[stat.rindex(b")") + 2 :].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def etcd_pids(descendants_of: int | None = None) -> set[int]:
-    """PIDs of running (non-zombie) etcd processes, read from /proc.
-
-    With ``descendants_of``, only those whose parent chain reaches that pid
-    (e.g. ``os.getpid()`` for "started by this test process").
-    """
-    pids: set[int] = set()
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return pids
-    for entry in entries:
-        if entry.isdigit() and _is_etcd(int(entry)):
-            pids.add(int(entry))
-    if descendants_of is None:
-        return pids
-    result: set[int] = set()
-    for pid in pids:
-        p: int | None = pid
-        for _ in range(64):
-            p = _ppid(p) if p else None
-            if p is None or p <= 1:
-                break
-            if p == descendants_of:
-                result.add(pid)
-                break
-    return result
-
-
-def pid_alive(pid: int) -> bool:
-    """True if ``pid`` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] not in (b"Z", b"X")
 
 
 # etcdctl's variables of the developer's shell would change what the plugin connects to

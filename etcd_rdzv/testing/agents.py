@@ -162,6 +162,7 @@ class LocalAgent:
         env: extra environment variables.
         output: file receiving the agent's (and its workers') stdout and stderr;
             ``None`` discards them.
+        unset: variables of this process's environment the agent must not inherit.
     """
 
     def __init__(
@@ -171,8 +172,10 @@ class LocalAgent:
         *,
         env: Mapping[str, str] | None = None,
         output: str | None = None,
+        unset: Sequence[str] = (),
     ) -> None:
         self.name = name
+        self._unset = tuple(unset)
         self.argv = list(argv)
         self.tag = f"{name}-{uuid.uuid4().hex}"
         self.output = output
@@ -189,7 +192,7 @@ class LocalAgent:
         """Start the agent (returns at once)."""
         if self.proc is not None:
             raise RuntimeError(f"agent {self.name} already started")
-        env = dict(os.environ)
+        env = {k: v for k, v in os.environ.items() if k not in self._unset}
         # local nodes: gloo on loopback, one thread per worker
         env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo"})
         env.update(self._extra_env)

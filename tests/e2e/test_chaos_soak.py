@@ -44,8 +44,8 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from conftest import ETCD_BINARIES, version_param
 from helpers.elastic import Job, assert_groups_never_overlap, record_timing, steps_of
+from helpers.matrix import ETCD_BINARIES, version_param
 
 from etcd_rdzv.testing.train import Record
 from etcd_server import EtcdCluster

@@ -19,7 +19,6 @@ from importlib.metadata import entry_points
 from typing import Any
 
 import pytest
-from conftest import ETCD_BINARIES, SELECTED, version_param
 from helpers.docker_etcd import (
     DockerUnavailable,
     EtcdContainer,
@@ -32,6 +31,7 @@ from helpers.docker_etcd import (
     wait_ready,
 )
 from helpers.elastic import Job, group_with, job_factory, record_timing, steps_of
+from helpers.matrix import ETCD_BINARIES, SELECTED, version_param
 
 from etcd_server.binary import etcd_version
 

@@ -35,7 +35,6 @@ from importlib.metadata import entry_points
 from typing import Any
 
 import pytest
-from conftest import ETCD_BINARIES, FULL_VERSIONS, SELECTED, version_param
 from helpers import etcd_versions
 from helpers.elastic import (
     BACKENDS,
@@ -50,6 +49,7 @@ from helpers.elastic import (
     rendezvous_completions,
     steps_of,
 )
+from helpers.matrix import ETCD_BINARIES, FULL_VERSIONS, SELECTED, version_param
 from helpers.ports import closed_port
 
 from etcd_rdzv.testing.agents import LocalAgent, summarize, torchrun_command

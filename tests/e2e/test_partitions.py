@@ -32,7 +32,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import pytest
-from conftest import ETCD_BINARIES, FULL_VERSIONS, version_param
 from helpers.elastic import (
     BACKENDS,
     Job,
@@ -44,6 +43,7 @@ from helpers.elastic import (
     rendezvous_completions,
     steps_of,
 )
+from helpers.matrix import ETCD_BINARIES, FULL_VERSIONS, version_param
 from helpers.netns import (
     CLIENT_PORT,
     Host,

@@ -1,9 +1,10 @@
-"""torchrun agents started by a test, each in a process group of its own.
+"""torchrun agents with raw command lines, on the one agent harness (:class:`etcd_rdzv.testing.agents.LocalAgent`).
 
-:class:`TorchrunAgents` launches ``python -m torch.distributed.run`` (torch's
-unmodified elastic agent) with the given arguments, one log file per agent,
-and :meth:`TorchrunAgents.kill` ends every agent's process group, workers
-included, also when a test fails. No torch import here.
+:class:`TorchrunAgents` launches ``python -m torch.distributed.run`` (torch's unmodified elastic agent)
+with the given arguments, one log file per agent, as :class:`LocalAgent`\\ s: each agent in a session of
+its own, its processes (workers included) found by the tag in their environment, so :meth:`kill` ends
+every one of them, also when a test fails. The job harness of the fault scenarios
+(tests/helpers/elastic.py) uses the same class. No torch import here.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from etcd_rdzv.testing.agents import LocalAgent
+
 
 class TorchrunAgents:
     """The torchrun agents of one test; workers write their results under ``out_dir``."""
@@ -26,64 +29,51 @@ class TorchrunAgents:
         self.tmp_path = tmp_path
         self.out_dir = tmp_path / "results"
         self.out_dir.mkdir()
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.agents: list[LocalAgent] = []
         self.logs: list[Path] = []
+
+    @property
+    def procs(self) -> list[subprocess.Popen[bytes]]:
+        """The agents' processes, in launch order."""
+        return [a.proc for a in self.agents if a.proc is not None]
 
     def launch(self, n: int, torchrun_args: Sequence[str], *, env: dict[str, str] | None = None) -> None:
         """Start ``n`` agents: ``python -m torch.distributed.run <torchrun_args>``.
 
-        Children get single-threaded OpenMP, unbuffered output, gloo on loopback,
+        Children get single-threaded OpenMP, unbuffered output, gloo on loopback (LocalAgent's defaults),
         INFO logs and faulthandler; torch's agent-store sharing as torch ships it.
         """
-        child_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo",
-                     "LOGLEVEL": "INFO", "PYTHONFAULTHANDLER": "1"}
-        child_env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
-        child_env.update(env or {})
+        child_env = {"LOGLEVEL": "INFO", "PYTHONFAULTHANDLER": "1", **(env or {})}
         for _ in range(n):
-            log = self.tmp_path / f"agent-{len(self.procs)}.log"
-            cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args]
-            with open(log, "wb") as f:
-                self.procs.append(
-                    subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env, start_new_session=True)
-                )
+            log = self.tmp_path / f"agent-{len(self.agents)}.log"
+            agent = LocalAgent(
+                log.stem, [sys.executable, "-m", "torch.distributed.run", *torchrun_args],
+                env=child_env, output=str(log), unset=() if env and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" in env
+                else ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE",),
+            )  # fmt: skip
+            agent.start()
+            self.agents.append(agent)
             self.logs.append(log)
 
     def wait(self, timeout: float) -> list[int | None]:
         """Exit codes (None for an agent still running at the deadline; their stacks go to the logs)."""
         deadline = time.monotonic() + timeout
-        codes: list[int | None] = []
-        for proc in self.procs:
-            try:
-                codes.append(proc.wait(timeout=max(deadline - time.monotonic(), 0.01)))
-            except subprocess.TimeoutExpired:
-                codes.append(None)
+        codes = [a.wait(timeout=max(deadline - time.monotonic(), 0.01)) for a in self.agents]
         if None in codes:
             self.dump_stacks()
         return codes
 
-    def _signal_running(self, sig: signal.Signals) -> None:
-        """Send ``sig`` to the process group of every agent still running."""
-        for proc in self.procs:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    pass
-
-    def _wait_each(self, timeout: float) -> list[subprocess.Popen[bytes]]:
-        """Wait up to ``timeout`` for each agent in turn; the ones still running."""
-        running = []
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                running.append(proc)
-        return running
-
     def dump_stacks(self) -> None:
         """SIGABRT the agents and workers still running: faulthandler prints their stacks."""
-        self._signal_running(signal.SIGABRT)
-        self._wait_each(10)
+        for agent in self.agents:
+            for pid in agent.pids():
+                try:
+                    os.kill(pid, signal.SIGABRT)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 10
+        for agent in self.agents:
+            agent.wait(timeout=max(deadline - time.monotonic(), 0.01))
 
     def log_tails(self, lines: int = 60) -> str:
         parts = []
@@ -97,13 +87,14 @@ class TorchrunAgents:
         return [json.loads(p.read_text()) for p in sorted(self.out_dir.glob(pattern))]
 
     def kill(self) -> None:
-        """End every agent's process group (SIGTERM, then SIGKILL), workers left behind included."""
-        self._signal_running(signal.SIGTERM)
-        for proc in self._wait_each(10):
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-        for proc in self.procs:
-            try:  # workers left behind in the agent's group
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        """End every agent and every process it started (SIGTERM, then SIGKILL after 10 s)."""
+        for agent in self.agents:
+            if agent.running():
+                try:
+                    os.kill(agent.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 10
+        for agent in self.agents:
+            agent.wait(timeout=max(deadline - time.monotonic(), 0.01))
+            agent.close()  # SIGKILLs whatever is left of the node, workers included

@@ -6,8 +6,8 @@ import os
 import time
 
 import pytest
-from conftest import etcd_pids, pid_alive
 from helpers.certs import CertPaths, have_openssl, make_certs
+from helpers.processes import etcd_pids, pid_alive
 from test_server import binary_of
 
 from etcd_server import AuthConfig, EtcdCluster, TLSConfig

@@ -15,9 +15,10 @@ import urllib.error
 import urllib.request
 
 import pytest
-from conftest import ETCD_BINARIES, etcd_pids, pid_alive
 from helpers import REPO_ROOT, etcd_versions
 from helpers.certs import CertPaths, have_openssl, make_certs
+from helpers.matrix import ETCD_BINARIES
+from helpers.processes import etcd_pids, pid_alive
 
 from etcd_server import (
     AuthConfig,
