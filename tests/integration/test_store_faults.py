@@ -1,0 +1,124 @@
+"""EtcdStore under compaction and lost replies (issue 21), against a real etcd.
+
+Lost replies come from :class:`helpers.lost_replies.LostReplies` (the request commits in etcd, the
+caller gets UNAVAILABLE and the client resends); compaction from :func:`helpers.lost_replies.compact`
+at the current revision. Calls that could spin run in a thread joined with a bound, so a regression
+fails instead of hanging the suite.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+from helpers.lost_replies import LostReplies, compact, txn_puts_key
+
+from etcd_store import EtcdStore
+from etcd_store._layout import Manifest
+from etcd_store.client import EtcdClient
+
+TIMEOUT = datetime.timedelta(seconds=3)
+CHUNK = 1024
+BIG = bytes(range(256)) * 20  # 5120 bytes: 5 chunks of 1 KiB
+
+
+def _bounded(fn: Callable[[], Any], limit: float = 15.0) -> tuple[Any, float]:
+    """``fn()`` in a thread; (its result or exception, seconds taken). Fails if it runs past ``limit``."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as e:  # handed to the test
+            out.append(e)
+
+    start = time.monotonic()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(limit)
+    took = time.monotonic() - start
+    assert not thread.is_alive(), f"the call was still running after {limit} s"
+    return out[0], took
+
+
+class Stores:
+    """Stores on one fresh prefix, each with its own client; the first one's client loses replies."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.prefix = f"faults/{uuid.uuid4().hex[:8]}"
+        self.lost = LostReplies()
+        self._clients: list[EtcdClient] = []
+        self._stores: list[EtcdStore] = []
+
+    def open(self, *, lossy: bool = False, prefix: str | None = None, **kwargs: Any) -> EtcdStore:
+        client = EtcdClient(self.endpoint, interceptors=[self.lost] if lossy else [])
+        self._clients.append(client)
+        kwargs.setdefault("timeout", TIMEOUT)
+        kwargs.setdefault("chunk_bytes", CHUNK)
+        store = EtcdStore(client, prefix=self.prefix if prefix is None else prefix, **kwargs)
+        self._stores.append(store)
+        return store
+
+    def close(self) -> None:
+        for store in self._stores:
+            store.close()
+        for client in self._clients:
+            client.close()
+
+
+@pytest.fixture
+def stores(etcd_endpoint: str) -> Iterator[Stores]:
+    made = Stores(etcd_endpoint)
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+# ------------------------------------------------------------------ 1. chunked values and compaction
+
+
+def test_chunked_values_are_readable_after_compaction(stores: Stores) -> None:
+    writer, reader = stores.open(), stores.open()
+    writer.set("big", BIG)
+    writer.set("big2", BIG[::-1])
+    writer.set("log", BIG)
+    compact(stores.endpoint)
+    got, took = _bounded(lambda: reader.get("big"))
+    assert got == BIG, got
+    got, _ = _bounded(lambda: reader.multi_get(["big", "big2"]))
+    assert got == [BIG, BIG[::-1]], got
+    got, _ = _bounded(lambda: reader.compare_set("big", BIG, "small"))
+    assert got == b"small", got
+    got, _ = _bounded(lambda: reader.append("log", b"+tail"))
+    assert not isinstance(got, BaseException), got
+    assert reader.get("log") == BIG + b"+tail"
+
+
+def test_a_chunked_queue_item_survives_compaction(stores: Stores) -> None:
+    pusher, popper = stores.open(), stores.open()
+    pusher.queue_push("q", BIG)
+    pusher.set("later", "x")  # the item's revision is now below the compaction point
+    compact(stores.endpoint)
+    got, _ = _bounded(lambda: popper.queue_pop("q"))
+    assert got == BIG, got
+
+
+def test_a_manifest_without_chunks_fails_within_the_timeout(stores: Stores) -> None:
+    store = stores.open()
+    store.set("k", "v")  # creates the namespace lease
+    broken = Manifest("0" * 32, 2, 2048).encode()  # names a generation that was never written
+    store.client.put(f"{stores.prefix}/k".encode(), broken)
+    for call in (lambda: store.get("k"), lambda: store.multi_get(["k"]), lambda: store.append("k", "x"),
+                 lambda: store.compare_set("k", "v", "w")):
+        got, took = _bounded(call)
+        assert isinstance(got, dist.DistStoreError), got
+        assert "k" in str(got) and "chunk" in str(got), got
+        assert took < TIMEOUT.total_seconds() + 2, took
