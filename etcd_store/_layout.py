@@ -29,9 +29,11 @@ read or watch one range per key.
 
 Values up to ``chunk_bytes`` are stored as they are. A bigger value (or one that
 starts with :data:`MAGIC`) is split into chunk keys written first, then the
-user key gets a small *manifest* (``MAGIC`` + JSON) that commits them. A reader
-that finds a manifest reads the chunks at the manifest's revision, so it never
-sees a mix of two writes.
+user key gets a small *manifest* (``MAGIC`` + JSON) that commits them. Each value
+gets a fresh generation id and chunks are never rewritten, so a reader reads the
+chunks at the latest revision, guarded by the manifest's mod revision (see
+:mod:`etcd_store._values`): it never sees a mix of two writes, and compaction
+does not affect it.
 """
 
 from __future__ import annotations

@@ -137,7 +137,10 @@ class NamespaceLease(StoreLease):
                           "lease without the markers", self._key)
                 self._markers = ()
                 result = self._record(granted, (), left())
-            if result.succeeded:
+            theirs = result.responses[0]
+            recorded = theirs.kvs[0].value if getattr(theirs, "kvs", None) else None  # type: ignore[union-attr]
+            if result.succeeded or recorded == str(granted).encode():
+                # (A failed compare showing our own id: the client resent our Txn after a lost reply.)
                 log.debug("created namespace lease %x for %r", granted, self._key)
                 return granted, False
             # Another store created it first: adopt theirs, drop ours.
@@ -145,9 +148,8 @@ class NamespaceLease(StoreLease):
                 client.lease_revoke(granted, timeout=left())
             except EtcdError as e:
                 log.debug("could not revoke unused lease %x: %s", granted, e)
-            theirs = result.responses[0]
-            if getattr(theirs, "kvs", None):
-                return int(theirs.kvs[0].value), True  # type: ignore[union-attr]
+            if recorded is not None:
+                return int(recorded), True
             # It vanished again (expired in between): try once more.
 
 

@@ -6,7 +6,8 @@ deliberate differences). Every operation costs one etcd round trip in the
 uncontended case:
 
 =================================  ============================================
-``set``, ``queue_push``            one Put
+``set``, ``delete_key``,           one Txn (fenced: see "Retries" below)
+``queue_push``
 ``get`` (key present)              one Range
 ``get``/``wait``/``multi_get``      one read, then one watch from now; one more
 (key missing)                      read when etcd's revision moved between the
@@ -25,11 +26,11 @@ uncontended case:
                                    queue before)
 ``queue_len``, ``num_keys``,        one Range
 ``list_keys``
-``delete_key``                     one DeleteRange
 =================================  ============================================
 
 Values larger than ``chunk_bytes`` (1 MiB, below etcd's default 1.5 MiB request
-limit) cost one extra Put per chunk to write and one extra Range to read.
+limit) cost one extra Put per chunk to write and one extra Txn to read (the
+chunks at the latest revision, guarded by the manifest: see :mod:`etcd_store._values`).
 
 Modules: this one (the torch facade: lifecycle, plain keys, waits, barrier),
 :mod:`etcd_store._cas` (``add``, ``append``, ``compare_set``: the compare-and-swap
@@ -46,8 +47,9 @@ Retries: one policy, the client's (:meth:`EtcdClient._call`): each RPC gets atte
 with growing deadlines (2 s, 4 s, 8 s, ...) and fails over to the next endpoint,
 until the call's deadline (the store timeout), so a call rides through an etcd
 restart or a leader election within its timeout. Every request of the store is
-safe to resend: plain writes are idempotent and read-modify-writes are fenced
-(see ``_Marker``), so they are all sent with ``idempotent=True``.
+safe to resend: reads are, and every write is one Txn fenced by the thread's
+marker (:meth:`ReadModifyWrite._fenced_txn`), so it applies exactly once; they
+are all sent with ``idempotent=True``.
 
 Errors: an unreachable etcd raises ``torch.distributed.DistNetworkError``
 naming the endpoints, within the store timeout; any other etcd failure raises

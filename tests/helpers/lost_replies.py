@@ -24,7 +24,7 @@ from etcd3.etcdrpc import rpc_pb2, rpc_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LostReplies", "Rule", "compact", "puts_key", "txn_puts_key"]
+__all__ = ["LostReplies", "Rule", "compact", "puts_key", "txn_puts_key", "writes_key"]
 
 
 class _LostReply(grpc.RpcError, grpc.Call, grpc.Future):  # type: ignore[misc]
@@ -95,7 +95,9 @@ class Rule:
     times: int
     code: grpc.StatusCode
     then: Callable[[], None] | None
+    send: bool = True
     replies: list[Any] = field(default_factory=list)
+    dropped: int = 0
 
     @property
     def fired(self) -> int:
@@ -117,10 +119,14 @@ class LostReplies(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
         times: int = 1,
         code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE,
         then: Callable[[], None] | None = None,
+        send: bool = True,
     ) -> Rule:
-        """Arm a rule: the next ``times`` requests of ``method`` (``"KV/Txn"``) matching ``match``
-        are applied by etcd and answered with ``code``. Returns the rule (see ``fired``)."""
-        rule = Rule(method, match, times, code, then)
+        """Arm a rule: the next ``times`` requests of ``method`` (``"KV/Txn"``; ``"KV/"`` for any KV
+        call) matching ``match`` are applied by etcd and answered with ``code``. Returns the rule.
+
+        With ``send=False`` the requests never reach etcd (a connection that breaks before
+        sending); rules are tried in the order they were armed."""
+        rule = Rule(method, match, times, code, then, send)
         with self._lock:
             self._rules.append(rule)
         return rule
@@ -132,7 +138,7 @@ class LostReplies(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
     def _pick(self, method: str, request: Any) -> Rule | None:
         with self._lock:
             for rule in self._rules:
-                if rule.times > 0 and method.endswith(rule.method) and rule.match(request):
+                if rule.times > 0 and rule.method in method and rule.match(request):
                     rule.times -= 1
                     return rule
         return None
@@ -140,6 +146,9 @@ class LostReplies(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
     def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
         method = details.method.decode() if isinstance(details.method, bytes) else details.method
         rule = self._pick(method, request)
+        if rule is not None and not rule.send:
+            rule.dropped += 1
+            return _LostReply(rule.code, "injected by LostReplies: the request never reached etcd")
         outcome = continuation(details, request)
         if rule is None:
             return outcome
@@ -177,6 +186,18 @@ def txn_puts_key(pred: Callable[[bytes], bool]) -> Callable[[Any], bool]:
 def puts_key(pred: Callable[[bytes], bool]) -> Callable[[Any], bool]:
     """A ``match`` for ``"KV/Put"``: the Put's key passes ``pred``."""
     return lambda request: isinstance(request, rpc_pb2.PutRequest) and pred(request.key)
+
+
+def writes_key(pred: Callable[[bytes], bool]) -> Callable[[Any], bool]:
+    """A ``match`` for ``"KV/"``: a Put, DeleteRange or Txn (success branch) writing a key passing ``pred``."""
+    in_txn = txn_puts_key(pred)
+
+    def match(request: Any) -> bool:
+        if isinstance(request, rpc_pb2.PutRequest | rpc_pb2.DeleteRangeRequest):
+            return pred(request.key)
+        return in_txn(request)
+
+    return match
 
 
 def compact(endpoint: str, timeout: float = 10.0) -> int:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-from helpers.lost_replies import LostReplies, compact, txn_puts_key
+from helpers.lost_replies import LostReplies, compact, txn_puts_key, writes_key
 
 from etcd_store import EtcdStore
 from etcd_store._layout import Manifest
@@ -122,3 +122,77 @@ def test_a_manifest_without_chunks_fails_within_the_timeout(stores: Stores) -> N
         assert isinstance(got, dist.DistStoreError), got
         assert "k" in str(got) and "chunk" in str(got), got
         assert took < TIMEOUT.total_seconds() + 2, took
+
+
+# ------------------------------------------------------------------ 2, 3. writes resent after a lost reply
+
+
+def test_a_resent_queue_push_is_popped_once(stores: Stores) -> None:
+    pusher, popper = stores.open(lossy=True), stores.open()
+    popped: list[bytes] = []
+    rule = stores.lost.lose(
+        "KV/Txn", txn_puts_key(lambda key: b"\0q" in key),
+        then=lambda: popped.append(popper.queue_pop("q", block=False)),  # popped before the resend
+    )
+    pusher.queue_push("q", "once")
+    assert rule.fired == 1 and popped == [b"once"]
+    with pytest.raises(dist.QueueEmptyError):
+        popper.queue_pop("q", block=False)
+    assert popper.queue_len("q") == 0
+
+
+def test_a_resent_write_does_not_undo_a_later_writer(stores: Stores) -> None:
+    lossy, other = stores.open(lossy=True), stores.open()
+    key = f"{stores.prefix}/k".encode()
+    stores.lost.lose("KV/", writes_key(lambda k: k == key), then=lambda: other.set("k", "later"))
+    lossy.set("k", "first")
+    assert other.get("k") == b"later"  # last writer wins, as in TCPStore
+    stores.lost.lose("KV/", writes_key(lambda k: k == key), then=lambda: other.set("k", "again"))
+    assert lossy.delete_key("k") is True
+    assert other.get("k") == b"again"
+
+
+def test_a_resent_chunked_set_keeps_the_other_writers_chunks(stores: Stores) -> None:
+    lossy, other, reader = stores.open(lossy=True), stores.open(), stores.open()
+    key = f"{stores.prefix}/big".encode()
+    stores.lost.lose("KV/", writes_key(lambda k: k == key), then=lambda: other.set("big", BIG[::-1]))
+    lossy.set("big", BIG)
+    got, _ = _bounded(lambda: reader.get("big"))
+    assert got == BIG[::-1], got
+
+
+def test_compare_set_keeps_its_chunks_when_it_times_out_after_committing(stores: Stores) -> None:
+    lossy, reader = stores.open(lossy=True), stores.open()
+    key = f"{stores.prefix}/cs".encode()
+    # The first send commits and its reply is lost; no resend reaches etcd until the deadline.
+    rule = stores.lost.lose("KV/Txn", txn_puts_key(lambda k: k == key))
+    cut = stores.lost.lose("KV/Txn", txn_puts_key(lambda k: k == key), times=10_000, send=False)
+    got, took = _bounded(lambda: lossy.compare_set("cs", "", BIG))
+    stores.lost.clear()
+    assert rule.fired == 1 and cut.dropped >= 1
+    assert isinstance(got, dist.DistError), got  # the outcome is unknown to the caller
+    reader.set("after", "x")
+    compact(stores.endpoint)  # deleted chunks would now be gone from history too
+    got, _ = _bounded(lambda: reader.get("cs"))
+    assert got == BIG, got  # it was committed: its chunks are there
+
+
+# ------------------------------------------------------------------ 4. the namespace lease record
+
+
+def test_a_resent_lease_record_keeps_the_namespace_lease(stores: Stores) -> None:
+    lease_key = stores.prefix.encode() + b"\0lease"
+    others: list[EtcdStore] = []
+
+    def another_store_writes() -> None:  # adopts the lease just recorded and writes under it
+        others.append(stores.open())
+        others[0].set("k", "v")
+
+    rule = stores.lost.lose("KV/Txn", txn_puts_key(lambda k: k == lease_key), then=another_store_writes)
+    first = stores.open(lossy=True)
+    assert rule.fired == 1
+    assert others[0].check(["k"]), "the key written under the recorded lease was deleted"
+    first.set("k2", "v2")
+    recorded = first.client.get(lease_key)
+    assert recorded is not None
+    assert first.client.lease_time_to_live(int(recorded.value)) > 0
