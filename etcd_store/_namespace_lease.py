@@ -2,8 +2,8 @@
 
 Rule: one lease per namespace, recorded under ``ns\\0lease`` (itself attached to
 the lease). The first store of a namespace grants it and records it with a
-create-if-absent transaction (which also writes the namespace's ``\\0n/`` markers in
-the namespaces enclosing it, attached to the same lease: see :mod:`etcd_store._layout`); every later store, in any process, adopts the
+create-if-absent transaction (safe to resend: a resend that finds its own lease id
+recorded knows it was applied); every later store, in any process, adopts the
 recorded lease. Every live store keeps it alive with a
 :class:`~etcd_store.client.Session` (the client's keep-alive stream, a refresh every third
 of the TTL its creator granted) and never revokes it. When no live store is left
@@ -22,11 +22,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TypeVar
 
 from .client import EtcdClient, Session, TxnResult, compare_create, op_get, op_put, renewing_lease
-from .errors import EtcdError, EtcdLeaseNotFound, EtcdPermissionDenied
+from .errors import EtcdError, EtcdLeaseNotFound
 
 log = logging.getLogger(__name__)
 
@@ -58,14 +58,11 @@ class NamespaceLease(StoreLease):
     Range (adopting) or Range + LeaseGrant + Txn (creating).
     """
 
-    def __init__(
-        self, client: EtcdClient, lease_key: bytes, ttl: int, markers: Sequence[bytes] = ()
-    ) -> None:
+    def __init__(self, client: EtcdClient, lease_key: bytes, ttl: int) -> None:
         if int(ttl) < 2:
             raise ValueError(f"EtcdStore lease_ttl must be at least 2 seconds, got {ttl}")
         self._client = client
         self._key = lease_key
-        self._markers: tuple[bytes, ...] = tuple(markers)  # written with the lease record, on the lease
         self.ttl = int(ttl)
         self._lock = threading.Lock()
         self._id = 0
@@ -124,19 +121,7 @@ class NamespaceLease(StoreLease):
             if kv is not None:
                 return int(kv.value), True
             granted = client.lease_grant(self.ttl, timeout=left())
-            try:
-                result = self._record(granted, self._markers, left())
-            except EtcdPermissionDenied:
-                if not self._markers:
-                    raise
-                # A user whose role covers only its own prefix may not write the markers
-                # into the enclosing namespaces: record the lease without them (one more
-                # Txn, only for such users); an enclosing store's num_keys then counts
-                # this namespace's internal keys (see etcd_store/_layout.py).
-                log.debug("no permission to mark the namespaces enclosing %r; recording its "
-                          "lease without the markers", self._key)
-                self._markers = ()
-                result = self._record(granted, (), left())
+            result = self._record(granted, left())
             theirs = result.responses[0]
             recorded = theirs.kvs[0].value if getattr(theirs, "kvs", None) else None  # type: ignore[union-attr]
             if result.succeeded or recorded == str(granted).encode():
@@ -152,13 +137,11 @@ class NamespaceLease(StoreLease):
                 return int(recorded), True
             # It vanished again (expired in between): try once more.
 
-
-    def _record(self, granted: int, markers: Sequence[bytes], timeout: float) -> TxnResult:
-        """One Txn: record ``granted`` as the namespace lease if none is, with ``markers``."""
+    def _record(self, granted: int, timeout: float) -> TxnResult:
+        """One Txn: record ``granted`` as the namespace lease if none is; else read the record."""
         return self._client.txn(
             [compare_create(self._key, "==", 0)],
-            [op_put(self._key, str(granted).encode(), lease=granted),
-             *(op_put(marker, b"", lease=granted) for marker in markers)],
+            [op_put(self._key, str(granted).encode(), lease=granted)],
             [op_get(self._key)],
             timeout=timeout,
             idempotent=True,

@@ -36,17 +36,14 @@ class Queues(ReadModifyWrite):
     """The queue operations of the store."""
 
     def queue_push(self, key: str | bytes, value: str | bytes) -> None:  # type: ignore[override]
-        """Append ``value`` to the queue ``key``. One Txn: put the item, and mark the
-        namespace as holding queues (see :meth:`num_keys`)."""
+        """Append ``value`` to the queue ``key``. One Txn, applied exactly once even when resent."""
         k = self._layout.key(key)
         v = _as_bytes(value, "value")
         item = self._layout.new_queue_item(k)
-        queues_key = self._layout.queues_key
         with _dist_errors(f"queue_push({key!r})"):
             # Fenced: a resend after a lost reply cannot push the item a second time.
             out = self._fenced_txn(
-                v, [], lambda stored, lease: [op_put(item, stored, lease=lease),
-                                              op_put(queues_key, b"1", lease=lease)],
+                v, [], lambda stored, lease: [op_put(item, stored, lease=lease)],
                 [], time.monotonic() + self._rpc_timeout(), f"queue_push to {k!r}",
             )
         # Remember the item: a later queue_pop by this store can guess it is the oldest.

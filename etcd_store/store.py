@@ -13,7 +13,7 @@ uncontended case:
 (key missing)                      read when etcd's revision moved between the
                                    two (no polling, no lost wake-up: see
                                    :mod:`etcd_store._base`)
-``multi_get``, ``multi_set``,      one Txn per 128 / 64 / 128 keys
+``multi_get``, ``multi_set``,      one Txn per 128 / 64 / 64 keys
 ``check``                          (etcd's default ``--max-txn-ops`` is 128)
 ``add``, ``append``                one Txn when the key is new or unchanged
                                    since this store last read or wrote it;
@@ -189,7 +189,7 @@ class EtcdStore(Queues, dist.Store):
             )
         keeper: StoreLease
         if lease is None:
-            keeper = NamespaceLease(client, layout.lease_key, lease_ttl, layout.enclosing_markers())
+            keeper = NamespaceLease(client, layout.lease_key, lease_ttl)
         else:
             keeper = GivenLease(lease)
         self._setup(_Shared(client, owns, keeper), layout, datetime.timedelta(seconds=seconds), chunk_bytes)
@@ -302,7 +302,7 @@ class EtcdStore(Queues, dist.Store):
                     raise self._timeout_error(timeout, [key])
 
     def check(self, keys: Sequence[str | bytes]) -> bool:  # type: ignore[override]
-        """Whether every key exists (a queue with items counts). One Txn per 128 keys."""
+        """Whether every key exists (a queue with items counts). One Txn per 64 keys."""
         ks = [self._layout.key(k) for k in self._key_list(keys)]
         if not ks:
             return True
@@ -315,7 +315,7 @@ class EtcdStore(Queues, dist.Store):
     ) -> None:
         """Block until every key exists (a queue with items counts) or the timeout passes.
 
-        One Txn (per 128 keys), then one watch from now over the missing keys (and
+        One Txn (per 64 keys), then one watch from now over the missing keys (and
         one more Txn when etcd's revision moved in between). Raises
         ``DistStoreError("wait timeout after ...ms, keys: ...")``.
         """
@@ -335,8 +335,9 @@ class EtcdStore(Queues, dist.Store):
                 return not missing, at
 
             def seen(ev: Event) -> bool:
-                if ev.type == "PUT":
-                    missing.discard(_head_of(self._layout, ev.key))
+                head = _head_of(self._layout, ev.key)
+                if ev.type == "PUT" and head is not None:
+                    missing.discard(head)
                 return not missing
 
             if self._wait_for(min(missing), Layout.span_end(max(missing)), revision, deadline, reread, seen):
@@ -362,28 +363,12 @@ class EtcdStore(Queues, dist.Store):
     def num_keys(self) -> int:  # type: ignore[override]
         """How many keys this namespace holds (queues and internal keys not counted).
 
-        One Txn of three count-only ranges while no queue item was ever pushed in the
-        namespace and no namespace is nested in it (``job/sub`` in ``job``); otherwise
-        one more Range listing the keys (queue items and the internal keys of nested
-        namespaces share the user key range and must be left out), so that it always
-        agrees with :meth:`list_keys`. TCPStore counts one internal key more; this
-        store counts only user keys.
+        One Range listing the keys of the namespace (keys only): queue items and the
+        internal keys of namespaces nested in this one (``job/sub`` in ``job``) share
+        the user key range and are left out, so it always agrees with
+        :meth:`list_keys`. TCPStore counts one internal key more; this store counts
+        only user keys.
         """
-        layout = self._layout
-        with _dist_errors("num_keys()"):
-            res = self._client.txn(
-                [],
-                [op_get(layout.user_start, layout.user_end, count_only=True),
-                 op_get(layout.queues_key, count_only=True),
-                 op_get(layout.nested_start, layout.nested_end, count_only=True)],
-                timeout=self._rpc_timeout(),
-                idempotent=True,
-            )
-        users, queues, nested = res.responses
-        assert isinstance(users, RangeResult) and isinstance(queues, RangeResult)
-        assert isinstance(nested, RangeResult)
-        if queues.count == 0 and nested.count == 0:
-            return users.count
         return len(self._user_keys("num_keys()"))
 
     def list_keys(self) -> list[str]:  # type: ignore[override]
