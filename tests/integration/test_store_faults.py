@@ -23,6 +23,8 @@ from etcd_store import EtcdStore
 from etcd_store._layout import Manifest
 from etcd_store.client import EtcdClient
 
+pytestmark = pytest.mark.etcd_matrix
+
 TIMEOUT = datetime.timedelta(seconds=3)
 CHUNK = 1024
 BIG = bytes(range(256)) * 20  # 5120 bytes: 5 chunks of 1 KiB
@@ -196,3 +198,15 @@ def test_a_resent_lease_record_keeps_the_namespace_lease(stores: Stores) -> None
     recorded = first.client.get(lease_key)
     assert recorded is not None
     assert first.client.lease_time_to_live(int(recorded.value)) > 0
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "issue 21: a queue_pop whose reply was lost recovers the removed item from history (a read at the "
+    "revision before its Txn); a compaction at the current revision between the commit and the resend "
+    "removes that history and the item is lost (DistStoreError naming the compaction)"))
+def test_a_resent_queue_pop_survives_a_compaction_in_between(stores: Stores) -> None:
+    pusher, popper = stores.open(), stores.open(lossy=True)
+    pusher.queue_push("q", "item")
+    stores.lost.lose("KV/Txn", txn_puts_key(lambda k: b"\0q" in k), then=lambda: compact(stores.endpoint))
+    got, _ = _bounded(lambda: popper.queue_pop("q", block=False))
+    assert got == b"item", got

@@ -16,6 +16,8 @@ from etcd_server import AuthConfig, EtcdServer
 from etcd_store import EtcdStore
 from etcd_store.client import EtcdClient, RpcCounter
 
+pytestmark = pytest.mark.etcd_matrix
+
 TIMEOUT = datetime.timedelta(seconds=5)
 
 
@@ -80,7 +82,7 @@ def test_a_waiting_outer_store_ignores_the_inner_stores_internal_writes(
 
     def wait() -> None:
         try:
-            out.append(outer.wait(["sub"], datetime.timedelta(seconds=3)))
+            out.append(outer.wait(["sub"], datetime.timedelta(seconds=20)))
         except BaseException as e:  # handed to the test
             out.append(e)
 
@@ -92,7 +94,7 @@ def test_a_waiting_outer_store_ignores_the_inner_stores_internal_writes(
     waiter.join(1.0)  # events arrive within milliseconds: a wake-up by them would end the wait
     assert waiter.is_alive() and out == [], out
     outer.set("sub", "now")  # the awaited key itself
-    waiter.join(10)
+    waiter.join(25)
     assert out == [None]
 
 
