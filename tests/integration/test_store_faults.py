@@ -210,3 +210,17 @@ def test_a_resent_queue_pop_survives_a_compaction_in_between(stores: Stores) -> 
     stores.lost.lose("KV/Txn", txn_puts_key(lambda k: b"\0q" in k), then=lambda: compact(stores.endpoint))
     got, _ = _bounded(lambda: popper.queue_pop("q", block=False))
     assert got == b"item", got
+
+
+# ------------------------------------------------------------------ 6. a resent lease grant
+
+
+def test_a_resent_lease_grant_leaks_no_lease(stores: Stores) -> None:
+    rule = stores.lost.lose("Lease/LeaseGrant")
+    store = stores.open(lossy=True)
+    assert rule.fired == 1
+    lost_id = int(rule.replies[0].ID)  # the lease etcd granted for the send whose reply was lost
+    recorded = store.client.get(stores.prefix.encode() + b"\0lease")
+    assert recorded is not None
+    leaked = int(recorded.value) != lost_id and store.client.lease_time_to_live(lost_id) > 0
+    assert not leaked, f"lease {lost_id:x} was granted, never used and left alive"
