@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from ._layout import Layout
 from ._namespace_lease import StoreLease
-from .client import EtcdClient, Event, KeyValue, RangeResult, Watch, op_get
+from .client import EtcdClient, Event, KeyValue, RangeResult, Watch, op_get, prefix_range_end
 from .errors import EtcdCompactedError, EtcdConnectionError, EtcdError
 
 log = logging.getLogger(__name__)
@@ -80,10 +80,16 @@ def _seconds(timeout: Timeout, what: str = "timeout") -> float:
     return seconds
 
 
-def _head_of(layout: Layout, etcd_key: bytes) -> bytes:
-    """The user key an event's key belongs to (a queue item belongs to its queue's key)."""
+def _head_of(layout: Layout, etcd_key: bytes) -> bytes | None:
+    """The user key an event's key belongs to (a queue item belongs to its queue's key).
+
+    None for the internal key of a namespace nested in this one (``ns/sub\\0lease``).
+    """
     nul = etcd_key.find(b"\0", len(layout.user_start))
-    return etcd_key if nul < 0 else etcd_key[:nul]
+    if nul < 0:
+        return etcd_key
+    head = etcd_key[:nul]
+    return head if etcd_key.startswith(Layout.queue_prefix(head)) else None
 
 
 class _Shared:
@@ -171,14 +177,17 @@ class StoreBase:
         present: builtins.set[bytes] = builtins.set()
         revision = 0
         unique = list(dict.fromkeys(ks))
-        for batch in _batches(unique, MAX_TXN_OPS):
-            res = self._client.txn(
-                [], [op_get(k, Layout.span_end(k), count_only=True) for k in batch],
-                timeout=timeout, idempotent=True,
-            )
+        for batch in _batches(unique, MAX_TXN_OPS // 2):
+            # The key itself and its queue items; not the internal keys of a namespace
+            # nested under the key's name (``ns/<key>\\0lease``, ...).
+            ops = []
+            for k in batch:
+                qp = Layout.queue_prefix(k)
+                ops += [op_get(k, count_only=True), op_get(qp, prefix_range_end(qp), count_only=True)]
+            res = self._client.txn([], ops, timeout=timeout, idempotent=True)
             revision = revision or res.revision
-            for k, r in zip(batch, res.responses, strict=True):
-                if isinstance(r, RangeResult) and r.count:
+            for i, k in enumerate(batch):
+                if any(isinstance(r, RangeResult) and r.count for r in res.responses[2 * i : 2 * i + 2]):
                     present.add(k)
         return present, revision
 

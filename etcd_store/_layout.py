@@ -7,31 +7,31 @@ For a namespace ``ns`` (the store's prefix, UTF-8):
 ``ns/<key>\\0q<id>``                            one item of the queue ``<key>``
 ``ns\\0lease``                                  the id of the namespace lease
 ``ns\\0c/<gen>/<index>``                        one chunk of a value too big for one request
-``ns\\0w/<store>/<thread>``                     the last add/append/queue_pop of one store thread
-``ns\\0queues``                                 exists once a queue item was pushed in the namespace
-``ns\\0n/<inner>``                               a namespace ``<inner>`` nested in this one exists
+``ns\\0w/<store>/<thread>``                     the last write of one store thread (exactly-once marker)
 =============================================  =========================================
+
+Everything a store writes lies under its prefix: under ``ns/`` or ``ns\\0``, so a
+role granted the prefix ``ns`` (or the prefixes ``ns/`` and ``ns\\0``) suffices.
 
 User keys live under ``ns/`` and contain no NUL byte, so every internal key is
 either outside that range (``ns\\0...`` sorts before ``ns/``) or contains a NUL
-(queue items). ``num_keys`` is one count-only range over ``ns/`` as long as
-``ns\\0queues`` does not exist (no queue item was ever pushed: nothing to leave
-out) and no ``ns\\0n/`` marker exists; after that it lists the keys. A namespace nested
-in another (``job/sub`` in ``job``) has its keys, internal ones included, inside the outer
-one's user range: its store marks every enclosing namespace with ``ns\\0n/<inner>`` in the
-transaction that records its namespace lease (the marker lives and dies with that lease),
-so the outer ``num_keys`` knows to list (a user whose role does not cover the enclosing
-namespaces records its lease without them: one more Txn, and the same counting as for ``lease=``). A store given a lease of its own (``lease=``)
-writes no marker (opening it costs no RPC): an enclosing store's ``num_keys`` then counts
-such a store's internal keys too. A queue's items sit right after its key, so one range
-``[ns/<key>, ns/<key>\\1)`` covers a key and its queue: ``check`` and ``wait``
-read or watch one range per key.
+(queue items). A namespace nested in another (``job/sub`` in ``job``) has its user
+keys in the outer one's user range, as with ``PrefixStore`` (the outer store sees
+``sub/<key>``), and its internal keys there too (``job/sub\\0lease``): those contain
+a NUL not followed by ``q``, so they are neither a user key nor a queue item of the
+outer store. ``check`` and ``wait`` on a key read the key and its queue items
+(``[ns/<key>\\0q, ns/<key>\\0r)``), never the whole ``[ns/<key>, ns/<key>\\1)``
+range; a wait watches that range and ignores the events of a nested namespace's
+internal keys; ``num_keys`` and ``list_keys`` list the keys and leave out every key
+with a NUL.
 
 Values up to ``chunk_bytes`` are stored as they are. A bigger value (or one that
 starts with :data:`MAGIC`) is split into chunk keys written first, then the
-user key gets a small *manifest* (``MAGIC`` + JSON) that commits them. A reader
-that finds a manifest reads the chunks at the manifest's revision, so it never
-sees a mix of two writes.
+user key gets a small *manifest* (``MAGIC`` + JSON) that commits them. Each value
+gets a fresh generation id and chunks are never rewritten, so a reader reads the
+chunks at the latest revision, guarded by the manifest's mod revision (see
+:mod:`etcd_store._values`): it never sees a mix of two writes, and compaction
+does not affect it.
 """
 
 from __future__ import annotations
@@ -84,12 +84,8 @@ class Layout:
         self.user_start = self.ns + b"/"
         self.user_end = self.ns + b"0"  # "/" + 1: the end of the user range
         self.lease_key = self.ns + b"\0lease"
-        self.queues_key = self.ns + b"\0queues"
         self._chunks = self.ns + b"\0c/"
         self._markers = self.ns + b"\0w/"
-        #: ``ns\0n/<inner>`` keys: namespaces nested in this one (see the module docstring).
-        self.nested_start = self.ns + b"\0n/"
-        self.nested_end = self.ns + b"\0n0"
 
     # ------------------------------------------------------------------ user keys
 
@@ -120,11 +116,6 @@ class Layout:
     def span_end(etcd_key: bytes) -> bytes:
         """End of the range holding a user key and its queue items."""
         return etcd_key + b"\x01"
-
-    def enclosing_markers(self) -> list[bytes]:
-        """The ``<outer>\\0n/<ns>`` marker of this namespace in every namespace that encloses it."""
-        outers = [self.ns[:i] for i, byte in enumerate(self.ns) if byte == ord("/")]
-        return [outer + b"\0n/" + self.ns for outer in outers if not outer.endswith(b"/")]
 
     # ------------------------------------------------------------------ queues
 

@@ -2,8 +2,8 @@
 
 Rule: one lease per namespace, recorded under ``ns\\0lease`` (itself attached to
 the lease). The first store of a namespace grants it and records it with a
-create-if-absent transaction (which also writes the namespace's ``\\0n/`` markers in
-the namespaces enclosing it, attached to the same lease: see :mod:`etcd_store._layout`); every later store, in any process, adopts the
+create-if-absent transaction (safe to resend: a resend that finds its own lease id
+recorded knows it was applied); every later store, in any process, adopts the
 recorded lease. Every live store keeps it alive with a
 :class:`~etcd_store.client.Session` (the client's keep-alive stream, a refresh every third
 of the TTL its creator granted) and never revokes it. When no live store is left
@@ -20,13 +20,14 @@ next write creates (or adopts) a new namespace lease and is retried
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TypeVar
 
 from .client import EtcdClient, Session, TxnResult, compare_create, op_get, op_put, renewing_lease
-from .errors import EtcdError, EtcdLeaseNotFound, EtcdPermissionDenied
+from .errors import EtcdError, EtcdLeaseNotFound, EtcdRequestError
 
 log = logging.getLogger(__name__)
 
@@ -58,14 +59,11 @@ class NamespaceLease(StoreLease):
     Range (adopting) or Range + LeaseGrant + Txn (creating).
     """
 
-    def __init__(
-        self, client: EtcdClient, lease_key: bytes, ttl: int, markers: Sequence[bytes] = ()
-    ) -> None:
+    def __init__(self, client: EtcdClient, lease_key: bytes, ttl: int) -> None:
         if int(ttl) < 2:
             raise ValueError(f"EtcdStore lease_ttl must be at least 2 seconds, got {ttl}")
         self._client = client
         self._key = lease_key
-        self._markers: tuple[bytes, ...] = tuple(markers)  # written with the lease record, on the lease
         self.ttl = int(ttl)
         self._lock = threading.Lock()
         self._id = 0
@@ -123,21 +121,12 @@ class NamespaceLease(StoreLease):
             kv = client.get(self._key, timeout=left())
             if kv is not None:
                 return int(kv.value), True
-            granted = client.lease_grant(self.ttl, timeout=left())
-            try:
-                result = self._record(granted, self._markers, left())
-            except EtcdPermissionDenied:
-                if not self._markers:
-                    raise
-                # A user whose role covers only its own prefix may not write the markers
-                # into the enclosing namespaces: record the lease without them (one more
-                # Txn, only for such users); an enclosing store's num_keys then counts
-                # this namespace's internal keys (see etcd_store/_layout.py).
-                log.debug("no permission to mark the namespaces enclosing %r; recording its "
-                          "lease without the markers", self._key)
-                self._markers = ()
-                result = self._record(granted, (), left())
-            if result.succeeded:
+            granted = self._grant(left())
+            result = self._record(granted, left())
+            theirs = result.responses[0]
+            recorded = theirs.kvs[0].value if getattr(theirs, "kvs", None) else None  # type: ignore[union-attr]
+            if result.succeeded or recorded == str(granted).encode():
+                # (A failed compare showing our own id: the client resent our Txn after a lost reply.)
                 log.debug("created namespace lease %x for %r", granted, self._key)
                 return granted, False
             # Another store created it first: adopt theirs, drop ours.
@@ -145,18 +134,28 @@ class NamespaceLease(StoreLease):
                 client.lease_revoke(granted, timeout=left())
             except EtcdError as e:
                 log.debug("could not revoke unused lease %x: %s", granted, e)
-            theirs = result.responses[0]
-            if getattr(theirs, "kvs", None):
-                return int(theirs.kvs[0].value), True  # type: ignore[union-attr]
+            if recorded is not None:
+                return int(recorded), True
             # It vanished again (expired in between): try once more.
 
+    def _grant(self, timeout: float) -> int:
+        """A new lease whose id the store chooses, so a grant resent after a lost reply
+        cannot leave a second lease behind: the resend is refused (the id exists) and a
+        lease with our id alive is ours. Raises the refusal if no such lease exists."""
+        wanted = secrets.randbits(62) + 1  # a positive int64, unique with overwhelming odds
+        try:
+            return self._client.lease_grant(self.ttl, lease_id=wanted, timeout=timeout)
+        except EtcdRequestError:
+            if self._client.lease_time_to_live(wanted, timeout=max(timeout, 0.001)) > 0:
+                log.debug("lease %x: our grant was applied by an earlier send", wanted)
+                return wanted
+            raise
 
-    def _record(self, granted: int, markers: Sequence[bytes], timeout: float) -> TxnResult:
-        """One Txn: record ``granted`` as the namespace lease if none is, with ``markers``."""
+    def _record(self, granted: int, timeout: float) -> TxnResult:
+        """One Txn: record ``granted`` as the namespace lease if none is; else read the record."""
         return self._client.txn(
             [compare_create(self._key, "==", 0)],
-            [op_put(self._key, str(granted).encode(), lease=granted),
-             *(op_put(marker, b"", lease=granted) for marker in markers)],
+            [op_put(self._key, str(granted).encode(), lease=granted)],
             [op_get(self._key)],
             timeout=timeout,
             idempotent=True,

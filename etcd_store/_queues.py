@@ -14,13 +14,13 @@ import torch.distributed as dist
 from ._base import _as_bytes, _dist_errors
 from ._cas import ReadModifyWrite
 from ._layout import Layout
+from ._values import check_deadline
 from .client import (
     DeleteResult,
     Event,
     KeyValue,
     RangeResult,
     compare_create,
-    compare_mod,
     compare_version,
     op_delete,
     op_get,
@@ -36,29 +36,22 @@ class Queues(ReadModifyWrite):
     """The queue operations of the store."""
 
     def queue_push(self, key: str | bytes, value: str | bytes) -> None:  # type: ignore[override]
-        """Append ``value`` to the queue ``key``. One Txn: put the item, and mark the
-        namespace as holding queues (see :meth:`num_keys`)."""
+        """Append ``value`` to the queue ``key``. One Txn, applied exactly once even when resent."""
         k = self._layout.key(key)
         v = _as_bytes(value, "value")
         item = self._layout.new_queue_item(k)
-        queues_key = self._layout.queues_key
         with _dist_errors(f"queue_push({key!r})"):
-            t = self._rpc_timeout()
-            res = self._shared.lease.attached(
-                lambda lease: self._client.txn(
-                    [],
-                    [op_put(item, self._encode(v, lease, t), lease=lease), op_put(queues_key, b"1", lease=lease)],
-                    timeout=t,
-                    idempotent=True,  # the item key is unique: a replay writes the same two keys
-                ),
-                t,
+            # Fenced: a resend after a lost reply cannot push the item a second time.
+            out = self._fenced_txn(
+                v, [], lambda stored, lease: [op_put(item, stored, lease=lease)],
+                [], time.monotonic() + self._rpc_timeout(), f"queue_push to {k!r}",
             )
         # Remember the item: a later queue_pop by this store can guess it is the oldest.
         qp = Layout.queue_prefix(k)
         with self._lock:
             known = self._queues.get(qp, [])
             if len(known) < _QUEUE_GUESSES:  # only the oldest matters; a producer stays small
-                self._queues[qp] = sorted([*known, (res.revision, item)])
+                self._queues[qp] = sorted([*known, (out.revision, item)])
 
     def queue_len(self, key: str | bytes) -> int:  # type: ignore[override]
         """Items in the queue ``key`` (0 if it never existed). One Range."""
@@ -82,9 +75,6 @@ class Queues(ReadModifyWrite):
         with _dist_errors(f"queue_pop({key!r})"):
             timeout = self._timeout().total_seconds()
             deadline = time.monotonic() + timeout
-            t = self._rpc_timeout()
-            marker = self._marker()
-            op_id = marker.next_id()
             while True:
                 with self._lock:
                     items = self._queues.get(qp)
@@ -96,33 +86,27 @@ class Queues(ReadModifyWrite):
                             raise dist.QueueEmptyError("queue is empty")
                         items = [self._await_push(qp, end, res.revision, deadline, timeout, key)]
                 created, guess = items[0]
-                _, txn = self._leased_txn(
+                out = self._fenced_txn(
                     None,
                     # The guess still exists and no item in the queue is older.
-                    [compare_version(guess, ">", 0),
-                     compare_create(qp, ">", created - 1, range_end=end),
-                     compare_mod(marker.key, "==", marker.mod)],
-                    # (called at once, in this iteration: B023 does not apply)
-                    lambda _, lease: [op_delete(guess, prev_kv=True),  # noqa: B023
-                                      op_get(qp, end, keys_only=True), op_put(marker.key, op_id, lease=lease)],
-                    [op_get(qp, end, keys_only=True), op_get(marker.key)],
-                    t,
+                    [compare_version(guess, ">", 0), compare_create(qp, ">", created - 1, range_end=end)],
+                    lambda _, lease: [op_delete(guess, prev_kv=True),  # noqa: B023 (called at once)
+                                      op_get(qp, end, keys_only=True)],
+                    [op_get(qp, end, keys_only=True)], deadline, f"queue_pop of {qp!r}",
                 )
-                if txn.succeeded:
-                    deleted, rest = txn.responses[0], txn.responses[1]
+                if out.txn.succeeded:
+                    deleted, rest = out.txn.responses
                     assert isinstance(deleted, DeleteResult) and isinstance(rest, RangeResult)
                     self._set_queue(qp, rest)
-                    marker.mod = txn.revision
-                    return self._take_item(deleted.prev_kvs[0])
-                rest, mark = txn.responses
-                assert isinstance(rest, RangeResult) and isinstance(mark, RangeResult)
+                    return self._take_item(deleted.prev_kvs[0], deadline)
+                rest = out.txn.responses[0]
+                assert isinstance(rest, RangeResult)
                 self._set_queue(qp, rest)
-                if mark.kvs and mark.kvs[0].value == op_id:
-                    # Applied by an earlier attempt whose reply was lost: read what it removed.
-                    marker.mod = mark.kvs[0].mod_revision
-                    old = self._client.range(guess, revision=marker.mod - 1, timeout=t)
-                    return self._take_item(old.kvs[0])
-                marker.mod = mark.kvs[0].mod_revision if mark.kvs else 0
+                if out.replayed:
+                    # Applied by an earlier send whose reply was lost: read what it removed.
+                    old = self._client.range(guess, revision=out.revision - 1, timeout=self._budget(deadline))
+                    return self._take_item(old.kvs[0], deadline)
+                check_deadline(deadline, f"queue_pop of {qp!r}", timeout)
 
     def _await_push(
         self, qp: bytes, end: bytes, revision: int, deadline: float, timeout: float, key: str | bytes
@@ -153,10 +137,10 @@ class Queues(ReadModifyWrite):
         with self._lock:
             self._queues[qp] = items
 
-    def _take_item(self, kv: KeyValue) -> bytes:
-        value = self._decode(kv)
-        if value is None:
-            raise dist.DistStoreError(f"EtcdStore.queue_pop: the chunks of item {kv.key!r} are gone")
+    def _take_item(self, kv: KeyValue, deadline: float) -> bytes:
+        """The value of a popped item (its chunks read, then deleted)."""
+        value = self._decode(kv, deadline, live=False)
+        assert value is not None
         self._drop_replaced(kv)
         return value
 

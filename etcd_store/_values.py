@@ -1,22 +1,35 @@
 """Chunked values of :class:`~etcd_store.EtcdStore`: values above ``chunk_bytes``.
 
-A large value is written as chunks under a fresh generation (one Put each) and
-a manifest at the user key; reading it is one more Range at the manifest's
-revision (see :mod:`etcd_store._layout`). Chunks of a replaced or deleted value
-are deleted (best effort: the namespace lease removes any left over).
+A large value is written as chunks under a fresh, never reused generation id (one
+Put each) and a manifest at the user key naming that generation (see
+:mod:`etcd_store._layout`). Chunks are immutable once written, so a reader reads
+them at etcd's latest revision, never at an old one that compaction may have
+removed: one Txn that reads the chunks if the key still holds the manifest the
+reader found. If the key moved on meanwhile the reader reads the key again (the
+callers do, within their deadline); if it still holds the manifest but chunks are
+missing, :class:`ChunksMissing` says so at once.
+
+Chunks of a value are deleted only when the outcome is known: after a write that
+replaced it (the replaced value is the write's own ``prev_kv``), or for a write
+that etcd certainly did not apply. Anything left over goes with the namespace lease.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 
 from ._base import StoreBase
 from ._layout import MAGIC, Manifest
-from .client import KeyValue
-from .errors import EtcdCompactedError, EtcdError
+from .client import KeyValue, RangeResult, compare_mod, op_get, prefix_range_end
+from .errors import EtcdError, EtcdTimeoutError
 
 log = logging.getLogger(__name__)
+
+
+class ChunksMissing(EtcdError):
+    """A key holds a chunk manifest whose chunks are not all in etcd (deleted by hand or lost)."""
 
 
 class ChunkedValues(StoreBase):
@@ -25,8 +38,11 @@ class ChunkedValues(StoreBase):
     def _inline(self, value: bytes) -> bool:
         return len(value) <= self._chunk_bytes and not value.startswith(MAGIC)
 
-    def _encode(self, value: bytes, lease: int, timeout: float) -> bytes:
-        """What to store at the user key: the value, or a manifest after writing its chunks."""
+    def _encode(self, value: bytes, lease: int, deadline: float) -> bytes:
+        """What to store at the user key: the value, or a manifest after writing its chunks.
+
+        The chunk Puts share ``deadline`` (a ``time.monotonic()`` value).
+        """
         if self._inline(value):
             return value
         size = self._chunk_bytes
@@ -35,35 +51,52 @@ class ChunkedValues(StoreBase):
         for i in range(count):
             self._client.put(
                 self._layout.chunk_key(gen, i), value[i * size : (i + 1) * size],
-                lease=lease, timeout=timeout,
+                lease=lease, timeout=self._budget(deadline),
             )
         return Manifest(gen, count, len(value)).encode()
 
-    def _decode(self, kv: KeyValue) -> bytes | None:
-        """The value ``kv`` holds; None if its chunks are gone (replaced and compacted)."""
+    def _decode(self, kv: KeyValue, deadline: float, *, live: bool = True) -> bytes | None:
+        """The value ``kv`` holds, its chunks read at etcd's latest revision.
+
+        ``live``: ``kv`` is the key's current version as read; None means the key
+        no longer holds it (replaced since: read the key again). For a queue item
+        already removed by its popper, ``live=False`` reads the chunks unguarded
+        (only that popper deletes them). Raises :class:`ChunksMissing` when the
+        manifest is current and its chunks are incomplete.
+        """
         manifest = Manifest.decode(kv.value)
         if manifest is None:
             return kv.value
-        try:
-            res = self._client.range(
-                self._layout.chunk_prefix(manifest.gen), prefix=True, revision=kv.mod_revision,
-                timeout=self._rpc_timeout(),
+        start = self._layout.chunk_prefix(manifest.gen)
+        end = prefix_range_end(start)
+        if live:
+            txn = self._client.txn(
+                [compare_mod(kv.key, "==", kv.mod_revision)], [op_get(start, end)], [],
+                timeout=self._budget(deadline), idempotent=True,
             )
-        except EtcdCompactedError:
-            return None
-        data = b"".join(c.value for c in res.kvs)
-        if len(res.kvs) != manifest.count or len(data) != manifest.size:
-            return None
+            if not txn.succeeded:
+                return None
+            chunks = txn.responses[0]
+            assert isinstance(chunks, RangeResult)
+        else:
+            chunks = self._client.range(start, end, timeout=self._budget(deadline))
+        data = b"".join(c.value for c in chunks.kvs)
+        if len(chunks.kvs) != manifest.count or len(data) != manifest.size:
+            raise ChunksMissing(
+                f"the value at {kv.key!r} is a manifest of {manifest.count} chunks ({manifest.size} "
+                f"bytes, generation {manifest.gen}) but etcd holds {len(chunks.kvs)} of those "
+                f"chunks ({len(data)} bytes): they were deleted outside this store"
+            )
         return data
 
     def _discard(self, stored: bytes) -> None:
-        """Delete the chunks of a manifest that was never committed."""
+        """Delete the chunks of a manifest that etcd certainly never committed."""
         gen = _gen_of(stored)
         if gen is not None:
             self._delete_chunks(gen)
 
     def _drop_replaced(self, prev: KeyValue | None, own_gen: str | None = None) -> None:
-        """Delete the chunks of a value that was overwritten or deleted (not our own)."""
+        """Delete the chunks of a value that our own applied write overwrote or deleted."""
         if prev is None:
             return
         gen = _gen_of(prev.value)
@@ -80,3 +113,9 @@ class ChunkedValues(StoreBase):
 def _gen_of(stored: bytes) -> str | None:
     manifest = Manifest.decode(stored)
     return manifest.gen if manifest is not None else None
+
+
+def check_deadline(deadline: float, what: str, seconds: float) -> None:
+    """Raise :class:`EtcdTimeoutError` naming ``what`` once ``deadline`` (monotonic) passed."""
+    if time.monotonic() >= deadline:
+        raise EtcdTimeoutError(f"{what} did not complete within {seconds:g} s (the store timeout)")

@@ -6,13 +6,14 @@ deliberate differences). Every operation costs one etcd round trip in the
 uncontended case:
 
 =================================  ============================================
-``set``, ``queue_push``            one Put
+``set``, ``delete_key``,           one Txn (fenced: see "Retries" below)
+``queue_push``
 ``get`` (key present)              one Range
 ``get``/``wait``/``multi_get``      one read, then one watch from now; one more
 (key missing)                      read when etcd's revision moved between the
                                    two (no polling, no lost wake-up: see
                                    :mod:`etcd_store._base`)
-``multi_get``, ``multi_set``,      one Txn per 128 / 64 / 128 keys
+``multi_get``, ``multi_set``,      one Txn per 128 / 64 / 64 keys
 ``check``                          (etcd's default ``--max-txn-ops`` is 128)
 ``add``, ``append``                one Txn when the key is new or unchanged
                                    since this store last read or wrote it;
@@ -25,11 +26,11 @@ uncontended case:
                                    queue before)
 ``queue_len``, ``num_keys``,        one Range
 ``list_keys``
-``delete_key``                     one DeleteRange
 =================================  ============================================
 
 Values larger than ``chunk_bytes`` (1 MiB, below etcd's default 1.5 MiB request
-limit) cost one extra Put per chunk to write and one extra Range to read.
+limit) cost one extra Put per chunk to write and one extra Txn to read (the
+chunks at the latest revision, guarded by the manifest: see :mod:`etcd_store._values`).
 
 Modules: this one (the torch facade: lifecycle, plain keys, waits, barrier),
 :mod:`etcd_store._cas` (``add``, ``append``, ``compare_set``: the compare-and-swap
@@ -46,8 +47,9 @@ Retries: one policy, the client's (:meth:`EtcdClient._call`): each RPC gets atte
 with growing deadlines (2 s, 4 s, 8 s, ...) and fails over to the next endpoint,
 until the call's deadline (the store timeout), so a call rides through an etcd
 restart or a leader election within its timeout. Every request of the store is
-safe to resend: plain writes are idempotent and read-modify-writes are fenced
-(see ``_Marker``), so they are all sent with ``idempotent=True``.
+safe to resend: reads are, and every write is one Txn fenced by the thread's
+marker (:meth:`ReadModifyWrite._fenced_txn`), so it applies exactly once; they
+are all sent with ``idempotent=True``.
 
 Errors: an unreachable etcd raises ``torch.distributed.DistNetworkError``
 naming the endpoints, within the store timeout; any other etcd failure raises
@@ -66,6 +68,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import torch.distributed as dist
 
@@ -80,16 +83,20 @@ from ._base import (
     _Shared,
     _size_batches,
 )
-from ._layout import DEFAULT_CHUNK_BYTES, Layout
+from ._cas import _put_of
+from ._layout import DEFAULT_CHUNK_BYTES, MAGIC, Layout
 from ._namespace_lease import GivenLease, NamespaceLease, StoreLease
 from ._queues import Queues
 from ._values import _gen_of
 from .client import (
+    DeleteResult,
     EtcdClient,
     Event,
     KeyValue,
     PutResult,
     RangeResult,
+    compare_version,
+    op_delete,
     op_get,
     op_put,
 )
@@ -182,7 +189,7 @@ class EtcdStore(Queues, dist.Store):
             )
         keeper: StoreLease
         if lease is None:
-            keeper = NamespaceLease(client, layout.lease_key, lease_ttl, layout.enclosing_markers())
+            keeper = NamespaceLease(client, layout.lease_key, lease_ttl)
         else:
             keeper = GivenLease(lease)
         self._setup(_Shared(client, owns, keeper), layout, datetime.timedelta(seconds=seconds), chunk_bytes)
@@ -258,16 +265,17 @@ class EtcdStore(Queues, dist.Store):
     # ------------------------------------------------------------------ plain keys
 
     def set(self, key: str | bytes, value: str | bytes) -> None:  # type: ignore[override]
-        """Write ``value`` at ``key``. One Put."""
+        """Write ``value`` at ``key``. One Txn, applied exactly once even when resent."""
         k = self._layout.key(key)
         v = _as_bytes(value, "value")
         with _dist_errors(f"set({key!r})"):
-            t = self._rpc_timeout()
-            res = self._shared.lease.attached(
-                lambda lease: self._put(k, v, lease, t), t
+            out = self._fenced_txn(
+                v, [], lambda stored, lease: [op_put(k, stored, lease=lease, prev_kv=True)], [],
+                time.monotonic() + self._rpc_timeout(), f"set of {k!r}",
             )
-            self._remember(k, res[0].revision, v)
-            self._drop_replaced(res[0].prev_kv, res[1])
+            self._remember(k, out.revision, v)
+            if out.txn.succeeded:  # a replayed write's replaced value is unknown: the lease cleans up
+                self._drop_replaced(_put_of(out.txn).prev_kv, _gen_of(out.stored))
 
     def get(self, key: str | bytes) -> bytes:  # type: ignore[override]
         """The value of ``key``, waiting up to the store timeout for it to be set.
@@ -286,13 +294,15 @@ class EtcdStore(Queues, dist.Store):
                     kv = res.kvs[0]
                 else:
                     kv = self._await_heads([k], res.revision, deadline, timeout, [key])[k]
-                value = self._decode(kv)
+                value = self._decode(kv, deadline)
                 if value is not None:
                     self._remember(k, kv.mod_revision, value)
                     return value
+                if time.monotonic() >= deadline:  # the chunked value kept being replaced
+                    raise self._timeout_error(timeout, [key])
 
     def check(self, keys: Sequence[str | bytes]) -> bool:  # type: ignore[override]
-        """Whether every key exists (a queue with items counts). One Txn per 128 keys."""
+        """Whether every key exists (a queue with items counts). One Txn per 64 keys."""
         ks = [self._layout.key(k) for k in self._key_list(keys)]
         if not ks:
             return True
@@ -305,7 +315,7 @@ class EtcdStore(Queues, dist.Store):
     ) -> None:
         """Block until every key exists (a queue with items counts) or the timeout passes.
 
-        One Txn (per 128 keys), then one watch from now over the missing keys (and
+        One Txn (per 64 keys), then one watch from now over the missing keys (and
         one more Txn when etcd's revision moved in between). Raises
         ``DistStoreError("wait timeout after ...ms, keys: ...")``.
         """
@@ -325,8 +335,9 @@ class EtcdStore(Queues, dist.Store):
                 return not missing, at
 
             def seen(ev: Event) -> bool:
-                if ev.type == "PUT":
-                    missing.discard(_head_of(self._layout, ev.key))
+                head = _head_of(self._layout, ev.key)
+                if ev.type == "PUT" and head is not None:
+                    missing.discard(head)
                 return not missing
 
             if self._wait_for(min(missing), Layout.span_end(max(missing)), revision, deadline, reread, seen):
@@ -334,40 +345,30 @@ class EtcdStore(Queues, dist.Store):
             raise self._timeout_error(seconds, key_list)
 
     def delete_key(self, key: str | bytes) -> bool:  # type: ignore[override]
-        """Delete ``key``; True if it existed. One DeleteRange."""
+        """Delete ``key``; True if it existed. One Txn, applied exactly once even when resent."""
         k = self._layout.key(key)
         with _dist_errors(f"delete_key({key!r})"):
-            res = self._client.delete(k, prev_kv=True, timeout=self._rpc_timeout())
+            out = self._fenced_txn(
+                None, [compare_version(k, ">", 0)], lambda _, lease: [op_delete(k, prev_kv=True)], [],
+                time.monotonic() + self._rpc_timeout(), f"delete_key of {k!r}",
+            )
             self._forget(k)
-            for kv in res.prev_kvs:
-                self._drop_replaced(kv)
-            return res.deleted > 0
+            if out.txn.succeeded:
+                deleted = out.txn.responses[0]
+                assert isinstance(deleted, DeleteResult)
+                for kv in deleted.prev_kvs:
+                    self._drop_replaced(kv)
+            return out.applied
 
     def num_keys(self) -> int:  # type: ignore[override]
         """How many keys this namespace holds (queues and internal keys not counted).
 
-        One Txn of three count-only ranges while no queue item was ever pushed in the
-        namespace and no namespace is nested in it (``job/sub`` in ``job``); otherwise
-        one more Range listing the keys (queue items and the internal keys of nested
-        namespaces share the user key range and must be left out), so that it always
-        agrees with :meth:`list_keys`. TCPStore counts one internal key more; this
-        store counts only user keys.
+        One Range listing the keys of the namespace (keys only): queue items and the
+        internal keys of namespaces nested in this one (``job/sub`` in ``job``) share
+        the user key range and are left out, so it always agrees with
+        :meth:`list_keys`. TCPStore counts one internal key more; this store counts
+        only user keys.
         """
-        layout = self._layout
-        with _dist_errors("num_keys()"):
-            res = self._client.txn(
-                [],
-                [op_get(layout.user_start, layout.user_end, count_only=True),
-                 op_get(layout.queues_key, count_only=True),
-                 op_get(layout.nested_start, layout.nested_end, count_only=True)],
-                timeout=self._rpc_timeout(),
-                idempotent=True,
-            )
-        users, queues, nested = res.responses
-        assert isinstance(users, RangeResult) and isinstance(queues, RangeResult)
-        assert isinstance(nested, RangeResult)
-        if queues.count == 0 and nested.count == 0:
-            return users.count
         return len(self._user_keys("num_keys()"))
 
     def list_keys(self) -> list[str]:  # type: ignore[override]
@@ -401,9 +402,11 @@ class EtcdStore(Queues, dist.Store):
                 missing = [k for k in unique if k not in found]
                 if missing:
                     found.update(self._await_heads(missing, revision, deadline, timeout, key_list))
-                values = {k: self._decode(found[k]) for k in unique}
+                values = {k: self._decode(found[k], deadline) for k in unique}
                 if all(v is not None for v in values.values()):
                     return [values[k] for k in ks]  # type: ignore[misc]
+                if time.monotonic() >= deadline:  # a chunked value kept being replaced
+                    raise self._timeout_error(timeout, key_list)
 
     def multi_set(  # type: ignore[override]
         self, keys: Sequence[str | bytes], values: Sequence[str | bytes]
@@ -419,26 +422,32 @@ class EtcdStore(Queues, dist.Store):
         if not pairs:
             return
         with _dist_errors(f"multi_set({key_list!r})"):
-            t = self._rpc_timeout()
-
-            def write(lease: int) -> list[tuple[PutResult, str | None]]:
-                stored = {k: self._encode(v, lease, t) for k, v in pairs.items()}
-                results: list[tuple[PutResult, str | None]] = []
-                for batch in _size_batches(list(stored.items()), MAX_TXN_OPS // 2, self._chunk_bytes):
-                    res = self._client.txn(
-                        [], [op_put(k, v, lease=lease, prev_kv=True) for k, v in batch],
-                        timeout=t, idempotent=True,
-                    )
-                    for (_, v), r in zip(batch, res.responses, strict=True):
-                        assert isinstance(r, PutResult)
-                        results.append((r, _gen_of(v)))
-                return results
-
-            for put, gen in self._shared.lease.attached(write, t):
-                self._drop_replaced(put.prev_kv, gen)
+            deadline = time.monotonic() + self._rpc_timeout()
+            # Batched by stored size: a chunked value's manifest is small.
+            sized = [(k, v if self._inline(v) else MAGIC) for k, v in pairs.items()]
+            for batch in _size_batches(sized, MAX_TXN_OPS // 2, self._chunk_bytes):
+                self._multi_set_batch([(k, pairs[k]) for k, _ in batch], deadline)
             with self._lock:
                 for k in pairs:
                     self._known.pop(k, None)
+
+    def _multi_set_batch(self, batch: list[tuple[bytes, bytes]], deadline: float) -> None:
+        """One fenced Txn writing ``batch`` (chunks first); replaced chunks deleted once applied."""
+        gens: dict[bytes, str | None] = {}
+
+        def ops(_: bytes, lease: int) -> list[Any]:
+            puts = []
+            for k, v in batch:
+                stored = self._encode(v, lease, deadline)
+                gens[k] = _gen_of(stored)
+                puts.append(op_put(k, stored, lease=lease, prev_kv=True))
+            return puts
+
+        out = self._fenced_txn(None, [], ops, [], deadline, f"multi_set of {batch[0][0]!r}, ...")
+        if out.txn.succeeded:
+            for (k, _), r in zip(batch, out.txn.responses, strict=True):
+                assert isinstance(r, PutResult)
+                self._drop_replaced(r.prev_kv, gens[k])
 
     # ------------------------------------------------------------------ barrier
 
@@ -479,10 +488,6 @@ class EtcdStore(Queues, dist.Store):
         raise dist.DistStoreError(f"barrier timeout after {ms}ms, key: {text}")
 
     # ------------------------------------------------------------------ helpers
-
-    def _put(self, k: bytes, v: bytes, lease: int, t: float) -> tuple[PutResult, str | None]:
-        stored = self._encode(v, lease, t)
-        return self._client.put(k, stored, lease=lease, prev_kv=True, timeout=t), _gen_of(stored)
 
     def _user_keys(self, what: str) -> list[str]:
         with _dist_errors(what):
