@@ -22,11 +22,11 @@ from etcd_store.errors import EtcdError
 
 from ..native.keys import RunKeys
 from ..native.records import ProtocolStateError
+from ..v2state import StateDecodeError
 from .actions import DEFAULT_STATE_TTL, close_v2, close_v3, gc
 from .connect import CliError, ConnectOptions, Deadline, add_connect_arguments, connect_options
 from .render import render_list, render_show
 from .runs import V2, V3, RunInfo, RunReadError, find_runs, read_run, state_key
-from .v2state import StateDecodeError
 from .watching import format_change, watch_run
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 Layouts read here (nothing is written):
 
 * ``etcd-v2``/``etcd``: the state key ``<prefix>/<run_id>`` (base64 of torch's pickled
-  state, decoded by :mod:`.v2state` without unpickling arbitrary objects) and the run's
+  state, decoded by :mod:`etcd_rdzv.v2state` without unpickling arbitrary objects) and the run's
   ``EtcdStore`` under ``<prefix>/<run_id>/store``;
 * ``etcd-v3``: everything under ``<prefix>/<run_id>/v3/`` (:class:`~etcd_rdzv.native.keys.RunKeys`).
 
@@ -27,8 +27,8 @@ from etcd_store.client import EtcdClient, KeyValue, RangeResult, op_get, prefix_
 
 from ..native.keys import RunKeys
 from ..native.records import ProtocolStateError, Sealed, decode_members
+from ..v2state import StateDecodeError, V2State, decode_state
 from .connect import Deadline
-from .v2state import StateDecodeError, V2State, decode_state
 
 log = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ from etcd_store.client import EtcdClient, Event
 
 from ..native.keys import RunKeys
 from ..native.records import ProtocolStateError, decode_sealed
+from ..v2state import StateDecodeError, V2State, decode_state
 from .connect import CliError, Deadline
 from .runs import V2, state_key
-from .v2state import StateDecodeError, V2State, decode_state
 
 log = logging.getLogger(__name__)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import pickle
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousConnectionError,
     rendezvous_handler_registry,
 )
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
 
 from etcd_rdzv import EtcdRendezvousBackend, plugin
 from etcd_rdzv.conf import (
@@ -179,9 +181,10 @@ def test_several_endpoints_fail_over(etcd_endpoint: str) -> None:
     config = parse_rdzv_config(params)
     with config.client.create_client() as client:
         backend = EtcdRendezvousBackend(client, params.run_id, config.key_prefix)
-        result = backend.set_state(b"state")
+        state = pickle.dumps(_RendezvousState())  # the backend hands torch only torch's states
+        result = backend.set_state(state)
         assert result is not None and result[2]
-        assert backend.get_state() == (b"state", result[1])
+        assert backend.get_state() == (state, result[1])
 
 
 # ------------------------------------------------------------------ TLS and auth
@@ -208,7 +211,7 @@ def _roundtrip(params: RendezvousParameters) -> None:
     config = parse_rdzv_config(params)
     with config.client.create_client() as client:
         backend = EtcdRendezvousBackend(client, params.run_id, config.key_prefix)
-        result = backend.set_state(b"over tls")
+        result = backend.set_state(pickle.dumps(_RendezvousState()))
         assert result is not None and result[2]
 
 
