@@ -380,6 +380,10 @@ def test_permission_denied_is_exit_2(etcd_binary: str, capsys: pytest.CaptureFix
         monkeypatch.setenv("ETCD_RDZV_USER", "alice")
         monkeypatch.setenv("ETCD_RDZV_PASSWORD", "al1ce-cli-pw")
         base = ["--endpoints", server.get_endpoint(), "--timeout", "5"]
+        assert main([*base, "list"]) == 2  # a password over http: refused without the opt-in
+        err = capsys.readouterr().err
+        assert "--allow-insecure-auth" in err and "al1ce-cli-pw" not in err
+        base.append("--allow-insecure-auth")
         assert main([*base, "--key-prefix", "/jobs/alice", "list", "--json"]) == 0
         assert json.loads(capsys.readouterr().out) == {"runs": []}
         assert main([*base, "list"]) == 2
