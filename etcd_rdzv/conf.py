@@ -21,10 +21,11 @@ Connection keys (every backend; torch's ``etcd-v2`` keys keep their meaning):
 of endpoints written without one: ``http``, or ``https`` once a certificate is
 given), ``ssl_cert``/``ssl_cert_key``/``ca_cert`` (PEM files; ``ssl_cert`` alone
 must also hold the key), ``user``/``password`` (default ``$ETCD_RDZV_USER``/
-``$ETCD_RDZV_PASSWORD``), ``key_prefix`` (``/torch/elastic/rendezvous``; the state
+``$ETCD_RDZV_PASSWORD``; refused over ``http`` unless ``allow_insecure_auth=1``, which logs a
+warning), ``key_prefix`` (``/torch/elastic/rendezvous``; the state
 key is ``<key_prefix>/<run_id>``), ``state_ttl`` (7200 s the state outlives its
 last write). ``--rdzv-endpoint`` is ``host[:port]`` or ``http(s)://host:port``,
-several separated by commas; empty means ``$ETCDCTL_ENDPOINTS``, else
+several separated by commas, all of one scheme (no ``user:pw@``); empty means ``$ETCDCTL_ENDPOINTS``, else
 ``localhost:2379``. etcdctl's ``ETCDCTL_CACERT``/``CERT``/``KEY``/``USER``/``PASSWORD``
 come last, below the keys and our variables (:mod:`etcd_rdzv.conf_env`). The legacy ``etcd``
 keys (``cacert``, ``cert``, ``key``, ``etcd_prefix``, ``timeout``) are renamed by
@@ -160,6 +161,7 @@ class EtcdClientOptions:
     key: str | None = None
     user: str | None = None
     password: str | None = field(default=None, repr=False)
+    allow_insecure_auth: bool = False
 
     def client_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``EtcdClient`` (endpoints excluded)."""
@@ -171,6 +173,7 @@ class EtcdClientOptions:
             "key": self.key,
             "user": self.user,
             "password": self.password,
+            "allow_insecure_auth": self.allow_insecure_auth,
         }
 
     def create_client(self, **extra: Any) -> EtcdClient:
@@ -366,9 +369,9 @@ def parse_client_options(params: RdzvParams) -> EtcdClientOptions:
     spec = (params.endpoint or "").strip()
     if spec:
         try:
-            parse_endpoints(spec)
-        except ValueError as e:
-            raise ValueError(f"Invalid --rdzv-endpoint {spec!r}: {e}") from None
+            parse_endpoints(spec, check_schemes=False)
+        except ValueError as e:  # e names the bad part; spec may hold a password
+            raise ValueError(f"Invalid --rdzv-endpoint: {e}") from None
     elif (from_env := etcdctl_endpoints(environ)) is not None:
         spec = from_env
         used.append(ETCDCTL_ENDPOINTS)
@@ -428,16 +431,42 @@ def parse_client_options(params: RdzvParams) -> EtcdClientOptions:
     if user is None:
         password = None
 
-    return EtcdClientOptions(
-        endpoints=spec,
-        read_timeout=read_timeout,
-        protocol=protocol,
-        ca_cert=ca_cert,
-        cert=cert,
-        key=key,
-        user=user,
-        password=password,
+    options = EtcdClientOptions(
+        endpoints=spec, read_timeout=read_timeout, protocol=protocol, ca_cert=ca_cert, cert=cert,
+        key=key, user=user, password=password, allow_insecure_auth=_flag(params, "allow_insecure_auth"),
     )
+    _check_transport(options)
+    return options
+
+
+def _flag(params: RdzvParams, key: str) -> bool:
+    """The conf value ``key`` as a boolean (``1/true/yes/y/on``, ``0/false/no/n/off``; default false)."""
+    value = params.get(key)
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "y", "on"):
+        return True
+    if text in ("", "0", "false", "no", "n", "off"):
+        return False
+    raise ValueError(f"The rendezvous configuration option {key!r} must be a boolean, got {value!r}.")
+
+
+def _check_transport(options: EtcdClientOptions) -> None:
+    """The client's own checks of endpoints against TLS and credentials, at parse time.
+
+    Mixed schemes, a scheme contradicting ``protocol``/the TLS files, or a password bound for
+    plain text without ``allow_insecure_auth``: ``ValueError`` naming the option to change.
+    """
+    from etcd_store.client import client_endpoints
+
+    try:
+        client_endpoints(
+            options.endpoints, protocol=options.protocol, tls=bool(options.ca_cert or options.cert),
+            user=options.user, password=options.password, allow_insecure_auth=options.allow_insecure_auth,
+        )
+    except ValueError as e:
+        raise ValueError(f"Invalid etcd connection options: {e}") from None
 
 
 def parse_rdzv_config(

@@ -99,10 +99,10 @@ def etcdctl_endpoints(environ: Environ) -> str | None:
     if spec is None:
         return None
     try:
-        if not parse_endpoints(spec):
+        if not parse_endpoints(spec, check_schemes=False):
             raise ValueError("no endpoint in it")
     except ValueError as e:
-        raise ValueError(f"Invalid ${ETCDCTL_ENDPOINTS} {spec!r}: {e}") from None
+        raise ValueError(f"Invalid ${ETCDCTL_ENDPOINTS}: {e}") from None  # e names the part; no password
     return spec
 
 

@@ -36,7 +36,7 @@ __all__ = [
 
 CONNECTION_KEYS = frozenset({
     "read_timeout", "protocol", "ssl_cert", "ssl_cert_key", "ca_cert",
-    "user", "password", "password_file", "key_prefix", "state_ttl",
+    "user", "password", "password_file", "allow_insecure_auth", "key_prefix", "state_ttl",
     "metrics_port", "metrics_addr",
 })  # fmt: skip
 """Read by every backend (etcd_rdzv/conf.py ``parse_rdzv_config``; the metrics keys by

@@ -3,7 +3,8 @@
 Off by default. Turned on by the rdzv-conf key ``metrics_port`` (or the
 environment variable ``ETCD_RDZV_METRICS_PORT``; the conf key wins), with
 ``metrics_addr`` / ``ETCD_RDZV_METRICS_ADDR`` for the address to bind
-(default ``0.0.0.0``, every interface). Needs ``prometheus_client``
+(default ``127.0.0.1``: this host only; ``0.0.0.0`` serves every interface, for a
+Prometheus elsewhere). Needs ``prometheus_client``
 (``pip install etcd-rdzv[prometheus]``).
 
 Lifecycle: torch's metric handlers are per process (``metrics.configure``), and
@@ -48,6 +49,8 @@ METRICS_PORT_KEY = "metrics_port"
 METRICS_ADDR_KEY = "metrics_addr"
 METRICS_PORT_ENV = "ETCD_RDZV_METRICS_PORT"
 METRICS_ADDR_ENV = "ETCD_RDZV_METRICS_ADDR"
+DEFAULT_METRICS_ADDR = "127.0.0.1"
+"""Loopback unless told otherwise: the metrics name runs and nodes, and the endpoint has no auth."""
 PREFIX = "etcd_rdzv_"
 
 _lock = threading.Lock()
@@ -119,7 +122,7 @@ def maybe_start(params: RdzvParams) -> tuple[str, int] | None:
     if not 1 <= port <= 65535:
         raise ValueError(f"The rendezvous configuration option {METRICS_PORT_KEY!r} must be a TCP "
                          f"port (1-65535), got {raw!r}.")
-    addr = str(_setting(params, METRICS_ADDR_KEY, METRICS_ADDR_ENV) or "0.0.0.0").strip()
+    addr = str(_setting(params, METRICS_ADDR_KEY, METRICS_ADDR_ENV) or DEFAULT_METRICS_ADDR).strip()
     try:
         import prometheus_client
     except ImportError:

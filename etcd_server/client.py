@@ -32,7 +32,8 @@ def make_client(
     """An ``etcd_store.client.EtcdClient`` for ``urls`` with TLS and auth filled in.
 
     TLS files from ``tls`` and (with ``auth``) the root credentials are
-    passed; ``overrides`` (e.g. ``user=..., password=..., timeout=...``)
+    passed (without TLS, with ``allow_insecure_auth``: the server listens on
+    this host); ``overrides`` (e.g. ``user=..., password=..., timeout=...``)
     replace them. Constructing the client sends no request. Typed ``Any`` so
     that etcd_server's signatures do not name an etcd_store type.
 
@@ -48,5 +49,7 @@ def make_client(
         kwargs.update(ca_cert=tls.ca_file, cert=tls.client_cert, key=tls.client_key)
     if auth is not None:
         kwargs.update(user="root", password=auth.root_password)
+        # The server's own client on its loopback URLs: plain text only when it runs without TLS.
+        kwargs.update(allow_insecure_auth=tls is None)
     kwargs.update(overrides)
     return EtcdClient(_client_target(urls, tls), **kwargs)

@@ -41,9 +41,10 @@ from etcd_store.errors import EtcdLeaseNotFound
 
 from ..native import protocol
 from ..native.keys import RunKeys
+from ..v2state import StateDecodeError, decode_state
 from .connect import CliError, Deadline
 from .runs import V2, V3, find_runs, state_key
-from .v2state import StateDecodeError, decode_state, encode_closed
+from .v2state import encode_closed
 
 log = logging.getLogger(__name__)
 

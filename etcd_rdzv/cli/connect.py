@@ -3,7 +3,8 @@
 Options (accepted before or after the sub-command): ``--endpoints`` (comma list;
 default ``$ETCDCTL_ENDPOINTS``, else ``localhost:2379``), ``--cacert``/``--cert``/``--key``
 (TLS files; defaults ``$ETCDCTL_CACERT`` and the pair ``$ETCDCTL_CERT``/``$ETCDCTL_KEY``),
-``--key-prefix`` (default ``/torch/elastic/rendezvous``, the rendezvous' default) and
+``--key-prefix`` (default ``/torch/elastic/rendezvous``, the rendezvous' default),
+``--allow-insecure-auth`` (a password over ``http`` is refused without it) and
 ``--timeout`` (seconds, default 10: the bound of the whole command's etcd work, retries
 included). The user name and password come from the environment only, never from the
 command line, where other users could read them: ``$ETCD_RDZV_USER`` with
@@ -82,6 +83,7 @@ class ConnectOptions:
     key: str | None = None
     user: str | None = None
     password: str | None = field(default=None, repr=False)
+    allow_insecure_auth: bool = False
 
     def create_client(self) -> EtcdClient:
         from etcd_store.client import EtcdClient
@@ -90,6 +92,7 @@ class ConnectOptions:
             return EtcdClient(
                 self.endpoints, timeout=self.timeout, ca_cert=self.ca_cert, cert=self.cert,
                 key=self.key, user=self.user, password=self.password,
+                allow_insecure_auth=self.allow_insecure_auth,
             )
         except ValueError as e:
             raise CliError(str(e)) from None
@@ -108,6 +111,8 @@ def add_connect_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--key", default=s, metavar="FILE", help=f"private key of --cert (default ${ETCDCTL_KEY})")
     group.add_argument("--key-prefix", default=s, metavar="PREFIX",
                        help=f"the rendezvous' key_prefix (default {DEFAULT_KEY_PREFIX})")
+    group.add_argument("--allow-insecure-auth", default=s, action="store_true",
+                       help="send the etcd password over http (plain text) anyway; refused otherwise")
     group.add_argument("--timeout", default=s, type=float, metavar="S",
                        help=f"bound of the command's etcd calls in seconds (default {DEFAULT_TIMEOUT:g})")
 
@@ -159,5 +164,5 @@ def _resolve(ns: argparse.Namespace, env: Mapping[str, str]) -> ConnectOptions:
     note_etcdctl_used(used)
     return ConnectOptions(
         endpoints, prefix.rstrip("/") if prefix != "/" else "", float(timeout),
-        ca_cert, cert, key, user, password,
+        ca_cert, cert, key, user, password, bool(getattr(ns, "allow_insecure_auth", False)),
     )

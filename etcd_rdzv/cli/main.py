@@ -22,14 +22,17 @@ from etcd_store.errors import EtcdError
 
 from ..native.keys import RunKeys
 from ..native.records import ProtocolStateError
+from ..v2state import StateDecodeError
 from .actions import DEFAULT_STATE_TTL, close_v2, close_v3, gc
 from .connect import CliError, ConnectOptions, Deadline, add_connect_arguments, connect_options
-from .render import render_list, render_show
+from .render import esc, render_list, render_show
 from .runs import V2, V3, RunInfo, RunReadError, find_runs, read_run, state_key
-from .v2state import StateDecodeError
 from .watching import format_change, watch_run
 
 log = logging.getLogger(__name__)
+
+ERROR_LIMIT = 2000
+"""The most characters of an error line (values from etcd in it are escaped, see :func:`.render.esc`)."""
 
 __all__ = ["build_parser", "main"]
 
@@ -105,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _fail(message: str) -> None:
-    print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
+    print(f"{PROG}: error: {esc(' '.join(message.split()), ERROR_LIMIT)}", file=sys.stderr)
 
 
 def _out(text: str) -> None:
@@ -178,7 +181,7 @@ def _watch(client: EtcdClient, opts: ConnectOptions, ns: argparse.Namespace) -> 
              else format_change(change, time.time()))
 
     def started(revision: int) -> None:
-        print(f"{PROG}: watching {backend} run {ns.run_id} after revision {revision} (Ctrl-C ends)",
+        print(f"{PROG}: watching {backend} run {esc(ns.run_id)} after revision {revision} (Ctrl-C ends)",
               file=sys.stderr, flush=True)
 
     try:
@@ -196,7 +199,8 @@ def _close(client: EtcdClient, opts: ConnectOptions, ns: argparse.Namespace) -> 
         closed = close_v3(client, opts.key_prefix, ns.run_id, deadline, state_ttl=ns.state_ttl)
     else:
         closed = close_v2(client, opts.key_prefix, ns.run_id, deadline)
-    _out(f"closed {backend} run {ns.run_id}" if closed else f"{backend} run {ns.run_id} was already closed")
+    run = esc(ns.run_id)
+    _out(f"closed {backend} run {run}" if closed else f"{backend} run {run} was already closed")
     return 0
 
 
@@ -208,7 +212,7 @@ def _gc(client: EtcdClient, opts: ConnectOptions, ns: argparse.Namespace) -> int
         return 0
     verb = "would remove" if ns.dry_run else "removed"
     for r in removed:
-        _out(f"{verb} {r.keys} keys of {r.backend} run {r.run_id} ({r.reason})")
+        _out(f"{verb} {r.keys} keys of {r.backend} run {esc(r.run_id)} ({esc(r.reason)})")
     if not removed:
         _out("nothing to remove")
     return 0

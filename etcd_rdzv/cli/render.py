@@ -1,4 +1,11 @@
-"""Text output of ``list`` and ``show`` (the JSON output is the documents of :mod:`.runs`)."""
+"""Text output of ``list`` and ``show`` (the JSON output is the documents of :mod:`.runs`).
+
+Everything shown comes from etcd, which any writer of the prefix controls, so every value
+passes :func:`esc` on its way to a terminal: control and other non-printable characters
+(escape sequences, OSC 52 clipboard writes, newlines that would forge rows, bidi overrides)
+are shown as ``\\xNN``/``\\uNNNN`` and a value is cut at :data:`CELL_LIMIT` characters. The
+JSON output (``--json``) is exact: ``json.dumps`` escapes control characters itself.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +13,18 @@ from collections.abc import Sequence
 
 from .runs import NodeInfo, RunInfo
 
-__all__ = ["format_seconds", "render_list", "render_show", "table"]
+__all__ = ["CELL_LIMIT", "esc", "format_seconds", "render_list", "render_show", "table"]
+
+CELL_LIMIT = 200
+"""The most characters of one value in text output (then ``...``)."""
+
+
+def esc(value: object, limit: int = CELL_LIMIT) -> str:
+    """``str(value)`` safe for a terminal: non-printable characters escaped, cut at ``limit``."""
+    text = str(value)
+    cut = len(text) > limit
+    out = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text[:limit])
+    return out + "..." if cut else out
 
 
 def format_seconds(value: float | None) -> str:
@@ -24,7 +42,7 @@ def format_seconds(value: float | None) -> str:
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    cells = [list(map(str, header))] + [[str(c) for c in row] for row in rows]
+    cells = [list(map(str, header))] + [[esc(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells)
 
@@ -62,7 +80,7 @@ def render_show(run: RunInfo) -> str:
     if run.complete is False:
         state += ", round filling"
     head = [
-        f"run {run.run_id} ({run.backend}): round {run.round}, world_size {run.world_size}, {state}",
+        f"run {esc(run.run_id)} ({run.backend}): round {run.round}, world_size {run.world_size}, {state}",
         f"  expiry {format_seconds(run.expiry_s)}"
         + ("" if run.age_s is None else f", last heartbeat {format_seconds(run.age_s)} ago")
         + ("" if run.store_keys is None else f", store keys {run.store_keys}"),

@@ -3,7 +3,7 @@
 Layouts read here (nothing is written):
 
 * ``etcd-v2``/``etcd``: the state key ``<prefix>/<run_id>`` (base64 of torch's pickled
-  state, decoded by :mod:`.v2state` without unpickling arbitrary objects) and the run's
+  state, decoded by :mod:`etcd_rdzv.v2state` without unpickling arbitrary objects) and the run's
   ``EtcdStore`` under ``<prefix>/<run_id>/store``;
 * ``etcd-v3``: everything under ``<prefix>/<run_id>/v3/`` (:class:`~etcd_rdzv.native.keys.RunKeys`).
 
@@ -16,7 +16,6 @@ reads as None; a record this tool cannot decode raises :class:`RunReadError`.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -26,9 +25,9 @@ from typing import Any
 from etcd_store.client import EtcdClient, KeyValue, RangeResult, op_get, prefix_range_end
 
 from ..native.keys import RunKeys
-from ..native.records import ProtocolStateError, Sealed, decode_members
+from ..native.records import ProtocolStateError, Sealed, decode_members, load_json
+from ..v2state import StateDecodeError, V2State, decode_state
 from .connect import Deadline
-from .v2state import StateDecodeError, V2State, decode_state
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +210,7 @@ def _join_value(kv: KeyValue | None) -> tuple[str | None, int | None, int | None
     if kv is None:
         return None, None, None
     try:
-        doc = json.loads(kv.value)
+        doc = load_json(kv.value)
     except ValueError:
         return None, None, None
     if not isinstance(doc, dict):

@@ -13,7 +13,6 @@ revision, so no change between the read and the watch is missed; it returns afte
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -22,10 +21,11 @@ from typing import Any
 from etcd_store.client import EtcdClient, Event
 
 from ..native.keys import RunKeys
-from ..native.records import ProtocolStateError, decode_sealed
+from ..native.records import ProtocolStateError, decode_sealed, load_json
+from ..v2state import StateDecodeError, V2State, decode_state
 from .connect import CliError, Deadline
+from .render import esc
 from .runs import V2, state_key
-from .v2state import StateDecodeError, V2State, decode_state
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ Change = dict[str, Any]
 
 def _join_host(value: bytes) -> str | None:
     try:
-        doc = json.loads(value)
+        doc = load_json(value)
     except ValueError:
         return None
     return doc.get("addr") if isinstance(doc, dict) and isinstance(doc.get("addr"), str) else None
@@ -128,7 +128,7 @@ def format_change(change: Change, when: float) -> str:
         parts.append(f"master {change['master']}")
     if "error" in change:
         parts.append(change["error"])
-    return " ".join(str(p) for p in parts)
+    return " ".join(esc(p) for p in parts)  # values from etcd: escaped for the terminal
 
 
 def watch_run(

@@ -1,9 +1,12 @@
 """``EtcdRendezvousBackend``: torch's ``RendezvousBackend`` contract over etcd v3.
 
 The rendezvous state is one key, ``<key_prefix>/<run_id>``, whose value is the
-base64 of the state bytes (as torch's ``etcd-v2`` and ``c10d`` backends store it,
-so a corrupt value is detected rather than handed to ``pickle``). The fencing
-token is the key's ``mod_revision``, an opaque ``int``.
+base64 of the state bytes (as torch's ``etcd-v2`` and ``c10d`` backends store it).
+torch ``pickle.loads`` what :meth:`get_state` and :meth:`set_state` return, so every
+value read from etcd first passes :func:`etcd_rdzv.v2state.state_bytes` (bounded size,
+a restricted unpickler admitting only torch's state types): a value that is not torch's
+rendezvous state raises ``RendezvousStateError`` naming the key and is never unpickled
+by torch. The fencing token is the key's ``mod_revision``, an opaque ``int``.
 
 Round trips (healthy etcd): :meth:`get_state` is one Range; :meth:`set_state` is
 one Txn, ``if mod_revision(key) == token (version == 0 without a token) then put
@@ -25,11 +28,10 @@ delete the state if we were the last writer); they run out on their own.
 
 from __future__ import annotations
 
-import binascii
 import logging
 import threading
 import time
-from base64 import b64decode, b64encode
+from base64 import b64encode
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -54,6 +56,7 @@ from etcd_store.errors import EtcdError
 
 from .. import metrics
 from ..conf import DEFAULT_KEY_PREFIX, DEFAULT_STATE_TTL, RdzvConfig, check_run_id, parse_rdzv_config
+from ..v2state import StateDecodeError, state_bytes
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -81,7 +84,9 @@ class EtcdRendezvousBackend(RendezvousBackend):
 
     Every method raises ``RendezvousConnectionError`` when etcd cannot be reached
     (or refuses the credentials) within the client's timeout, and
-    ``RendezvousStateError`` when the stored state is not valid base64.
+    ``RendezvousStateError`` when the stored value is not torch's rendezvous state
+    (not base64, too large, or a pickle naming anything but torch's state types);
+    ``set_state`` writes ``state`` as given (it comes from torch's own handler).
     """
 
     def __init__(
@@ -170,12 +175,13 @@ class EtcdRendezvousBackend(RendezvousBackend):
     # ------------------------------------------------------------ helpers
 
     def _decode(self, kv: KeyValue) -> tuple[bytes, Token]:
+        """The checked state bytes of ``kv`` and its token; raises ``RendezvousStateError``."""
         try:
-            state = b64decode(kv.value, validate=True)
-        except (binascii.Error, ValueError) as e:
+            state = state_bytes(kv.value, repr(self.key))
+        except StateDecodeError as e:
             raise RendezvousStateError(
-                f"The rendezvous state stored in etcd at {self.key!r} is corrupt (not base64): {e}"
-            ) from e
+                f"The rendezvous state stored in etcd is corrupt or not torch's, refusing it: {e}"
+            ) from None
         return state, kv.mod_revision
 
     def _lease(self, deadline: float) -> int:

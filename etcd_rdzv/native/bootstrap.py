@@ -22,6 +22,8 @@ from torch.distributed.elastic.utils.distributed import get_free_port
 
 from etcd_store.errors import EtcdCompactedError
 
+from .records import load_json
+
 if TYPE_CHECKING:
     from etcd_store import EtcdStore
     from etcd_store.client import EtcdClient
@@ -45,7 +47,7 @@ def join_value(node_addr: str) -> bytes:
 def address_of(value: bytes) -> tuple[str | None, int | None]:
     """``(addr, port)`` of a join value; None for what it lacks or what is malformed."""
     try:
-        doc = json.loads(value)
+        doc = load_json(value)
     except ValueError:
         return None, None
     if not isinstance(doc, dict):

@@ -14,12 +14,18 @@ numbers ``1..V`` in create order and a member's rank is its number - 1); else
 ``{"world": W, "created": [r0, d1, d2, ...]}``, the create revisions of the ``W``
 members in rank order, delta-encoded (``r_i = r_{i-1} + d_i``); each member knows
 its own key's create revision from its join.
+
+Every JSON value read from etcd goes through :func:`load_json`: larger than
+:data:`MAX_RECORD_BYTES` or nested too deeply for the parser (``RecursionError``)
+is a ``ValueError`` like any malformed value, which the decoders turn into a
+bounded :class:`ProtocolStateError` (or ignore, for optional fields).
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
 
 from etcd_store.client import KeyValue, RangeResult
 
@@ -35,7 +41,22 @@ __all__ = [
     "encode_sealed",
     "first_kv",
     "lease_of",
+    "load_json",
 ]
+
+MAX_RECORD_BYTES = 16 * 1024 * 1024
+"""The largest JSON value decoded (the members record of 100,000 nodes is ~4 MB)."""
+
+
+def load_json(value: bytes) -> Any:
+    """``json.loads(value)``, but a value over :data:`MAX_RECORD_BYTES` or nested too deeply
+    raises ``ValueError`` (with a short message) instead of exhausting memory or the stack."""
+    if len(value) > MAX_RECORD_BYTES:
+        raise ValueError(f"a {len(value)}-byte value, more than the {MAX_RECORD_BYTES} bytes of a record")
+    try:
+        return json.loads(value)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
 
 
 class ProtocolStateError(Exception):
@@ -117,7 +138,7 @@ def decode_membership(value: bytes, key: bytes = b"ctl/sealed") -> Membership | 
     """The :class:`Membership` of a ``ctl/sealed`` value; None if it names none."""
     where = key.decode("utf-8", "replace")
     try:
-        record = json.loads(value)
+        record = load_json(value)
     except ValueError:
         return None
     if not isinstance(record, dict) or "world" not in record:
@@ -147,7 +168,7 @@ def decode_sealed(value: bytes, key: bytes = b"ctl/sealed") -> tuple[int, int | 
     members then read rank 0's join key instead)."""
     where = key.decode("utf-8", "replace")
     try:
-        record = json.loads(value)
+        record = load_json(value)
         number, lease = record["round"], record.get("run_lease")
         run_lease = int(lease, 16) if lease is not None else None
     except (ValueError, KeyError, TypeError, AttributeError):
@@ -182,7 +203,7 @@ def encode_sealed(
 def decode_members(value: bytes, key: bytes = b"a members record") -> list[str]:
     """The node ids of a ``rounds/<T>/members`` record, in rank order; errors name ``key``."""
     try:
-        members = json.loads(value)
+        members = load_json(value)
     except ValueError:
         members = None
     if not isinstance(members, list) or not all(isinstance(m, str) for m in members):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import grpc  # noqa: F401
 
 from .calls import EtcdClient
-from .endpoints import DEFAULT_PORT, Endpoint, parse_endpoints
+from .endpoints import DEFAULT_PORT, Endpoint, client_endpoints, parse_endpoints
 from .kv import (
     DeleteResult,
     Event,
@@ -65,6 +65,7 @@ __all__ = [
     "op_delete",
     "op_get",
     "op_put",
+    "client_endpoints",
     "parse_endpoints",
     "prefix_range_end",
     "renewing_lease",

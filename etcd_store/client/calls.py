@@ -46,15 +46,21 @@ class EtcdClient(LeaseCalls):
         endpoints: ``"h1:2379,h2:2379"``, ``http(s)://`` URLs, or a list of those.
         timeout: the default deadline in seconds of every call (retries included).
         ca_cert, cert, key: TLS files (CA bundle; client certificate and key). Giving
-            any of them turns TLS on for endpoints written without a scheme.
+            any of them turns TLS on for endpoints written without a scheme (an
+            ``http://`` endpoint then is a ``ValueError``, as are endpoints mixing schemes
+            or carrying ``user:password@``).
         user, password: etcd user credentials. The token is fetched on first use and
-            fetched again when etcd says it is no longer valid.
+            fetched again when etcd says it is no longer valid. A password with a
+            plain-text endpoint is a ``ValueError`` unless ``allow_insecure_auth``
+            (then a warning is logged); a password sent to an etcd with auth disabled
+            logs a warning once per client.
         interceptors: gRPC client interceptors (for instance an :class:`RpcCounter`).
         connect_timeout: seconds (default 5) a client that never reached etcd keeps
             retrying when every endpoint refuses the connection (nothing listening,
             unknown host); then the call raises :class:`EtcdConnectionError` instead of
             waiting out ``timeout``. Once any member answered, calls ride out outages
             until their own deadline.
+        allow_insecure_auth: accept sending ``password`` over plain text (see above).
 
     Calls fail over to the next endpoint when one is unreachable. Every failure
     surfaces as an :class:`~etcd_store.errors.EtcdError` that names the endpoints.

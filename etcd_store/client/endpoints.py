@@ -1,11 +1,18 @@
-"""etcd endpoint addresses: :func:`parse_endpoints` and :class:`Endpoint`."""
+"""etcd endpoint addresses: :func:`parse_endpoints` and :class:`Endpoint`.
+
+Refused with a ``ValueError`` (which never repeats a password): credentials in an
+endpoint (``http://user:pw@host``: they would be sent as a host name and printed in
+errors), endpoints mixing ``http`` and ``https`` (a member reached in plain text would
+get the password and the data TLS protects elsewhere), and an explicit scheme that
+contradicts the one the client was configured for (``protocol``, TLS files).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_PORT", "Endpoint", "parse_endpoints"]
+__all__ = ["DEFAULT_PORT", "Endpoint", "client_endpoints", "parse_endpoints", "redact_endpoint"]
 
 DEFAULT_PORT = 2379
 
@@ -28,13 +35,30 @@ class Endpoint:
         return f"{'https' if self.secure else 'http'}://{self.target}"
 
 
+def redact_endpoint(text: str) -> str:
+    """``text`` with whatever precedes an ``@`` in its authority replaced by ``***``."""
+    scheme, sep, rest = text.partition("://") if "://" in text else ("", "", text)
+    authority, slash, path = rest.partition("/")
+    if "@" in authority:
+        authority = "***@" + authority.rpartition("@")[2]
+    return f"{scheme}{sep}{authority}{slash}{path}"
+
+
 def parse_endpoints(
-    spec: str | Sequence[str], *, secure: bool | None = None, default_port: int = DEFAULT_PORT
+    spec: str | Sequence[str],
+    *,
+    secure: bool | None = None,
+    default_port: int = DEFAULT_PORT,
+    check_schemes: bool = True,
 ) -> list[Endpoint]:
     """Parse ``"h1:2379,h2:2379"``, ``http://`` / ``https://`` URLs, or a list of those.
 
-    ``secure`` forces the scheme of endpoints written without one (``None``: plain
-    text unless a URL says ``https``). Raises ``ValueError`` naming the bad part.
+    ``secure`` is the scheme the client was configured for (``protocol``, TLS files):
+    endpoints written without a scheme take it (``None``: plain text unless a URL says
+    ``https``), and a URL saying the other one is refused. Raises ``ValueError`` naming the
+    bad part (see the module docstring for what is refused); no password is repeated.
+    ``check_schemes=False`` checks the syntax only (for a caller that does not know the
+    client's ``protocol`` yet and checks the whole later with :func:`client_endpoints`).
     """
     parts = spec.split(",") if isinstance(spec, str) else list(spec)
     endpoints: list[Endpoint] = []
@@ -42,6 +66,12 @@ def parse_endpoints(
         text = raw.strip()
         if not text:
             continue
+        if "@" in text.partition("://")[2 if "://" in text else 0].partition("/")[0]:
+            raise ValueError(
+                f"Invalid etcd endpoint {redact_endpoint(text)!r}: credentials in an endpoint URL are "
+                "not accepted (they would be taken as a host name and shown in errors); give the "
+                "user and password as options (a password file) instead."
+            )
         is_secure = bool(secure)
         if "://" in text:
             scheme, _, text = text.partition("://")
@@ -50,6 +80,12 @@ def parse_endpoints(
                     f"Invalid etcd endpoint {raw.strip()!r}: scheme must be http or https."
                 )
             is_secure = scheme == "https"
+            if check_schemes and secure is not None and is_secure != secure:
+                raise ValueError(
+                    f"Invalid etcd endpoint {raw.strip()!r}: it says {scheme} but the client is "
+                    f"configured for {'https' if secure else 'http'} (option protocol, or TLS "
+                    "certificate files given); write the endpoints with the scheme meant."
+                )
         text = text.rstrip("/")
         host, port_text = text, ""
         if text.startswith("["):
@@ -70,4 +106,41 @@ def parse_endpoints(
         endpoints.append(Endpoint(host, port, is_secure))
     if not endpoints:
         raise ValueError(f"No etcd endpoint given in {spec!r}.")
+    if check_schemes and len({ep.secure for ep in endpoints}) > 1:
+        raise ValueError(
+            f"The etcd endpoints mix https and http ({', '.join(map(str, endpoints))}): a member "
+            "reached in plain text would receive the password and the data TLS protects on the "
+            "others; use https (or http) for every endpoint."
+        )
+    return endpoints
+
+
+def client_endpoints(
+    spec: str | Sequence[str],
+    *,
+    protocol: str | None = None,
+    tls: bool = False,
+    user: str | None = None,
+    password: str | None = None,
+    allow_insecure_auth: bool = False,
+) -> list[Endpoint]:
+    """The endpoints of a client configured with ``protocol`` (``http``/``https``/``None``),
+    TLS files (``tls``) and credentials, checked as the module says.
+
+    Endpoints without a scheme take ``protocol``, else https when ``tls``. A ``password``
+    bound for a plain-text endpoint is refused unless ``allow_insecure_auth`` (the caller
+    then warns). Raises ``ValueError`` naming what was wrong (never the password).
+    """
+    if protocol not in (None, "http", "https"):
+        raise ValueError(f"Invalid etcd protocol {protocol!r}: use 'http' or 'https'.")
+    secure = (protocol == "https") if protocol is not None else (True if tls else None)
+    endpoints = parse_endpoints(spec, secure=secure)
+    plain = ", ".join(str(ep) for ep in endpoints if not ep.secure)
+    if password and plain and not allow_insecure_auth:
+        raise ValueError(
+            f"etcd user {user!r} would send its password in plain text to {plain}: use https "
+            "endpoints (TLS: protocol=https, ca_cert), or accept the risk explicitly (a trusted "
+            "network, or etcd on this host) with allow_insecure_auth (the rdzv-conf key; "
+            "--allow-insecure-auth of the etcd-rdzv command)."
+        )
     return endpoints

@@ -34,7 +34,7 @@ from ..errors import (
     EtcdTimeoutError,
     EtcdTLSError,
 )
-from .endpoints import Endpoint, parse_endpoints
+from .endpoints import Endpoint, client_endpoints
 from .stats import CallStats, counts_error
 
 log = logging.getLogger(__name__)
@@ -213,9 +213,8 @@ class Transport:
         protocol: str | None = None,
         interceptors: Sequence[Any] = (),
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        allow_insecure_auth: bool = False,
     ) -> None:
-        if protocol not in (None, "http", "https"):
-            raise ValueError(f"Invalid etcd protocol {protocol!r}: use 'http' or 'https'.")
         if (cert is None) != (key is None):
             raise ValueError("TLS client certificate and key must be given together (cert, key).")
         if (user is None) != (password is None) and not (user and password == ""):
@@ -224,12 +223,16 @@ class Transport:
             raise ValueError(f"etcd client timeout must be positive, got {timeout}.")
         if connect_timeout <= 0:
             raise ValueError(f"etcd client connect_timeout must be positive, got {connect_timeout}.")
-        secure: bool | None = None
-        if protocol is not None:
-            secure = protocol == "https"
-        elif ca_cert or cert:
-            secure = True
-        self.endpoints = parse_endpoints(endpoints, secure=secure)
+        self.endpoints = client_endpoints(
+            endpoints, protocol=protocol, tls=bool(ca_cert or cert), user=user, password=password,
+            allow_insecure_auth=allow_insecure_auth,
+        )
+        if password and not all(ep.secure for ep in self.endpoints):
+            log.warning(
+                "etcd user %r sends its password in plain text to %s (allow_insecure_auth is set): "
+                "anyone on the path can read it.", user, self.describe(),
+            )
+        self._auth_off_warned = False
         self.timeout = float(timeout)
         self.connect_timeout = float(connect_timeout)
         # Set once any member answered: from then on calls ride out outages until their deadline.
@@ -315,8 +318,16 @@ class Transport:
                 self.stats.failed(refused)
                 raise refused from None
             if "authentication is not enabled" in text:
-                # Auth is off: run without a token.
+                # Auth is off: run without a token, and say once that the password is not needed.
                 member.token = ""
+                if not self._auth_off_warned:
+                    self._auth_off_warned = True
+                    log.warning(
+                        "etcd at %s has authentication disabled, but user %r and a password were "
+                        "configured: the password was sent for nothing and every key is open to anyone "
+                        "who can reach etcd. Enable auth in etcd, or remove the credentials.",
+                        member.endpoint, self._user,
+                    )
                 return
             raise
         self._reached = True

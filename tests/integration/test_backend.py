@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import itertools
+import pickle
 import socket
 import threading
 import time
@@ -15,7 +16,11 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousConnectionError,
     RendezvousStateError,
 )
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    RendezvousBackend,
+    _NodeDesc,
+    _RendezvousState,
+)
 
 from etcd_rdzv import EtcdRendezvousBackend
 from etcd_store.client import EtcdClient, RpcCounter
@@ -24,6 +29,13 @@ from etcd_store.client import EtcdClient, RpcCounter
 pytestmark = pytest.mark.etcd_matrix
 
 _ids = itertools.count()
+
+
+def st(tag: str) -> bytes:
+    """A state as torch's handler pickles it, told apart by ``tag`` (the backend refuses other bytes)."""
+    state = _RendezvousState()
+    state.participants = {_NodeDesc(tag, 1, 0): 0}
+    return pickle.dumps(state)
 
 
 @pytest.fixture
@@ -71,68 +83,68 @@ def test_no_state_yields_none(backend: EtcdRendezvousBackend) -> None:
 def test_state_key_is_prefix_slash_run_id_and_holds_base64(
     client: EtcdClient, backend: EtcdRendezvousBackend, run_id: str
 ) -> None:
-    backend.set_state(b"\x00state\xff")
+    backend.set_state(st("state"))
     kv = client.get(f"/test/rdzv/{run_id}".encode())
     assert kv is not None
-    assert base64.b64decode(kv.value) == b"\x00state\xff"
+    assert base64.b64decode(kv.value) == st("state")
     # No prefix: the key is the run id itself (as torch's backend).
     bare = EtcdRendezvousBackend(client, f"{run_id}-bare", key_prefix="")
-    bare.set_state(b"x")
+    bare.set_state(st("x"))
     assert client.get(f"{run_id}-bare".encode()) is not None
     client.delete(f"{run_id}-bare".encode())
 
 
 def test_create_then_update_with_token(backend: EtcdRendezvousBackend) -> None:
-    created = backend.set_state(b"one")
+    created = backend.set_state(st("one"))
     assert created is not None
     state, token, has_set = created
-    assert (state, has_set) == (b"one", True)
-    assert backend.get_state() == (b"one", token)
+    assert (state, has_set) == (st("one"), True)
+    assert backend.get_state() == (st("one"), token)
 
-    updated = backend.set_state(b"two", token)
+    updated = backend.set_state(st("two"), token)
     assert updated is not None
-    assert updated[0] == b"two" and updated[2] is True
+    assert updated[0] == st("two") and updated[2] is True
     assert updated[1] != token
-    assert backend.get_state() == (b"two", updated[1])
+    assert backend.get_state() == (st("two"), updated[1])
 
 
 def test_create_without_token_when_state_exists_returns_current(
     backend: EtcdRendezvousBackend,
 ) -> None:
-    first = backend.set_state(b"first")
+    first = backend.set_state(st("first"))
     assert first is not None
-    assert backend.set_state(b"second") == (b"first", first[1], False)
-    assert backend.get_state() == (b"first", first[1])
+    assert backend.set_state(st("second")) == (st("first"), first[1], False)
+    assert backend.get_state() == (st("first"), first[1])
 
 
 def test_stale_token_returns_current_state_unchanged(backend: EtcdRendezvousBackend) -> None:
-    first = backend.set_state(b"a")
+    first = backend.set_state(st("a"))
     assert first is not None
-    second = backend.set_state(b"b", first[1])
+    second = backend.set_state(st("b"), first[1])
     assert second is not None and second[2]
     # A node still holding the first token loses and learns the current state.
-    assert backend.set_state(b"c", first[1]) == (b"b", second[1], False)
-    assert backend.get_state() == (b"b", second[1])
+    assert backend.set_state(st("c"), first[1]) == (st("b"), second[1], False)
+    assert backend.get_state() == (st("b"), second[1])
 
 
 @pytest.mark.parametrize("token", ["not-a-number", object(), 3.5j])
 def test_unparsable_token_returns_current_state(
     backend: EtcdRendezvousBackend, token: object
 ) -> None:
-    assert backend.set_state(b"x", token) is None  # no state: nothing written, None
+    assert backend.set_state(st("x"), token) is None  # no state: nothing written, None
     assert backend.get_state() is None
-    created = backend.set_state(b"y")
+    created = backend.set_state(st("y"))
     assert created is not None
-    assert backend.set_state(b"z", token) == (b"y", created[1], False)
+    assert backend.set_state(st("z"), token) == (st("y"), created[1], False)
 
 
 def test_token_of_a_state_that_is_gone_yields_none(
     client: EtcdClient, backend: EtcdRendezvousBackend
 ) -> None:
-    created = backend.set_state(b"x")
+    created = backend.set_state(st("x"))
     assert created is not None
     client.delete(backend.key.encode())
-    assert backend.set_state(b"y", created[1]) is None
+    assert backend.set_state(st("y"), created[1]) is None
     assert backend.get_state() is None
 
 
@@ -144,9 +156,9 @@ def test_corrupt_state_raises_state_error(
         backend.get_state()
     # set_state's failure branch returns the same corrupt value.
     with pytest.raises(RendezvousStateError):
-        backend.set_state(b"x")
+        backend.set_state(st("x"))
     with pytest.raises(RendezvousStateError):
-        backend.set_state(b"x", 1)
+        backend.set_state(st("x"), 1)
 
 
 def test_concurrent_creators_exactly_one_wins(client: EtcdClient, run_id: str) -> None:
@@ -156,7 +168,7 @@ def test_concurrent_creators_exactly_one_wins(client: EtcdClient, run_id: str) -
 
     def create(i: int) -> None:
         start.wait()
-        results[i] = backends[i].set_state(f"node-{i}".encode())
+        results[i] = backends[i].set_state(st(f"node-{i}"))
 
     threads = [threading.Thread(target=create, args=(i,)) for i in range(len(backends))]
     for t in threads:
@@ -181,13 +193,13 @@ def test_each_call_is_one_rpc(
     assert counter.snapshot() == {"KV/Range": 1}
 
     counter.reset()
-    created = backend.set_state(b"a")  # first write of this backend: takes its lease
+    created = backend.set_state(st("a"))  # first write of this backend: takes its lease
     assert created is not None
     assert counter.snapshot() == {"Lease/LeaseGrant": 1, "KV/Txn": 1}
 
     counter.reset()
-    updated = backend.set_state(b"b", created[1])
-    stale = backend.set_state(b"c", created[1])
+    updated = backend.set_state(st("b"), created[1])
+    stale = backend.set_state(st("c"), created[1])
     assert updated is not None and updated[2]
     assert stale is not None and not stale[2]
     assert counter.snapshot() == {"KV/Txn": 2}
@@ -204,7 +216,7 @@ def test_state_expires_ttl_after_last_write_and_not_while_written(
     key = backend.key.encode()
     with client.watch(key) as watch:
         assert watch.wait_created(5)
-        created = backend.set_state(b"s0")
+        created = backend.set_state(st("s0"))
         assert created is not None
         token = created[1]
         # Keep writing for longer than two lease lifetimes (1.5 x ttl each): the
@@ -213,7 +225,7 @@ def test_state_expires_ttl_after_last_write_and_not_while_written(
         i = 0
         while time.monotonic() < until:
             i += 1
-            result = backend.set_state(f"s{i}".encode(), token)
+            result = backend.set_state(st(f"s{i}"), token)
             assert result is not None and result[2], f"write {i} lost: {result}"
             token = result[1]
             events = watch.get(timeout=0.5)
@@ -230,17 +242,17 @@ def test_state_expires_ttl_after_last_write_and_not_while_written(
 
 
 def test_revoked_lease_is_replaced(client: EtcdClient, backend: EtcdRendezvousBackend) -> None:
-    created = backend.set_state(b"a")
+    created = backend.set_state(st("a"))
     assert created is not None
     kv = client.get(backend.key.encode())
     assert kv is not None and kv.lease != 0
     # Move the key to another lease, then revoke ours: the next write must not fail.
     other = client.lease_grant(60)
-    client.put(backend.key.encode(), base64.b64encode(b"moved"), lease=other)
+    client.put(backend.key.encode(), base64.b64encode(st("moved")), lease=other)
     client.lease_revoke(kv.lease)
     current = backend.get_state()
     assert current is not None
-    result = backend.set_state(b"b", current[1])
+    result = backend.set_state(st("b"), current[1])
     assert result is not None and result[2]
     kv2 = client.get(backend.key.encode())
     assert kv2 is not None and kv2.lease not in (0, kv.lease, other)
@@ -288,7 +300,7 @@ def test_unreachable_etcd_raises_connection_error_within_read_timeout(
     read_timeout = 1.0
     with EtcdClient(endpoint, timeout=read_timeout) as dead:
         backend = EtcdRendezvousBackend(dead, "unreachable")
-        for call in (backend.get_state, lambda: backend.set_state(b"x"), lambda: backend.set_state(b"x", 5)):
+        for call in (backend.get_state, lambda: backend.set_state(st("x")), lambda: backend.set_state(st("x"), 5)):
             started = time.monotonic()
             with pytest.raises(RendezvousConnectionError, match=endpoint):
                 call()

@@ -33,10 +33,11 @@ from etcd_rdzv.cli import main
 from etcd_rdzv.cli.connect import CliError, connect_options
 from etcd_rdzv.cli.render import format_seconds, render_list
 from etcd_rdzv.cli.runs import RunInfo, classify_keys, v2_info
-from etcd_rdzv.cli.v2state import NodeDesc, StateDecodeError, V2State, decode_state, encode_closed
+from etcd_rdzv.cli.v2state import encode_closed
 from etcd_rdzv.cli.watching import describe_v3, diff_v2
 from etcd_rdzv.native.keys import RunKeys
 from etcd_rdzv.plugin import create_etcd_v2_rdzv_handler, create_etcd_v3_rdzv_handler
+from etcd_rdzv.v2state import NodeDesc, StateDecodeError, V2State, decode_state
 from etcd_server import AuthConfig, EtcdServer
 from etcd_store.client import EtcdClient, Event, KeyValue
 
@@ -379,6 +380,10 @@ def test_permission_denied_is_exit_2(etcd_binary: str, capsys: pytest.CaptureFix
         monkeypatch.setenv("ETCD_RDZV_USER", "alice")
         monkeypatch.setenv("ETCD_RDZV_PASSWORD", "al1ce-cli-pw")
         base = ["--endpoints", server.get_endpoint(), "--timeout", "5"]
+        assert main([*base, "list"]) == 2  # a password over http: refused without the opt-in
+        err = capsys.readouterr().err
+        assert "--allow-insecure-auth" in err and "al1ce-cli-pw" not in err
+        base.append("--allow-insecure-auth")
         assert main([*base, "--key-prefix", "/jobs/alice", "list", "--json"]) == 0
         assert json.loads(capsys.readouterr().out) == {"runs": []}
         assert main([*base, "list"]) == 2

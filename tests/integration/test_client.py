@@ -62,7 +62,10 @@ def client(etcd_endpoint: str) -> Iterator[EtcdClient]:
 
 
 def test_parse_endpoints_forms() -> None:
-    eps = parse_endpoints("h1:1,http://h2:2, https://h3:3/ ,h4,[::1]:5")
+    forms = "h1:1,http://h2:2, https://h3:3/ ,h4,[::1]:5"
+    with pytest.raises(ValueError, match="mix https and http"):  # a client never mixes them
+        parse_endpoints(forms)
+    eps = parse_endpoints(forms, check_schemes=False)  # the syntax alone
     assert [(e.host, e.port, e.secure) for e in eps] == [
         ("h1", 1, False),
         ("h2", 2, False),

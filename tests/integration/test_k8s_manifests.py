@@ -215,7 +215,8 @@ def test_auth_setup_script_against_etcd(etcd_binary: str, tmp_path: Path) -> Non
         assert password not in first.stdout + first.stderr
         again = subprocess.run(["sh", str(script)], env=env, capture_output=True, text=True, timeout=60)
         assert again.returncode == 0 and "already" in again.stdout, again.stderr
-        with EtcdClient(server.get_endpoint(), user="rdzv", password=password, timeout=5) as client:
+        with EtcdClient(server.get_endpoint(), user="rdzv", password=password, timeout=5,
+                        allow_insecure_auth=True) as client:  # a local etcd without TLS
             client.put(b"/torch/elastic/rendezvous/job/x", b"1")
             with pytest.raises(EtcdPermissionDenied):
                 client.put(b"/torch/elastic/rendezvousX", b"1")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import pickle
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousConnectionError,
     rendezvous_handler_registry,
 )
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
 
 from etcd_rdzv import EtcdRendezvousBackend, plugin
 from etcd_rdzv.conf import (
@@ -179,9 +181,10 @@ def test_several_endpoints_fail_over(etcd_endpoint: str) -> None:
     config = parse_rdzv_config(params)
     with config.client.create_client() as client:
         backend = EtcdRendezvousBackend(client, params.run_id, config.key_prefix)
-        result = backend.set_state(b"state")
+        state = pickle.dumps(_RendezvousState())  # the backend hands torch only torch's states
+        result = backend.set_state(state)
         assert result is not None and result[2]
-        assert backend.get_state() == (b"state", result[1])
+        assert backend.get_state() == (state, result[1])
 
 
 # ------------------------------------------------------------------ TLS and auth
@@ -208,7 +211,7 @@ def _roundtrip(params: RendezvousParameters) -> None:
     config = parse_rdzv_config(params)
     with config.client.create_client() as client:
         backend = EtcdRendezvousBackend(client, params.run_id, config.key_prefix)
-        result = backend.set_state(b"over tls")
+        result = backend.set_state(pickle.dumps(_RendezvousState()))
         assert result is not None and result[2]
 
 
@@ -243,11 +246,11 @@ def test_auth_user_and_password_from_environment(
     with EtcdServer(binary=etcd_binary, auth=auth) as server:
         monkeypatch.setenv(USER_ENV, "alice")
         monkeypatch.setenv(PASSWORD_ENV, "al1ce-pw-x")
-        _roundtrip(_params(endpoint=server.get_endpoint(), key_prefix="/jobs/alice/rdzv", read_timeout="10"))
+        # A local etcd without TLS: the password goes in plain text only with the opt-in.
+        local = {"endpoint": server.get_endpoint(), "allow_insecure_auth": "1"}
+        _roundtrip(_params(**local, key_prefix="/jobs/alice/rdzv", read_timeout="10"))
         monkeypatch.setenv(PASSWORD_ENV, "wrong-pw")
-        config = parse_rdzv_config(
-            _params(endpoint=server.get_endpoint(), key_prefix="/jobs/alice/rdzv", read_timeout="5")
-        )
+        config = parse_rdzv_config(_params(**local, key_prefix="/jobs/alice/rdzv", read_timeout="5"))
         with config.client.create_client() as client:
             with pytest.raises(RendezvousConnectionError, match="alice"):
                 EtcdRendezvousBackend(client, "auth-run", config.key_prefix).get_state()

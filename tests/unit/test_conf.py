@@ -29,6 +29,8 @@ _ids = itertools.count()
 
 
 def _params(backend: str = "etcd-v2", endpoint: str = "127.0.0.1:2379", **conf: Any) -> RendezvousParameters:
+    # Passwords over http are refused without allow_insecure_auth (the tests of that pass "0").
+    conf.setdefault("allow_insecure_auth", "1")
     return RendezvousParameters(
         backend=backend, endpoint=endpoint, run_id=f"conf-run-{next(_ids)}", min_nodes=1, max_nodes=2, **conf
     )
@@ -191,3 +193,23 @@ def test_every_backend_rejects_the_same_run_ids_alike(backend: str, run_id: str,
     )
     with pytest.raises(ValueError, match=rf"run id \(--rdzv-id\) {said}"):
         torch_registry.get_rendezvous_handler(params)
+
+
+def test_a_password_over_http_is_refused_unless_allow_insecure_auth() -> None:
+    with pytest.raises(ValueError, match="plain text to http://127.0.0.1:2379.*allow_insecure_auth") as info:
+        parse_rdzv_config(_params(user="bob", password="b0b-pw", allow_insecure_auth="0"))
+    assert "b0b-pw" not in str(info.value)
+    assert parse_rdzv_config(_params(user="bob", password="pw", allow_insecure_auth="yes")).client.allow_insecure_auth
+    https = parse_rdzv_config(_params(endpoint="https://h:1", user="bob", password="pw", allow_insecure_auth="0"))
+    assert https.client.password == "pw" and not https.client.allow_insecure_auth
+    with pytest.raises(ValueError, match="'allow_insecure_auth' must be a boolean"):
+        parse_rdzv_config(_params(allow_insecure_auth="maybe"))
+
+
+@pytest.mark.parametrize("endpoint, match", [
+    ("https://h1:1,http://h2:2", "mix https and http"),
+    ("http://h1:1", "says http but the client is configured for https"),
+])
+def test_endpoint_schemes_must_agree_with_each_other_and_the_protocol(endpoint: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        parse_rdzv_config(_params(endpoint=endpoint, protocol="https" if "," not in endpoint else None))

@@ -22,6 +22,8 @@ ETCDCTL = ("ETCDCTL_ENDPOINTS", "ETCDCTL_CACERT", "ETCDCTL_CERT", "ETCDCTL_KEY",
 
 
 def _params(endpoint: str = "", **conf: Any) -> RendezvousParameters:
+    # Passwords over http are refused without allow_insecure_auth (tests/unit/test_conf.py checks that).
+    conf.setdefault("allow_insecure_auth", "1")
     return RendezvousParameters(
         backend="etcd-v3", endpoint=endpoint, run_id=f"env-run-{next(_ids)}", min_nodes=1, max_nodes=2, **conf
     )
@@ -49,16 +51,16 @@ def pem(tmp_path: Path) -> dict[str, str]:
 
 
 def test_etcdctl_endpoints_apply_only_to_an_empty_endpoint(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("ETCDCTL_ENDPOINTS", "https://e1:2379,e2:2379")
-    assert parse_rdzv_config(_params("")).client.endpoints == "https://e1:2379,e2:2379"
-    assert parse_rdzv_config(_params("  ")).client.endpoints == "https://e1:2379,e2:2379"
+    monkeypatch.setenv("ETCDCTL_ENDPOINTS", "https://e1:2379,https://e2:2379")
+    assert parse_rdzv_config(_params("")).client.endpoints == "https://e1:2379,https://e2:2379"
+    assert parse_rdzv_config(_params("  ")).client.endpoints == "https://e1:2379,https://e2:2379"
     assert parse_rdzv_config(_params("h:1")).client.endpoints == "h:1"  # never merged
-    assert connect_options(_cli()).endpoints == "https://e1:2379,e2:2379"
+    assert connect_options(_cli()).endpoints == "https://e1:2379,https://e2:2379"
     assert connect_options(_cli("--endpoints", "x:1")).endpoints == "x:1"
     monkeypatch.setenv("ETCDCTL_ENDPOINTS", " ")
     assert parse_rdzv_config(_params("")).client.endpoints == "localhost:2379"
     monkeypatch.setenv("ETCDCTL_ENDPOINTS", "ftp://e1:2379")
-    with pytest.raises(ValueError, match=r"\$ETCDCTL_ENDPOINTS 'ftp://e1:2379'.*scheme"):
+    with pytest.raises(ValueError, match=r"\$ETCDCTL_ENDPOINTS: .*'ftp://e1:2379'.*scheme"):
         parse_rdzv_config(_params(""))
     parse_rdzv_config(_params("h:1"))  # an overridden bad variable is never an error
     with pytest.raises(CliError, match="ETCDCTL_ENDPOINTS"):

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 import time
 
 import pytest
+from helpers.ports import closed_port
 from torch.distributed.elastic.metrics import MetricData
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
@@ -63,3 +67,40 @@ def test_handler_maps_torch_metrics_to_prometheus() -> None:
     assert get("etcd_rdzv_etcd_client_retries_total") == 3
     assert get("etcd_rdzv_etcd_client_errors_total", {"error": "EtcdTimeoutError"}) == 1
     assert get("etcd_rdzv_custom_thing") == 7
+
+
+def _listening_addrs(port: int) -> set[str]:
+    """The local IPv4 addresses listening on ``port`` (``/proc/net/tcp``, state 0A)."""
+    found = set()
+    with open("/proc/net/tcp") as f:
+        for line in list(f)[1:]:
+            local, state = line.split()[1], line.split()[3]
+            hex_ip, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:
+                found.add(".".join(str(int(hex_ip[i:i + 2], 16)) for i in (6, 4, 2, 0)))
+    return found
+
+
+@needs_prometheus
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="needs Linux /proc/net/tcp")
+@pytest.mark.parametrize("addr, expected", [(None, "127.0.0.1"), ("0.0.0.0", "0.0.0.0")])
+def test_the_endpoint_binds_loopback_unless_told_otherwise(addr: str | None, expected: str) -> None:
+    # In a child process: an endpoint serves until its process exits.
+    port = closed_port()
+    conf = f"metrics_port='{port}'" + (f", metrics_addr='{addr}'" if addr else "")
+    code = (
+        "import sys\nfrom torch.distributed.elastic.rendezvous import RendezvousParameters\n"
+        "from etcd_rdzv import prometheus\n"
+        "p = RendezvousParameters(backend='etcd-v3', endpoint='h:1', run_id='r', min_nodes=1, max_nodes=1, "
+        f"{conf})\nprint(prometheus.maybe_start(p), flush=True)\nsys.stdin.read()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != prometheus.METRICS_ADDR_ENV}
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, env=env)
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == str((expected, port))
+        assert _listening_addrs(port) == {expected}
+    finally:
+        child.kill()
+        child.wait(10)
