@@ -69,6 +69,11 @@ _NOT_APPLIED = ("etcdserver: no leader", "etcdserver: not capable", "etcdserver:
 #    3.6+ send the same text as DEADLINE_EXCEEDED. The proposal may still be in flight.
 #  - raft dropped the proposal (no leader, leadership transfer): it never entered the log.
 _SERVER_TIMED_OUT = "context deadline exceeded"
+#: gRPC metadata on every stream (watch, keep-alive): etcd ends a stream whose member has had no
+#: leader for a few election timeouts, with UNAVAILABLE "etcdserver: no leader" (etcd Go's
+#: ``clientv3.WithRequireLeader``). Without it a member cut off from its peers keeps the stream
+#: open and silent while the others move on.
+REQUIRE_LEADER = ("hasleader", "true")
 _PROPOSAL_DROPPED = "raft proposal dropped"
 
 
@@ -299,6 +304,11 @@ class Transport:
         if member.token is None:
             self._authenticate(member, deadline)
         return (("token", member.token),) if member.token else None
+
+    def _stream_metadata(self, member: _Member, deadline: float) -> tuple[tuple[str, str], ...]:
+        """The metadata of a stream on ``member``: the auth token (logging in first when
+        needed, bounded by ``deadline``) and :data:`REQUIRE_LEADER`."""
+        return (*(self._metadata(member, deadline) or ()), REQUIRE_LEADER)
 
     def _authenticate(self, member: _Member, deadline: float) -> None:
         request = rpc_pb2.AuthenticateRequest(name=self._user, password=self._password)

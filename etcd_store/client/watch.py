@@ -133,7 +133,7 @@ class Watch:
             relogin = False
             try:
                 deadline = time.monotonic() + client.timeout
-                metadata = client._metadata(member, deadline)
+                metadata = client._stream_metadata(member, deadline)
                 self._call = member.stub("Watch").Watch(self._requests(), metadata=metadata)
                 if self._cancelled.is_set():
                     self._call.cancel()
