@@ -21,6 +21,7 @@ from etcd3.etcdrpc import rpc_pb2
 
 from ..errors import EtcdCompactedError, EtcdError
 from .kv import Event, KeyValue
+from .retry import Failure, stream_reconnects
 from .testing import scoped_watch_stats, watch_stats
 from .transport import Transport, show_key
 
@@ -137,7 +138,7 @@ class Watch:
         relogged = False  # logged in again for this watch since etcd last confirmed it
         while not self._cancelled.is_set():
             index, member = client._stream_member()
-            relogin = False
+            relogin = moved = False
             ended = self._stream_ended = threading.Event()
             try:
                 deadline = time.monotonic() + client.timeout
@@ -170,6 +171,10 @@ class Watch:
                         return
                     if resp.canceled:
                         reason = resp.cancel_reason or "cancelled by etcd"
+                        failure = client._cancel_failure(reason)
+                        if failure is not Failure.STALE_TOKEN and stream_reconnects(failure):
+                            moved = True  # this member cannot serve ("no leader"): resume on another
+                            break
                         self._fail(client._translate_cancel(reason, f"watch on {show_key(self.key)}"))
                         return
                     if resp.events:
@@ -184,6 +189,8 @@ class Watch:
                 if relogin:
                     self._call.cancel()
                     continue  # same member, new token
+                if moved:
+                    self._call.cancel()
             except grpc.RpcError as e:
                 if self._cancelled.is_set():
                     return
