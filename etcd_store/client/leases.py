@@ -233,7 +233,7 @@ class KeepAlives:
         with self._cond:
             gen = self._stream_gen
         try:
-            metadata = client._metadata(member, time.monotonic() + client.timeout)
+            metadata = client._stream_metadata(member, time.monotonic() + client.timeout)
             call = member.stub("Lease").LeaseKeepAlive(self._requests(gen), metadata=metadata)
             with self._cond:
                 self._call = call

@@ -6,6 +6,12 @@ distribution (``etcd3.etcdrpc``, regenerated for protobuf >= 5). Callers see pla
 Python objects (:mod:`.kv`) and :mod:`etcd_store.errors` exceptions, never a
 ``grpc.RpcError``.
 
+This module is the one place where etcd's errors are recognised: by gRPC status code and
+etcd's named errors (a code with an exact description, as etcd's own Go client matches
+them), never by a substring of the text; a failed TLS handshake by asking :mod:`.tls_probe`.
+What follows from a recognised failure (resend, next member, log in again, raise) is decided
+in :mod:`.retry`.
+
 Cost model: every unary method is one RPC in the uncontended, healthy case.
 A failed attempt against a dead endpoint is retried on the next endpoint until
 the call's deadline; the deadline bounds the whole call, retries included.
@@ -14,10 +20,10 @@ the call's deadline; the deadline bounds the whole call, retries included.
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -34,8 +40,11 @@ from ..errors import (
     EtcdTimeoutError,
     EtcdTLSError,
 )
+from .channels import Member, channel_credentials, open_channel
 from .endpoints import Endpoint, client_endpoints
+from .retry import Action, Attempts, Failure, RetryPolicy, stream_reconnects
 from .stats import CallStats, counts_error
+from .tls_probe import tls_failure
 
 log = logging.getLogger(__name__)
 
@@ -44,32 +53,77 @@ __all__ = ["DEFAULT_CONNECT_TIMEOUT", "DEFAULT_TIMEOUT", "Transport"]
 DEFAULT_TIMEOUT = 30.0
 #: How long a client that never reached etcd keeps retrying refused connections.
 DEFAULT_CONNECT_TIMEOUT = 5.0
+#: The longest a TLS probe (:mod:`.tls_probe`) of a failed attempt may take.
+_PROBE_TIMEOUT = 2.0
+
+#: gRPC metadata on every stream (watch, keep-alive): etcd ends a stream whose member has had no
+#: leader for a few election timeouts, with UNAVAILABLE "etcdserver: no leader" (etcd Go's
+#: ``clientv3.WithRequireLeader``). Without it a member cut off from its peers keeps the stream
+#: open and silent while the others move on.
+REQUIRE_LEADER = ("hasleader", "true")
 
 _Self = TypeVar("_Self", bound="Transport")
+_Status = tuple[grpc.StatusCode, str]
+_C = grpc.StatusCode
+
+# --------------------------------------------------------------------------- recognising etcd's errors
+
+# etcd's named errors (its rpctypes): a status code and an exact description.
+_LEASE_NOT_FOUND: _Status = (_C.NOT_FOUND, "etcdserver: requested lease not found")
+_COMPACTED: _Status = (_C.OUT_OF_RANGE, "etcdserver: mvcc: required revision has been compacted")
+_TOO_LARGE: _Status = (_C.INVALID_ARGUMENT, "etcdserver: request is too large")
+_NO_SPACE: _Status = (_C.RESOURCE_EXHAUSTED, "etcdserver: mvcc: database space exceeded")
+_AUTH_NOT_ENABLED: _Status = (_C.FAILED_PRECONDITION, "etcdserver: authentication is not enabled")
+_USER_EMPTY: _Status = (_C.INVALID_ARGUMENT, "etcdserver: user name is empty")
+_AUTH_FAILED: frozenset[_Status] = frozenset({
+    (_C.INVALID_ARGUMENT, "etcdserver: authentication failed, invalid user ID or password"),
+    # Not in etcd's table: the auth package's own error, passed through as UNKNOWN.
+    (_C.UNKNOWN, "auth: authentication failed, password was given for no password user"),
+})  # fmt: skip
+_PERMISSION_DENIED: _Status = (_C.PERMISSION_DENIED, "etcdserver: permission denied")
+_INVALID_TOKEN: _Status = (_C.UNAUTHENTICATED, "etcdserver: invalid auth token")
+_NO_LEADER: _Status = (_C.UNAVAILABLE, "etcdserver: no leader")
+
+# What each named error means for a resend. The UNAVAILABLE ones are a member that cannot get a
+# request through raft now. Two bare Go errors pass through unnamed, as UNKNOWN on etcd 3.4/3.5:
+# the member's own request timeout (about 7 s) expired while its raft had no leader (3.6+ send
+# the same text as DEADLINE_EXCEEDED; the proposal may still be in flight), and raft dropped the
+# proposal (no leader, leadership transfer: it never entered the log).
+_FAILURES: dict[_Status, Failure] = {
+    _NO_LEADER: Failure.NOT_APPLIED,
+    (_C.UNAVAILABLE, "etcdserver: not capable"): Failure.NOT_APPLIED,
+    (_C.UNAVAILABLE, "etcdserver: rpc not supported for learner"): Failure.NOT_APPLIED,
+    (_C.RESOURCE_EXHAUSTED, "etcdserver: too many requests"): Failure.NOT_APPLIED,
+    (_C.UNKNOWN, "raft proposal dropped"): Failure.NOT_APPLIED,
+    (_C.UNKNOWN, "context deadline exceeded"): Failure.TIMED_OUT,
+    (_C.UNAVAILABLE, "etcdserver: leader changed"): Failure.MAYBE_APPLIED,
+    (_C.UNAVAILABLE, "etcdserver: request timed out"): Failure.MAYBE_APPLIED,
+    (_C.UNAVAILABLE, "etcdserver: request timed out, possibly due to previous leader failure"): Failure.MAYBE_APPLIED,
+    (_C.UNAVAILABLE, "etcdserver: request timed out, possibly due to connection lost"): Failure.MAYBE_APPLIED,
+    (_C.UNAVAILABLE, "etcdserver: server stopped"): Failure.MAYBE_APPLIED,
+    (_C.UNAVAILABLE, "etcdserver: unhealthy cluster"): Failure.MAYBE_APPLIED,
+    (_C.UNAVAILABLE, "etcdserver: cluster version not found during downgrade"): Failure.MAYBE_APPLIED,
+    # A token etcd does not know (expired, or issued before it restarted), one older than a change
+    # of users or roles, none at all after auth was enabled: log in again.
+    _INVALID_TOKEN: Failure.STALE_TOKEN,
+    _USER_EMPTY: Failure.STALE_TOKEN,
+    (_C.INVALID_ARGUMENT, "etcdserver: revision of auth store is old"): Failure.STALE_TOKEN,
+}
+_NAMED: frozenset[_Status] = frozenset(
+    {*_FAILURES, _LEASE_NOT_FOUND, _COMPACTED, _TOO_LARGE, _NO_SPACE, _AUTH_NOT_ENABLED, *_AUTH_FAILED,
+     _PERMISSION_DENIED}
+)  # fmt: skip
 
 
-# --------------------------------------------------------------------------- error translation
+def _go_code_name(code: grpc.StatusCode) -> str:
+    """Go's name of a status code (``PERMISSION_DENIED`` -> ``PermissionDenied``)."""
+    return "Canceled" if code == _C.CANCELLED else "".join(w.title() for w in code.name.split("_"))
 
-# gRPC reports TLS failures as UNAVAILABLE; only its text tells them from a refused connection.
-# A server certificate for another host name reads "Hostname Verification Check failed"; a
-# server that refused our (missing) client certificate "Unwrap failed (TSI_DATA_CORRUPTED)".
-# Not a bare "handshake": a TCP connect that timed out reads "tcp handshaker shutdown".
-_TLS_MARKERS = ("ssl", "tls", "certificate", "x509", "verification check", "tsi_")
-_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
-# Deadline of the first attempt of a request that is safe to resend; it doubles per timed-out attempt.
-_FIRST_ATTEMPT_TIMEOUT = 2.0
-# Server replies that guarantee the request was not applied: safe to retry a write.
-_NOT_APPLIED = ("etcdserver: no leader", "etcdserver: not capable", "etcdserver: too many requests")
-# etcd's named errors (its rpctypes) for a member that cannot get a request through raft now
-# ("etcdserver: request timed out[, possibly due to ...]", "leader changed", "no leader", "not
-# capable", "server stopped", "unhealthy cluster") come with UNAVAILABLE, so _RETRYABLE covers
-# them. Two bare Go errors pass through unnamed, as UNKNOWN on etcd 3.4/3.5:
-#  - the member's own request timeout (about 7 s: 5 s + two election timeouts) expired while
-#    its raft had no leader to take the proposal (a leader cut off from its quorum steps down);
-#    3.6+ send the same text as DEADLINE_EXCEEDED. The proposal may still be in flight.
-#  - raft dropped the proposal (no leader, leadership transfer): it never entered the log.
-_SERVER_TIMED_OUT = "context deadline exceeded"
-_PROPOSAL_DROPPED = "raft proposal dropped"
+
+# A watch etcd cancels carries the Go error string of a named error in ``cancel_reason``.
+_CANCEL_REASONS: dict[str, _Status] = {
+    f"rpc error: code = {_go_code_name(code)} desc = {desc}": (code, desc) for code, desc in _NAMED
+}
 
 
 def _details(err: grpc.RpcError) -> str:
@@ -79,27 +133,35 @@ def _details(err: grpc.RpcError) -> str:
         return str(err)
 
 
-def _is_stale_token(err: grpc.RpcError) -> bool:
-    """Whether etcd refused the request's auth token: log in again, then retry.
-
-    etcd answers UNAUTHENTICATED ("invalid auth token") for a token it does not know
-    (expired after ``--auth-token-ttl``, or issued before etcd restarted: simple tokens
-    live in memory), "auth store is old" for a token older than a change of users or
-    roles, and "user name is empty" for a request without a token after auth was enabled.
-    """
-    text = _details(err)
-    if err.code() == grpc.StatusCode.UNAUTHENTICATED:
-        return True
-    return "auth store is old" in text or "user name is empty" in text
+def _status(err: grpc.RpcError) -> _Status:
+    return err.code(), _details(err)
 
 
-def _cancel_code(reason: str) -> grpc.StatusCode | None:
-    """The gRPC status code in a watch's ``cancel_reason`` (``"rpc error: code = X desc = ..."``)."""
-    match = re.search(r"code = (\w+)", reason)
-    if match is None:
-        return None
-    name = re.sub(r"(?<!^)(?=[A-Z])", "_", match.group(1)).upper()
-    return grpc.StatusCode.__members__.get(name)
+def failure_of(status: _Status) -> Failure:
+    """What a failed attempt's status says, TLS aside (the probe decides that): the named
+    error's meaning, else by code (UNAUTHENTICATED: a stale token; DEADLINE_EXCEEDED: timed out;
+    any other UNAVAILABLE: no connection, gRPC fails a call before sending it then)."""
+    named = _FAILURES.get(status)
+    if named is not None:
+        return named
+    code = status[0]
+    if code == _C.UNAUTHENTICATED:
+        return Failure.STALE_TOKEN
+    if code == _C.DEADLINE_EXCEEDED:
+        return Failure.TIMED_OUT
+    if code == _C.UNAVAILABLE and status not in _NAMED:
+        return Failure.UNREACHED
+    return Failure.FINAL
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """One failed attempt: its error, status, what it means, and the TLS probe's finding."""
+
+    err: grpc.RpcError
+    status: _Status
+    failure: Failure
+    tls: str = ""
 
 
 def _clip(text: str, limit: int = 300) -> str:
@@ -116,82 +178,27 @@ def show_key(key: bytes, limit: int = 200) -> str:
     return f"{key[:limit]!r}... ({len(key)} bytes)"
 
 
-def _is_tls_failure(err: grpc.RpcError) -> bool:
-    text = _details(err).lower()
-    return any(m in text for m in _TLS_MARKERS)
+@dataclass
+class _Call:
+    """One unary call under the retry policy: the request, its deadline, its attempts so far."""
 
+    service: str
+    method: str
+    request: Any
+    what: str
+    idempotent: bool
+    budget: float
+    start: float
+    attempts: Attempts
+    last: _Failed | None = None
+    sent: int = 0
 
-def _is_refused(err: grpc.RpcError) -> bool:
-    """Whether the attempt found no server at all (connection refused, unknown host).
-
-    gRPC fails such an attempt at once with UNAVAILABLE; an answer from etcd
-    ("etcdserver: no leader") or a timeout means something is there.
-    """
-    if err.code() != grpc.StatusCode.UNAVAILABLE or _is_tls_failure(err):
-        return False
-    return not _details(err).startswith("etcdserver:")
-
-
-def _member_cannot_serve(err: grpc.RpcError) -> bool:
-    """Whether the attempt failed for want of this member or of its quorum: try another member.
-
-    Unreachable or slow members (UNAVAILABLE, DEADLINE_EXCEEDED, etcd's named "etcdserver: ..."
-    unavailability errors) and the bare raft errors of a member without a leader (UNKNOWN
-    "context deadline exceeded" / "raft proposal dropped" from etcd 3.4/3.5).
-    """
-    code = err.code()
-    if code in _RETRYABLE:
-        return True
-    return code == grpc.StatusCode.UNKNOWN and _details(err) in (_SERVER_TIMED_OUT, _PROPOSAL_DROPPED)
-
-
-def _maybe_applied(err: grpc.RpcError) -> bool:
-    """Whether a failed write may nevertheless have been applied by etcd."""
-    text = _details(err)
-    if text == _PROPOSAL_DROPPED:
-        return False
-    if text == _SERVER_TIMED_OUT:
-        return True  # etcd gave up waiting; a proposal it had taken may still commit
-    if not text.startswith("etcdserver:"):
-        # Transport failure: with wait_for_ready=False gRPC fails before sending.
-        return err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    return not text.startswith(_NOT_APPLIED)
+    @property
+    def deadline(self) -> float:
+        return self.start + self.budget
 
 
 # --------------------------------------------------------------------------- channels and calls
-
-
-class _Member:
-    """One endpoint's channel and stubs, created lazily."""
-
-    def __init__(self, endpoint: Endpoint, factory: Callable[[Endpoint], grpc.Channel]) -> None:
-        self.endpoint = endpoint
-        self._factory = factory
-        self._channel: grpc.Channel | None = None
-        self.stubs: dict[str, Any] = {}
-        self.token: str | None = None
-
-    def stub(self, service: str) -> Any:
-        if self._channel is None:
-            self._channel = self._factory(self.endpoint)
-        stub = self.stubs.get(service)
-        if stub is None:
-            from etcd3.etcdrpc import rpc_pb2_grpc
-
-            stub = getattr(rpc_pb2_grpc, f"{service}Stub")(self._channel)
-            self.stubs[service] = stub
-        return stub
-
-    def channel(self) -> grpc.Channel:
-        if self._channel is None:
-            self._channel = self._factory(self.endpoint)
-        return self._channel
-
-    def close(self) -> None:
-        if self._channel is not None:
-            self._channel.close()
-        self._channel = None
-        self.stubs.clear()
 
 
 class Transport:
@@ -242,12 +249,14 @@ class Transport:
         self._user = user
         self._password = password
         self._interceptors = list(interceptors)
-        self._members = [_Member(ep, self._make_channel) for ep in self.endpoints]
+        self._members = [Member(ep, self._make_channel) for ep in self.endpoints]
         self._current = 0
         self._lock = threading.Lock()
         self._closed = False
         #: Retries and errors of this client (:mod:`.stats`), read by the layers above.
         self.stats = CallStats()
+        #: The numbers of the retry policy (:mod:`.retry`).
+        self.retry_policy = RetryPolicy()
 
     # ---------------------------------------------------------------- plumbing
 
@@ -259,65 +268,40 @@ class Transport:
         return f"EtcdClient({self.describe()!r})"
 
     def _make_channel(self, endpoint: Endpoint) -> grpc.Channel:
-        options = [
-            ("grpc.max_send_message_length", 256 * 1024 * 1024),
-            ("grpc.max_receive_message_length", 256 * 1024 * 1024),
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000),
-            ("grpc.keepalive_time_ms", 10_000),
-            ("grpc.keepalive_timeout_ms", 5_000),
-            ("grpc.keepalive_permit_without_calls", 0),
-            ("grpc.enable_retries", 0),
-        ]
-        if endpoint.secure:
-            channel = grpc.secure_channel(endpoint.target, self._channel_credentials(), options)
-        else:
-            channel = grpc.insecure_channel(endpoint.target, options)
-        if self._interceptors:
-            channel = grpc.intercept_channel(channel, *self._interceptors)
-        return channel
+        return open_channel(endpoint, self._channel_credentials, self._interceptors)
 
     def _channel_credentials(self) -> grpc.ChannelCredentials:
         if self._credentials is None:
-            ca, cert, key = self._tls_files
-
-            def read(path: str | None, what: str) -> bytes | None:
-                if path is None:
-                    return None
-                try:
-                    with open(path, "rb") as f:
-                        return f.read()
-                except OSError as e:
-                    raise EtcdTLSError(f"Cannot read TLS {what} file {path!r}: {e}") from None
-
-            self._credentials = grpc.ssl_channel_credentials(
-                read(ca, "CA"), read(key, "client key"), read(cert, "client certificate")
-            )
+            self._credentials = channel_credentials(*self._tls_files)
         return self._credentials
 
-    def _metadata(self, member: _Member, deadline: float) -> tuple[tuple[str, str], ...] | None:
+    def _metadata(self, member: Member, deadline: float) -> tuple[tuple[str, str], ...] | None:
         if self._user is None:
             return None
         if member.token is None:
             self._authenticate(member, deadline)
         return (("token", member.token),) if member.token else None
 
-    def _authenticate(self, member: _Member, deadline: float) -> None:
+    def _stream_metadata(self, member: Member, deadline: float) -> tuple[tuple[str, str], ...]:
+        """The metadata of a stream on ``member``: the auth token (logging in first when
+        needed, bounded by ``deadline``) and :data:`REQUIRE_LEADER`."""
+        return (*(self._metadata(member, deadline) or ()), REQUIRE_LEADER)
+
+    def _authenticate(self, member: Member, deadline: float) -> None:
         request = rpc_pb2.AuthenticateRequest(name=self._user, password=self._password)
         stub = member.stub("Auth")
         try:
             resp = stub.Authenticate(request, timeout=max(deadline - time.monotonic(), 0.001))
         except grpc.RpcError as e:
-            text = _details(e)
-            if "authentication failed" in text or "invalid user" in text:
+            status = _status(e)
+            if status in _AUTH_FAILED:
                 refused = EtcdAuthError(
                     f"etcd at {member.endpoint} rejected the credentials of user "
                     f"{self._user!r}: wrong user name or password."
                 )
                 self.stats.failed(refused)
                 raise refused from None
-            if "authentication is not enabled" in text:
+            if status == _AUTH_NOT_ENABLED:
                 # Auth is off: run without a token, and say once that the password is not needed.
                 member.token = ""
                 if not self._auth_off_warned:
@@ -355,137 +339,135 @@ class Transport:
     ) -> Any:
         """Run one unary RPC under the client's one retry policy; translate errors.
 
-        ``timeout`` (default: the client's) bounds the whole call, retries included.
-        An attempt that fails because a member is unreachable, or because it answers
-        that it cannot get the request through raft now (etcd's own request timeout, no
-        leader, leader changed, proposal dropped: a leader cut off from its quorum),
-        goes to the next member;
-        when every member failed, the next round starts after a short pause (25 ms
-        growing to 0.5 s). Requests that are safe to resend (``idempotent``: reads,
-        plain writes, and writes fenced by a compare) get per-attempt deadlines of
-        2 s, doubling after a round in which every member timed out, so a member stuck
-        on a dead leader costs 2 s (and an isolated leader after it another 2 s), not
-        the whole deadline; with a single endpoint an attempt has the whole deadline
-        (there is no other member to try, and resending a slow request adds load).
-        Others get the whole remaining deadline in one attempt and are resent only when the failure proves they were not applied (connection
-        refused; etcd: no leader, too many requests, proposal dropped). An expired auth token is renewed
-        once, at once. A client that never reached etcd gives up after
-        ``connect_timeout`` when every attempt was refused (nothing listening); a TLS
-        handshake failure on every member fails at once.
+        ``timeout`` (default: the client's) bounds the whole call, retries included. Each
+        failed attempt is recognised (:meth:`_failed`) and :mod:`.retry` decides what follows:
+        a member that is unreachable or cannot get the request through raft now (etcd's own
+        request timeout, no leader, leader changed, proposal dropped) is left for the next
+        member; when every member failed, the next round starts after a short pause (25 ms
+        growing to 0.5 s). Requests that are safe to resend (``idempotent``: reads, plain
+        writes, writes fenced by a compare) get per-attempt deadlines of 2 s, doubling after a
+        round in which every member timed out (with a single endpoint an attempt has the whole
+        deadline). Others get the whole remaining deadline in one attempt and are resent only
+        when the failure proves they were not applied (no connection; etcd: no leader, too many
+        requests, proposal dropped). An expired auth token is renewed once, at once. A client
+        that never reached etcd gives up after ``connect_timeout`` when no attempt found a
+        server; a TLS handshake failure on every member fails at once.
+
+        Raises :class:`EtcdError` subclasses only (:meth:`_translate`).
         """
         if self._closed:
             raise EtcdError(f"The etcd client for {self.describe()} is closed.")
         budget = self.timeout if timeout is None else timeout
-        start = time.monotonic()
-        deadline = start + budget
-        refused_only = True  # every failure so far: no connection at all (nothing listening)
-        pause = 0.025
-        attempt_budget = _FIRST_ATTEMPT_TIMEOUT
-        last: grpc.RpcError | None = None
-        # Members that failed a TLS handshake in this call. A bad certificate does not heal:
-        # once every member failed one, the call fails at once (a member that resolves to
-        # several addresses may alternate with "connection refused" from the others).
-        tls_failed: dict[int, grpc.RpcError] = {}
-        reauthenticated = False
-        attempts = 0
+        attempts = Attempts(self.retry_policy, len(self._members), self._user is not None)
+        call = _Call(service, method, request, what, idempotent, budget, time.monotonic(), attempts)
         while True:
-            order = self._order()
-            timeouts = 0  # members that timed out in this round
-            for index in order:
-                member = self._members[index]
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                # A member whose leader just died holds a request until etcd's own
-                # request timeout (~7 s). Requests that are safe to resend get growing
-                # per-attempt deadlines (2 s, 4 s, ...) so the next member is tried in
-                # time; others get the whole remaining deadline in one attempt.
-                # With one member there is no next one: a short deadline would only resend
-                # a request that is merely slow (an overloaded etcd) and add to its load.
-                attempt = min(remaining, attempt_budget) if idempotent and len(order) > 1 else remaining
-                attempts += 1
-                if attempts > 1:
-                    self.stats.retried(method)
-                try:
-                    metadata = self._metadata(member, deadline)
-                    stub = member.stub(service)
-                    resp = getattr(stub, method)(request, timeout=attempt, metadata=metadata)
-                except grpc.RpcError as e:
-                    last = e
-                    code = e.code()
-                    text = _details(e)
-                    if _is_stale_token(e) and self._user is not None and not reauthenticated:
-                        member.token = None
-                        reauthenticated = True
-                        last = None
-                        break
-                    if not _member_cannot_serve(e):
-                        raise self._translate(e, what) from None
-                    if _is_tls_failure(e):
-                        tls_failed[index] = e
-                        if len(tls_failed) == len(order):
-                            raise self._translate(e, what) from None
-                    if not idempotent and _maybe_applied(e):
-                        raise self._translate(e, what) from None
-                    if code == grpc.StatusCode.DEADLINE_EXCEEDED or text == _SERVER_TIMED_OUT:
-                        timeouts += 1
-                        if timeouts == len(order):
-                            attempt_budget *= 2
-                    if not _is_refused(e):
-                        refused_only = False
-                    log.debug("etcd %s at %s failed (%s): %s", method, member.endpoint, code, text)
-                    continue
-                self._reached = True
-                if index != order[0]:
-                    self._promote(index)
+            answered, resp = self._round(call)
+            if answered:
                 return resp
-            if last is None:
-                continue  # re-authenticated: retry at once
-            now = time.monotonic()
-            remaining = deadline - now
-            if refused_only and not self._reached and now - start >= self.connect_timeout:
-                raise self._never_connected(last, what)
+            if resp is not Action.LOGIN_AGAIN:
+                self._between_rounds(call)
+
+    def _round(self, call: _Call) -> tuple[bool, Any]:
+        """One attempt per member, the preferred first: ``(True, response)``, or ``(False,
+        Action.LOGIN_AGAIN)`` to resend at once, or ``(False, None)`` when every member failed."""
+        order = self._order()
+        call.attempts.new_round()
+        for index in order:
+            member = self._members[index]
+            remaining = call.deadline - time.monotonic()
             if remaining <= 0:
-                assert last is not None
-                raise self._translate(last, what, timed_out=budget)
-            # Every endpoint failed: give reconnects (or a leader election) a moment,
-            # bounded by the deadline; the pause grows so a long outage costs few RPCs.
-            threading.Event().wait(min(pause, remaining))
-            pause = min(pause * 2, 0.5)
+                break
+            call.sent += 1
+            if call.sent > 1:
+                self.stats.retried(call.method)
+            try:
+                metadata = self._metadata(member, call.deadline)
+                stub = member.stub(call.service)
+                attempt = call.attempts.timeout(remaining, call.idempotent)
+                resp = getattr(stub, call.method)(call.request, timeout=attempt, metadata=metadata)
+            except grpc.RpcError as e:
+                call.last = failed = self._failed(member, e, call.deadline)
+                action = call.attempts.failed(index, failed.failure, call.idempotent)
+                if action is Action.RAISE:
+                    raise self._translate(failed, call.what) from None
+                if action is Action.LOGIN_AGAIN:
+                    member.token = None
+                    return False, action
+                log.debug("etcd %s at %s failed (%s): %s", call.method, member.endpoint, *failed.status)
+                continue
+            self._reached = True
+            if index != order[0]:
+                self._promote(index)
+            return True, resp
+        return False, None
+
+    def _between_rounds(self, call: _Call) -> None:
+        """After a round in which every member failed: raise when the call is over (deadline,
+        or ``connect_timeout`` for a client that never reached a server), else pause."""
+        now = time.monotonic()
+        remaining = call.deadline - now
+        last = call.last
+        if last is None:  # the deadline passed before any attempt (after logging in again)
+            raise EtcdTimeoutError(f"No answer from etcd at {self.describe()} within {call.budget:g} s")
+        if call.attempts.unreached_only and not self._reached and now - call.start >= self.connect_timeout:
+            raise self._never_connected(last.err, call.what)
+        if remaining <= 0:
+            raise self._translate(last, call.what, timed_out=call.budget)
+        # Give reconnects (or a leader election) a moment, bounded by the deadline; the pause
+        # grows so a long outage costs few RPCs. A pause, not a synchronization.
+        threading.Event().wait(min(call.attempts.next_pause(), remaining))
+
+    def _failed(self, member: Member, err: grpc.RpcError, deadline: float) -> _Failed:
+        """Recognise a failed attempt on ``member``: by its status, and for an ``https`` member
+        that gRPC could not reach, by a TLS probe (:mod:`.tls_probe`, at most 2 s)."""
+        status = _status(err)
+        failure = failure_of(status)
+        if failure is Failure.UNREACHED and member.endpoint.secure:
+            ca, cert, key = self._tls_files
+            budget = min(max(deadline - time.monotonic(), 0.05), _PROBE_TIMEOUT)
+            found = tls_failure(member.endpoint.host, member.endpoint.port, ca=ca, cert=cert, key=key,
+                                timeout=budget)  # fmt: skip
+            if found is not None:
+                return _Failed(err, status, Failure.TLS, found)
+        return _Failed(err, status, failure)
 
     @counts_error
-    def _translate(self, err: grpc.RpcError, what: str, timed_out: float | None = None) -> EtcdError:
-        code = err.code()
-        text = _details(err)
-        shown = _clip(text)  # etcd may echo a request's key or value
+    def _translate(self, err: grpc.RpcError | _Failed, what: str, timed_out: float | None = None) -> EtcdError:
+        """The :class:`EtcdError` for a failed call (``timed_out``: the call's deadline passed)."""
+        failed = err if isinstance(err, _Failed) else _Failed(err, _status(err), failure_of(_status(err)))
+        status = failed.status
+        code = status[0]
+        shown = _clip(status[1])  # etcd may echo a request's key or value
         where = f"etcd at {self.describe()}"
         op = f" ({what})" if what else ""
-        if _is_tls_failure(err):
+        if failed.failure is Failure.TLS:
             return EtcdTLSError(
-                f"TLS handshake with {where} failed{op}: {shown.rstrip('.')}. Check the CA certificate "
-                "(ca_cert), the client certificate/key, that the server certificate names the "
-                "endpoint's host, and http:// versus https://."
+                f"TLS handshake with {where} failed{op}: {failed.tls}; {shown.rstrip('.')}. Check the CA "
+                "certificate (ca_cert), the client certificate/key, that the server certificate names "
+                "the endpoint's host, and http:// versus https://."
             )
-        if code == grpc.StatusCode.PERMISSION_DENIED:
+        if code == _C.PERMISSION_DENIED:
             return EtcdPermissionDenied(f"{where} denied permission{op}: {shown}")
-        if code == grpc.StatusCode.UNAUTHENTICATED or "user name is empty" in text:
-            return EtcdAuthError(f"{where} requires authentication{op}: {shown}")
-        if "authentication failed" in text:
+        if status in _AUTH_FAILED:
             return EtcdAuthError(f"{where} rejected the user name or password{op}: {shown}")
-        if code == grpc.StatusCode.RESOURCE_EXHAUSTED or "too large" in text:
+        if failed.failure is Failure.STALE_TOKEN:
+            return EtcdAuthError(f"{where} requires authentication{op}: {shown}")
+        if status == _TOO_LARGE or (code == _C.RESOURCE_EXHAUSTED and status not in _NAMED):
             return EtcdRequestError(
                 f"{where} refused the request as too large{op} (etcd's --max-request-bytes): {shown}"
             )
-        if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
-            return EtcdRequestError(f"{where} rejected the request{op}: {shown}")
-        if code == grpc.StatusCode.NOT_FOUND and "lease not found" in text:
+        if status == _NO_SPACE:
+            return EtcdRequestError(f"{where} is out of space{op} (etcd's --quota-backend-bytes): {shown}")
+        if status == _LEASE_NOT_FOUND:
             return EtcdLeaseNotFound(f"{where}: {shown}{op}")
-        if code == grpc.StatusCode.OUT_OF_RANGE and "compacted" in text:
+        if status == _COMPACTED:
             return EtcdCompactedError(f"{where}: {shown}{op}")
-        if timed_out is not None or code == grpc.StatusCode.DEADLINE_EXCEEDED or text == _SERVER_TIMED_OUT:
+        if code in (_C.INVALID_ARGUMENT, _C.FAILED_PRECONDITION, _C.OUT_OF_RANGE):
+            return EtcdRequestError(f"{where} rejected the request{op}: {shown}")
+        if timed_out is not None or failed.failure is Failure.TIMED_OUT:
             budget = f" within {timed_out:g} s" if timed_out is not None else ""
             return EtcdTimeoutError(f"No answer from {where}{budget}{op}; last error: {shown}")
-        if code == grpc.StatusCode.UNAVAILABLE:
+        if code == _C.UNAVAILABLE:
             return EtcdConnectionError(f"Cannot reach {where}{op}: {shown}")
         return EtcdError(f"{where} failed{op}: {code.name}: {shown}")
 
@@ -498,16 +480,25 @@ class Transport:
             f"ports? Last error: {_clip(_details(err))}"
         )
 
+    # ---------------------------------------------------------------- broken and cancelled streams
+
+    @staticmethod
+    def _cancel_failure(reason: str) -> Failure:
+        """What a watch that etcd cancelled with ``reason`` means (a named error's Go string;
+        another reason is final). ``Failure.NOT_APPLIED`` ("no leader"): resume elsewhere."""
+        status = _CANCEL_REASONS.get(reason)
+        return Failure.FINAL if status is None else failure_of(status)
+
     @counts_error
     def _translate_cancel(self, reason: str, what: str) -> EtcdError:
-        """The error for a watch etcd cancelled, from the code in its ``cancel_reason``."""
+        """The error for a watch etcd cancelled, from the named error in its ``cancel_reason``."""
         text = f"etcd at {self.describe()} cancelled the {what}: {_clip(reason)}"
-        code = _cancel_code(reason)
-        if code == grpc.StatusCode.PERMISSION_DENIED:
+        status = _CANCEL_REASONS.get(reason)
+        if status is not None and status[0] == _C.PERMISSION_DENIED:
             return EtcdPermissionDenied(text)
-        if code == grpc.StatusCode.UNAUTHENTICATED:
+        if status is not None and status[0] == _C.UNAUTHENTICATED:
             return EtcdAuthError(text)
-        if "compacted" in reason:
+        if status == _COMPACTED:
             return EtcdCompactedError(text)
         return EtcdError(text)
 
@@ -519,19 +510,21 @@ class Transport:
         PERMISSION_DENIED on 3.5. The watch logs in again once and resumes; refused
         again with a fresh token, it is denied for good.
         """
-        if self._user is None:
-            return False
-        return _cancel_code(reason) in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+        status = _CANCEL_REASONS.get(reason)
+        return self._user is not None and status in (_INVALID_TOKEN, _PERMISSION_DENIED)
 
-    def _stream_error(self, member: _Member, err: grpc.RpcError, what: str) -> EtcdError | None:
+    def _stream_error(self, member: Member, err: grpc.RpcError, what: str) -> EtcdError | None:
         """What a broken stream (watch, keep-alive) should do: None to reconnect, or its fatal error.
 
-        A refused token is dropped, so the next stream logs in again.
+        A refused token is dropped, so the next stream logs in again. A stream that gRPC
+        cancelled (the client closing) reconnects too: the reconnect loop sees the close.
         """
-        if _is_stale_token(err) and self._user is not None:
+        failure = failure_of(_status(err))
+        if failure is Failure.STALE_TOKEN:
+            if self._user is None:
+                return self._translate(err, what)
             member.token = None
-            return None
-        if _member_cannot_serve(err) or err.code() == grpc.StatusCode.CANCELLED:
+        if stream_reconnects(failure) or err.code() == _C.CANCELLED:
             return None
         return self._translate(err, what)
 
@@ -549,7 +542,7 @@ class Transport:
 
     # ---------------------------------------------------------------- for streams
 
-    def _stream_member(self) -> tuple[int, _Member]:
+    def _stream_member(self) -> tuple[int, Member]:
         index = self._order()[0]
         return index, self._members[index]
 
@@ -558,7 +551,7 @@ class Transport:
             if self._current == index:
                 self._current = (index + 1) % len(self._members)
 
-    def _wait_ready(self, member: _Member, timeout: float) -> bool:
+    def _wait_ready(self, member: Member, timeout: float) -> bool:
         """Block until the member's channel connects or ``timeout`` passes."""
         try:
             grpc.channel_ready_future(member.channel()).result(timeout=timeout)

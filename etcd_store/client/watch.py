@@ -2,6 +2,9 @@
 
 One reader thread per :class:`Watch` owns its gRPC stream and resumes it, on the
 next reachable endpoint, from the revision after the last event it delivered.
+Threads: the reader, and gRPC's sender of the current stream's requests; the
+sender ends with its stream, so a watch holds two threads however often it
+reconnects, and none once it is cancelled or its client closed.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from etcd3.etcdrpc import rpc_pb2
 
 from ..errors import EtcdCompactedError, EtcdError
 from .kv import Event, KeyValue
+from .retry import Failure, stream_reconnects
 from .testing import scoped_watch_stats, watch_stats
 from .transport import Transport, show_key
 
@@ -55,6 +59,7 @@ class Watch:
         self._created = threading.Event()
         self.created_revision = 0
         self._call: Any = None
+        self._stream_ended = threading.Event()  # set when the current stream is over
         self._stats = watch_stats(client)  # events and bytes delivered, per client
         self._scope_stats = scoped_watch_stats()  # and per caller, when it counts (benchmarks)
         self._thread = threading.Thread(target=self._run, name=f"etcd-watch-{show_key(key, 40)}", daemon=True)
@@ -102,6 +107,7 @@ class Watch:
     def cancel(self) -> None:
         """Stop the watch and its thread. Idempotent, never blocks long."""
         self._cancelled.set()
+        self._stream_ended.set()
         call = self._call
         if call is not None:
             call.cancel()
@@ -115,7 +121,9 @@ class Watch:
 
     # -------------------------------------------------------- reader thread
 
-    def _requests(self) -> Iterator[Any]:
+    def _requests(self, ended: threading.Event) -> Iterator[Any]:
+        """The requests of one stream: its create request, then nothing until the stream
+        ``ended`` (gRPC runs this generator in a thread of its own, which ends with it)."""
         create = rpc_pb2.WatchCreateRequest(
             key=self.key,
             range_end=self.range_end,
@@ -123,18 +131,19 @@ class Watch:
             prev_kv=self._prev_kv,
         )
         yield rpc_pb2.WatchRequest(create_request=create)
-        self._cancelled.wait()
+        ended.wait()
 
     def _run(self) -> None:
         client = self._client
         relogged = False  # logged in again for this watch since etcd last confirmed it
         while not self._cancelled.is_set():
             index, member = client._stream_member()
-            relogin = False
+            relogin = moved = False
+            ended = self._stream_ended = threading.Event()
             try:
                 deadline = time.monotonic() + client.timeout
-                metadata = client._metadata(member, deadline)
-                self._call = member.stub("Watch").Watch(self._requests(), metadata=metadata)
+                metadata = client._stream_metadata(member, deadline)
+                self._call = member.stub("Watch").Watch(self._requests(ended), metadata=metadata)
                 if self._cancelled.is_set():
                     self._call.cancel()
                 for resp in self._call:
@@ -162,6 +171,10 @@ class Watch:
                         return
                     if resp.canceled:
                         reason = resp.cancel_reason or "cancelled by etcd"
+                        failure = client._cancel_failure(reason)
+                        if failure is not Failure.STALE_TOKEN and stream_reconnects(failure):
+                            moved = True  # this member cannot serve ("no leader"): resume on another
+                            break
                         self._fail(client._translate_cancel(reason, f"watch on {show_key(self.key)}"))
                         return
                     if resp.events:
@@ -176,6 +189,8 @@ class Watch:
                 if relogin:
                     self._call.cancel()
                     continue  # same member, new token
+                if moved:
+                    self._call.cancel()
             except grpc.RpcError as e:
                 if self._cancelled.is_set():
                     return
@@ -190,6 +205,8 @@ class Watch:
                 # Channel closed by client.close().
                 self._fail(EtcdError(f"etcd client for {client.describe()} was closed"))
                 return
+            finally:
+                ended.set()  # the old stream's request generator (and its gRPC thread) ends
             # The stream broke: reconnect on the next endpoint that is ready.
             log.info("watch on %s lost %s; reconnecting", show_key(self.key), member.endpoint)
             client._rotate_from(index)

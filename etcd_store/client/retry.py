@@ -1,0 +1,179 @@
+"""The client's retry policy as pure decisions: what a failed attempt means, and what to do next.
+
+No I/O and no gRPC here. :mod:`.transport` recognises each failed attempt (by gRPC status code
+and etcd's named errors, the one place that does) as a :class:`Failure`, then asks
+:func:`decide` what to do with it, and :class:`Attempts` (one per call) keeps the little a call
+remembers between attempts: which members failed a TLS handshake, whether every failure so far
+was "no connection at all", how long the next attempt may take. :class:`RetryPolicy` holds the
+numbers (per-attempt deadline, pauses between rounds).
+
+The decision table (``failure`` x ``idempotent`` -> :class:`Action`):
+
+========================  ================================  ================================
+failure                   safe to resend (``idempotent``)   not safe to resend
+========================  ================================  ================================
+``UNREACHED``             next member                       next member (nothing was sent)
+``NOT_APPLIED``           next member                       next member (etcd says so)
+``MAYBE_APPLIED``         next member                       raise (it may still commit)
+``TIMED_OUT``             next member                       raise (it may still commit)
+``TLS``                   next member; raise once every member failed a handshake in this call
+``STALE_TOKEN``           log in again and resend at once, once per call (with credentials);
+                          otherwise raise
+``FINAL``                 raise
+========================  ================================  ================================
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+__all__ = ["Action", "Attempts", "Failure", "RetryPolicy", "decide"]
+
+
+class Failure(enum.Enum):
+    """What one failed attempt says about the member and the request."""
+
+    #: No connection to the member: refused, unknown host, reset before anything was sent.
+    UNREACHED = "unreached"
+    #: The TLS handshake with the member failed (certificate, CA, host name, http vs https).
+    TLS = "tls"
+    #: No answer within the attempt's deadline, or etcd's own request timeout: it may be applied.
+    TIMED_OUT = "timed out"
+    #: The member cannot serve now and etcd says the request was not applied (no leader, ...).
+    NOT_APPLIED = "not applied"
+    #: The member cannot serve now; a proposal it took may still commit (leader changed, ...).
+    MAYBE_APPLIED = "maybe applied"
+    #: etcd refused the auth token (expired, etcd restarted, users changed): log in again.
+    STALE_TOKEN = "stale token"
+    #: An answer that resending cannot change (denied, bad request, not found, compacted, ...).
+    FINAL = "final"
+
+
+class Action(enum.Enum):
+    """What the call does after a failed attempt."""
+
+    NEXT_MEMBER = "next member"  #: try the next member (after a pause once every member failed)
+    LOGIN_AGAIN = "login again"  #: drop the member's token, log in, resend at once
+    RAISE = "raise"  #: translate the failure and raise it to the caller
+
+
+#: Failures that say "this member, not the request": another member may serve it.
+_MEMBER_FAILURES = frozenset({Failure.UNREACHED, Failure.TLS, Failure.TIMED_OUT, Failure.NOT_APPLIED,
+                              Failure.MAYBE_APPLIED})  # fmt: skip
+#: Failures after which a request that is not safe to resend may have been applied.
+_MAYBE_APPLIED = frozenset({Failure.TIMED_OUT, Failure.MAYBE_APPLIED})
+
+
+def decide(
+    failure: Failure, *, idempotent: bool, can_login: bool = False, tls_everywhere: bool = False
+) -> Action:
+    """The action for one failed attempt (the table of the module docstring).
+
+    ``can_login``: the client has credentials and has not logged in again in this call yet.
+    ``tls_everywhere``: every member has failed a TLS handshake in this call (this one included).
+    """
+    if failure is Failure.STALE_TOKEN:
+        return Action.LOGIN_AGAIN if can_login else Action.RAISE
+    if failure not in _MEMBER_FAILURES:
+        return Action.RAISE
+    if failure is Failure.TLS and tls_everywhere:
+        return Action.RAISE  # a bad certificate does not heal
+    if not idempotent and failure in _MAYBE_APPLIED:
+        return Action.RAISE
+    return Action.NEXT_MEMBER
+
+
+def stream_reconnects(failure: Failure) -> bool:
+    """Whether a broken stream (watch, keep-alive) should reopen, on the next member.
+
+    A stream resends nothing that could apply twice (a watch resumes from the next undelivered
+    revision; keep-alives are idempotent), so every member failure reconnects; a refused token
+    reconnects after it was dropped (the next stream logs in again); anything else is final.
+    """
+    return failure in _MEMBER_FAILURES or failure is Failure.STALE_TOKEN
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """The numbers of the retry policy.
+
+    ``first_attempt``: the deadline of a first attempt of a request that is safe to resend,
+    when there is another member to try (doubled after a round in which every member timed
+    out). ``first_pause``/``max_pause``: the pause after a round in which every member failed,
+    doubling up to the cap, so a long outage costs few RPCs.
+    """
+
+    first_attempt: float = 2.0
+    first_pause: float = 0.025
+    max_pause: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name in ("first_attempt", "first_pause", "max_pause"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"RetryPolicy.{name} must be positive, got {getattr(self, name)!r}")
+        if self.max_pause < self.first_pause:
+            raise ValueError(f"RetryPolicy.max_pause ({self.max_pause}) is below first_pause ({self.first_pause})")
+
+
+@dataclass
+class Attempts:
+    """What one call remembers between its attempts (see the module docstring).
+
+    ``members``: how many members the call may try; ``user``: whether the client has credentials.
+    """
+
+    policy: RetryPolicy
+    members: int
+    user: bool
+    #: Every failure so far found no server at all (refused, unknown host).
+    unreached_only: bool = True
+    logged_in_again: bool = False
+    attempt_budget: float = 0.0
+    pause: float = 0.0
+    _tls_failed: set[int] = field(default_factory=set)
+    _timeouts: int = 0
+
+    def __post_init__(self) -> None:
+        self.attempt_budget = self.policy.first_attempt
+        self.pause = self.policy.first_pause
+
+    def timeout(self, remaining: float, idempotent: bool) -> float:
+        """The deadline of the next attempt, ``remaining`` seconds being left of the call.
+
+        Requests safe to resend get the growing per-attempt deadline when there is another
+        member to try; others (and any request to a single member: resending a request that is
+        merely slow only adds load) get all that remains, in one attempt.
+        """
+        if idempotent and self.members > 1:
+            return min(remaining, self.attempt_budget)
+        return remaining
+
+    def failed(self, member: int, failure: Failure, idempotent: bool) -> Action:
+        """Record a failed attempt on ``member`` (an index) and decide what follows."""
+        if failure is Failure.TLS:
+            self._tls_failed.add(member)
+        action = decide(
+            failure, idempotent=idempotent, can_login=self.user and not self.logged_in_again,
+            tls_everywhere=len(self._tls_failed) >= self.members,
+        )  # fmt: skip
+        if action is Action.LOGIN_AGAIN:
+            self.logged_in_again = True
+        elif action is Action.NEXT_MEMBER:
+            if failure is Failure.TIMED_OUT:
+                self._timeouts += 1
+                if self._timeouts == self.members:  # every member timed out in this round
+                    self.attempt_budget *= 2
+            if failure is not Failure.UNREACHED:
+                self.unreached_only = False
+        return action
+
+    def new_round(self) -> None:
+        """A round over the members begins (timeouts are counted per round)."""
+        self._timeouts = 0
+
+    def next_pause(self) -> float:
+        """The pause before the next round (growing up to ``max_pause``)."""
+        pause = self.pause
+        self.pause = min(self.pause * 2, self.policy.max_pause)
+        return pause
