@@ -20,7 +20,7 @@ records the rendezvous events itself).
 
 It also fixes torch's sealed-round defects (issue 22, :mod:`etcd_rdzv.dynamic.state`):
 the state holder is a :class:`~etcd_rdzv.dynamic.state.SealedRoundStateHolder`, which
-never removes a member of a completed round on one reader's clock; a heartbeat that
+never removes a member of a live completed round on one reader's clock; a heartbeat that
 aged while the round sealed is refreshed as soon as the join ends; and
 :meth:`EtcdRendezvousHandler.num_nodes_waiting` reports a waiting node when a member
 of this node's round is dead or this node's own entry was removed, so the agents
@@ -94,8 +94,6 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         backend = self.get_backend()
         self._drop_shared_store()
         self._round_joined = None
-        if isinstance(self._state_holder, SealedRoundStateHolder):
-            self._state_holder.leave_round()
         started = time.monotonic()
         metrics.put_rdzv(backend, metrics.JOINS)
         try:

@@ -16,21 +16,22 @@ round included, then lets the reader's next write store that copy (issue 22):
   ``num_nodes_waiting()`` positive, so the survivors never re-rendezvous.
 
 This holder keeps torch's state format and torch's pruning of a round that is
-still forming, of the wait list and of the redundancy list. In a *completed*
-round it never removes a member: the round's membership is fixed once sealed, and
-one reader's clock is no proof that a member is gone. It removes the dead members
-of a completed round only when this node leaves that round (it re-rendezvouses,
-so the round is over for everyone: its members learn it through the wait list or
-through their own entry being gone), which lets the round advance.
-:meth:`dead_members` tells the handler which members look dead for longer than
-the heartbeat window plus one read-cache period, so that it reports a waiting node.
+still forming, of the wait list and of the redundancy list. A *completed* round
+keeps its members while one of them is alive: the reader itself when it is a
+member (a member that can read is proof that the round is alive, whatever its
+clock says about the others), else any member whose heartbeat is younger than
+:attr:`SealedRoundStateHolder.member_expiry` (the heartbeat window plus one
+read-cache period). Only a round whose members all look dead to a reader outside
+it is pruned, by torch's rule, so that the round advances (the survivors of a
+member that died have left it and wait for the next round). That a member is
+dead is the handler's business: :meth:`SealedRoundStateHolder.dead_members`
+tells it, and it reports a waiting node so that the survivors re-rendezvous.
 
 torch private names this module relies on (checked by :func:`check_torch_internals`,
 which raises :class:`~etcd_rdzv.plugin.EtcdRdzvPluginError` when one is missing):
 ``_BackendRendezvousStateHolder`` (``__init__(backend, settings, cache_duration)``,
 ``_backend``, ``_settings``, ``_cache_duration``, ``_state``, ``_dead_nodes``, and
-``sync`` calling ``_sanitize``), ``_remove_participant_epilogue(state, settings)``,
-the fields of ``_RendezvousState`` and, in :mod:`etcd_rdzv.dynamic.handler`,
+``sync`` calling ``_sanitize``), the fields of ``_RendezvousState`` and, in :mod:`etcd_rdzv.dynamic.handler`,
 ``DynamicRendezvousHandler.__init__``'s parameters, ``_state_holder``,
 ``_this_node``, ``_heartbeat_lock``, ``_keep_alive`` and ``_start_heartbeats``.
 """
@@ -82,8 +83,6 @@ def _problems() -> list[str]:
             getattr(sync, "__code__", None), "co_names", ()
         ):
             found.append("_BackendRendezvousStateHolder.sync no longer calls _sanitize")
-    if not callable(getattr(_dr, "_remove_participant_epilogue", None)):
-        found.append("no _remove_participant_epilogue(state, settings)")
     state = getattr(_dr, "_RendezvousState", None)
     missing = [f for f in _STATE_FIELDS if state is None or not hasattr(state(), f)]
     if missing:
@@ -120,11 +119,11 @@ def check_torch_internals() -> None:
 
 
 class SealedRoundStateHolder(_Holder):
-    """torch's backend state holder whose ``_sanitize`` leaves a completed round's members alone.
+    """torch's backend state holder whose ``_sanitize`` leaves a live completed round alone.
 
-    Args are torch's plus ``node``, the descriptor of the handler this holder serves
-    (to know when that node leaves a round). The state format, the CAS writes and
-    the read cache are torch's; only what ``_sanitize`` removes differs (module docstring).
+    Args are torch's plus ``node``, the descriptor of the handler this holder serves.
+    The state format, the CAS writes and the read cache are torch's; only what
+    ``_sanitize`` removes differs (module docstring).
     """
 
     def __init__(
@@ -132,7 +131,6 @@ class SealedRoundStateHolder(_Holder):
     ) -> None:
         super().__init__(backend, settings, cache_duration)
         self._node = node
-        self._leaving = False
         window = settings.keep_alive_interval * settings.keep_alive_max_attempt
         self.member_expiry: timedelta = window + timedelta(seconds=max(cache_duration, 0))
         """A completed round's member is dead once its heartbeat is older than this (the
@@ -143,20 +141,10 @@ class SealedRoundStateHolder(_Holder):
         """A holder with the backend, settings and cache duration of torch's ``holder``."""
         return cls(holder._backend, holder._settings, node, holder._cache_duration)
 
-    def leave_round(self) -> None:
-        """Mark that this node is about to leave its round (the handler's exit step).
-
-        Until the next state shows this node out of a completed round, its dead
-        members are pruned (with :attr:`member_expiry`) so the round can advance:
-        at once from the local copy (the exit step may act on the cached copy and
-        write it), and from every copy read until then. No RPC.
-        """
-        self._leaving = True
-        self._sanitize()
-
     def dead_members(self) -> list[_NodeDesc]:
-        """Members of the local copy's completed round whose heartbeat is older than
-        :attr:`member_expiry` now (or missing), sorted; ``[]`` while the round forms. No RPC."""
+        """Members of the local copy's completed round, other than this node, whose heartbeat
+        is older than :attr:`member_expiry` now (or missing), sorted; ``[]`` while the round
+        forms. No RPC."""
         state = self._state
         if not state.complete:
             return []
@@ -167,35 +155,31 @@ class SealedRoundStateHolder(_Holder):
     def _sanitize(self) -> None:
         """Prune dead nodes from the local copy after a read or write (torch's hook).
 
-        A forming round: torch's ``_sanitize`` unchanged. A completed round: dead
-        wait-list and redundancy-list nodes as torch; dead members only while this
-        node leaves the round, never this node itself.
+        A forming round, or a completed round none of whose members is alive (the
+        module docstring): torch's ``_sanitize``. Otherwise only the wait-list and
+        redundancy-list nodes that are dead by torch's rule.
         """
         state = self._state
-        if self._leaving and not (state.complete and self._node in state.participants):
-            self._leaving = False
-        if not state.complete:
+        if not state.complete or self._round_is_dead(state):
             super()._sanitize()
             return
-        now = datetime.now(timezone.utc)
-        node_limit = now - self._settings.keep_alive_interval * self._settings.keep_alive_max_attempt
-        member_limit = now - self.member_expiry
-        pruned: list[_NodeDesc] = []
-        member_removed = False
-        for node, beat in list(state.last_heartbeats.items()):
-            if node in state.participants:
-                if not self._leaving or node == self._node or beat >= member_limit:
-                    continue
-                del state.participants[node]
-                member_removed = True
-            elif beat >= node_limit:
-                continue
-            pruned.append(node)
+        limit = datetime.now(timezone.utc) - self._settings.keep_alive_interval * self._settings.keep_alive_max_attempt
+        pruned = [n for n, beat in state.last_heartbeats.items() if beat < limit and n not in state.participants]
+        for node in pruned:
             del state.last_heartbeats[node]
             state.wait_list.discard(node)
             state.redundancy_list.discard(node)
         self._dead_nodes = pruned
         if pruned:
-            log.debug("round %s: removed dead node(s) %s (leaving: %s)", state.round, pruned, self._leaving)
-        if member_removed:
-            _dr._remove_participant_epilogue(state, self._settings)
+            log.debug("round %s: removed dead waiting node(s) %s", state.round, pruned)
+
+    def _round_is_dead(self, state: Any) -> bool:
+        """Whether this node is outside the completed round of ``state`` and every member looks dead."""
+        if self._node in state.participants:
+            return False
+        limit = datetime.now(timezone.utc) - self.member_expiry
+        beats = state.last_heartbeats
+        dead = all(beats.get(n, limit) <= limit for n in state.participants)
+        if dead and state.participants:
+            log.debug("round %s: every member looks dead, pruning it", state.round)
+        return dead

@@ -150,6 +150,23 @@ def case_c(kind: type, clock: Clock, backends: Backends) -> CaseC:
     return CaseC(grace, dead, Outcome.of(run, "n0", "n1"))
 
 
+def case_c_early(kind: type, clock: Clock, backends: Backends) -> Outcome:
+    """``--nnodes=2:3``: n2 of the sealed round dies at t=1 and the survivors' workers fail at
+    once: both agents re-rendezvous at t=3, long before n2's heartbeat expires."""
+    clock.reset()
+    run = Run(kind, clock, backends(), (2, 3))
+    n0, n1, n2 = run.node("n0"), run.node("n1"), run.node("n2")
+    n0.join()
+    n1.join()
+    clock.at(1)
+    n2.join()
+    clock.at(2)
+    n0.step()
+    n1.step()
+    _rejoin(run, clock, 3, "n0", "n1")
+    return Outcome.of(run, "n0", "n1")
+
+
 def case_c_replacement(kind: type, clock: Clock, backends: Backends) -> Outcome:
     """``--nnodes=3:3``: n2 of the sealed round dies, replacement r arrives at t=17.6; the
     survivors re-rendezvous once their ``num_nodes_waiting()`` is positive."""

@@ -12,10 +12,11 @@ from __future__ import annotations
 import pickle
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from helpers import sealed_cases as cases
-from helpers.sealed_rounds import OURS, TORCH, Clock, MemoryBackend, MemoryCell, install, stored_state
+from helpers.sealed_rounds import OURS, TORCH, Clock, MemoryBackend, MemoryCell, install
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
 
@@ -88,36 +89,70 @@ def test_case_c_a_replacement_takes_the_dead_members_place(clock: Clock, kind: t
     assert cases.problems(outcome) == []
 
 
+@pytest.mark.parametrize("kind", [TORCH, OURS], ids=["torch", "ours"])
+def test_case_c_survivors_that_left_at_once_get_a_new_round_once_the_member_is_dead(
+    clock: Clock, kind: type
+) -> None:
+    """The sealed round is left with only its dead member: a waiter prunes it once dead."""
+    outcome = cases.case_c_early(kind, clock, memory_run)
+    assert outcome.worlds == {"n0": (0, 2), "n1": (1, 2)}
+    assert (outcome.stored_round, outcome.stored) == (1, ["n0", "n1"])
+
+
 def test_a_member_whose_entry_another_node_removed_reports_a_waiting_node(clock: Clock) -> None:
     assert cases.case_removed(TORCH, clock, memory_run) == {"n0": 0, "n1": 0}
     assert cases.case_removed(OURS, clock, memory_run) == {"n0": 0, "n1": 1}
 
 
-def test_dead_waiters_and_redundant_nodes_are_still_pruned_from_a_sealed_round(clock: Clock) -> None:
-    settings = dr.RendezvousSettings("r", 2, 2, dr.RendezvousTimeout(), timedelta(seconds=5), 3)
+def _sealed(clock: Clock, *members: str, waiting: tuple[str, ...] = (), spare: tuple[str, ...] = ()) -> Any:
+    """A completed round of ``members``, every heartbeat at the clock's now; the descriptors by name."""
     gen = dr._NodeDescGenerator()
-    me, member, waiter, spare, fresh = (gen.generate(a) for a in ("me", "member", "waiter", "spare", "fresh"))
+    nodes = {a: gen.generate(a) for a in (*members, *waiting, *spare, "reader")}
     state = dr._RendezvousState()
     state.complete = True
-    state.participants = {me: 0, member: 1}
-    state.wait_list = {waiter, fresh}
-    state.redundancy_list = {spare}
-    state.last_heartbeats = {n: clock.now() for n in (me, member, waiter, spare, fresh)}
+    state.participants = {nodes[a]: i for i, a in enumerate(members)}
+    state.wait_list = {nodes[a] for a in waiting}
+    state.redundancy_list = {nodes[a] for a in spare}
+    state.last_heartbeats = {nodes[a]: clock.now() for a in (*members, *waiting, *spare)}
+    return state, nodes
+
+
+def _read_as(reader: Any, state: Any) -> SealedRoundStateHolder:
+    """A holder of ``reader`` that has read ``state`` (stored in a new memory cell)."""
     backend = MemoryBackend(MemoryCell())
     assert backend.set_state(pickle.dumps(state)) is not None
-    clock.at(16.5)  # 16.5 s: every heartbeat dead by torch's window (15 s) and ours (16 s)
-    state.last_heartbeats[fresh] = clock.now()
-    backend.set_state(pickle.dumps(state), 1)
-    holder = SealedRoundStateHolder(backend, settings, me)
+    holder = SealedRoundStateHolder(backend, SETTINGS, reader)
     holder.sync()
+    return holder
+
+
+SETTINGS = dr.RendezvousSettings("r", 2, 3, dr.RendezvousTimeout(), timedelta(seconds=5), 3)
+
+
+def test_dead_waiters_and_redundant_nodes_are_still_pruned_from_a_sealed_round(clock: Clock) -> None:
+    state, n = _sealed(clock, "me", "member", waiting=("waiter", "fresh"), spare=("spare",))
+    clock.at(16.5)  # every heartbeat dead by torch's window (15 s) and by ours (16 s)...
+    state.last_heartbeats[n["fresh"]] = clock.now()  # ...but this one
+    holder = _read_as(n["me"], state)
     got = holder.state
-    assert got.participants == {me: 0, member: 1}  # a sealed round keeps its members
-    assert (got.wait_list, got.redundancy_list) == ({fresh}, set())
-    assert set(got.last_heartbeats) == {me, member, fresh}
-    assert holder.dead_members() == [member]  # what num_nodes_waiting() reports
-    holder.leave_round()  # this node re-rendezvouses: now its dead members go
-    assert holder.state.participants == {me: 0}
-    assert stored_state(backend).participants == {me: 0, member: 1}  # nothing written by itself
+    assert got.participants == {n["me"]: 0, n["member"]: 1}  # a sealed round keeps its members
+    assert (got.wait_list, got.redundancy_list) == ({n["fresh"]}, set())
+    assert set(got.last_heartbeats) == {n["me"], n["member"], n["fresh"]}
+    assert holder.dead_members() == [n["member"]]  # what num_nodes_waiting() reports
+
+
+def test_a_sealed_round_is_pruned_only_by_a_reader_outside_it_once_every_member_is_dead(clock: Clock) -> None:
+    state, n = _sealed(clock, "a", "b", waiting=("w",))
+    clock.at(15.5)  # dead by torch's window, not by ours
+    assert _read_as(n["w"], state).state.participants == state.participants
+    clock.at(16.5)
+    assert _read_as(n["a"], state).state.participants == state.participants  # a member: alive
+    state.last_heartbeats[n["w"]] = state.last_heartbeats[n["b"]] = clock.now()
+    assert _read_as(n["w"], state).state.participants == state.participants  # b is alive
+    state.last_heartbeats[n["b"]] = state.last_heartbeats[n["a"]]
+    pruned = _read_as(n["w"], state).state  # all dead: torch's rule, the round advances
+    assert (pruned.participants, pruned.complete, pruned.round) == ({}, False, 1)
+    assert pruned.wait_list == {n["w"]}
 
 
 def test_the_torch_internals_the_fix_relies_on_are_present() -> None:
@@ -128,13 +163,13 @@ def test_the_torch_internals_the_fix_relies_on_are_present() -> None:
 @pytest.mark.parametrize(
     ("change", "named"),
     [
-        (lambda mp: mp.delattr(dr, "_remove_participant_epilogue"), "_remove_participant_epilogue"),
+        (lambda mp: mp.setattr(dr, "_RendezvousState", object), "_RendezvousState lacks round"),
         (lambda mp: mp.delattr(dr._BackendRendezvousStateHolder, "_sanitize"), "no longer calls _sanitize"),
         (lambda mp: mp.setattr(dr._BackendRendezvousStateHolder, "sync", lambda self: None), "no longer calls"),
         (lambda mp: mp.delattr(dr.DynamicRendezvousHandler, "_keep_alive"), "lacks _keep_alive"),
         (lambda mp: mp.delattr(dr, "_BackendRendezvousStateHolder"), "no _BackendRendezvousStateHolder"),
     ],
-    ids=["epilogue", "sanitize", "sync", "keep_alive", "holder"],
+    ids=["state", "sanitize", "sync", "keep_alive", "holder"],
 )
 def test_a_torch_without_them_gets_a_plugin_error_naming_the_change(
     monkeypatch: pytest.MonkeyPatch, change: Callable[[pytest.MonkeyPatch], None], named: str
