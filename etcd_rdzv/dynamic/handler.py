@@ -16,7 +16,16 @@ node reads the round's ``MASTER_ADDR``/``MASTER_PORT`` from the round's own
 (per-round prefixed) etcd store. It relies on two attributes of torch's handler,
 ``_shared_tcp_store_server`` and ``_bootstrap_store_info`` (present since torch
 2.4). It also reports the metrics of :mod:`etcd_rdzv.metrics` (torch's handler
-records the rendezvous events itself). Everything else is torch's handler unchanged.
+records the rendezvous events itself).
+
+It also fixes torch's sealed-round defects (issue 22, :mod:`etcd_rdzv.dynamic.state`):
+the state holder is a :class:`~etcd_rdzv.dynamic.state.SealedRoundStateHolder`, which
+never removes a member of a live completed round on one reader's clock; a heartbeat that
+aged while the round sealed is refreshed as soon as the join ends; and
+:meth:`EtcdRendezvousHandler.num_nodes_waiting` reports a waiting node when a member
+of this node's round is dead or this node's own entry was removed, so the agents
+re-rendezvous (and admit a replacement) instead of training on without it.
+Everything else is torch's handler unchanged.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous as _dr
 from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousTimeoutError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
@@ -39,10 +49,17 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from .. import metrics
 from ..conf import DynamicSettings, parse_dynamic_settings
 from .backend import open_backend
+from .state import SealedRoundStateHolder, check_torch_internals
 
 if TYPE_CHECKING:
     from torch.distributed import Store
     from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        RendezvousSettings,
+        _NodeDesc,
+        _RendezvousState,
+        _RendezvousStateHolder,
+    )
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +67,26 @@ __all__ = ["EtcdRendezvousHandler", "create_handler", "create_handler_from_param
 
 
 class EtcdRendezvousHandler(DynamicRendezvousHandler):
-    """torch's dynamic rendezvous handler whose shared agent store is new every round."""
+    """torch's dynamic rendezvous handler whose shared agent store is new every round
+    and whose completed rounds keep their members (module docstring)."""
+
+    def __init__(
+        self,
+        node: _NodeDesc,
+        settings: RendezvousSettings,
+        backend_name: str,
+        store: Store,
+        state_holder: _RendezvousStateHolder,
+    ) -> None:
+        """See base class; torch's backend state holder (``from_backend``'s) is replaced by a
+        :class:`SealedRoundStateHolder` on the same backend. Raises ``EtcdRdzvPluginError``
+        when torch lacks the private names that relies on."""
+        check_torch_internals()
+        if type(state_holder) is _dr._BackendRendezvousStateHolder:
+            state_holder = SealedRoundStateHolder.adopt(state_holder, node)
+        super().__init__(node, settings, backend_name, store, state_holder)
+        self._round_joined: int | None = None
+        self._restart_reported = ""
 
     def next_rendezvous(self) -> RendezvousInfo:
         """See base class. Blocks until this node is in a complete round (or raises).
@@ -61,6 +97,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         """
         backend = self.get_backend()
         self._drop_shared_store()
+        self._round_joined = None
         started = time.monotonic()
         metrics.put_rdzv(backend, metrics.JOINS)
         try:
@@ -75,19 +112,55 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         return info
 
     def num_nodes_waiting(self) -> int:
-        """See base class; at least 1 once the rendezvous is closed. One Range.
+        """See base class; at least 1 when this node's round must be re-formed. At most one Range.
 
-        torch's agent polls only this method while its workers are healthy. When
-        the run is closed from outside (``set_closed`` on any node), reporting a
-        waiting node makes the agent stop its workers and call
-        :meth:`next_rendezvous`, which raises ``RendezvousClosedError``: every
-        agent ends within one monitor interval instead of training on. The state
-        was synced by the base class in this same call, so this costs no RPC.
+        torch's agent polls only this method while its workers are healthy;
+        reporting a waiting node makes it stop its workers and call
+        :meth:`next_rendezvous`. That happens when the run is closed from outside
+        (``next_rendezvous`` then raises ``RendezvousClosedError``: every agent ends
+        within one monitor interval instead of training on), when this node's entry
+        is no longer in its round (another node removed it), and when a member of
+        the completed round has sent no heartbeat for
+        :attr:`SealedRoundStateHolder.member_expiry` (pytorch#111646: the survivors
+        re-form the round, admitting a waiting replacement). The state was synced
+        by the base class in this same call, so the checks cost no RPC.
         """
         waiting = super().num_nodes_waiting()
         with self._heartbeat_lock:
-            closed = self._state_holder.state.closed
-        return max(waiting, 1) if closed else waiting
+            reason = self._restart_reason(self._state_holder.state)
+        if not reason:
+            self._restart_reported = ""
+            return waiting
+        if reason != self._restart_reported:
+            self._restart_reported = reason
+            log.warning("node %s: reporting a waiting node to re-form the round: %s", self._this_node, reason)
+        return max(waiting, 1)
+
+    def _restart_reason(self, state: _RendezvousState) -> str:
+        """Why this node's round must be re-formed ("" when it need not); call with the lock held."""
+        if state.closed:
+            return "the rendezvous is closed"
+        joined = self._round_joined
+        if joined is None:
+            return ""
+        if state.round != joined or self._this_node not in state.participants:
+            return f"this node is no longer a participant of round {joined} (its entry was removed)"
+        holder = self._state_holder
+        if not isinstance(holder, SealedRoundStateHolder):
+            return ""
+        dead = holder.dead_members()
+        if dead:
+            limit = holder.member_expiry.total_seconds()
+            return f"member(s) {', '.join(map(str, dead))} of round {joined} sent no heartbeat for {limit:g} s"
+        return ""
+
+    def _start_heartbeats(self) -> None:
+        """See base class (called when a join succeeded); also records the round joined and
+        refreshes this node's heartbeat at once if it aged while the round sealed
+        (one write then; none when it is fresh)."""
+        super()._start_heartbeats()
+        self._round_joined = self._state_holder.state.round
+        self._keep_alive()
 
     def shutdown(self) -> bool:
         """See base class; also closes the shared TCPStore server this node hosted."""

@@ -1,0 +1,185 @@
+"""``SealedRoundStateHolder``: torch's backend state holder without its sealed-round defects.
+
+torch's ``_BackendRendezvousStateHolder._sanitize()`` runs after every read and
+removes every node whose heartbeat looks older than ``keep_alive_interval x
+keep_alive_max_attempt`` *to the reading node's clock*, members of a completed
+round included, then lets the reader's next write store that copy (issue 22):
+
+* case A: a member whose heartbeat aged while the round sealed finishes its join
+  with world N, a later reader drops it and finishes with world N-1; that reader's
+  next heartbeat stores the round without the member, which stops heartbeating
+  (its entry is gone) and is in no wait list, so nobody ever re-rendezvouses;
+* case B: a member stalled between its read and ``_sanitize`` sees every heartbeat
+  as old, removes everyone, the epilogue re-opens the round, and its write makes a
+  new round global while the others train in the old one;
+* case C (pytorch#111646): a dead member of a completed round never makes
+  ``num_nodes_waiting()`` positive, so the survivors never re-rendezvous.
+
+This holder keeps torch's state format and torch's pruning of a round that is
+still forming, of the wait list and of the redundancy list. A *completed* round
+keeps its members while one of them is alive: the reader itself when it is a
+member (a member that can read is proof that the round is alive, whatever its
+clock says about the others), else any member whose heartbeat is younger than
+:attr:`SealedRoundStateHolder.member_expiry` (the heartbeat window plus one
+read-cache period). Only a round whose members all look dead to a reader outside
+it is pruned, by torch's rule, so that the round advances (the survivors of a
+member that died have left it and wait for the next round). That a member is
+dead is the handler's business: :meth:`SealedRoundStateHolder.dead_members`
+tells it, and it reports a waiting node so that the survivors re-rendezvous.
+
+torch private names this module relies on (checked by :func:`check_torch_internals`,
+which raises :class:`~etcd_rdzv.plugin.EtcdRdzvPluginError` when one is missing):
+``_BackendRendezvousStateHolder`` (``__init__(backend, settings, cache_duration)``,
+``_backend``, ``_settings``, ``_cache_duration``, ``_state``, ``_dead_nodes``, and
+``sync`` calling ``_sanitize``), the fields of ``_RendezvousState`` and, in :mod:`etcd_rdzv.dynamic.handler`,
+``DynamicRendezvousHandler.__init__``'s parameters, ``_state_holder``,
+``_this_node``, ``_heartbeat_lock``, ``_keep_alive`` and ``_start_heartbeats``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from datetime import datetime, timedelta, timezone
+from typing import TYPE_CHECKING, Any
+
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous as _dr
+
+from ..plugin import EtcdRdzvPluginError, _torch_version
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        RendezvousBackend,
+        RendezvousSettings,
+        _NodeDesc,
+    )
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        _BackendRendezvousStateHolder as _Holder,
+    )
+else:  # a torch without it gets check_torch_internals' clear error, not an ImportError
+    _Holder = getattr(_dr, "_BackendRendezvousStateHolder", object)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SealedRoundStateHolder", "check_torch_internals"]
+
+_STATE_FIELDS = ("round", "complete", "closed", "participants", "wait_list", "redundancy_list", "last_heartbeats")
+_HANDLER_ATTRS = ("_keep_alive", "_start_heartbeats", "_stop_heartbeats")
+_HANDLER_INIT = ["node", "settings", "backend_name", "store", "state_holder"]
+_HOLDER_INIT = ["backend", "settings", "cache_duration"]
+
+
+def _problems() -> list[str]:
+    """What differs from the torch internals this module relies on (empty when nothing)."""
+    found: list[str] = []
+    holder = getattr(_dr, "_BackendRendezvousStateHolder", None)
+    if holder is None:
+        found.append("no _BackendRendezvousStateHolder")
+    else:
+        if _params(holder.__init__) != _HOLDER_INIT:
+            found.append(f"_BackendRendezvousStateHolder.__init__ takes {_params(holder.__init__)}")
+        sync = getattr(holder, "sync", None)
+        if not callable(getattr(holder, "_sanitize", None)) or "_sanitize" not in getattr(
+            getattr(sync, "__code__", None), "co_names", ()
+        ):
+            found.append("_BackendRendezvousStateHolder.sync no longer calls _sanitize")
+    state = getattr(_dr, "_RendezvousState", None)
+    missing = [f for f in _STATE_FIELDS if state is None or not hasattr(state(), f)]
+    if missing:
+        found.append(f"_RendezvousState lacks {', '.join(missing)}")
+    handler = _dr.DynamicRendezvousHandler
+    if _params(handler.__init__) != _HANDLER_INIT:
+        found.append(f"DynamicRendezvousHandler.__init__ takes {_params(handler.__init__)}")
+    missing = [a for a in _HANDLER_ATTRS if not callable(getattr(handler, a, None))]
+    if missing:
+        found.append(f"DynamicRendezvousHandler lacks {', '.join(missing)}")
+    return found
+
+
+def _params(function: Any) -> list[str]:
+    try:
+        return [p for p in inspect.signature(function).parameters if p != "self"]
+    except (TypeError, ValueError):
+        return ["(unreadable)"]
+
+
+def check_torch_internals() -> None:
+    """Return if torch has the private names this module and the etcd-v2 handler use.
+
+    Raises :class:`EtcdRdzvPluginError` naming the torch version and each difference
+    (no RPC, no side effect).
+    """
+    found = _problems()
+    if found:
+        raise EtcdRdzvPluginError(
+            f"etcd-rdzv's etcd-v2 handler cannot run on torch {_torch_version()}: its dynamic "
+            f"rendezvous changed ({'; '.join(found)}); the handler subclasses torch's state holder "
+            "as in torch 2.4 to 2.13. Install a supported torch, a newer etcd-rdzv, or use etcd-v3."
+        )
+
+
+class SealedRoundStateHolder(_Holder):
+    """torch's backend state holder whose ``_sanitize`` leaves a live completed round alone.
+
+    Args are torch's plus ``node``, the descriptor of the handler this holder serves.
+    The state format, the CAS writes and the read cache are torch's; only what
+    ``_sanitize`` removes differs (module docstring).
+    """
+
+    def __init__(
+        self, backend: RendezvousBackend, settings: RendezvousSettings, node: _NodeDesc, cache_duration: int = 1
+    ) -> None:
+        super().__init__(backend, settings, cache_duration)
+        self._node = node
+        window = settings.keep_alive_interval * settings.keep_alive_max_attempt
+        self.member_expiry: timedelta = window + timedelta(seconds=max(cache_duration, 0))
+        """A completed round's member is dead once its heartbeat is older than this (the
+        heartbeat window plus one read-cache period: our copy may be that much older)."""
+
+    @classmethod
+    def adopt(cls, holder: _Holder, node: _NodeDesc) -> SealedRoundStateHolder:
+        """A holder with the backend, settings and cache duration of torch's ``holder``."""
+        return cls(holder._backend, holder._settings, node, holder._cache_duration)
+
+    def dead_members(self) -> list[_NodeDesc]:
+        """Members of the local copy's completed round, other than this node, whose heartbeat
+        is older than :attr:`member_expiry` now (or missing), sorted; ``[]`` while the round
+        forms. No RPC."""
+        state = self._state
+        if not state.complete:
+            return []
+        limit = datetime.now(timezone.utc) - self.member_expiry
+        beats = state.last_heartbeats
+        return sorted(n for n in state.participants if n != self._node and beats.get(n, limit) <= limit)
+
+    def _sanitize(self) -> None:
+        """Prune dead nodes from the local copy after a read or write (torch's hook).
+
+        A forming round, or a completed round none of whose members is alive (the
+        module docstring): torch's ``_sanitize``. Otherwise only the wait-list and
+        redundancy-list nodes that are dead by torch's rule.
+        """
+        state = self._state
+        if not state.complete or self._round_is_dead(state):
+            super()._sanitize()
+            return
+        limit = datetime.now(timezone.utc) - self._settings.keep_alive_interval * self._settings.keep_alive_max_attempt
+        pruned = [n for n, beat in state.last_heartbeats.items() if beat < limit and n not in state.participants]
+        for node in pruned:
+            del state.last_heartbeats[node]
+            state.wait_list.discard(node)
+            state.redundancy_list.discard(node)
+        self._dead_nodes = pruned
+        if pruned:
+            log.debug("round %s: removed dead waiting node(s) %s", state.round, pruned)
+
+    def _round_is_dead(self, state: Any) -> bool:
+        """Whether this node is outside the completed round of ``state`` and every member looks dead."""
+        if self._node in state.participants:
+            return False
+        limit = datetime.now(timezone.utc) - self.member_expiry
+        beats = state.last_heartbeats
+        dead = all(beats.get(n, limit) <= limit for n in state.participants)
+        if dead and state.participants:
+            log.debug("round %s: every member looks dead, pruning it", state.round)
+        return dead

@@ -1,0 +1,183 @@
+"""etcd-v2's sealed-round fix (issue 22) against torch's handler, on an in-memory CAS backend.
+
+Each case runs torch's unmodified ``DynamicRendezvousHandler`` and our
+``EtcdRendezvousHandler`` through the same timeline (controlled clock, gated join
+polls: ``tests/helpers/sealed_rounds.py``, cases in ``tests/helpers/sealed_cases.py``)
+and asserts torch's defect and our correct outcome side by side. The same cases
+run against a real etcd in ``tests/integration/test_v2_sealed_round_etcd.py``.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from helpers import sealed_cases as cases
+from helpers.sealed_rounds import OURS, TORCH, Clock, MemoryBackend, MemoryCell, install
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
+
+from etcd_rdzv.dynamic.state import SealedRoundStateHolder, check_torch_internals
+from etcd_rdzv.plugin import EtcdRdzvPluginError
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    return install(monkeypatch)
+
+
+def memory_run() -> Callable[[], RendezvousBackend]:
+    cell = MemoryCell()
+    return lambda: MemoryBackend(cell)
+
+
+def test_case_a_a_member_whose_heartbeat_aged_while_the_round_sealed_stays_in_it(clock: Clock) -> None:
+    torch = cases.case_a(TORCH, clock, memory_run)
+    ours = cases.case_a(OURS, clock, memory_run)
+    # torch: n0 finishes with world 2, its heartbeat stores the round without n2, and
+    # nobody waits: n2 (world 3) is stuck for good
+    assert torch.worlds == {"n0": (0, 2), "n1": (1, 3), "n2": (2, 3)}
+    assert torch.stored == ["n0", "n1"]
+    assert torch.waiting == {"n0": 0, "n1": 0, "n2": 0}
+    assert cases.problems(torch)
+    assert ours.worlds == {"n0": (0, 3), "n1": (1, 3), "n2": (2, 3)}
+    assert ours.stored == ["n0", "n1", "n2"]
+    assert ours.waiting == {"n0": 0, "n1": 0, "n2": 0}
+    assert cases.problems(ours) == []
+
+
+def test_case_b_a_stalled_reader_does_not_reopen_a_sealed_round(clock: Clock) -> None:
+    torch = cases.case_b(TORCH, clock, memory_run)
+    ours = cases.case_b(OURS, clock, memory_run)
+    # torch: n0 removed everyone, re-opened the round and made round 1 global;
+    # n1 and n2 train in round 0 (world 3), out of the state, nobody waiting
+    assert torch.rounds == {"n0": 1, "n1": 0, "n2": 0}
+    assert torch.worlds["n0"] is None
+    assert (torch.stored_round, torch.stored) == (1, ["n0"])
+    assert torch.waiting == {"n1": 0, "n2": 0}
+    assert cases.problems(torch)
+    assert ours.worlds == {"n0": (0, 3), "n1": (1, 3), "n2": (2, 3)}
+    assert (ours.stored_round, ours.stored) == (0, ["n0", "n1", "n2"])
+    assert cases.problems(ours) == []
+
+
+def test_case_c_a_dead_member_makes_the_survivors_re_rendezvous(clock: Clock) -> None:
+    torch = cases.case_c(TORCH, clock, memory_run)
+    ours = cases.case_c(OURS, clock, memory_run)
+    # torch (pytorch#111646): nobody ever reports a waiting node
+    assert torch.within_grace == torch.dead == {"n0": 0, "n1": 0}
+    assert torch.after is None
+    # ours: not within the heartbeat window + 1 s read cache, then on both survivors
+    assert ours.within_grace == {"n0": 0, "n1": 0}
+    assert ours.dead == {"n0": 1, "n1": 1}
+    assert ours.after is not None
+    assert ours.after.worlds == {"n0": (0, 2), "n1": (1, 2)}
+    assert (ours.after.stored_round, ours.after.stored) == (1, ["n0", "n1"])
+    assert cases.problems(ours.after) == []
+
+
+@pytest.mark.parametrize("kind", [TORCH, OURS], ids=["torch", "ours"])
+def test_case_c_a_replacement_takes_the_dead_members_place(clock: Clock, kind: type) -> None:
+    """--nnodes=3:3: ours keeps the dead member in the sealed round (the replacement waits
+    as redundant) until the survivors leave; both kinds admit the replacement."""
+    outcome = cases.case_c_replacement(kind, clock, memory_run)
+    assert outcome.worlds == {"n0": (0, 3), "n1": (1, 3), "r": (2, 3)}
+    assert (outcome.stored_round, outcome.stored) == (1, ["n0", "n1", "r"])
+    assert cases.problems(outcome) == []
+
+
+@pytest.mark.parametrize("kind", [TORCH, OURS], ids=["torch", "ours"])
+def test_case_c_survivors_that_left_at_once_get_a_new_round_once_the_member_is_dead(
+    clock: Clock, kind: type
+) -> None:
+    """The sealed round is left with only its dead member: a waiter prunes it once dead."""
+    outcome = cases.case_c_early(kind, clock, memory_run)
+    assert outcome.worlds == {"n0": (0, 2), "n1": (1, 2)}
+    assert (outcome.stored_round, outcome.stored) == (1, ["n0", "n1"])
+
+
+def test_a_member_whose_entry_another_node_removed_reports_a_waiting_node(clock: Clock) -> None:
+    assert cases.case_removed(TORCH, clock, memory_run) == {"n0": 0, "n1": 0}
+    assert cases.case_removed(OURS, clock, memory_run) == {"n0": 0, "n1": 1}
+
+
+def _sealed(clock: Clock, *members: str, waiting: tuple[str, ...] = (), spare: tuple[str, ...] = ()) -> Any:
+    """A completed round of ``members``, every heartbeat at the clock's now; the descriptors by name."""
+    gen = dr._NodeDescGenerator()
+    nodes = {a: gen.generate(a) for a in (*members, *waiting, *spare, "reader")}
+    state = dr._RendezvousState()
+    state.complete = True
+    state.participants = {nodes[a]: i for i, a in enumerate(members)}
+    state.wait_list = {nodes[a] for a in waiting}
+    state.redundancy_list = {nodes[a] for a in spare}
+    state.last_heartbeats = {nodes[a]: clock.now() for a in (*members, *waiting, *spare)}
+    return state, nodes
+
+
+def _read_as(reader: Any, state: Any) -> SealedRoundStateHolder:
+    """A holder of ``reader`` that has read ``state`` (stored in a new memory cell)."""
+    backend = MemoryBackend(MemoryCell())
+    assert backend.set_state(pickle.dumps(state)) is not None
+    holder = SealedRoundStateHolder(backend, SETTINGS, reader)
+    holder.sync()
+    return holder
+
+
+SETTINGS = dr.RendezvousSettings("r", 2, 3, dr.RendezvousTimeout(), timedelta(seconds=5), 3)
+
+
+def test_dead_waiters_and_redundant_nodes_are_still_pruned_from_a_sealed_round(clock: Clock) -> None:
+    state, n = _sealed(clock, "me", "member", waiting=("waiter", "fresh"), spare=("spare",))
+    clock.at(16.5)  # every heartbeat dead by torch's window (15 s) and by ours (16 s)...
+    state.last_heartbeats[n["fresh"]] = clock.now()  # ...but this one
+    holder = _read_as(n["me"], state)
+    got = holder.state
+    assert got.participants == {n["me"]: 0, n["member"]: 1}  # a sealed round keeps its members
+    assert (got.wait_list, got.redundancy_list) == ({n["fresh"]}, set())
+    assert set(got.last_heartbeats) == {n["me"], n["member"], n["fresh"]}
+    assert holder.dead_members() == [n["member"]]  # what num_nodes_waiting() reports
+
+
+def test_a_sealed_round_is_pruned_only_by_a_reader_outside_it_once_every_member_is_dead(clock: Clock) -> None:
+    state, n = _sealed(clock, "a", "b", waiting=("w",))
+    clock.at(15.5)  # dead by torch's window, not by ours
+    assert _read_as(n["w"], state).state.participants == state.participants
+    clock.at(16.5)
+    assert _read_as(n["a"], state).state.participants == state.participants  # a member: alive
+    state.last_heartbeats[n["w"]] = state.last_heartbeats[n["b"]] = clock.now()
+    assert _read_as(n["w"], state).state.participants == state.participants  # b is alive
+    state.last_heartbeats[n["b"]] = state.last_heartbeats[n["a"]]
+    pruned = _read_as(n["w"], state).state  # all dead: torch's rule, the round advances
+    assert (pruned.participants, pruned.complete, pruned.round) == ({}, False, 1)
+    assert pruned.wait_list == {n["w"]}
+
+
+def test_the_torch_internals_the_fix_relies_on_are_present() -> None:
+    """Fails on a torch whose dynamic rendezvous changed the private names we use."""
+    check_torch_internals()
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (lambda mp: mp.setattr(dr, "_RendezvousState", object), "_RendezvousState lacks round"),
+        (lambda mp: mp.delattr(dr._BackendRendezvousStateHolder, "_sanitize"), "no longer calls _sanitize"),
+        (lambda mp: mp.setattr(dr._BackendRendezvousStateHolder, "sync", lambda self: None), "no longer calls"),
+        (lambda mp: mp.delattr(dr.DynamicRendezvousHandler, "_keep_alive"), "lacks _keep_alive"),
+        (lambda mp: mp.delattr(dr, "_BackendRendezvousStateHolder"), "no _BackendRendezvousStateHolder"),
+    ],
+    ids=["state", "sanitize", "sync", "keep_alive", "holder"],
+)
+def test_a_torch_without_them_gets_a_plugin_error_naming_the_change(
+    monkeypatch: pytest.MonkeyPatch, change: Callable[[pytest.MonkeyPatch], None], named: str
+) -> None:
+    change(monkeypatch)
+    with pytest.raises(EtcdRdzvPluginError, match="etcd-v2 handler cannot run on torch") as e:
+        check_torch_internals()
+    assert named in str(e.value)
+    if hasattr(dr, "_BackendRendezvousStateHolder"):  # else torch's own from_backend fails first
+        with pytest.raises(EtcdRdzvPluginError):
+            OURS.from_backend("r", None, MemoryBackend(MemoryCell()), 1, 1)
