@@ -29,8 +29,11 @@ class TorchrunAgents:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.logs: list[Path] = []
 
-    def launch(self, n: int, torchrun_args: Sequence[str], *, env: dict[str, str] | None = None) -> None:
-        """Start ``n`` agents: ``python -m torch.distributed.run <torchrun_args>``.
+    def launch(self, n: int, torchrun_args: Sequence[str], *, env: dict[str, str] | None = None,
+               runner: Sequence[str] = ("-m", "torch.distributed.run")) -> None:
+        """Start ``n`` agents: ``python -m torch.distributed.run <torchrun_args>`` (``runner``:
+        what follows ``python`` instead, e.g. a script that adjusts torch's agent, then runs
+        ``torch.distributed.run.main()``).
 
         Children get single-threaded OpenMP, unbuffered output, gloo on loopback,
         INFO logs and faulthandler; torch's agent-store sharing as torch ships it.
@@ -41,7 +44,7 @@ class TorchrunAgents:
         child_env.update(env or {})
         for _ in range(n):
             log = self.tmp_path / f"agent-{len(self.procs)}.log"
-            cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args]
+            cmd = [sys.executable, *runner, *torchrun_args]
             with open(log, "wb") as f:
                 self.procs.append(
                     subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env, start_new_session=True)
