@@ -1,11 +1,12 @@
 """What ``close`` and ``gc`` write, one fenced transaction per run.
 
-* :func:`close_v3`: the handler's own close transaction
-  (:func:`etcd_rdzv.native.protocol.close`: ``if version(ctl/closed) == 0 then put
-  ctl/closed`` bound to the run lease, which is created the way a closing node creates
+* :func:`close_v3`: the operator's stop (:func:`etcd_rdzv.native.protocol.abort`: ``ctl/closed``
+  and the abort mark ``ctl/abort`` in one transaction, or the mark alone when the run is
+  closed already, bound to the run lease, which is created the way a closing node creates
   it when no round was sealed yet). Waiting nodes see the event and raise
   ``RendezvousClosedError``; agents of a running round learn it from
-  ``num_nodes_waiting()``.
+  ``num_nodes_waiting()``, which the mark makes positive (a run closed only by an agent's
+  ``shutdown()`` at the end of its job leaves the members that still run alone).
 * :func:`close_v2`: torch's state with ``closed = True``, written with a
   compare-and-set on the state key's mod revision (``if mod(key) == M then put``,
   keeping the key's lease), re-read and retried at once when a heartbeat won the race.
@@ -55,15 +56,16 @@ _CAS_ATTEMPTS = 20  # heartbeats rewrite a v2 state about once per keep_alive_in
 
 
 def close_v3(client: EtcdClient, prefix: str, run_id: str, deadline: Deadline,
-             *, state_ttl: int = DEFAULT_STATE_TTL) -> bool:
-    """Close an etcd-v3 run; True if this call closed it, False if it was closed already."""
+             *, state_ttl: int = DEFAULT_STATE_TTL) -> protocol.AbortOutcome:
+    """Close an etcd-v3 run and stop every agent of it; whether this call closed it and
+    whether it wrote the abort mark (both False: it was stopped already)."""
     keys = RunKeys.for_run(prefix, run_id)
     if client.range(f"{keys.root}/".encode(), prefix=True, count_only=True, timeout=deadline.left()).count == 0:
         raise CliError(f"no etcd-v3 run {run_id!r} under {prefix or '/'}")
     for attempt in (1, 2):
         lease = protocol.ensure_run_lease(client, keys, state_ttl, timeout=deadline.left())
         try:
-            return protocol.close(client, keys, lease, timeout=deadline.left())
+            return protocol.abort(client, keys, lease, timeout=deadline.left())
         except EtcdLeaseNotFound:
             if attempt == 2:
                 raise

@@ -195,12 +195,19 @@ def _watch(client: EtcdClient, opts: ConnectOptions, ns: argparse.Namespace) -> 
 def _close(client: EtcdClient, opts: ConnectOptions, ns: argparse.Namespace) -> int:
     deadline = Deadline(opts.timeout)
     backend = resolve_backend(client, opts.key_prefix, ns.run_id, ns.backend, deadline)
+    stopped = False  # etcd-v3: closed already (by agents' shutdown()), aborted by this call
     if backend == V3:
-        closed = close_v3(client, opts.key_prefix, ns.run_id, deadline, state_ttl=ns.state_ttl)
+        outcome = close_v3(client, opts.key_prefix, ns.run_id, deadline, state_ttl=ns.state_ttl)
+        closed, stopped = outcome.closed, outcome.aborted and not outcome.closed
     else:
         closed = close_v2(client, opts.key_prefix, ns.run_id, deadline)
     run = esc(ns.run_id)
-    _out(f"closed {backend} run {run}" if closed else f"{backend} run {run} was already closed")
+    if closed:
+        _out(f"closed {backend} run {run}")
+    elif stopped:
+        _out(f"{backend} run {run} was already closed; its running agents now stop")
+    else:
+        _out(f"{backend} run {run} was already closed")
     return 0
 
 

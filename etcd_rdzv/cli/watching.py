@@ -3,7 +3,7 @@
 Pure parts (no I/O): :func:`describe_v3` turns a batch of watch events on an
 etcd-v3 run's ``ctl/`` into change records, :func:`diff_v2` compares two decoded
 etcd-v2 states. A change record is a dict: ``{"event": "join"|"leave"|"rejoin"|"seal"|
-"close"|"run-lease-gone"|"reopen"|"state-gone", "revision": N, ...}``
+"close"|"abort"|"run-lease-gone"|"reopen"|"state-gone", "revision": N, ...}``
 plus ``round``, ``node``, ``from_round``, ``host``, ``world_size``, ``members``,
 ``master`` where they apply. :func:`watch_run` reads the run once (within the
 command's deadline), then follows one etcd watch starting right after that read's
@@ -78,6 +78,8 @@ def describe_v3(keys: RunKeys, events: list[Event]) -> list[Change]:
             out.append(record)
         elif ev.key == keys.closed:
             out.append({"event": "close" if ev.type == "PUT" else "reopen", "revision": rev})
+        elif ev.key == keys.abort and ev.type == "PUT":
+            out.append({"event": "abort", "revision": rev})
     return out
 
 

@@ -233,8 +233,15 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         return closed
 
     def set_closed(self) -> None:
-        """Close the run for every node: a one-time put of ``ctl/closed``. One Txn
-        (plus a Range, or a LeaseGrant and a Txn, if this node does not know the run lease yet).
+        """Close the run and stop every agent of it now, as ``etcd-rdzv close`` does: one Txn
+        that puts ``ctl/closed`` and the abort mark ``ctl/abort`` (:func:`protocol.abort`;
+        plus a Range, or a LeaseGrant and a Txn, if this node does not know the run lease yet).
+
+        Waiting nodes raise ``RendezvousClosedError``; every running member's
+        :meth:`num_nodes_waiting` turns positive, so its agent stops its workers and learns
+        from ``next_rendezvous`` that the run is over. torchrun's agents never call this
+        (they call :meth:`shutdown` when their job ends, which closes the run without
+        stopping the members that still run): it is the stop of a process outside the job.
 
         Raises ``RendezvousTimeoutError`` if etcd does not confirm within
         ``close_timeout`` (all calls together), ``RendezvousConnectionError`` on other
@@ -243,7 +250,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if self._node.shut_down:
             return
         try:
-            self._node.close_run(time.monotonic() + self._settings.close_timeout)
+            self._node.close_run(time.monotonic() + self._settings.close_timeout, abort=True)
         except RendezvousError as e:
             self._telemetry.failed("set_closed", e)
             raise
@@ -255,7 +262,12 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         torch's agent calls this every monitor interval while its workers are
         healthy and re-rendezvous when it is positive. Returns:
 
-        * at least 1 when the run is closed (so the agent re-rendezvous and learns it);
+        * at least 1 when the run was aborted (``etcd-rdzv close`` or :meth:`set_closed`:
+          stop every agent now; the agent re-rendezvous and learns from ``next_rendezvous``
+          that the run is closed);
+        * 0 when the run is closed otherwise (a peer's :meth:`shutdown` at the end of its
+          job): no round can form any more, and healthy workers run on, as with torch's
+          handlers;
         * 0 while our round is full and intact (newcomers could not be admitted:
           torch's redundancy list);
         * the number of nodes joined in the next round otherwise;
@@ -272,9 +284,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if self._node.shut_down:
             return 0
         try:
-            # torch's agent polls only this while its workers run: a positive count for a
-            # closed run makes it stop them and call next_rendezvous(), which raises
-            # RendezvousClosedError, so a run closed from outside ends every agent.
+            # torch's agent polls only this while its workers run: a positive count for an
+            # aborted run makes it stop them and call next_rendezvous(), which raises
+            # RendezvousClosedError, so the operator's stop ends every agent.
             waiting = self._group.nodes_waiting()
         except EtcdError as e:
             raise self._etcd_failed("num_nodes_waiting", e) from e
@@ -284,7 +296,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def shutdown(self) -> bool:
         """Close the run (as torch's handlers do), revoke this node's lease, release resources.
 
-        Revoking the lease deletes this node's join keys at once. The last node to
+        torchrun calls it when the agent's job ended: the other members that still run
+        keep running (a closed run answers 0 in :meth:`num_nodes_waiting`) and end on
+        their own. Revoking the lease deletes this node's join keys at once. The last node to
         leave also deletes the rounds' stores. Returns False if closing failed
         (then the lease is left to expire). Takes at most about ``close_timeout``.
 

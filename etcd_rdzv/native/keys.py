@@ -2,6 +2,8 @@
 
 Every key lives under ``<key_prefix>/<run_id>/v3/``::
 
+    ctl/abort                     "1" once the run is aborted: closed,  (run lease)
+                                  and every running agent stops now
     ctl/closed                    "1" once the run is closed            (run lease)
     ctl/sealed                    JSON: last sealed round, its members; (run lease)
                                   its mod_revision is the fencing token
@@ -69,6 +71,12 @@ class RunKeys:
     @property
     def closed(self) -> bytes:
         return f"{self.root}/ctl/closed".encode()
+
+    @property
+    def abort(self) -> bytes:
+        """Written with (or after) ``closed`` by the operator's stop (``etcd-rdzv close``):
+        the run is over for the members that still run too (see ``protocol.abort``)."""
+        return f"{self.root}/ctl/abort".encode()
 
     @property
     def run(self) -> bytes:

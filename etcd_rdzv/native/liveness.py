@@ -1,9 +1,16 @@
 """Whether a running ``etcd-v3`` group is intact: ``num_nodes_waiting()``, and re-attach after an outage.
 
 torch's agent calls ``num_nodes_waiting()`` every monitor interval while its workers are healthy and
-restarts them (a new round) when it is positive. :class:`GroupCheck` answers it for one node with one
-read-only Txn (:func:`~etcd_rdzv.native.queries.count_waiting`); :func:`nodes_waiting` is the pure
-decision on what that read found (no RPC, no clock of its own).
+restarts them (a new round) when it is positive; it never calls ``is_closed()``. :class:`GroupCheck`
+answers it for one node with one read-only Txn (:func:`~etcd_rdzv.native.queries.count_waiting`);
+:func:`nodes_waiting` is the pure decision on what that read found (no RPC, no clock of its own).
+
+A closed run answers 0, as torch's handlers do: torchrun's ``shutdown()`` closes the run at the normal
+end of each agent's job, and a node whose job runs longer (rank 0 writing a final checkpoint) must keep
+its workers; no new round can form anyway, and a later ``next_rendezvous`` raises
+``RendezvousClosedError``. The operator's stop (``etcd-rdzv close``, or ``set_closed()`` from outside the job:
+:func:`~etcd_rdzv.native.protocol.abort`) also writes the abort mark, and then the answer is positive for every node: each agent stops its
+workers and learns from ``next_rendezvous`` that the run is over.
 
 A member's liveness is its join key, bound to its lease. When etcd was out of reach for longer than
 the lease TTL, etcd expired every lease meanwhile although no node died. So:
@@ -60,14 +67,19 @@ class Group:
 def nodes_waiting(occ: Occupancy, group: Group, max_nodes: int, now: float) -> int:
     """The answer of ``num_nodes_waiting()`` for what a node read (see the module docstring).
 
-    * at least 1 once the run is closed (the agent then learns it from ``next_rendezvous``);
+    * at least 1 once the run is aborted (the agent stops its workers, then learns from
+      ``next_rendezvous`` that the run is closed);
+    * 0 once the run is closed (no round can form any more: healthy workers run on, whoever
+      left the round);
     * for a member: at least 1 when it could not keep its place (``lease_ok`` False), or its
       round is short of its world size and somebody waits in the next round or the grace is
       over; else 0 while the round is full (torch's redundancy list);
     * otherwise the number of nodes joined in the next round.
     """
-    if occ.closed:
+    if occ.aborted:
         return max(occ.waiting, 1)
+    if occ.closed:
+        return 0
     if group.world:
         if not group.lease_ok:
             return max(occ.waiting, 1)

@@ -5,7 +5,7 @@ the node's lease :class:`~etcd_store.client.Session` (granted at its first join,
 replaced when etcd reports it gone; it also keeps the run lease alive), the run
 lease that holds the round records (created by the first sealer or closer),
 :meth:`NodeLeases.leave` (revoke without closing the run), :meth:`NodeLeases.close_run`
-and :meth:`NodeLeases.reattach` (a member whose lease ended while its group runs).
+(close, or abort: also stop the members that run), and :meth:`NodeLeases.reattach` (a member whose lease ended while its group runs).
 It reads the round state that :class:`Participant` keeps (``_joined``,
 ``member_round``, ``member_seal``, ``_join_value``, ``_watch``).
 
@@ -124,7 +124,10 @@ class NodeLeases:
 
     # ------------------------------------------------------------------ leases and closing
 
-    def close_run(self, deadline: float) -> None:
+    def close_run(self, deadline: float, *, abort: bool = False) -> None:
+        """Close the run (:func:`protocol.close`: no new round; members that run keep running),
+        or with ``abort`` also stop every agent now (:func:`protocol.abort`). Every RPC
+        bounded by ``deadline``; raises torch's timeout or connection error."""
         def left() -> float:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -132,12 +135,16 @@ class NodeLeases:
             return remaining
 
         def close(lease: int) -> bool:
+            if abort:
+                out = protocol.abort(self._client, self._keys, lease, timeout=left())
+                return out.closed or out.aborted
             return protocol.close(self._client, self._keys, lease, timeout=left())
 
         try:
             if renewing_lease(close, lambda: self._run_lease_or_create(left()), self._forget_run_lease,
                               renewals=1):
-                log.info("node %s closed the rendezvous %r", self._node_id, self._settings.run_id)
+                log.info("node %s %s the rendezvous %r", self._node_id, "aborted" if abort else "closed",
+                         self._settings.run_id)
         except EtcdTimeoutError as e:
             raise RendezvousTimeoutError(f"closing the rendezvous timed out: {e}") from e
         except EtcdError as e:

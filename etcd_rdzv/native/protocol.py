@@ -45,8 +45,10 @@ from .records import Membership, Sealed, count_of, encode_sealed, first_kv, leas
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "AbortOutcome",
     "JoinOutcome",
     "SealOutcome",
+    "abort",
     "close",
     "ensure_run_lease",
     "join",
@@ -313,7 +315,9 @@ def leave_if_unsealed(
 def close(client: EtcdClient, keys: RunKeys, run_lease: int, *, timeout: float | None = None) -> bool:
     """Mark the run closed once: ``[version(closed) == 0] -> put closed``. One Txn.
 
-    Returns whether this call closed it (False: it was closed already).
+    No round forms after it (every join compares ``version(closed) == 0``); members of a
+    running round keep running (:func:`abort` stops them too). Returns whether this call
+    closed it (False: it was closed already).
     """
     res = client.txn(
         [compare_version(keys.closed, "==", 0)],
@@ -322,6 +326,53 @@ def close(client: EtcdClient, keys: RunKeys, run_lease: int, *, timeout: float |
         idempotent=True,
     )
     return res.succeeded
+
+
+@dataclass(frozen=True)
+class AbortOutcome:
+    """The answer of :func:`abort`: whether this call closed the run, and whether it wrote
+    the abort mark (both False: the run was aborted already)."""
+
+    closed: bool
+    aborted: bool
+
+
+def abort(client: EtcdClient, keys: RunKeys, run_lease: int, *, timeout: float | None = None) -> AbortOutcome:
+    """Close the run and stop every agent of it now (the operator's ``etcd-rdzv close``).
+
+    :func:`close` only ends the run's rendezvous: no new round forms, and members that
+    still run keep running (``shutdown()`` closes the run at the normal end of every
+    agent's job, which must not stop a slower node's workers). The abort mark
+    ``ctl/abort`` also makes every member's ``num_nodes_waiting()`` positive, so each
+    agent stops its workers and learns from ``next_rendezvous`` that the run is closed.
+    One Txn, two when the run was closed but not aborted::
+
+        if   version(closed) == 0 and version(abort) == 0
+        then put closed; put abort                  (run lease; one revision)
+        else count abort
+        [closed, not aborted:] if version(abort) == 0 then put abort
+
+    The mark is never written without ``closed`` (so no node sees an aborted run open),
+    and ``closed`` is never written twice. Replays fail their compare.
+    """
+    res = client.txn(
+        [compare_version(keys.closed, "==", 0), compare_version(keys.abort, "==", 0)],
+        [op_put(keys.closed, b"1", lease=run_lease), op_put(keys.abort, b"1", lease=run_lease)],
+        [op_get(keys.abort, count_only=True)],
+        timeout=timeout,
+        idempotent=True,
+    )
+    if res.succeeded:
+        return AbortOutcome(True, True)
+    if count_of(res.responses[0]) > 0:
+        return AbortOutcome(False, False)
+    res = client.txn(
+        [compare_version(keys.abort, "==", 0)],
+        [op_put(keys.abort, b"1", lease=run_lease)],
+        timeout=timeout,
+        idempotent=True,
+    )
+    return AbortOutcome(False, res.succeeded)
 
 
 def remove_round_records_if_idle(

@@ -48,6 +48,7 @@ class Occupancy:
     active: int  # join keys of round_ (its members that are alive and still in it)
     closed: bool
     mine: bool | None = None  # whether the asking node's own join key of round_ exists (if asked)
+    aborted: bool = False  # the abort mark exists (the operator stopped the run; see protocol.abort)
 
 
 def count_waiting(
@@ -58,19 +59,21 @@ def count_waiting(
     node_key: bytes | None = None,
     timeout: float | None = None,
 ) -> Occupancy:
-    """Join keys of ``round_ + 1`` and of ``round_``, ``closed`` and, if given, whether
-    ``node_key`` exists. One read-only Txn of three or four count-only ranges (no
+    """Join keys of ``round_ + 1`` and of ``round_``, ``closed``, ``abort`` and, if given,
+    whether ``node_key`` exists. One read-only Txn of four or five count-only ranges (no
     revision, O(1) bytes)."""
     ops = [
         op_get(keys.join_prefix(round_ + 1), prefix=True, count_only=True),
         op_get(keys.join_prefix(round_), prefix=True, count_only=True),
         op_get(keys.closed, count_only=True),
+        op_get(keys.abort, count_only=True),
     ]
     if node_key is not None:
         ops.append(op_get(node_key, count_only=True))
     res = client.txn([], ops, timeout=timeout, idempotent=True)
     counts = [count_of(r) for r in res.responses]
-    return Occupancy(counts[0], counts[1], counts[2] > 0, None if node_key is None else counts[3] > 0)
+    return Occupancy(counts[0], counts[1], counts[2] > 0, None if node_key is None else counts[4] > 0,
+                     aborted=counts[3] > 0)
 
 
 def read_members(

@@ -32,7 +32,7 @@ __all__ = ["RoundView", "Signal", "SignalKind"]
 
 class SignalKind(enum.Enum):
     SEALED = "sealed"  # ctl/sealed changed: see Signal.sealed
-    CLOSED = "closed"  # ctl/closed appeared
+    CLOSED = "closed"  # ctl/closed (or ctl/abort, written with or after it) appeared
     RESET = "reset"  # ctl/sealed vanished (the run lease expired)
 
 
@@ -120,9 +120,10 @@ class RoundView:
 
     def _caught(self, read: CatchUp, since: int, *, expect_sealed: bool) -> Signal | None:
         control = {kv.key: kv for kv in read.control}
-        closed = control.get(self.keys.closed)
-        if closed is not None and closed.mod_revision > since:
-            return self._control(Event("PUT", closed))
+        for key in (self.keys.closed, self.keys.abort):
+            closed = control.get(key)
+            if closed is not None and closed.mod_revision > since:
+                return self._control(Event("PUT", closed))
         sealed = control.get(self.keys.sealed)
         if sealed is None:
             return Signal(SignalKind.RESET) if expect_sealed else None
@@ -139,7 +140,7 @@ class RoundView:
         if kv.mod_revision <= self.read_through:
             return None  # already in the view: the catch-up read was at or after this revision
         self.revision = max(self.revision, kv.mod_revision)
-        if key in (self.keys.sealed, self.keys.closed):
+        if key in (self.keys.sealed, self.keys.closed, self.keys.abort):
             return self._control(event)
         if parsed is None or parsed[0] != self.round - 1:
             return None

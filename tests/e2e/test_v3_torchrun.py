@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import REPO_ROOT
 from helpers.elastic import log_line_times, record_timing
 from helpers.torchrun_agents import TorchrunAgents
 
@@ -269,5 +270,92 @@ def test_a_node_that_ends_leaves_and_the_others_train_again(
         with EtcdClient(endpoint, timeout=5) as client:
             root = f"{prefix}/{run_id}/v3".encode()
             assert client.get(root + b"/ctl/closed") is not None  # the survivors' shutdown closed it
+    finally:
+        stop_file.write_text("stop")
+
+
+SLOW_END = r'''
+import os, sys, time
+from datetime import timedelta
+import torch.distributed as dist
+
+out_dir, stop_file = sys.argv[1], sys.argv[2]
+group_rank, restarts = os.environ["GROUP_RANK"], os.environ["TORCHELASTIC_RESTART_COUNT"]
+dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+dist.barrier()
+dist.destroy_process_group()
+open(os.path.join(out_dir, f"started-{group_rank}-{restarts}-{os.getpid()}"), "w").close()
+if group_rank == "0":  # the slow node: a final checkpoint longer than the others' exit barrier
+    while not os.path.exists(stop_file):
+        time.sleep(0.05)
+    open(os.path.join(out_dir, "slow-done"), "w").close()
+'''
+
+SHORT_EXIT_BARRIER = r'''
+import sys
+from torch.distributed.elastic.agent.server import local_elastic_agent
+
+_init = local_elastic_agent.LocalElasticAgent.__init__
+
+
+def _init_short_barrier(self, *args, **kwargs):
+    kwargs["exit_barrier_timeout"] = 1.0  # torch's default is 300 s: the slow node outlives it
+    _init(self, *args, **kwargs)
+
+
+local_elastic_agent.LocalElasticAgent.__init__ = _init_short_barrier
+from torch.distributed.run import main
+
+sys.exit(main())
+'''
+
+
+def test_a_normal_end_leaves_a_slow_node_running_and_the_operators_close_stops_it(
+    etcd_server: EtcdServer, agents: Agents
+) -> None:
+    """Two agents: the fast node's job ends (its workers succeed, its exit barrier of 1 s
+    times out, torchrun calls shutdown(), which closes the run); the slow node's workers
+    run on, not restarted (num_nodes_waiting() is 0 for a closed run, as with torch's
+    handlers). Then ``etcd-rdzv close`` stops the slow node's agent and its workers at once."""
+    if not etcd_server.version.startswith(("3.5", "3.7")):
+        pytest.skip("runs on etcd 3.5 and 3.7")
+    from etcd_rdzv.cli import main
+
+    endpoint, run_id = etcd_server.get_endpoint(), f"e2e-v3-end-{os.getpid()}-{next(_ids)}"
+    prefix = f"/e2e-v3-{time.monotonic_ns() % 10**9}"
+    stop_file = agents.tmp_path / "stop"
+    agents.script.write_text(SLOW_END)
+    runner = agents.tmp_path / "torchrun_short_exit_barrier.py"
+    runner.write_text(SHORT_EXIT_BARRIER)
+    conf = CONF.replace("last_call_timeout=60", "last_call_timeout=2")
+    agents.launch(2, [
+        "--nnodes=2", "--nproc-per-node=1",
+        "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
+        f"--rdzv-conf={conf},key_prefix={prefix}", "--monitor-interval=0.2",
+        "--max-restarts=3", "--local-addr=127.0.0.1",
+        str(agents.script), str(agents.out_dir), str(stop_file),
+    ], runner=[str(runner)], env={"PYTHONPATH": REPO_ROOT})  # fmt: skip (the runner's directory is no checkout)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not any(p.poll() is not None for p in agents.procs):
+            time.sleep(0.1)
+        ended = [p for p in agents.procs if p.poll() is not None]
+        assert len(ended) == 1 and ended[0].returncode == 0, agents.log_tails()
+        (slow,) = [p for p in agents.procs if p.poll() is None]
+        with EtcdClient(endpoint, timeout=5) as client:
+            assert client.get(f"{prefix}/{run_id}/v3/ctl/closed".encode()) is not None  # the fast one closed it
+        time.sleep(3.0)  # 15 monitor intervals of the slow agent, each a num_nodes_waiting() poll
+        assert slow.poll() is None, agents.log_tails()
+        started = sorted(p.name.rsplit("-", 1)[0] for p in agents.out_dir.glob("started-*"))
+        assert started == ["started-0-0", "started-1-0"], (started, agents.log_tails())  # no restart
+        assert not (agents.out_dir / "slow-done").exists()
+
+        stopped_at = time.monotonic()
+        assert main(["--endpoints", endpoint, "--key-prefix", prefix, "close", run_id]) == 0
+        slow.wait(timeout=60)
+        assert time.monotonic() - stopped_at < 30, agents.log_tails()
+        assert slow.returncode != 0  # its next_rendezvous raised RendezvousClosedError
+        assert not (agents.out_dir / "slow-done").exists()  # its worker was stopped, not finished
+        assert "closed" in agents.logs[agents.procs.index(slow)].read_text(errors="replace").lower()
     finally:
         stop_file.write_text("stop")

@@ -37,8 +37,11 @@ class TorchrunAgents:
         """The agents' processes, in launch order."""
         return [a.proc for a in self.agents if a.proc is not None]
 
-    def launch(self, n: int, torchrun_args: Sequence[str], *, env: dict[str, str] | None = None) -> None:
-        """Start ``n`` agents: ``python -m torch.distributed.run <torchrun_args>``.
+    def launch(self, n: int, torchrun_args: Sequence[str], *, env: dict[str, str] | None = None,
+               runner: Sequence[str] = ("-m", "torch.distributed.run")) -> None:
+        """Start ``n`` agents: ``python -m torch.distributed.run <torchrun_args>`` (``runner``:
+        what follows ``python`` instead, e.g. a script that adjusts torch's agent, then runs
+        ``torch.distributed.run.main()``).
 
         Children get single-threaded OpenMP, unbuffered output, gloo on loopback (LocalAgent's defaults),
         INFO logs and faulthandler; torch's agent-store sharing as torch ships it.
@@ -47,7 +50,7 @@ class TorchrunAgents:
         for _ in range(n):
             log = self.tmp_path / f"agent-{len(self.agents)}.log"
             agent = LocalAgent(
-                log.stem, [sys.executable, "-m", "torch.distributed.run", *torchrun_args],
+                log.stem, [sys.executable, *runner, *torchrun_args],
                 env=child_env, output=str(log), unset=() if env and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" in env
                 else ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE",),
             )  # fmt: skip

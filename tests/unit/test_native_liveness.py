@@ -11,8 +11,8 @@ MAX = 4
 NOW = 100.0
 
 
-def occ(waiting: int, active: int, closed: bool = False) -> Occupancy:
-    return Occupancy(waiting, active, closed, True)
+def occ(waiting: int, active: int, closed: bool = False, aborted: bool = False) -> Occupancy:
+    return Occupancy(waiting, active, closed or aborted, True, aborted=aborted)
 
 
 @pytest.mark.parametrize(
@@ -24,7 +24,17 @@ def occ(waiting: int, active: int, closed: bool = False) -> Occupancy:
         (occ(0, 2), Group(3, tolerate_until=NOW), 1),  # the grace is over
         (occ(2, 2), Group(3, tolerate_until=NOW + 5), 2),  # somebody waits in the next round: at once
         (occ(0, 3), Group(3, lease_ok=False), 1),  # could not re-attach: the group is over
-        (occ(0, 3, closed=True), Group(3), 1),  # closed: the agent must learn it
+        # closed (a peer's shutdown() at the end of its job): healthy workers run on, as with
+        # torch's handlers, also when the others left the round or a node waits
+        (occ(0, 3, closed=True), Group(3), 0),
+        (occ(0, 1, closed=True), Group(3), 0),
+        (occ(2, 3, closed=True), Group(3), 0),
+        (occ(0, 1, closed=True), Group(3, lease_ok=False), 0),
+        (occ(0, 0, closed=True), Group(), 0),
+        # aborted (etcd-rdzv close): every agent stops its workers now
+        (occ(0, 3, aborted=True), Group(3), 1),
+        (occ(2, 3, aborted=True), Group(3), 2),
+        (occ(0, 0, aborted=True), Group(), 1),
         (occ(1, 3), Group(3), 1),  # a newcomer, room in the round (max 4)
         (occ(1, 4), Group(4), 0),  # a newcomer, the round is full: redundancy list
         (occ(2, 1), Group(), 2),  # not a member: the joiners of the next round
