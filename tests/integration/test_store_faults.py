@@ -152,6 +152,9 @@ def test_a_resent_write_does_not_undo_a_later_writer(stores: Stores) -> None:
     stores.lost.lose("KV/", writes_key(lambda k: k == key), then=lambda: other.set("k", "again"))
     assert lossy.delete_key("k") is True
     assert other.get("k") == b"again"
+    stores.lost.lose("KV/", writes_key(lambda k: k == key), then=lambda: other.set("k", "third"))
+    lossy.multi_set(["k", "j"], ["batch", "batch"])
+    assert other.multi_get(["k", "j"]) == [b"third", b"batch"]
 
 
 def test_a_resent_chunked_set_keeps_the_other_writers_chunks(stores: Stores) -> None:
