@@ -6,6 +6,7 @@ the request; a picked request is sent to etcd and completes there (it commits), 
 caller gets ``UNAVAILABLE`` instead of the reply, exactly as if the connection broke after etcd
 applied it. The client's retry policy then decides whether to resend. ``then`` runs after the
 commit and before the caller sees the error (another writer acting in the window).
+:meth:`LostReplies.meddle` runs a callback just before chosen requests are sent (contention).
 
 :func:`compact` compacts etcd's history at its current revision (physically), so every read at an
 older revision and every watch from one fails with "required revision has been compacted".
@@ -94,8 +95,9 @@ class Rule:
     match: Callable[[Any], bool]
     times: int
     code: grpc.StatusCode
-    then: Callable[[], None] | None
+    then: Callable[[], object] | None
     send: bool = True
+    before: Callable[[], object] | None = None
     replies: list[Any] = field(default_factory=list)
     dropped: int = 0
 
@@ -118,7 +120,7 @@ class LostReplies(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
         *,
         times: int = 1,
         code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE,
-        then: Callable[[], None] | None = None,
+        then: Callable[[], object] | None = None,
         send: bool = True,
     ) -> Rule:
         """Arm a rule: the next ``times`` requests of ``method`` (``"KV/Txn"``; ``"KV/"`` for any KV
@@ -127,6 +129,16 @@ class LostReplies(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
         With ``send=False`` the requests never reach etcd (a connection that breaks before
         sending); rules are tried in the order they were armed."""
         rule = Rule(method, match, times, code, then, send)
+        with self._lock:
+            self._rules.append(rule)
+        return rule
+
+    def meddle(
+        self, method: str, match: Callable[[Any], bool], before: Callable[[], object], *, times: int = 1
+    ) -> Rule:
+        """Arm a rule that runs ``before`` just before each of the next ``times`` matching requests
+        is sent, and then delivers the request and its reply normally (a writer racing the caller)."""
+        rule = Rule(method, match, times, grpc.StatusCode.OK, None, before=before)
         with self._lock:
             self._rules.append(rule)
         return rule
@@ -146,6 +158,10 @@ class LostReplies(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
     def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
         method = details.method.decode() if isinstance(details.method, bytes) else details.method
         rule = self._pick(method, request)
+        if rule is not None and rule.before is not None:
+            rule.before()
+            rule.replies.append(None)
+            return continuation(details, request)
         if rule is not None and not rule.send:
             rule.dropped += 1
             return _LostReply(rule.code, "injected by LostReplies: the request never reached etcd")

@@ -152,6 +152,9 @@ def test_a_resent_write_does_not_undo_a_later_writer(stores: Stores) -> None:
     stores.lost.lose("KV/", writes_key(lambda k: k == key), then=lambda: other.set("k", "again"))
     assert lossy.delete_key("k") is True
     assert other.get("k") == b"again"
+    stores.lost.lose("KV/", writes_key(lambda k: k == key), then=lambda: other.set("k", "third"))
+    lossy.multi_set(["k", "j"], ["batch", "batch"])
+    assert other.multi_get(["k", "j"]) == [b"third", b"batch"]
 
 
 def test_a_resent_chunked_set_keeps_the_other_writers_chunks(stores: Stores) -> None:
@@ -224,3 +227,24 @@ def test_a_resent_lease_grant_leaks_no_lease(stores: Stores) -> None:
     assert recorded is not None
     leaked = int(recorded.value) != lost_id and store.client.lease_time_to_live(lost_id) > 0
     assert not leaked, f"lease {lost_id:x} was granted, never used and left alive"
+
+
+# ------------------------------------------------------------------ 6. contention within the deadline
+
+
+def test_contended_read_modify_writes_end_within_the_timeout(stores: Stores) -> None:
+    lossy, other = stores.open(lossy=True), stores.open()
+    other.set("hot", "0")
+    other.set("empty", "")
+    def race(name: str, value: str) -> None:
+        """Another writer changes ``name`` just before every Txn of the caller on it reaches etcd."""
+        key = f"{stores.prefix}/{name}".encode()
+        stores.lost.meddle("KV/Txn", txn_puts_key(lambda k: k == key), lambda: other.set(name, value),
+                           times=100_000)
+
+    race("hot", "7")
+    race("empty", "")
+    for call in (lambda: lossy.add("hot", 1), lambda: lossy.compare_set("empty", "", "mine")):
+        got, took = _bounded(call)
+        assert isinstance(got, dist.DistError) and "within" in str(got), got
+        assert took < TIMEOUT.total_seconds() + 3, took
