@@ -159,8 +159,30 @@ def test_secrets_never_in_arguments() -> None:
             text = " ".join([*c.get("command", []), *c.get("args", [])]).lower()
             assert "password" not in text and "change-me" not in text, where
             for e in c.get("env", []):
-                if "PASSWORD" in e["name"]:
+                if "PASSWORD" in e["name"] and not e["name"].endswith("_FILE"):  # *_FILE: a path
                     assert "value" not in e and "secretKeyRef" in e["valueFrom"], (where, e["name"])
+
+
+def test_training_pods_read_the_password_from_a_file_and_never_mount_the_root_password() -> None:
+    """torch copies the agent's environment into every worker: a password belongs in a file."""
+    checked = 0
+    for where, _, spec in pod_specs():
+        if "/training/" not in f"/{where}":
+            continue
+        secret_volumes = {v["name"]: v["secret"] for v in spec.get("volumes", []) if "secret" in v}
+        for volume in secret_volumes.values():  # a whole etcd-rdzv-auth would hold root-password
+            if volume["secretName"] == "etcd-rdzv-auth":
+                assert [i["key"] for i in volume.get("items", [])] == ["password"], where
+        for c in spec["containers"]:
+            env = {e["name"]: e for e in c.get("env", [])}
+            assert "ETCD_RDZV_PASSWORD" not in env, where
+            if "ETCD_RDZV_PASSWORD_FILE" in env:
+                path = env["ETCD_RDZV_PASSWORD_FILE"]["value"]
+                (mount,) = [m for m in c["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+                volume = secret_volumes[mount["name"]]
+                assert volume["secretName"] == "etcd-rdzv-auth" and mount.get("readOnly"), where
+                checked += 1
+    assert checked == 1  # job-tls-auth.yaml
 
 
 # --------------------------------------------------------------------------- the etcd cluster
