@@ -185,6 +185,25 @@ def test_training_pods_read_the_password_from_a_file_and_never_mount_the_root_pa
     assert checked == 1  # job-tls-auth.yaml
 
 
+def test_every_pod_runs_unprivileged_with_a_read_only_root() -> None:
+    """Non-root, the runtime's seccomp profile, no privilege escalation, no capabilities, a read-only
+    root file system (training containers write scratch files to an emptyDir at /tmp)."""
+    specs = list(pod_specs())
+    assert len(specs) == 6  # 2 etcd StatefulSets, the auth set-up Job, 3 training workloads
+    for where, _, spec in specs:
+        pod = spec.get("securityContext", {})
+        assert pod.get("runAsNonRoot") is True and pod.get("runAsUser", 0) > 0, where
+        assert pod.get("seccompProfile") == {"type": "RuntimeDefault"}, where
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        for c in spec["containers"] + spec.get("initContainers", []):
+            sc = c.get("securityContext", {})
+            assert sc.get("allowPrivilegeEscalation") is False and sc.get("readOnlyRootFilesystem") is True, where
+            assert sc.get("capabilities") == {"drop": ["ALL"]}, where
+            if "/training/" in f"/{where}":
+                (tmp,) = [m for m in c["volumeMounts"] if m["mountPath"] == "/tmp"]
+                assert "emptyDir" in volumes[tmp["name"]], where
+
+
 # --------------------------------------------------------------------------- the etcd cluster
 
 
