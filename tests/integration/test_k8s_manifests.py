@@ -204,6 +204,34 @@ def test_every_pod_runs_unprivileged_with_a_read_only_root() -> None:
                 assert "emptyDir" in volumes[tmp["name"]], where
 
 
+@pytest.mark.parametrize("variant", ["etcd.yaml", "etcd-tls.yaml"])
+def test_a_network_policy_lets_only_labelled_clients_and_members_reach_etcd(variant: str) -> None:
+    docs = documents(K8S / "etcd" / variant)
+    (sts,) = [d for d in docs if d["kind"] == "StatefulSet"]
+    (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    members = sts["spec"]["template"]["metadata"]["labels"]
+    spec = policy["spec"]
+    assert spec["podSelector"]["matchLabels"].items() <= members.items() and spec["policyTypes"] == ["Ingress"]
+    reach: dict[int, list[dict[str, str]]] = {}
+    for rule in spec["ingress"]:
+        assert rule.get("from"), "a rule without 'from' admits every pod"
+        for port in rule["ports"]:
+            reach.setdefault(port["port"], []).extend(f["podSelector"]["matchLabels"] for f in rule["from"])
+    client = {"etcd-rdzv/client": "true"}
+    assert {p: sorted(map(str, s)) for p, s in reach.items()} == {
+        2379: sorted(map(str, [client, members])), 2380: [str(members)]}
+    for where, workload, _ in pod_specs():  # every other workload talks to etcd: it carries the label
+        if workload["kind"] != "StatefulSet":
+            assert _template_labels(workload).items() >= client.items(), where
+
+
+def _template_labels(doc: dict[str, Any]) -> dict[str, str]:
+    if doc["kind"] == "PyTorchJob":
+        (spec,) = doc["spec"]["pytorchReplicaSpecs"].values()
+        return dict(spec["template"].get("metadata", {}).get("labels", {}))
+    return dict(doc["spec"]["template"].get("metadata", {}).get("labels", {}))
+
+
 # --------------------------------------------------------------------------- the etcd cluster
 
 
