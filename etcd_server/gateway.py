@@ -176,17 +176,22 @@ def _auth_enabled(gateway: Gateway, auth: AuthConfig, timeout: float) -> bool:
 
 
 def setup_auth(gateway: Gateway, auth: AuthConfig, *, timeout: float = 10.0) -> None:
-    """Create the root user/role (and the limited user) and enable auth.
+    """Create the root user/role (and the limited user) and enable auth, then check that etcd
+    holds exactly those users and roles.
 
     Idempotent: if auth is already enabled (the root password authenticates),
     nothing is changed; users and roles left by an interrupted earlier set-up
     are kept (existing ones are listed first, never re-added, so no error text
-    has to be matched). Blocks for about ten gateway round trips, each bounded
-    by ``timeout``.
+    has to be matched), but their passwords are set again: a client that reached
+    the port before auth was on may have created them. Once auth is on, the users,
+    the roles and the limited role's permission are read back as root
+    (:func:`_verify_auth`): anything else (added meanwhile) raises. Blocks for
+    about fifteen gateway round trips, each bounded by ``timeout``.
 
     Raises:
         EtcdGatewayError: etcd refused a step (e.g. auth is already enabled
-            with a different root password: INVALID_ARGUMENT).
+            with a different root password: INVALID_ARGUMENT), or holds users,
+            roles or permissions this set-up did not create.
         OSError: the gateway did not answer.
     """
     if _auth_enabled(gateway, auth, timeout):
@@ -198,31 +203,65 @@ def setup_auth(gateway: Gateway, auth: AuthConfig, *, timeout: float = 10.0) -> 
 
     users = set(call("/v3/auth/user/list", {}).get("users") or ())
     roles = set(call("/v3/auth/role/list", {}).get("roles") or ())
-    if "root" not in users:
-        call("/v3/auth/user/add", {"name": "root", "password": auth.root_password})
+    wanted = [("root", auth.root_password)] + ([(auth.user, auth.password)] if auth.user else [])
+    for name, password in wanted:
+        verb = "changepw" if name in users else "add"
+        call(f"/v3/auth/user/{verb}", {"name": name, "password": password})
     if "root" not in roles:
         call("/v3/auth/role/add", {"name": "root"})
     call("/v3/auth/user/grant", {"user": "root", "role": "root"})  # no-op when granted
     if auth.user is not None and auth.role_name is not None:
-        prefix = auth.prefix_bytes
-        if auth.user not in users:
-            call("/v3/auth/user/add", {"name": auth.user, "password": auth.password})
         if auth.role_name not in roles:
             call("/v3/auth/role/add", {"name": auth.role_name})
-        call(
-            "/v3/auth/role/grant",
-            {
-                "name": auth.role_name,
-                "perm": {
-                    "permType": "READWRITE",
-                    "key": _b64(prefix or b"\0"),
-                    "range_end": _b64(_prefix_end(prefix)),
-                },
-            },
-        )
+        call("/v3/auth/role/grant", {"name": auth.role_name, "perm": _perm(auth.prefix_bytes)})
         call("/v3/auth/user/grant", {"user": auth.user, "role": auth.role_name})
+    _verify_auth(gateway, auth, timeout, token=None)  # before: nothing of anyone else's gets enabled
     call("/v3/auth/enable", {})
+    try:  # after: nothing added between that check and the enable
+        token = call("/v3/auth/authenticate", {"name": "root", "password": auth.root_password}).get("token")
+        _verify_auth(gateway, auth, timeout, token=str(token))
+    except EtcdGatewayError as e:
+        if not e.refused_by_gateway:
+            raise
+        # With auth on, etcd's gateway refuses a client certificate that names a user (its CN).
+        logger.info("etcd auth enabled; the gateway refuses the re-check with this client certificate")
     logger.info(
         "etcd auth enabled (root%s)",
         f", user {auth.user!r} limited to prefix {auth.prefix_bytes!r}" if auth.user else "",
     )
+
+
+def _perm(prefix: bytes) -> dict[str, str]:
+    return {"permType": "READWRITE", "key": _b64(prefix or b"\0"), "range_end": _b64(_prefix_end(prefix))}
+
+
+def _verify_auth(gateway: Gateway, auth: AuthConfig, timeout: float, token: str | None) -> None:
+    """Read back (as root with ``token`` once auth is on) that etcd has exactly the users, roles
+    and grants of ``auth``. Raises ``EtcdGatewayError`` (status 0) naming what else it found."""
+
+    def call(path: str, body: dict[str, Any]) -> dict[str, Any]:
+        return gateway.call(path, body, timeout=timeout, token=token)
+
+    users = set(call("/v3/auth/user/list", {}).get("users") or ())
+    roles = set(call("/v3/auth/role/list", {}).get("roles") or ())
+    want_users = {"root"} | ({auth.user} if auth.user else set())
+    want_roles = {"root"} | ({auth.role_name} if auth.role_name else set())
+    problems = [f"users {sorted(users - want_users)}" if users - want_users else "",
+                f"roles {sorted(roles - want_roles)}" if roles - want_roles else ""]
+    for user in want_users:
+        granted = set(call("/v3/auth/user/get", {"name": user}).get("roles") or ())
+        expected = {"root"} if user == "root" else {auth.role_name}
+        if granted != expected:
+            problems.append(f"user {user!r} with roles {sorted(granted)}")
+    if auth.role_name:
+        perms = call("/v3/auth/role/get", {"role": auth.role_name}).get("perm") or []
+        mine = _perm(auth.prefix_bytes)
+        if [(p.get("key"), p.get("range_end")) for p in perms] != [(mine["key"], mine["range_end"])]:
+            problems.append(f"role {auth.role_name!r} with {len(perms)} permissions, not the one of its prefix")
+    problems = [p for p in problems if p]
+    if problems:
+        raise EtcdGatewayError(
+            "/v3/auth", 0, NO_CODE,
+            "etcd holds auth entries this set-up did not create (a client reached it before auth was "
+            f"enabled?): {'; '.join(problems)}; refusing to serve it",
+        )

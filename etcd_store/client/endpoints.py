@@ -86,23 +86,7 @@ def parse_endpoints(
                     f"configured for {'https' if secure else 'http'} (option protocol, or TLS "
                     "certificate files given); write the endpoints with the scheme meant."
                 )
-        text = text.rstrip("/")
-        host, port_text = text, ""
-        if text.startswith("["):
-            host, _, rest = text[1:].partition("]")
-            port_text = rest[1:] if rest.startswith(":") else ""
-        elif text.count(":") == 1:
-            host, _, port_text = text.partition(":")
-        if not host or "/" in host:
-            raise ValueError(f"Invalid etcd endpoint {raw.strip()!r}: no host.")
-        try:
-            port = int(port_text) if port_text else default_port
-        except ValueError:
-            raise ValueError(
-                f"Invalid etcd endpoint {raw.strip()!r}: port {port_text!r} is not a number."
-            ) from None
-        if not 0 < port < 65536:
-            raise ValueError(f"Invalid etcd endpoint {raw.strip()!r}: port out of range.")
+        host, port = _host_port(text.rstrip("/"), raw.strip(), default_port)
         endpoints.append(Endpoint(host, port, is_secure))
     if not endpoints:
         raise ValueError(f"No etcd endpoint given in {spec!r}.")
@@ -113,6 +97,25 @@ def parse_endpoints(
             "others; use https (or http) for every endpoint."
         )
     return endpoints
+
+
+def _host_port(text: str, shown: str, default_port: int) -> tuple[str, int]:
+    """Host and port of ``text`` (no scheme); errors name the endpoint as ``shown``."""
+    host, port_text = text, ""
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port_text = rest[1:] if rest.startswith(":") else ""
+    elif text.count(":") == 1:
+        host, _, port_text = text.partition(":")
+    if not host or "/" in host:
+        raise ValueError(f"Invalid etcd endpoint {shown!r}: no host.")
+    try:
+        port = int(port_text) if port_text else default_port
+    except ValueError:
+        raise ValueError(f"Invalid etcd endpoint {shown!r}: port {port_text!r} is not a number.") from None
+    if not 0 < port < 65536:
+        raise ValueError(f"Invalid etcd endpoint {shown!r}: port out of range.")
+    return host, port
 
 
 def client_endpoints(

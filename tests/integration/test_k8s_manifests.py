@@ -159,8 +159,77 @@ def test_secrets_never_in_arguments() -> None:
             text = " ".join([*c.get("command", []), *c.get("args", [])]).lower()
             assert "password" not in text and "change-me" not in text, where
             for e in c.get("env", []):
-                if "PASSWORD" in e["name"]:
+                if "PASSWORD" in e["name"] and not e["name"].endswith("_FILE"):  # *_FILE: a path
                     assert "value" not in e and "secretKeyRef" in e["valueFrom"], (where, e["name"])
+
+
+def test_training_pods_read_the_password_from_a_file_and_never_mount_the_root_password() -> None:
+    """torch copies the agent's environment into every worker: a password belongs in a file."""
+    checked = 0
+    for where, _, spec in pod_specs():
+        if "/training/" not in f"/{where}":
+            continue
+        secret_volumes = {v["name"]: v["secret"] for v in spec.get("volumes", []) if "secret" in v}
+        for volume in secret_volumes.values():  # a whole etcd-rdzv-auth would hold root-password
+            if volume["secretName"] == "etcd-rdzv-auth":
+                assert [i["key"] for i in volume.get("items", [])] == ["password"], where
+        for c in spec["containers"]:
+            env = {e["name"]: e for e in c.get("env", [])}
+            assert "ETCD_RDZV_PASSWORD" not in env, where
+            if "ETCD_RDZV_PASSWORD_FILE" in env:
+                path = env["ETCD_RDZV_PASSWORD_FILE"]["value"]
+                (mount,) = [m for m in c["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+                volume = secret_volumes[mount["name"]]
+                assert volume["secretName"] == "etcd-rdzv-auth" and mount.get("readOnly"), where
+                checked += 1
+    assert checked == 1  # job-tls-auth.yaml
+
+
+def test_every_pod_runs_unprivileged_with_a_read_only_root() -> None:
+    """Non-root, the runtime's seccomp profile, no privilege escalation, no capabilities, a read-only
+    root file system (training containers write scratch files to an emptyDir at /tmp)."""
+    specs = list(pod_specs())
+    assert len(specs) == 6  # 2 etcd StatefulSets, the auth set-up Job, 3 training workloads
+    for where, _, spec in specs:
+        pod = spec.get("securityContext", {})
+        assert pod.get("runAsNonRoot") is True and pod.get("runAsUser", 0) > 0, where
+        assert pod.get("seccompProfile") == {"type": "RuntimeDefault"}, where
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        for c in spec["containers"] + spec.get("initContainers", []):
+            sc = c.get("securityContext", {})
+            assert sc.get("allowPrivilegeEscalation") is False and sc.get("readOnlyRootFilesystem") is True, where
+            assert sc.get("capabilities") == {"drop": ["ALL"]}, where
+            if "/training/" in f"/{where}":
+                (tmp,) = [m for m in c["volumeMounts"] if m["mountPath"] == "/tmp"]
+                assert "emptyDir" in volumes[tmp["name"]], where
+
+
+@pytest.mark.parametrize("variant", ["etcd.yaml", "etcd-tls.yaml"])
+def test_a_network_policy_lets_only_labelled_clients_and_members_reach_etcd(variant: str) -> None:
+    docs = documents(K8S / "etcd" / variant)
+    (sts,) = [d for d in docs if d["kind"] == "StatefulSet"]
+    (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    members = sts["spec"]["template"]["metadata"]["labels"]
+    spec = policy["spec"]
+    assert spec["podSelector"]["matchLabels"].items() <= members.items() and spec["policyTypes"] == ["Ingress"]
+    reach: dict[int, list[dict[str, str]]] = {}
+    for rule in spec["ingress"]:
+        assert rule.get("from"), "a rule without 'from' admits every pod"
+        for port in rule["ports"]:
+            reach.setdefault(port["port"], []).extend(f["podSelector"]["matchLabels"] for f in rule["from"])
+    client = {"etcd-rdzv/client": "true"}
+    assert {p: sorted(map(str, s)) for p, s in reach.items()} == {
+        2379: sorted(map(str, [client, members])), 2380: [str(members)]}
+    for where, workload, _ in pod_specs():  # every other workload talks to etcd: it carries the label
+        if workload["kind"] != "StatefulSet":
+            assert _template_labels(workload).items() >= client.items(), where
+
+
+def _template_labels(doc: dict[str, Any]) -> dict[str, str]:
+    if doc["kind"] == "PyTorchJob":
+        (spec,) = doc["spec"]["pytorchReplicaSpecs"].values()
+        return dict(spec["template"].get("metadata", {}).get("labels", {}))
+    return dict(doc["spec"]["template"].get("metadata", {}).get("labels", {}))
 
 
 # --------------------------------------------------------------------------- the etcd cluster
