@@ -28,9 +28,9 @@ from .kv import (
     _range_request,
     _range_result,
     prefix_range_end,
+    show_key,
 )
 from .leases import LeaseCalls
-from .transport import show_key
 
 if TYPE_CHECKING:
     from .session import Session

@@ -16,7 +16,7 @@ import grpc
 from ..errors import EtcdTLSError
 from .endpoints import Endpoint
 
-__all__ = ["Member", "channel_credentials", "open_channel"]
+__all__ = ["Member", "channel_credentials", "check_options", "open_channel"]
 
 _OPTIONS = [
     ("grpc.max_send_message_length", 256 * 1024 * 1024),
@@ -56,6 +56,16 @@ class Member:
             self._channel = self._factory(self.endpoint)
         return self._channel
 
+    def wait_ready(self, timeout: float) -> bool:
+        """Block until the channel connects (True) or ``timeout`` passes or it is closed (False)."""
+        try:
+            grpc.channel_ready_future(self.channel()).result(timeout=timeout)
+            return True
+        except grpc.FutureTimeoutError:
+            return False
+        except Exception:  # closed under us
+            return False
+
     def close(self) -> None:
         """Close the channel (its calls and streams end); the next stub makes a new one."""
         if self._channel is not None:
@@ -90,3 +100,24 @@ def open_channel(
     if interceptors:
         channel = grpc.intercept_channel(channel, *interceptors)
     return channel
+
+
+def check_options(
+    *, protocol: str | None, ca_cert: str | None, cert: str | None, key: str | None, user: str | None,
+    password: str | None, timeout: float, connect_timeout: float,
+) -> bool | None:
+    """Check a client's options; the scheme of endpoints written without one (True: ``https``,
+    None: plain unless a URL says ``https``). Raises ``ValueError`` naming the bad option."""
+    if protocol not in (None, "http", "https"):
+        raise ValueError(f"Invalid etcd protocol {protocol!r}: use 'http' or 'https'.")
+    if (cert is None) != (key is None):
+        raise ValueError("TLS client certificate and key must be given together (cert, key).")
+    if (user is None) != (password is None) and not (user and password == ""):
+        raise ValueError("etcd user and password must be given together.")
+    if timeout <= 0:
+        raise ValueError(f"etcd client timeout must be positive, got {timeout}.")
+    if connect_timeout <= 0:
+        raise ValueError(f"etcd client connect_timeout must be positive, got {connect_timeout}.")
+    if protocol is not None:
+        return protocol == "https"
+    return True if ca_cert or cert else None

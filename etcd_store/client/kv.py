@@ -243,3 +243,19 @@ def _range_request(
 # RangeRequest.SortTarget; sort_order 1 = ASCEND, 2 = DESCEND.
 _SORT_TARGETS = {"key": 0, "version": 1, "create": 2, "mod": 3, "value": 4}
 
+
+# --------------------------------------------------------------------------- keys in messages
+
+
+def clip(text: str, limit: int = 300) -> str:
+    """``text`` cut to ``limit`` characters, saying how much was left out (keys in messages)."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
+def show_key(key: bytes, limit: int = 200) -> str:
+    """``repr(key)`` for an error message: keys longer than ``limit`` bytes are cut."""
+    if len(key) <= limit:
+        return repr(key)
+    return f"{key[:limit]!r}... ({len(key)} bytes)"

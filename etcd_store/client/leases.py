@@ -38,11 +38,12 @@ import time
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-import grpc
 from etcd3.etcdrpc import rpc_pb2
 
 from ..errors import EtcdError, EtcdLeaseNotFound, EtcdRequestError
-from .transport import Transport, _details
+from .channels import Member
+from .streams import Ended, ReconnectingStream
+from .transport import Transport
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ class KeepAlives:
         """Refresh ``lease_id`` for ``keeper`` from ``first_in`` seconds on (sooner if already kept)."""
         with self._cond:
             self._reserved = max(self._reserved - 1, 0)
-            closed = self._halted or self._client._closed
+            closed = self._halted or self._client.closed
             if not closed:
                 self._add_locked(keeper, lease_id, refresh_interval(ttl),
                                  time.monotonic() + max(first_in, 0.0), primary)
@@ -186,21 +187,27 @@ class KeepAlives:
         return float("inf")
 
     def _run(self) -> None:
+        """The reader thread: waits for the next refresh due, then streams (reconnecting) until
+        idle; ends when nothing is kept, the client closes, or a failure is final."""
         client = self._client
+        stream = ReconnectingStream(
+            client, "keep-alive stream", lambda: self._halted or client.closed,
+            recoverable=lambda e: isinstance(e, EtcdLeaseNotFound), on_reconnect=self._refresh_all_now,
+        )  # fmt: skip
         while True:
             with self._cond:
                 while True:
-                    if self._halted or client._closed:
-                        self._thread = None
-                        return
-                    if not self._leases:
-                        self._thread = None  # idle: the next keep() starts a new thread
+                    if self._halted or client.closed or not self._leases:
+                        self._thread = None  # stopped, or idle: the next keep() starts a new thread
                         return
                     wait = self._next_due() - time.monotonic()
                     if wait <= 0:
                         break
                     self._cond.wait(min(wait, 3600.0))
-            if not self._stream():
+            fatal = stream.run(self._stream)
+            if fatal is not None:
+                log.warning("keep-alive stream of %s stopped: %s", client.describe(), fatal)
+                self._stop_all(fatal)
                 with self._cond:
                     self._thread = None
                 return
@@ -226,14 +233,11 @@ class KeepAlives:
             for lease_id in due:
                 yield rpc_pb2.LeaseKeepAliveRequest(ID=lease_id)
 
-    def _stream(self) -> bool:
-        """One stream until it ends; True to go on (reopen or idle), False when stopped for good."""
-        client = self._client
-        index, member = client._stream_member()
+    def _stream(self, member: Member, metadata: tuple[tuple[str, str], ...]) -> Ended:
+        """One keep-alive stream on ``member`` until it ends; STOP when idle or halted."""
         with self._cond:
             gen = self._stream_gen
         try:
-            metadata = client._stream_metadata(member, time.monotonic() + client.timeout)
             call = member.stub("Lease").LeaseKeepAlive(self._requests(gen), metadata=metadata)
             with self._cond:
                 self._call = call
@@ -244,36 +248,20 @@ class KeepAlives:
                 self._answer(resp)
             with self._cond:
                 idle = not self._leases
-            if idle or self._halted:
-                return not self._halted  # half-closed by us: nothing left to keep
-            log.info("keep-alive stream ended by %s; reopening", member.endpoint)
-        except grpc.RpcError as e:
-            if self._halted or client._closed:
-                return False
-            # A token etcd forgot (it restarted) is dropped: the next stream logs in again.
-            fatal = client._stream_error(member, e, "keep-alive")
-            if fatal is not None and not isinstance(fatal, EtcdLeaseNotFound):
-                log.warning("keep-alive stream of %s stopped: %s", client.describe(), fatal)
-                self._stop_all(fatal)
-                return False
-            log.info("keep-alive stream lost %s: %s", member.endpoint, _details(e))
-        except (EtcdError, ValueError) as e:  # auth refused, or the client was closed
-            log.warning("keep-alive stream of %s stopped: %s", client.describe(), e)
-            self._stop_all(e)
-            return False
+            return Ended.STOP if idle or self._halted else Ended.MOVE  # half-closed by us, or by etcd
         finally:
             with self._cond:
                 self._call = None
                 self._stream_gen += 1  # the old request generator must not take refreshes
                 self._cond.notify_all()
-        if not self._reconnect(index):
-            return False
-        with self._cond:  # the old stream may have dropped refreshes: refresh every lease now
+
+    def _refresh_all_now(self) -> None:
+        """After a reconnect: the old stream may have dropped refreshes, so every lease is due now."""
+        with self._cond:
             now = time.monotonic()
             for kept in self._leases.values():
                 kept.due = now
                 self._push(kept)
-        return True
 
     def _answer(self, resp: Any) -> None:
         lost: list[tuple[Keeper, bool]] = []
@@ -311,18 +299,6 @@ class KeepAlives:
             self._heap.clear()
         for keeper in keepers:
             keeper._stopped(reason)
-
-    def _reconnect(self, index: int) -> bool:
-        """Wait for the next endpoint that is ready; False when stopped or the client closed."""
-        client = self._client
-        client._rotate_from(index)
-        _, nxt = client._stream_member()
-        while not (self._halted or client._closed):
-            if client._wait_ready(nxt, timeout=1.0):
-                return True
-            client._rotate_from(client._order()[0])
-            _, nxt = client._stream_member()
-        return False
 
 
 class LeaseCalls(Transport):

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["Action", "Attempts", "Failure", "RetryPolicy", "decide"]
+__all__ = ["Action", "Attempts", "Call", "Failure", "RetryPolicy", "decide", "stream_reconnects"]
 
 
 class Failure(enum.Enum):
@@ -177,3 +178,23 @@ class Attempts:
         pause = self.pause
         self.pause = min(self.pause * 2, self.policy.max_pause)
         return pause
+
+
+@dataclass
+class Call:
+    """One unary call under the retry policy: the request, its deadline, its attempts so far."""
+
+    service: str
+    method: str
+    request: Any
+    what: str
+    idempotent: bool
+    budget: float
+    start: float
+    attempts: Attempts
+    last: Any = None  #: the last failed attempt (the transport's record of it)
+    sent: int = 0
+
+    @property
+    def deadline(self) -> float:
+        return self.start + self.budget

@@ -40,9 +40,10 @@ from ..errors import (
     EtcdTimeoutError,
     EtcdTLSError,
 )
-from .channels import Member, channel_credentials, open_channel
+from .channels import Member, channel_credentials, check_options, open_channel
 from .endpoints import Endpoint, client_endpoints
-from .retry import Action, Attempts, Failure, RetryPolicy, stream_reconnects
+from .kv import clip
+from .retry import Action, Attempts, Call, Failure, RetryPolicy, stream_reconnects
 from .stats import CallStats, counts_error
 from .tls_probe import tls_failure
 
@@ -164,40 +165,6 @@ class _Failed:
     tls: str = ""
 
 
-def _clip(text: str, limit: int = 300) -> str:
-    """``text`` cut to ``limit`` characters, saying how much was left out (keys in messages)."""
-    if len(text) <= limit:
-        return text
-    return f"{text[:limit]}... ({len(text) - limit} more characters)"
-
-
-def show_key(key: bytes, limit: int = 200) -> str:
-    """``repr(key)`` for an error message: keys longer than ``limit`` bytes are cut."""
-    if len(key) <= limit:
-        return repr(key)
-    return f"{key[:limit]!r}... ({len(key)} bytes)"
-
-
-@dataclass
-class _Call:
-    """One unary call under the retry policy: the request, its deadline, its attempts so far."""
-
-    service: str
-    method: str
-    request: Any
-    what: str
-    idempotent: bool
-    budget: float
-    start: float
-    attempts: Attempts
-    last: _Failed | None = None
-    sent: int = 0
-
-    @property
-    def deadline(self) -> float:
-        return self.start + self.budget
-
-
 # --------------------------------------------------------------------------- channels and calls
 
 
@@ -222,14 +189,8 @@ class Transport:
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         allow_insecure_auth: bool = False,
     ) -> None:
-        if (cert is None) != (key is None):
-            raise ValueError("TLS client certificate and key must be given together (cert, key).")
-        if (user is None) != (password is None) and not (user and password == ""):
-            raise ValueError("etcd user and password must be given together.")
-        if timeout <= 0:
-            raise ValueError(f"etcd client timeout must be positive, got {timeout}.")
-        if connect_timeout <= 0:
-            raise ValueError(f"etcd client connect_timeout must be positive, got {connect_timeout}.")
+        check_options(protocol=protocol, ca_cert=ca_cert, cert=cert, key=key, user=user,
+                      password=password, timeout=timeout, connect_timeout=connect_timeout)  # fmt: skip
         self.endpoints = client_endpoints(
             endpoints, protocol=protocol, tls=bool(ca_cert or cert), user=user, password=password,
             allow_insecure_auth=allow_insecure_auth,
@@ -282,7 +243,7 @@ class Transport:
             self._authenticate(member, deadline)
         return (("token", member.token),) if member.token else None
 
-    def _stream_metadata(self, member: Member, deadline: float) -> tuple[tuple[str, str], ...]:
+    def stream_metadata(self, member: Member, deadline: float) -> tuple[tuple[str, str], ...]:
         """The metadata of a stream on ``member``: the auth token (logging in first when
         needed, bounded by ``deadline``) and :data:`REQUIRE_LEADER`."""
         return (*(self._metadata(member, deadline) or ()), REQUIRE_LEADER)
@@ -359,7 +320,7 @@ class Transport:
             raise EtcdError(f"The etcd client for {self.describe()} is closed.")
         budget = self.timeout if timeout is None else timeout
         attempts = Attempts(self.retry_policy, len(self._members), self._user is not None)
-        call = _Call(service, method, request, what, idempotent, budget, time.monotonic(), attempts)
+        call = Call(service, method, request, what, idempotent, budget, time.monotonic(), attempts)
         while True:
             answered, resp = self._round(call)
             if answered:
@@ -367,7 +328,7 @@ class Transport:
             if resp is not Action.LOGIN_AGAIN:
                 self._between_rounds(call)
 
-    def _round(self, call: _Call) -> tuple[bool, Any]:
+    def _round(self, call: Call) -> tuple[bool, Any]:
         """One attempt per member, the preferred first: ``(True, response)``, or ``(False,
         Action.LOGIN_AGAIN)`` to resend at once, or ``(False, None)`` when every member failed."""
         order = self._order()
@@ -401,7 +362,7 @@ class Transport:
             return True, resp
         return False, None
 
-    def _between_rounds(self, call: _Call) -> None:
+    def _between_rounds(self, call: Call) -> None:
         """After a round in which every member failed: raise when the call is over (deadline,
         or ``connect_timeout`` for a client that never reached a server), else pause."""
         now = time.monotonic()
@@ -437,7 +398,7 @@ class Transport:
         failed = err if isinstance(err, _Failed) else _Failed(err, _status(err), failure_of(_status(err)))
         status = failed.status
         code = status[0]
-        shown = _clip(status[1])  # etcd may echo a request's key or value
+        shown = clip(status[1])  # etcd may echo a request's key or value
         where = f"etcd at {self.describe()}"
         op = f" ({what})" if what else ""
         if failed.failure is Failure.TLS:
@@ -477,22 +438,33 @@ class Transport:
         return EtcdConnectionError(
             f"Cannot connect to etcd at {self.describe()}{op}: no endpoint accepted a connection "
             f"within connect_timeout={self.connect_timeout:g} s. Is etcd running there, on these "
-            f"ports? Last error: {_clip(_details(err))}"
+            f"ports? Last error: {clip(_details(err))}"
         )
 
-    # ---------------------------------------------------------------- broken and cancelled streams
+    def close(self) -> None:
+        """Close every channel. Open watches and lease keepers end."""
+        self._closed = True
+        for member in self._members:
+            member.close()
+
+    def __enter__(self: _Self) -> _Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+    # ---------------------------------------------------------------- for the client's streams (.streams, .watch)
 
     @staticmethod
-    def _cancel_failure(reason: str) -> Failure:
+    def cancel_failure(reason: str) -> Failure:
         """What a watch that etcd cancelled with ``reason`` means (a named error's Go string;
         another reason is final). ``Failure.NOT_APPLIED`` ("no leader"): resume elsewhere."""
         status = _CANCEL_REASONS.get(reason)
         return Failure.FINAL if status is None else failure_of(status)
 
     @counts_error
-    def _translate_cancel(self, reason: str, what: str) -> EtcdError:
+    def cancel_error(self, reason: str, what: str) -> EtcdError:
         """The error for a watch etcd cancelled, from the named error in its ``cancel_reason``."""
-        text = f"etcd at {self.describe()} cancelled the {what}: {_clip(reason)}"
+        text = f"etcd at {self.describe()} cancelled the {what}: {clip(reason)}"
         status = _CANCEL_REASONS.get(reason)
         if status is not None and status[0] == _C.PERMISSION_DENIED:
             return EtcdPermissionDenied(text)
@@ -502,7 +474,7 @@ class Transport:
             return EtcdCompactedError(text)
         return EtcdError(text)
 
-    def _cancel_wants_login(self, reason: str) -> bool:
+    def cancel_wants_login(self, reason: str) -> bool:
         """Whether a watch etcd cancelled for ``reason`` may pass after logging in again.
 
         etcd keeps simple tokens in memory: after it restarts, a watch resumed with the
@@ -513,7 +485,7 @@ class Transport:
         status = _CANCEL_REASONS.get(reason)
         return self._user is not None and status in (_INVALID_TOKEN, _PERMISSION_DENIED)
 
-    def _stream_error(self, member: Member, err: grpc.RpcError, what: str) -> EtcdError | None:
+    def stream_error(self, member: Member, err: grpc.RpcError, what: str) -> EtcdError | None:
         """What a broken stream (watch, keep-alive) should do: None to reconnect, or its fatal error.
 
         A refused token is dropped, so the next stream logs in again. A stream that gRPC
@@ -528,36 +500,18 @@ class Transport:
             return None
         return self._translate(err, what)
 
-    def close(self) -> None:
-        """Close every channel. Open watches and lease keepers end."""
-        self._closed = True
-        for member in self._members:
-            member.close()
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
 
-    def __enter__(self: _Self) -> _Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    # ---------------------------------------------------------------- for streams
-
-    def _stream_member(self) -> tuple[int, Member]:
+    def stream_target(self) -> tuple[int, Member]:
+        """The member a new stream goes to (the preferred one) and its index."""
         index = self._order()[0]
         return index, self._members[index]
 
-    def _rotate_from(self, index: int) -> None:
+    def stream_moved(self, index: int) -> None:
+        """A stream left member ``index``: prefer the next one (unless another stream moved already)."""
         with self._lock:
             if self._current == index:
                 self._current = (index + 1) % len(self._members)
-
-    def _wait_ready(self, member: Member, timeout: float) -> bool:
-        """Block until the member's channel connects or ``timeout`` passes."""
-        try:
-            grpc.channel_ready_future(member.channel()).result(timeout=timeout)
-            return True
-        except grpc.FutureTimeoutError:
-            return False
-        except Exception:  # channel closed under us
-            return False
-

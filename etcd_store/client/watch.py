@@ -1,7 +1,8 @@
 """Watches: a key or key range's events, delivered in order to a queue.
 
 One reader thread per :class:`Watch` owns its gRPC stream and resumes it, on the
-next reachable endpoint, from the revision after the last event it delivered.
+next reachable endpoint, from the revision after the last event it delivered (the
+client's one reconnect loop, :class:`~.streams.ReconnectingStream`).
 Threads: the reader, and gRPC's sender of the current stream's requests; the
 sender ends with its stream, so a watch holds two threads however often it
 reconnects, and none once it is cancelled or its client closed.
@@ -12,18 +13,18 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
-import grpc
 from etcd3.etcdrpc import rpc_pb2
 
 from ..errors import EtcdCompactedError, EtcdError
-from .kv import Event, KeyValue
+from .channels import Member
+from .kv import Event, KeyValue, show_key
 from .retry import Failure, stream_reconnects
+from .streams import Ended, ReconnectingStream
 from .testing import scoped_watch_stats, watch_stats
-from .transport import Transport, show_key
+from .transport import Transport
 
 log = logging.getLogger(__name__)
 
@@ -134,91 +135,65 @@ class Watch:
         ended.wait()
 
     def _run(self) -> None:
+        """The reader thread: streams until cancelled or a final failure (raised from :meth:`get`)."""
+        self._relogged = False  # logged in again for this watch since etcd last confirmed it
+        stream = ReconnectingStream(self._client, f"watch on {show_key(self.key)}", self._cancelled.is_set)
+        fatal = stream.run(self._stream)
+        if fatal is not None:
+            self._fail(fatal)
+
+    def _stream(self, member: Member, metadata: tuple[tuple[str, str], ...]) -> Ended:
+        """One watch stream on ``member`` from the next undelivered revision; how it ended."""
+        ended = self._stream_ended = threading.Event()
+        try:
+            self._call = call = member.stub("Watch").Watch(self._requests(ended), metadata=metadata)
+            if self._cancelled.is_set():
+                call.cancel()
+            for resp in call:
+                outcome = self._answer(member, resp)
+                if outcome is not None:
+                    call.cancel()
+                    return outcome
+            return Ended.STOP if self._cancelled.is_set() else Ended.MOVE  # etcd ended the stream
+        finally:
+            ended.set()  # the stream's request generator (and its gRPC thread) ends
+
+    def _answer(self, member: Member, resp: Any) -> Ended | None:
+        """Deliver one response; None to read on, else how the stream ends."""
         client = self._client
-        relogged = False  # logged in again for this watch since etcd last confirmed it
-        while not self._cancelled.is_set():
-            index, member = client._stream_member()
-            relogin = moved = False
-            ended = self._stream_ended = threading.Event()
-            try:
-                deadline = time.monotonic() + client.timeout
-                metadata = client._stream_metadata(member, deadline)
-                self._call = member.stub("Watch").Watch(self._requests(ended), metadata=metadata)
-                if self._cancelled.is_set():
-                    self._call.cancel()
-                for resp in self._call:
-                    if resp.canceled and not relogged and client._cancel_wants_login(resp.cancel_reason):
-                        # etcd restarted and forgot the token: log in again and resume.
-                        log.info("watch on %s: %s; logging in again", show_key(self.key), resp.cancel_reason)
-                        member.token = None
-                        relogged = relogin = True
-                        break
-                    if resp.created and not resp.canceled:
-                        relogged = False
-                    if resp.created:
-                        self.created_revision = resp.header.revision
-                        if self._next_revision == 0:
-                            self._next_revision = resp.header.revision + 1
-                        self._created.set()
-                    if resp.compact_revision:
-                        self._fail(
-                            EtcdCompactedError(
-                                f"watch on {show_key(self.key)} at {client.describe()}: revision "
-                                f"{self._next_revision} was compacted (oldest kept "
-                                f"{resp.compact_revision})"
-                            )
-                        )
-                        return
-                    if resp.canceled:
-                        reason = resp.cancel_reason or "cancelled by etcd"
-                        failure = client._cancel_failure(reason)
-                        if failure is not Failure.STALE_TOKEN and stream_reconnects(failure):
-                            moved = True  # this member cannot serve ("no leader"): resume on another
-                            break
-                        self._fail(client._translate_cancel(reason, f"watch on {show_key(self.key)}"))
-                        return
-                    if resp.events:
-                        batch = [self._event(ev) for ev in resp.events]
-                        self._next_revision = batch[-1].kv.mod_revision + 1
-                        self._stats.add(len(batch), resp.ByteSize())
-                        if self._scope_stats is not None:
-                            self._scope_stats.add(len(batch), resp.ByteSize())
-                        self._queue.put(batch)
-                if self._cancelled.is_set():
-                    return
-                if relogin:
-                    self._call.cancel()
-                    continue  # same member, new token
-                if moved:
-                    self._call.cancel()
-            except grpc.RpcError as e:
-                if self._cancelled.is_set():
-                    return
-                fatal = client._stream_error(member, e, f"watch {show_key(self.key)}")
-                if fatal is not None:
-                    self._fail(fatal)
-                    return
-            except EtcdError as e:
-                self._fail(e)
-                return
-            except ValueError:
-                # Channel closed by client.close().
-                self._fail(EtcdError(f"etcd client for {client.describe()} was closed"))
-                return
-            finally:
-                ended.set()  # the old stream's request generator (and its gRPC thread) ends
-            # The stream broke: reconnect on the next endpoint that is ready.
-            log.info("watch on %s lost %s; reconnecting", show_key(self.key), member.endpoint)
-            client._rotate_from(index)
-            _, nxt = client._stream_member()
-            while not self._cancelled.is_set() and not client._closed:
-                if client._wait_ready(nxt, timeout=1.0):
-                    break
-                client._rotate_from(client._order()[0])
-                _, nxt = client._stream_member()
-            if client._closed:
-                self._fail(EtcdError(f"etcd client for {client.describe()} was closed"))
-                return
+        if resp.canceled and not self._relogged and client.cancel_wants_login(resp.cancel_reason):
+            # etcd restarted and forgot the token: log in again and resume on the same member.
+            log.info("watch on %s: %s; logging in again", show_key(self.key), resp.cancel_reason)
+            member.token = None
+            self._relogged = True
+            return Ended.AGAIN
+        if resp.created:
+            self._relogged = self._relogged and resp.canceled
+            self.created_revision = resp.header.revision
+            if self._next_revision == 0:
+                self._next_revision = resp.header.revision + 1
+            self._created.set()
+        if resp.compact_revision:
+            self._fail(EtcdCompactedError(
+                f"watch on {show_key(self.key)} at {client.describe()}: revision {self._next_revision} "
+                f"was compacted (oldest kept {resp.compact_revision})"
+            ))  # fmt: skip
+            return Ended.STOP
+        if resp.canceled:
+            reason = resp.cancel_reason or "cancelled by etcd"
+            failure = client.cancel_failure(reason)
+            if failure is not Failure.STALE_TOKEN and stream_reconnects(failure):
+                return Ended.MOVE  # this member cannot serve ("no leader"): resume on another
+            self._fail(client.cancel_error(reason, f"watch on {show_key(self.key)}"))
+            return Ended.STOP
+        if resp.events:
+            batch = [self._event(ev) for ev in resp.events]
+            self._next_revision = batch[-1].kv.mod_revision + 1
+            self._stats.add(len(batch), resp.ByteSize())
+            if self._scope_stats is not None:
+                self._scope_stats.add(len(batch), resp.ByteSize())
+            self._queue.put(batch)
+        return None
 
     def _fail(self, err: BaseException) -> None:
         self._created.set()

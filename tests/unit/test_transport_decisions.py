@@ -195,7 +195,7 @@ def test_failures_are_recognised_by_code_and_exact_etcd_error(
     ],
 )
 def test_watch_cancel_reasons_are_recognised_by_etcd_named_error(reason: str, failure: Failure) -> None:
-    assert Transport._cancel_failure(reason) is failure
+    assert Transport.cancel_failure(reason) is failure
 
 
 # ------------------------------------------------------------------ the same decisions end to end, on tiny servers
