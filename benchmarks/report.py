@@ -247,6 +247,10 @@ def markdown(results: dict[str, Any]) -> str:
             "![B5](b5_pg_startup.png)",
             "",
         ]
+    if results.get("b6"):
+        from .b6_many_jobs import markdown_lines
+
+        parts += markdown_lines(results["b6"])
     parts += ["## Contenders", ""] + [f"- **{k}**: {v}" for k, v in DESCRIPTIONS.items()] + [""]
     return "\n".join(parts)
 

@@ -2,7 +2,7 @@
 
 Modes (sizes in :data:`MODES`):
 
-* default (full): B1-B5 at the issue's sizes, about 15 minutes on 2 cores.
+* default (full): B1-B6 at the issues' sizes, about 20 minutes on 2 cores.
 * ``--quick``: every benchmark at a tiny size, under 2 minutes on 2 cores; the
   CI smoke test. Exits 1 when a benchmark crashed or a contender produced no
   figure at all (something is broken), 0 otherwise.
@@ -56,22 +56,24 @@ FAST_B3 = {"keep_alive_interval": "1", "keep_alive_max_attempt": "2", "last_call
 
 MODES: dict[str, dict[str, Any]] = {
     "quick": {
-        "sections": ["b1", "b2", "b3", "b4", "b5"],
+        "sections": ["b1", "b2", "b3", "b4", "b5", "b6"],
         "b1": {"reps": 2, "ops": 10, "late_ops": 3, "batch_budget": 0.2},
         "b2": {"ns": [4], "reps": 2, "workers": 2, "warmup": False, "box": {"*": 60.0}},
         "b3": {"n": 3, "reps": 1, "conf": FAST_B3, "scenarios": ["shrink"], "workers": 2, "timeout": 30.0},
         "b4": {"ns": [4], "window": 5.0, "workers": 2},
         "b5": {"worlds": [2, 4], "reps": 1},
+        "b6": {"jobs": [1, 10], "reps": 1, "solo_rounds": 3, "window": 5.0, "cli_runs": 20, "workers": 2},
         "timeout": 60.0,
     },
     "full": {
-        "sections": ["b1", "b2", "b3", "b4", "b5"],
+        "sections": ["b1", "b2", "b3", "b4", "b5", "b6"],
         "b1": {"reps": 4, "ops": 100, "late_ops": 15, "batch_budget": 2.0},
         "b2": {"ns": [2, 4, 8, 16, 32, 64], "reps": 3, "workers": 4, "box": {"*": 120.0}},
         "b3": {"n": 8, "reps": 2, "conf": {}, "scenarios": ["shrink", "replace"], "tuned": ["shrink"],
                "workers": 4, "timeout": 80.0},
         "b4": {"ns": [8, 64], "window": 60.0, "workers": 4, "timeout": 120.0},
         "b5": {"worlds": [2, 4, 8, 16], "reps": 3},
+        "b6": {"jobs": [1, 100], "reps": 2, "solo_rounds": 5, "window": 60.0, "cli_runs": 1000, "workers": 4},
         "timeout": 180.0,
     },
     "scale": {
@@ -122,8 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="tiny sizes, under 2 minutes (CI smoke test)")
     mode.add_argument("--scale", action="store_true", help="B2 up to N = 4096, B4 up to 1024 (16-core machine)")
-    p.add_argument("--only", default="", help="comma-separated subset of b1,b2,b3,b4,b5")
+    p.add_argument("--only", default="", help="comma-separated subset of b1,b2,b3,b4,b5,b6")
     p.add_argument("--ns", type=_parse_ints, help="N list for B2 and B4 (overrides the mode's)")
+    p.add_argument("--jobs", type=_parse_ints, help="B6: J list of concurrent jobs (overrides the mode's)")
     p.add_argument("--reps", type=int, help="runs per figure (overrides the mode's)")
     p.add_argument("--window", type=float, help="B4 idle window in seconds (overrides the mode's)")
     p.add_argument("--contenders", type=_parse_contenders,
@@ -148,21 +151,24 @@ def _config(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in MODES[mode].items()}
     if args.only:
         wanted = [s.strip() for s in args.only.split(",") if s.strip()]
-        unknown = [s for s in wanted if s not in ("b1", "b2", "b3", "b4", "b5")]
+        unknown = [s for s in wanted if s not in ("b1", "b2", "b3", "b4", "b5", "b6")]
         if unknown:
-            raise SystemExit(f"--only: unknown section(s) {unknown}; use b1..b5")
+            raise SystemExit(f"--only: unknown section(s) {unknown}; use b1..b6")
         cfg["sections"] = wanted
         for s in wanted:  # a section outside the mode gets the full mode's sizes
             cfg.setdefault(s, dict(MODES["full"][s]))
     for s in ("b2", "b4"):
         if args.ns and s in cfg:
             cfg[s]["ns"] = args.ns
+    if args.jobs and "b6" in cfg:
+        cfg["b6"]["jobs"] = args.jobs
     if args.reps:
-        for s in ("b1", "b2", "b3", "b5"):
+        for s in ("b1", "b2", "b3", "b5", "b6"):
             if s in cfg:
                 cfg[s]["reps"] = args.reps
-    if args.window and "b4" in cfg:
-        cfg["b4"]["window"] = args.window
+    for s in ("b4", "b6"):
+        if args.window and s in cfg:
+            cfg[s]["window"] = args.window
     if args.box and "b2" in cfg:
         box = dict(cfg["b2"].get("box", {}))
         for name, seconds in args.box:
@@ -171,7 +177,7 @@ def _config(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
             box[name] = seconds
         cfg["b2"]["box"] = box
     if args.workers:
-        for s in ("b2", "b3", "b4"):
+        for s in ("b2", "b3", "b4", "b6"):
             if s in cfg:
                 cfg[s]["workers"] = args.workers
     return mode, cfg
@@ -230,6 +236,8 @@ def broken_contenders(results: dict[str, Any]) -> list[str]:
         check("B4", results["b4"]["rows"], "revisions_per_min")
     if results.get("b5"):
         check("B5", results["b5"]["rows"], "ms")
+    if results.get("b6"):
+        check("B6", [{**r, "contender": f"etcd-v3 J={r['jobs']}"} for r in results["b6"]["rows"]], "ms")
     return broken
 
 
@@ -269,12 +277,12 @@ def main(argv: list[str] | None = None) -> int:
     timeout = float(cfg["timeout"])
     sections = cfg["sections"]
     # Enough workers for the widest section: the node spread of B2-B4, one rank each in B5.
-    pool_size = max([cfg[s]["workers"] for s in ("b2", "b3", "b4") if s in sections]
+    pool_size = max([cfg[s]["workers"] for s in ("b2", "b3", "b4", "b6") if s in sections]
                     + [max(cfg["b5"]["worlds"]) for s in ("b5",) if s in sections] + [1])
     pool = None
     try:
         with EtcdFarm(args.etcd_binary) as farm:
-            if any(s in sections for s in ("b2", "b3", "b4", "b5")):
+            if any(s in sections for s in ("b2", "b3", "b4", "b5", "b6")):
                 pool = Pool(pool_size, log_level=logging.INFO if args.verbose else logging.WARNING)
             for section in sections:
                 t0 = time.monotonic()
@@ -317,6 +325,12 @@ def main(argv: list[str] | None = None) -> int:
                         assert pool is not None
                         b5_stores = [x for x in (OURS_STORE, TCP_STORE) if x in stores]
                         results["b5"] = run_b5(pool, farm, tcp_endpoint, b5_stores, c["worlds"], c["reps"], timeout)
+                    elif section == "b6":
+                        from .b6_many_jobs import run_b6
+
+                        assert pool is not None
+                        results["b6"] = run_b6(pool, args.etcd_binary, c["jobs"], c["reps"], c["solo_rounds"],
+                                               c["window"], c["cli_runs"], c.get("timeout", timeout), c["workers"])
                 except Exception as e:
                     crashed.append(f"{section}: {type(e).__name__}: {e}")
                     say(f"{section.upper()} CRASHED: {type(e).__name__}: {e}\n{traceback.format_exc()}")

@@ -36,6 +36,10 @@ B2_N2_MS = 20.0
 B2_EVENTS_PER_NODE = 3  # + the nodes that left; none leaves in B2
 # B5 (issue 12): gloo start-up over EtcdStore at most 3x TCPStore's at world 16.
 B5_WORLD, B5_RATIO = 16, 3.0
+# B6 (issue 24): J concurrent jobs on one cluster: per-job rendezvous median within 2x of one job
+# alone; 0 revisions while they idle. The CLI's own check: list and gc within its default --timeout.
+B6_RATIO = 2.0
+B6_CLI_TIMEOUT_S = 10.0
 
 
 # --------------------------------------------------------------------------- formatting
@@ -195,6 +199,56 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             tcp = next(r for r in b5["rows"] if r["world"] == B5_WORLD and r["contender"] == TCP_STORE)
             out.append(_target(name, ratio(r5), r5["ratio"] <= B5_RATIO,
                                f"{fig(row5['ms'], ' ms')} vs {fig(tcp['ms'], ' ms')}"))
+    if results.get("b6"):
+        out += _b6_targets(results["b6"])
+    return out
+
+
+def _b6_targets(b6: dict[str, Any]) -> list[dict[str, Any]]:
+    """Many jobs against one alone, their idle revisions, and list / gc over many runs."""
+    out: list[dict[str, Any]] = []
+    rows = {r["jobs"]: r for r in b6["rows"]}
+    big, n = max(b6["jobs"]), b6["nodes_per_job"]
+    name = f"B6 J={big}×{n} nodes: per-job rendezvous median within {B6_RATIO:g}× of one job alone"
+    r, solo, many = b6.get("ratio"), rows.get(1), rows[big]
+    if big == 1 or solo is None:
+        out.append(_target(name, "—", None, "J=1 and a larger J not both in this run"))
+    elif many["failed_jobs"] or r is None:
+        out.append(_target(name, ratio(r), False, f"{many['failed_jobs']} job(s) failed: "
+                                                   f"{(many['failures'] or ['?'])[0][:100]}"))
+    else:
+        p99 = many["ms"]["p99"]
+        out.append(_target(name, ratio(r), r["ratio"] <= B6_RATIO,
+                           f"J={big}: {fig(many['ms'], ' ms')}, p99 {fmt(p99)} ms; J=1: {fig(solo['ms'], ' ms')}"))
+    idle = b6.get("idle")
+    name = f"B6 J={big} idle jobs: 0 etcd revisions/min"
+    if not idle:
+        out.append(_target(name, "—", None, "no idle window in this run"))
+    else:
+        out.append(_target(name, f"{idle['revisions_per_min']:.1f}/min", idle["revisions_per_min"] == 0,
+                           f"{idle['keepalives_per_s']:.1f} keep-alives/s, {idle['leases']} live leases, "
+                           f"{idle['raft_entries_per_min']:.1f} raft entries/min over {idle['window_s']:g} s"))
+    out += _b6_cli_targets(b6.get("cli"))
+    return out
+
+
+def _b6_cli_targets(cli: dict[str, Any] | None) -> list[dict[str, Any]]:
+    if not cli:
+        return [_target("B6 etcd-rdzv list and gc over many runs", "—", None, "no CLI phase in this run")]
+    cmds, want = cli["commands"], cli["expected"]
+    runs = cli["made"]["runs"]
+    out = []
+    for key, label, count, expected in (("list", "list", "runs_listed", want["listed"]),
+                                        ("gc", "gc", "runs_removed", want["removed"])):
+        c = cmds.get(key) or {}
+        name = (f"B6 etcd-rdzv {label} over {runs:,} ended runs (+{cli['live_jobs']} running jobs) within "
+                f"its default --timeout ({B6_CLI_TIMEOUT_S:g} s), {count.split('_')[1]} all of them")
+        if c.get("seconds") is None or c.get("rc") != 0:
+            out.append(_target(name, "failed", False, str(c.get("error", "no result"))[:100]))
+            continue
+        got = c.get(count)
+        note = f"{got} {count.split('_')[1]} (expected {expected}); start-up alone {cmds['startup']['seconds']:.2f} s"
+        out.append(_target(name, f"{c['seconds']:.2f} s", c["seconds"] < B6_CLI_TIMEOUT_S and got == expected, note))
     return out
 
 

@@ -151,6 +151,13 @@ class _WorkerState:
         self.groups[group].go.set()
         return now
 
+    def go_many(self, groups: list[str]) -> float:
+        """Release several armed groups at one instant (B6: many jobs start together)."""
+        now = time.monotonic()
+        for name in groups:
+            self.groups[name].go.set()
+        return now
+
     def collect(self, group: str, timeout: float) -> dict[int, dict[str, Any]]:
         g = self.groups[group]
         deadline = time.monotonic() + timeout
@@ -348,6 +355,21 @@ def assign(node_ids: list[int], workers: list[Worker]) -> dict[Worker, list[int]
     for k, node_id in enumerate(node_ids):
         out.setdefault(workers[k % len(workers)], []).append(node_id)
     return out
+
+
+def go_together(groups: list[NodeGroup]) -> float:
+    """Release every armed group of ``groups`` at once: one ``go_many`` message per
+    worker naming all its groups; returns t0, taken just before the first send."""
+    by_worker: dict[Worker, list[str]] = {}
+    for g in groups:
+        for w in g.layout:
+            by_worker.setdefault(w, []).append(g.name)
+    t0 = time.monotonic()
+    for w, names in by_worker.items():
+        w.send("go_many", groups=names)
+    for w in by_worker:
+        w.recv(30)
+    return t0
 
 
 @dataclass
