@@ -170,7 +170,8 @@ def test_training_pods_read_the_password_from_a_file_and_never_mount_the_root_pa
         if "/training/" not in f"/{where}":
             continue
         secret_volumes = {v["name"]: v["secret"] for v in spec.get("volumes", []) if "secret" in v}
-        for volume in secret_volumes.values():  # a whole etcd-rdzv-auth would hold root-password
+        for volume in secret_volumes.values():  # only the user's password, never the root's
+            assert volume["secretName"] != "etcd-rdzv-root", where
             if volume["secretName"] == "etcd-rdzv-auth":
                 assert [i["key"] for i in volume.get("items", [])] == ["password"], where
         for c in spec["containers"]:
@@ -275,13 +276,15 @@ def test_auth_setup_script_against_etcd(etcd_binary: str, tmp_path: Path) -> Non
     password = 'pa"ss\\w0rd-x'  # quotes and backslashes survive the JSON body
     (secrets / "user").write_text("rdzv\n")
     (secrets / "password").write_text(password + "\n")
-    (secrets / "root-password").write_text("r00t-pw")
+    root = tmp_path / "root"  # a Secret of its own: no training pod mounts it
+    root.mkdir()
+    (root / "root-password").write_text("r00t-pw")
     with EtcdServer(binary=etcd_binary) as server:
-        env = {**os.environ, "ETCD_URL": server.get_client_url(), "SECRETS": str(secrets),
+        env = {**os.environ, "ETCD_URL": server.get_client_url(), "SECRETS": str(secrets), "ROOT_SECRETS": str(root),
                "TLS_DIR": str(tmp_path / "no-tls"), "KEY_PREFIX": "/torch/elastic/rendezvous"}
         first = subprocess.run(["sh", str(script)], env=env, capture_output=True, text=True, timeout=60)
         assert first.returncode == 0, first.stderr
-        assert password not in first.stdout + first.stderr
+        assert password not in first.stdout + first.stderr and "r00t-pw" not in first.stdout + first.stderr
         again = subprocess.run(["sh", str(script)], env=env, capture_output=True, text=True, timeout=60)
         assert again.returncode == 0 and "already" in again.stdout, again.stderr
         with EtcdClient(server.get_endpoint(), user="rdzv", password=password, timeout=5,
@@ -291,3 +294,6 @@ def test_auth_setup_script_against_etcd(etcd_binary: str, tmp_path: Path) -> Non
                 client.put(b"/torch/elastic/rendezvousX", b"1")
             with pytest.raises(EtcdPermissionDenied):
                 client.range(b"/other")
+        with EtcdClient(server.get_endpoint(), user="root", password="r00t-pw", timeout=5,
+                        allow_insecure_auth=True) as root_client:  # the root password of ROOT_SECRETS
+            assert root_client.get(b"/torch/elastic/rendezvous/job/x") is not None
