@@ -80,7 +80,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
     ) -> None:
         """See base class; torch's backend state holder (``from_backend``'s) is replaced by a
         :class:`SealedRoundStateHolder` on the same backend. Raises ``EtcdRdzvPluginError``
-        when torch lacks the private names that relies on."""
+        when torch lacks the private torch names this relies on."""
         check_torch_internals()
         if type(state_holder) is _dr._BackendRendezvousStateHolder:
             state_holder = SealedRoundStateHolder.adopt(state_holder, node)

@@ -21,7 +21,7 @@ keeps its members while one of them is alive: the reader itself when it is a
 member (a member that can read is proof that the round is alive, whatever its
 clock says about the others), else any member whose heartbeat is younger than
 :attr:`SealedRoundStateHolder.member_expiry` (the heartbeat window plus one
-read-cache period). Only a round whose members all look dead to a reader outside
+heartbeat interval plus one read-cache period). Only a round whose members all look dead to a reader outside
 it is pruned, by torch's rule, so that the round advances (the survivors of a
 member that died have left it and wait for the next round). That a member is
 dead is the handler's business: :meth:`SealedRoundStateHolder.dead_members`
@@ -131,10 +131,14 @@ class SealedRoundStateHolder(_Holder):
     ) -> None:
         super().__init__(backend, settings, cache_duration)
         self._node = node
-        window = settings.keep_alive_interval * settings.keep_alive_max_attempt
-        self.member_expiry: timedelta = window + timedelta(seconds=max(cache_duration, 0))
-        """A completed round's member is dead once its heartbeat is older than this (the
-        heartbeat window plus one read-cache period: our copy may be that much older)."""
+        interval = settings.keep_alive_interval
+        window = interval * settings.keep_alive_max_attempt
+        self.member_expiry: timedelta = window + interval + timedelta(seconds=max(cache_duration, 0))
+        """A completed round's member is dead once its heartbeat is older than this: torch's
+        heartbeat window, plus one interval (torch's keep-alive timer skips a beat when the
+        heartbeat is a little younger than the interval, so a live node's stored heartbeat
+        reaches two intervals and more under load), plus one read-cache period (our copy
+        may be that much older). Defaults: 15 + 5 + 1 = 21 s."""
 
     @classmethod
     def adopt(cls, holder: _Holder, node: _NodeDesc) -> SealedRoundStateHolder:

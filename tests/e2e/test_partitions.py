@@ -285,16 +285,7 @@ def test_e_etcd_unreachable_for_10s_training_goes_on(make_bed: Any, backend: str
 
 DELAY_PROXY_PORT = 2479
 
-_D_V2_DEFECT = (
-    "etcd-v2 (torch's DynamicRendezvousHandler over our backend), 2 of 7 runs (6 on etcd 3.7, 1 on 3.5): with "
-    "--nnodes=3:3 a world-2 group of n0, n1 formed and trained while n2 stayed in 'Rendezvous'ing worker "
-    "group' for 150 s (apparently dropped from the completed round as dead: its heartbeats were late over "
-    "the lossy 400 ms link, keep-alive 1 s x 3), never re-admitted; the same stuck node as the etcd-v2 "
-    "chaos soak's (issue 13)"
-)
-
-
-@pytest.mark.parametrize(("backend", "version"), backends(2, xfail={"etcd-v2": _D_V2_DEFECT}, strict=False))
+@pytest.mark.parametrize(("backend", "version"), backends(2))
 def test_d_latency_and_loss_to_etcd_rendezvous_completes(make_bed: Any, backend: str, version: str) -> None:
     """With ``tc netem`` where the kernel has it (200 ms on every packet etcd's host
     sends, 5 % of them lost); otherwise iptables ``statistic`` drops 5 % of the packets

@@ -4,7 +4,7 @@ Each case runs one run of one handler kind (torch's ``DynamicRendezvousHandler``
 our ``EtcdRendezvousHandler``) from a fresh backend and returns an :class:`Outcome`:
 what every node's join returned, the stored round, and what ``num_nodes_waiting()``
 said afterwards. Times are seconds on the test's clock; torch's defaults apply
-(heartbeat every 5 s, a node dead after 15 s; ours: a member dead after 16 s).
+(heartbeat every 5 s, a node dead after 15 s; ours: a member dead after 21 s).
 :func:`problems` names what is wrong with an outcome: nodes that disagree on
 their round or world, or a node that trains in a round that no longer holds it
 while nobody reports a waiting node (it is stuck for good).
@@ -105,7 +105,7 @@ def case_b(kind: type, clock: Clock, backends: Backends) -> Outcome:
 
 
 def _seal_three_then_lose_n2(run: Run, clock: Clock) -> None:
-    """n0, n1, n2 seal a round at t=1; n0 and n1 heartbeat at 5, 10, 15; n2 is dead (since t=1)."""
+    """n0, n1, n2 seal a round at t=1; n0 and n1 heartbeat at 5, 10, 15, 20; n2 is dead (since t=1)."""
     n0, n1, n2 = run.node("n0"), run.node("n1"), run.node("n2")
     n0.join()
     n1.join()
@@ -114,7 +114,7 @@ def _seal_three_then_lose_n2(run: Run, clock: Clock) -> None:
     clock.at(2)
     n0.step()
     n1.step()
-    for t in (5, 10, 15):
+    for t in (5, 10, 15, 20):
         clock.at(t)
         run.heartbeat("n0", "n1")
 
@@ -129,8 +129,8 @@ def _rejoin(run: Run, clock: Clock, t: float, *names: str) -> None:
 
 @dataclass
 class CaseC:
-    within_grace: dict[str, int]  # num_nodes_waiting() with n2 silent 15.5 s
-    dead: dict[str, int]  # ... silent 16.6 s
+    within_grace: dict[str, int]  # num_nodes_waiting() with n2 silent 20.5 s
+    dead: dict[str, int]  # ... silent 21.6 s
     after: Outcome | None  # after the survivors re-rendezvoused (None: nobody reported a waiting node)
 
 
@@ -140,13 +140,13 @@ def case_c(kind: type, clock: Clock, backends: Backends) -> CaseC:
     clock.reset()
     run = Run(kind, clock, backends(), (2, 3))
     _seal_three_then_lose_n2(run, clock)
-    clock.at(16.5)
+    clock.at(21.5)
     grace = run.waiting("n0", "n1")
-    clock.at(17.6)
+    clock.at(22.6)
     dead = run.waiting("n0", "n1")
     if not any(dead.values()):
         return CaseC(grace, dead, None)
-    _rejoin(run, clock, 18.7, "n0", "n1")
+    _rejoin(run, clock, 23.7, "n0", "n1")
     return CaseC(grace, dead, Outcome.of(run, "n0", "n1"))
 
 
@@ -168,17 +168,17 @@ def case_c_early(kind: type, clock: Clock, backends: Backends) -> Outcome:
 
 
 def case_c_replacement(kind: type, clock: Clock, backends: Backends) -> Outcome:
-    """``--nnodes=3:3``: n2 of the sealed round dies, replacement r arrives at t=17.6; the
+    """``--nnodes=3:3``: n2 of the sealed round dies, replacement r arrives at t=22.6; the
     survivors re-rendezvous once their ``num_nodes_waiting()`` is positive."""
     clock.reset()
     run = Run(kind, clock, backends(), (3, 3))
     _seal_three_then_lose_n2(run, clock)
-    clock.at(17.6)
+    clock.at(22.6)
     run.node("r").join()
-    clock.at(18.7)
+    clock.at(23.7)
     waiting = run.waiting("n0", "n1")
     if any(waiting.values()):
-        _rejoin(run, clock, 19.8, "n0", "n1")
+        _rejoin(run, clock, 24.8, "n0", "n1")
     outcome = Outcome.of(run, "n0", "n1", "r", waiting=waiting)
     run.close()
     return outcome

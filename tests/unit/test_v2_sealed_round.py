@@ -70,7 +70,7 @@ def test_case_c_a_dead_member_makes_the_survivors_re_rendezvous(clock: Clock) ->
     # torch (pytorch#111646): nobody ever reports a waiting node
     assert torch.within_grace == torch.dead == {"n0": 0, "n1": 0}
     assert torch.after is None
-    # ours: not within the heartbeat window + 1 s read cache, then on both survivors
+    # ours: not within the heartbeat window + one interval + 1 s read cache (21 s), then on both
     assert ours.within_grace == {"n0": 0, "n1": 0}
     assert ours.dead == {"n0": 1, "n1": 1}
     assert ours.after is not None
@@ -131,7 +131,7 @@ SETTINGS = dr.RendezvousSettings("r", 2, 3, dr.RendezvousTimeout(), timedelta(se
 
 def test_dead_waiters_and_redundant_nodes_are_still_pruned_from_a_sealed_round(clock: Clock) -> None:
     state, n = _sealed(clock, "me", "member", waiting=("waiter", "fresh"), spare=("spare",))
-    clock.at(16.5)  # every heartbeat dead by torch's window (15 s) and by ours (16 s)...
+    clock.at(21.5)  # every heartbeat dead by torch's window (15 s) and by ours (21 s)...
     state.last_heartbeats[n["fresh"]] = clock.now()  # ...but this one
     holder = _read_as(n["me"], state)
     got = holder.state
@@ -143,9 +143,9 @@ def test_dead_waiters_and_redundant_nodes_are_still_pruned_from_a_sealed_round(c
 
 def test_a_sealed_round_is_pruned_only_by_a_reader_outside_it_once_every_member_is_dead(clock: Clock) -> None:
     state, n = _sealed(clock, "a", "b", waiting=("w",))
-    clock.at(15.5)  # dead by torch's window, not by ours
+    clock.at(20.5)  # dead by torch's window, not by ours
     assert _read_as(n["w"], state).state.participants == state.participants
-    clock.at(16.5)
+    clock.at(21.5)
     assert _read_as(n["a"], state).state.participants == state.participants  # a member: alive
     state.last_heartbeats[n["w"]] = state.last_heartbeats[n["b"]] = clock.now()
     assert _read_as(n["w"], state).state.participants == state.participants  # b is alive
