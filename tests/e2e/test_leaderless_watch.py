@@ -33,6 +33,9 @@ if _WHY_NOT is not None:
 
 #: The target of issue 20: election timeout + etcd's leader check, with room for a loaded machine.
 WAKE_WITHIN_S = 15.0
+#: The lease TTL of the keep-alive test: longer than the move with ``hasleader`` (about 2 s),
+#: shorter than without it (etcd's request timeout, about 7 s).
+TTL = 5
 
 
 class _Cluster:
@@ -127,3 +130,30 @@ def test_a_blocked_get_on_a_member_cut_from_its_peers_wakes_on_a_write_through_t
         took = woke - written
         print(f"woke {took:.2f} s after the write")
         assert took < WAKE_WITHIN_S
+
+
+def test_a_keep_alive_stream_on_a_member_cut_from_its_peers_moves_and_keeps_the_lease(cluster: _Cluster) -> None:
+    """The keep-alive stream carries ``hasleader`` too: on the cut member etcd ends it after about
+    2 s and it reopens on another member before the lease expires (TTL 5 s). Without it the
+    stream stayed until etcd's request timeout (6.7 s measured) and the lease expired."""
+    assert cluster.etcd is not None
+    leader = cluster.etcd.leader()
+    cut = next(i for i in range(3) if i != leader)
+    others = [i for i in range(3) if i != cut]
+    endpoints = ",".join(cluster.endpoint(i) for i in [cut, *others])
+    with EtcdClient(endpoints, timeout=20) as client, EtcdClient(
+        ",".join(cluster.endpoint(i) for i in others), timeout=20
+    ) as checker:
+        session = client.session(TTL)
+        mux = session._mux
+        _wait_until(lambda: mux.streams_opened >= 1, 10, "no keep-alive stream opened")
+        cluster.hosts[cut].block(*(cluster.hosts[i] for i in others))
+        cut_at = time.monotonic()
+        _wait_until(lambda: mux.streams_opened >= 2, WAKE_WITHIN_S, "the keep-alive stream did not move")
+        moved = time.monotonic() - cut_at
+        print(f"keep-alive stream moved {moved:.2f} s after the cut")
+        while time.monotonic() - cut_at < 2 * TTL:  # two TTLs after the cut
+            assert not session.lost.is_set()
+            time.sleep(0.2)  # watching the session while the TTLs pass
+        assert checker.lease_time_to_live(session.id) > 0
+        session.close()
