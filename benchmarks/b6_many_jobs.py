@@ -84,9 +84,12 @@ def cluster_counters(cluster: Any) -> dict[str, float]:
     from etcd_server.gateway import Gateway
 
     keepalives = 0.0
+    leader_changes = 0.0
     for url in cluster.client_urls:
         _status, body = Gateway(url).get("/metrics", timeout=10)
-        keepalives += metric_sum(body.decode(), KEEPALIVE_METRIC, {"grpc_method": "LeaseKeepAlive"})
+        text = body.decode()
+        keepalives += metric_sum(text, KEEPALIVE_METRIC, {"grpc_method": "LeaseKeepAlive"})
+        leader_changes = max(leader_changes, metric_sum(text, "etcd_server_leader_changes_seen_total", {}))
     gw = Gateway(cluster.client_urls[0])
     status = gw.call("/v3/maintenance/status", {}, timeout=10)
     leases = gw.call("/v3/lease/leases", {}, timeout=30).get("leases", [])
@@ -97,11 +100,12 @@ def cluster_counters(cluster: Any) -> dict[str, float]:
         "revision": float(status["header"]["revision"]),
         "raft_index": float(status.get("raftIndex", 0)),
         "leases": float(len(leases)),
+        "leader_changes": leader_changes,
         "cpu_s": sum(c for c in cpu if c is not None),
     }
 
 
-_DELTAS = ("revision", "raft_index", "keepalives", "cpu_s", "workers_cpu_s", "time")
+_DELTAS = ("revision", "raft_index", "keepalives", "cpu_s", "workers_cpu_s", "time", "leader_changes")
 
 
 def _cpu(pids: list[int | None]) -> float:
@@ -176,14 +180,16 @@ def close_jobs(groups: list[NodeGroup]) -> None:
 def _measure_rounds(pool: Pool, cluster: Any, jobs: list[int], reps: int, solo_rounds: int, nodes: int,
                     workers: int, timeout: float, conf: dict[str, Any]
                     ) -> tuple[dict[int, Series], dict[int, list[str]], dict[int, list[dict[str, float]]],
-                               list[NodeGroup]]:
-    """Every J of ``jobs`` in every run; returns the series, errors, etcd deltas per round and the
-    still-running jobs of the last round of the largest J (the caller closes them)."""
+                               list[NodeGroup], int]:
+    """Every J of ``jobs`` in every run; returns the series, errors, etcd deltas per round, the
+    still-running jobs of the last round of the largest J (the caller closes them) and how
+    many of those failed their rendezvous."""
     series = {j: Series() for j in jobs}
     errors: dict[int, list[str]] = {j: [] for j in jobs}
     deltas: dict[int, list[dict[str, float]]] = {j: [] for j in jobs}
     biggest = max(jobs)
     kept: list[NodeGroup] = []
+    kept_failed = 0
     for rep in range(reps):
         k = rep % len(jobs)
         order = jobs[k:] + jobs[:k]  # the rotation of benchmarks.common.rotated
@@ -206,6 +212,7 @@ def _measure_rounds(pool: Pool, cluster: Any, jobs: list[int], reps: int, solo_r
                         close_jobs(groups)
                 if keep:
                     kept = groups
+                    kept_failed = len(errs)
                 samples += times
                 errors[j] += errs
                 deltas[j].append({k: after[k] - before[k] for k in _DELTAS})
@@ -213,7 +220,7 @@ def _measure_rounds(pool: Pool, cluster: Any, jobs: list[int], reps: int, solo_r
             med = statistics.median(samples) * 1000 if samples else float("nan")
             say(f"B6 run {rep} J={j}: {len(samples)} job(s), median {med:.0f} ms, "
                 f"max {max(samples, default=float('nan')) * 1000:.0f} ms, {len(errors[j])} failed so far")
-    return series, errors, deltas, kept
+    return series, errors, deltas, kept, kept_failed
 
 
 def measure_idle(cluster: Any, pool: Pool, window: float, settle: float) -> dict[str, Any]:
@@ -300,9 +307,11 @@ def time_cli(cluster: Any, args: list[str], timeout: float = CLI_TIMEOUT_S) -> d
     return out
 
 
-def measure_cli(cluster: Any, runs: int, live_jobs: int, ended_jobs: int = 0) -> dict[str, Any]:
+def measure_cli(cluster: Any, runs: int, live_jobs: int, ended_jobs: int = 0, unsure: int = 0) -> dict[str, Any]:
     """Make ``runs`` finished runs, then time list / gc --dry-run / gc / list. ``live_jobs``
-    still run, ``ended_jobs`` (closed) are there from before: both are listed too."""
+    still run, ``ended_jobs`` (closed) are there from before: both are listed too; ``unsure``
+    running jobs failed their rendezvous (their runs may be closed or open): the expected
+    counts allow for either."""
     say(f"B6 making {runs} finished runs (1-node jobs) beside {live_jobs} running jobs")
     made = make_finished_runs(cluster, runs)
     say(f"B6 {made['runs']} runs made in {made['seconds']:g} s ({made['failed']} failed)")
@@ -322,9 +331,10 @@ def measure_cli(cluster: Any, runs: int, live_jobs: int, ended_jobs: int = 0) ->
             + (f", {res.get('runs_listed', res.get('runs_removed'))} runs" if doc else "")
             + (f", {res['error']}" if res.get("error") else ""))
     return {"made": made, "commands": timed, "live_jobs": live_jobs,
-            "ended_jobs": ended_jobs,
-            "expected": {"listed": live_jobs + ended_jobs + runs - made["failed"],
-                         "removed": ended_jobs + made["closed"], "listed_after_gc": live_jobs + made["left_open"]}}
+            "ended_jobs": ended_jobs, "unsure_jobs": unsure,
+            "expected": {"listed": live_jobs + unsure + ended_jobs + runs - made["failed"],
+                         "removed": ended_jobs + made["closed"],
+                         "listed_after_gc": live_jobs + made["left_open"]}}
 
 
 def run_b6(pool: Pool, binary: str | None, jobs: list[int], reps: int, solo_rounds: int, window: float,
@@ -341,15 +351,16 @@ def run_b6(pool: Pool, binary: str | None, jobs: list[int], reps: int, solo_roun
                            "members": 3, "idle": None, "cli": None}
     with EtcdCluster(3, binary) as cluster:
         out["etcd_version"] = cluster.version
-        series, errors, deltas, kept = _measure_rounds(pool, cluster, jobs, reps, solo_rounds, nodes,
+        series, errors, deltas, kept, kept_failed = _measure_rounds(pool, cluster, jobs, reps, solo_rounds, nodes,
                                                        workers, timeout, conf)
         try:
             if kept:
                 out["idle"] = measure_idle(cluster, pool, window, settle)
                 say(f"B6 idle J={len(kept)}: {out['idle']}")
             if cli_runs > 0:
-                ended = sum(j * len(deltas[j]) for j in jobs) - len(kept)  # the rounds' jobs closed their runs
-                out["cli"] = measure_cli(cluster, cli_runs, len(kept), ended)
+                # The rounds' other jobs closed their runs (so may a job that failed its rendezvous).
+                ended = sum(j * len(deltas[j]) for j in jobs) - len(kept)
+                out["cli"] = measure_cli(cluster, cli_runs, len(kept) - kept_failed, ended, kept_failed)
         finally:
             close_jobs(kept)
     out["rows"] = [_row(j, series, errors, deltas) for j in jobs]
@@ -371,7 +382,8 @@ def _row(j: int, series: dict[int, Series], errors: dict[int, list[str]],
             "raft_entries_per_job": med("raft_index", j),
             # CPU seconds of the etcd members and of the worker processes over one round (the
             # counter reads around it included), and its wall seconds: where a round's time goes.
-            "etcd_cpu_s": med("cpu_s"), "workers_cpu_s": med("workers_cpu_s"), "round_wall_s": med("time")}
+            "etcd_cpu_s": med("cpu_s"), "workers_cpu_s": med("workers_cpu_s"), "round_wall_s": med("time"),
+            "leader_changes": sum(x["leader_changes"] for x in d)}
 
 
 # --------------------------------------------------------------------------- report
@@ -383,13 +395,15 @@ def markdown_lines(b6: dict[str, Any]) -> list[str]:
 
     rows = [[str(r["jobs"]), fig(r["ms"]), fmt(r["ms"]["p99"]), str(r["ms"]["n"]), str(r["failed_jobs"]),
              fmt(r["revisions_per_job"], 1), fmt(r["raft_entries_per_job"], 1),
-             f"{fmt(r.get('etcd_cpu_s'), 2)} / {fmt(r.get('workers_cpu_s'), 2)} / {fmt(r.get('round_wall_s'), 2)}"]
+             f"{fmt(r.get('etcd_cpu_s'), 2)} / {fmt(r.get('workers_cpu_s'), 2)} / {fmt(r.get('round_wall_s'), 2)}",
+             fmt(r.get("leader_changes"))]
             for r in b6["rows"]]
     parts = [
         f"## B6: many etcd-v3 jobs of {b6['nodes_per_job']} nodes on one {b6['members']}-member etcd cluster",
         "",
         _table(["jobs J", "per-job rendezvous ms, median (run range)", "p99 ms", "jobs measured", "failed",
-                "revisions per job", "raft entries per job", "CPU s etcd / workers / wall s per round"], rows),
+                "revisions per job", "raft entries per job", "CPU s etcd / workers / wall s per round",
+                "etcd leader changes"], rows),
         "",
         f"J = {max(b6['jobs'])} against J = 1: {ratio(b6.get('ratio'))} (median of the per-run ratios). "
         f"{b6['reps']} run(s); J = 1 repeated {b6['solo_rounds']} times per run; the nodes of every job spread "

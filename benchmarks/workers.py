@@ -12,7 +12,8 @@ drives a measurement in four steps, each a message to every worker involved::
                just before the first send)
     collect -> join the threads; each reports its CLOCK_MONOTONIC end time
 
-(``watch_counts``, before and after, reads each node's delivered watch events: those
+(:func:`go_together` releases many armed groups with one ``go_many`` message per worker: B6's
+jobs start at one instant.) (``watch_counts``, before and after, reads each node's delivered watch events: those
 of the watches its threads created, counted per node also when nodes share a client.)
 Nodes of one group in one worker share clients when their spec says
 ``clients="process"`` (see :mod:`benchmarks.nodes`).

@@ -244,3 +244,47 @@ def test_etcd_v3_nodes_report_their_watch_events(pool: Any, etcd_server: Any, cl
     assert w is not None and w["nodes"] == 4
     assert 1 <= w["events_max"] <= 3
     assert (w["events_max"] > 0) == (w["bytes_max"] > 0)
+
+
+def test_b6_targets_judge_many_jobs_idle_load_and_the_cli() -> None:
+    from benchmarks.targets import _b6_targets
+
+    def fig(x: float) -> dict[str, Any]:
+        return {"median": x, "p99": x * 1.5, "lo": x, "hi": x, "n": 10, "runs": 1}
+
+    cmd = {"seconds": 1.0, "rc": 0}
+    b6 = {"jobs": [1, 10], "nodes_per_job": 8,
+          "rows": [{"jobs": 1, "ms": fig(40.0), "failed_jobs": 0, "failures": []},
+                   {"jobs": 10, "ms": fig(100.0), "failed_jobs": 0, "failures": []}],
+          "ratio": {"ratio": 2.5, "lo": 2.5, "hi": 2.5, "runs": 1},
+          "idle": {"revisions_per_min": 0.0, "keepalives_per_s": 16.0, "leases": 90,
+                   "raft_entries_per_min": 0.0, "window_s": 5.0},
+          "cli": {"made": {"runs": 20}, "live_jobs": 10, "unsure_jobs": 0,
+                  "expected": {"listed": 33, "removed": 21, "listed_after_gc": 12},
+                  "commands": {"startup": cmd, "list": {**cmd, "runs_listed": 33},
+                               "gc": {**cmd, "seconds": 12.0, "runs_removed": 21},
+                               "list_after_gc": {**cmd, "runs_listed": 12}}}}
+    status = {t["target"].split(":")[0].split(" over")[0]: t["status"] for t in _b6_targets(b6)}
+    assert status == {"B6 J=10×8 nodes": "not met", "B6 J=10 idle jobs": "met",
+                      "B6 etcd-rdzv list": "met", "B6 etcd-rdzv gc": "not met"}  # gc over its 10 s
+
+
+def test_b6_many_jobs_on_a_3_member_cluster(pool: Any, etcd_binary: str) -> None:
+    """B6 at its smallest: 1 and 2 jobs of 8 nodes, a 6 s idle window (every lease of TTL 15 s is
+    renewed at least once in it: each 5 s), 4 ended runs for the CLI."""
+    from benchmarks.b6_many_jobs import run_b6
+    from benchmarks.targets import _b6_targets
+
+    res = run_b6(pool, etcd_binary, [1, 2], reps=1, solo_rounds=1, window=6.0, cli_runs=4, timeout=60.0,
+                 workers=2)
+    rows = {r["jobs"]: r for r in res["rows"]}
+    assert rows[2]["ms"]["n"] == 2 and rows[2]["failed_jobs"] == 0, rows[2]
+    assert rows[1]["revisions_per_job"] > 0 and res["ratio"]["ratio"] > 0
+    idle = res["idle"]
+    assert idle["revisions_per_min"] == 0 and idle["keepalives_per_s"] >= 16 / 6.0
+    assert idle["leases"] >= 16  # a lease per node of the two running jobs
+    cli = res["cli"]
+    assert all(c["rc"] == 0 for c in cli["commands"].values()), cli["commands"]
+    assert cli["commands"]["gc"]["runs_removed"] == cli["expected"]["removed"]
+    assert cli["commands"]["list_after_gc"]["runs_listed"] == cli["expected"]["listed_after_gc"]
+    assert all(t["status"] != "not measured" for t in _b6_targets(res))
