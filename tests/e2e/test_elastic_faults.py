@@ -56,7 +56,11 @@ from etcd_rdzv.testing.agents import LocalAgent, summarize, torchrun_command
 from etcd_rdzv.testing.train import Record
 from etcd_server import EtcdCluster, EtcdServer, TLSConfig
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+#: Seconds a scenario's step may take (deadlines, not sleeps): agents and workers cost seconds of CPU each
+#: to start, and the suite's parallel lanes share two cores.
+STEP_BUDGET = 240
 
 VERSIONS = list(FULL_VERSIONS) or sorted(ETCD_BINARIES)
 HEARTBEAT_TIMEOUT = FAST_CONF["keep_alive_interval"] * FAST_CONF["keep_alive_max_attempt"]
@@ -149,10 +153,10 @@ def test_scale_down_after_node_sigkill(
     new = job.wait_for(
         "the survivors training as 4 workers",
         lambda rs: group_with(rs, world_size=4, nodes=survivors, after=killed_at),
-        timeout=150,
+        timeout=STEP_BUDGET,
     )
     job.finish()
-    codes = job.wait_exit(sorted(survivors), timeout=150)
+    codes = job.wait_exit(sorted(survivors), timeout=STEP_BUDGET)
     records = job.records()
     assert codes == dict.fromkeys(sorted(survivors), 0), job.diagnostics()
     assert _finished(records), job.diagnostics()
@@ -204,10 +208,10 @@ def test_scale_up_fourth_node_joins(
     grown = job.wait_for(
         "a group of all 4 nodes training",
         lambda rs: group_with(rs, world_size=4, nodes=everyone, after=joined_at),
-        timeout=150,
+        timeout=STEP_BUDGET,
     )
     job.finish()
-    codes = job.wait_exit(timeout=150)
+    codes = job.wait_exit(timeout=STEP_BUDGET)
     records = job.records()
     assert codes == dict.fromkeys(sorted(everyone), 0), job.diagnostics()
     assert _finished(records)
@@ -252,7 +256,7 @@ def test_frozen_node_is_dropped_and_never_trains_alongside(
     job.wait_for(
         "the survivor training without the frozen node",
         lambda rs: group_with(rs, world_size=1, nodes=survivors, after=frozen_at, min_steps_done=2),
-        timeout=150,
+        timeout=STEP_BUDGET,
     )
     assert time.time() - frozen_at > HEARTBEAT_TIMEOUT
     thawed_at = time.time()
@@ -260,10 +264,10 @@ def test_frozen_node_is_dropped_and_never_trains_alongside(
     job.wait_for(
         "the thawed node training in a later round",
         lambda rs: group_with(rs, world_size=2, after=thawed_at),
-        timeout=150,
+        timeout=STEP_BUDGET,
     )
     job.finish()
-    codes = job.wait_exit(timeout=150)
+    codes = job.wait_exit(timeout=STEP_BUDGET)
     records = job.records()
     assert_groups_never_overlap(records)
     # The frozen node did nothing for the old group after the freeze. A step whose
@@ -315,7 +319,7 @@ def test_job_survives_etcd_restart(
     up_at = time.time()
     job.wait_for("a step after etcd came back", lambda rs: [r for r in steps_of(rs) if r.t > up_at], 120)
     job.finish()
-    codes = job.wait_exit(timeout=150)
+    codes = job.wait_exit(timeout=STEP_BUDGET)
     records = job.records()
     assert codes == {"node0": 0, "node1": 0}, job.diagnostics()
     assert _finished(records)
