@@ -118,6 +118,10 @@ def check_torch_internals() -> None:
         )
 
 
+#: The distant past: a node that never failed a sync has been in contact with etcd forever.
+_NEVER = datetime.min.replace(tzinfo=timezone.utc)
+
+
 class SealedRoundStateHolder(_Holder):
     """torch's backend state holder whose ``_sanitize`` leaves a live completed round alone.
 
@@ -139,6 +143,36 @@ class SealedRoundStateHolder(_Holder):
         heartbeat is a little younger than the interval, so a live node's stored heartbeat
         reaches two intervals and more under load), plus one read-cache period (our copy
         may be that much older). Defaults: 15 + 5 + 1 = 21 s."""
+        #: When this node's contact with etcd last resumed after a failed sync (never: the distant past).
+        self._reachable_since = _NEVER
+        self._unreachable = False
+
+    def sync(self) -> bool | None:
+        """See base class; also notes when etcd was last unreachable for this node.
+
+        Raises what torch's ``sync`` raises. After a failed sync, the first one that succeeds starts
+        a new contact period: no member counts as dead until it lasted :attr:`member_expiry`, since
+        nobody could write a heartbeat while etcd was unreachable (the problem was etcd, not them).
+        """
+        try:
+            has_set = super().sync()
+        except Exception:
+            self._unreachable = True
+            raise
+        if self._unreachable:
+            self._unreachable = False
+            self._reachable_since = datetime.now(timezone.utc)
+        return has_set
+
+    def _may_judge(self, now: datetime) -> bool:
+        """Whether this node may call members dead: it has been in contact with etcd for
+        :attr:`member_expiry` and its own stored heartbeat is fresh (a stalled observer, or one
+        whose writes etcd delays, sees everyone old: then nobody is evicted)."""
+        if now - self._reachable_since < self.member_expiry:
+            return False
+        own = self._state.last_heartbeats.get(self._node)
+        window = self._settings.keep_alive_interval * (self._settings.keep_alive_max_attempt + 1)
+        return own is None or now - own <= window
 
     @classmethod
     def adopt(cls, holder: _Holder, node: _NodeDesc) -> SealedRoundStateHolder:
@@ -150,9 +184,10 @@ class SealedRoundStateHolder(_Holder):
         is older than :attr:`member_expiry` now (or missing), sorted; ``[]`` while the round
         forms. No RPC."""
         state = self._state
-        if not state.complete:
+        now = datetime.now(timezone.utc)
+        if not state.complete or not self._may_judge(now):
             return []
-        limit = datetime.now(timezone.utc) - self.member_expiry
+        limit = now - self.member_expiry
         beats = state.last_heartbeats
         return sorted(n for n in state.participants if n != self._node and beats.get(n, limit) <= limit)
 
@@ -179,9 +214,10 @@ class SealedRoundStateHolder(_Holder):
 
     def _round_is_dead(self, state: Any) -> bool:
         """Whether this node is outside the completed round of ``state`` and every member looks dead."""
-        if self._node in state.participants:
+        now = datetime.now(timezone.utc)
+        if self._node in state.participants or now - self._reachable_since < self.member_expiry:
             return False
-        limit = datetime.now(timezone.utc) - self.member_expiry
+        limit = now - self.member_expiry
         beats = state.last_heartbeats
         dead = all(beats.get(n, limit) <= limit for n in state.participants)
         if dead and state.participants:

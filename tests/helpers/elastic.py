@@ -347,3 +347,16 @@ def job_factory(tmp_path: Any) -> Iterator[Callable[..., Job]]:
             except AssertionError as e:
                 errors.append(str(e))
         assert not errors, errors
+
+
+def exclusive_records(records: Sequence[Record], thaws: Sequence[tuple[str, float]]) -> list[Record]:
+    """The records without the steps a node logged just after a thaw whose all-reduce had
+    completed before its freeze (their step is at most what the other members logged)."""
+    late: set[int] = set()
+    for node, thawed in thaws:
+        for i, r in enumerate(records):
+            if r.node == node and r.kind == "step" and thawed <= r.t <= thawed + 5:
+                others = [o.step for o in records if o.group == r.group and o.node != node and o.kind == "step"]
+                if others and r.step <= max(others):
+                    late.add(i)
+    return [r for i, r in enumerate(records) if i not in late]

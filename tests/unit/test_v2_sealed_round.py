@@ -133,12 +133,23 @@ def test_dead_waiters_and_redundant_nodes_are_still_pruned_from_a_sealed_round(c
     state, n = _sealed(clock, "me", "member", waiting=("waiter", "fresh"), spare=("spare",))
     clock.at(21.5)  # every heartbeat dead by torch's window (15 s) and by ours (21 s)...
     state.last_heartbeats[n["fresh"]] = clock.now()  # ...but this one
+    state.last_heartbeats[n["me"]] = clock.now()  # and the reader's own (a stale reader judges nobody)
     holder = _read_as(n["me"], state)
     got = holder.state
     assert got.participants == {n["me"]: 0, n["member"]: 1}  # a sealed round keeps its members
     assert (got.wait_list, got.redundancy_list) == ({n["fresh"]}, set())
     assert set(got.last_heartbeats) == {n["me"], n["member"], n["fresh"]}
     assert holder.dead_members() == [n["member"]]  # what num_nodes_waiting() reports
+
+
+def test_a_reader_whose_own_heartbeat_is_stale_calls_no_member_dead(clock: Clock) -> None:
+    """Every heartbeat old, the reader's own too: the problem is the reader or etcd (an outage, a stall),
+    not the members, so nobody is reported dead (partition scenario e: a 10 s etcd outage)."""
+    state, n = _sealed(clock, "me", "member")
+    clock.at(21.5)
+    assert _read_as(n["me"], state).dead_members() == []
+    state.last_heartbeats[n["me"]] = clock.now()
+    assert _read_as(n["me"], state).dead_members() == [n["member"]]
 
 
 def test_a_sealed_round_is_pruned_only_by_a_reader_outside_it_once_every_member_is_dead(clock: Clock) -> None:
