@@ -32,7 +32,8 @@ the round has no more joiners than that group had. A candidate always reads the
 round before it seals, and decides again on what it read.
 
 When the sealed event of ``T`` arrives, :func:`verdict` says what it means for
-this node: :class:`Admitted` (rank, world size), :class:`Void` (the record
+this node (:func:`resolved`, when the wait ended without it and the node reads the
+round's members record instead): :class:`Admitted` (rank, world size), :class:`Void` (the record
 names fewer than ``min_nodes`` members, which a seal never writes) or
 :class:`Overflow` (not named: over ``max_nodes``, or gone when the sealer read).
 
@@ -50,6 +51,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from .records import Membership
 
 log = logging.getLogger(__name__)
@@ -68,6 +71,7 @@ __all__ = [
     "Void",
     "WaitUntil",
     "decide",
+    "resolved",
     "verdict",
 ]
 
@@ -278,6 +282,22 @@ class Void:
 class Overflow:
     """The round was sealed without this node (``max_nodes`` came before it, or it had
     left when the sealer read the round)."""
+
+
+def resolved(members: Sequence[str] | None, node_id: str, round_: int, sealed_round: int,
+             rules: Rules) -> Admitted | None:
+    """Our place in ``round_``, read from its members record after our wait ended without its
+    outcome (a compacted watch history, a lost join answer); None if we are no member of it.
+
+    Only while ``round_`` is the last sealed round (``sealed_round``): a later round was
+    sealed with ``round_`` empty, so our key had gone by then (our lease ended) and that
+    group re-formed without us; its rank 0's address is not in the sealed record we hold
+    either. A record naming fewer than ``min_nodes`` forms no group (void)."""
+    if sealed_round != round_ or members is None or len(members) < rules.min_nodes:
+        return None
+    if node_id not in members:
+        return None
+    return Admitted(list(members).index(node_id), len(members))
 
 
 def verdict(membership: Membership, seq: int, create_revision: int, rules: Rules) -> Admitted | Void | Overflow:

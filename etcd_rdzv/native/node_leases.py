@@ -69,6 +69,7 @@ class NodeLeases:
     shut_down: bool
     _sealed: Sealed
     _joined: _Joined | None
+    _joining: _Joined | None
     member_round: int | None
     member_seal: int
     _join_value: bytes
@@ -89,7 +90,7 @@ class NodeLeases:
             session, self.session = self.session, None
         if watch is not None:
             watch.cancel()
-        self._joined = None
+        self._joined = self._joining = None
         self.member_round = None
         return session
 
@@ -99,11 +100,17 @@ class NodeLeases:
         Revokes the node's lease (one LeaseRevoke: its join key vanishes with it), every
         RPC bounded by ``deadline``. Returns whether etcd confirmed it.
         """
-        joined = self._joined
+        # The join in flight first: a signal may have ended the process between its Txn and the
+        # recording of its answer, so that the key exists though _joined does not name it.
+        pending = [j for j in (self._joining, self._joined) if j is not None and not j.member]
         session = self.stop()
         if session is None:
             return True
-        if joined is not None and not joined.member and time.monotonic() < deadline:
+        withdrawn: set[bytes] = set()
+        for joined in pending:
+            if joined.key in withdrawn or time.monotonic() >= deadline:
+                continue
+            withdrawn.add(joined.key)
             # Waiting in a round that may be unsealed: withdraw with a bump of its join
             # counter, so that no seal prepared before names us (a bare revoke would not).
             try:

@@ -36,7 +36,19 @@ from etcd_store.client import EtcdClient, Session, Watch, renewing_lease
 from etcd_store.errors import EtcdCompactedError, EtcdError, EtcdTimeoutError
 
 from . import bootstrap, protocol, queries
-from .barrier import Admitted, Barrier, Check, JoinClock, Seal, Tally, TimeOut, Void, decide, verdict
+from .barrier import (
+    Admitted,
+    Barrier,
+    Check,
+    JoinClock,
+    Seal,
+    Tally,
+    TimeOut,
+    Void,
+    decide,
+    resolved,
+    verdict,
+)
 from .bootstrap import join_value
 from .keys import RunKeys
 from .node_leases import NodeLeases, _Joined
@@ -47,7 +59,11 @@ from .view import RoundView, Signal, SignalKind
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Participant", "RoundResult"]
+__all__ = ["WITHDRAW_TIMEOUT", "Participant", "RoundResult"]
+
+WITHDRAW_TIMEOUT = 2.0
+"""Seconds the withdrawal of a join may take when a wait ended with an error (the error
+is raised after it: a longer bound would only delay it)."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +122,7 @@ class Participant(NodeLeases):
         self.run_lease: int | None = None
         self._sealed = Sealed()  # the latest ``ctl/sealed`` this node saw (a guess, checked by each join)
         self._joined: _Joined | None = None
+        self._joining: _Joined | None = None  # a join Txn sent whose answer is not recorded yet
         self.member_round: int | None = None
         self.member_world = 0
         self.member_seal = 0  # the revision that sealed member_round (0: not known)
@@ -129,6 +146,8 @@ class Participant(NodeLeases):
         self.member_round, self.member_seal = None, 0
         self.round_master = None
         self._join_value = value
+        if self._joining is not None:  # the last call's join ended in an error: it may have applied
+            self._joined, self._joining = self._joining, None
         sealed = self._sealed
         fresh_read = False
         while True:
@@ -158,6 +177,7 @@ class Participant(NodeLeases):
                         # A lost answer hid a join that did apply; its round is sealed now.
                         target = sealed.round + 1
                         self._joined = _Joined(target, keys.join_key(target, self._node_id), sealed)
+                    self._joining = None
                     if outcome.closed:
                         self._withdraw()
                         raise RendezvousClosedError(f"the rendezvous {self._settings.run_id!r} is closed")
@@ -166,6 +186,7 @@ class Participant(NodeLeases):
                 target = sealed.round + 1
                 key = keys.join_key(target, self._node_id)
                 self._joined = _Joined(target, key, sealed)
+                self._joining = None
                 log.debug("node %s joined round %d at revision %d (join %d of the round, %d present)",
                           self._node_id, target, outcome.revision, outcome.seq, outcome.count)
                 self.observer.joined(target, outcome.count)
@@ -183,10 +204,17 @@ class Participant(NodeLeases):
 
     def _join(self, sealed: Sealed, value: bytes, lease: int, *, ready: Watch | None = None) -> protocol.JoinOutcome:
         """One join Txn with ``lease``, leaving our previous key (if its lease is still ours);
-        first waits (at most the client's timeout) for etcd to confirm the watch ``ready``."""
+        first waits (at most the client's timeout) for etcd to confirm the watch ``ready``,
+        and sends nothing if that watch failed.
+
+        The join is recorded as in flight (``_joining``) before it is sent: a leave at exit
+        (a signal may end the process between the Txn and the recording of its answer)
+        withdraws it with a bump of the join counter, as it withdraws a recorded join."""
         if ready is not None:
-            self._confirmed(ready)
+            self._confirmed(ready, before_join=True)
         previous = self._joined.key if self._joined is not None else None
+        target = sealed.round + 1
+        self._joining = _Joined(target, self._keys.join_key(target, self._node_id), sealed)
         return protocol.join(
             self._client, self._keys, self._node_id, value, lease, sealed, previous_key=previous
         )
@@ -216,7 +244,7 @@ class Participant(NodeLeases):
             outcome.prev_count, outcome.revision,
         )
         state = Barrier.start(clock, _tally(view), s, recover_size)
-        wide = view.prev_count > 0 and (state.candidate or _tally(view).kept_out(s))
+        wide = self._watches_previous(state, view)
         start, end = self._keys.watch_range(round_, previous=wide)
         if opened is not None and (opened.key, opened.range_end) == (start, end):
             watch = opened
@@ -238,6 +266,14 @@ class Participant(NodeLeases):
             if caught is not None:
                 return self._on_signal(caught, view, previous, state)
             while True:
+                if not wide and self._watches_previous(state, view):
+                    # A read found the previous round occupied again (a member re-attached
+                    # after an outage): watch its departures from now on.
+                    watch, wide = self._widen(watch, round_, session), True
+                    self.on_watch(watch, view)
+                    caught = self._catch_up(watch, view, round_, previous)
+                    if caught is not None:
+                        return self._on_signal(caught, view, previous, state)
                 state, action = decide(state, _tally(view), s, time.monotonic())
                 if isinstance(action, Check):
                     read = queries.read_round(self._client, self._keys, round_)
@@ -274,12 +310,52 @@ class Participant(NodeLeases):
             if watch.cancelled:  # cancelled by a stale lease's on_lost: our lease is fine, join again
                 log.info("node %s: its watch was cancelled; joining again", self._node_id)
                 return _Retry(previous, state.clock)
+            self._withdraw_after_error()
+            raise
+        except ProtocolStateError:
+            self._withdraw_after_error()
             raise
         finally:
             with self._lock:
                 if self._watch is watch:
                     self._watch = None
             watch.cancel()
+
+    def _watches_previous(self, state: Barrier, view: RoundView) -> bool:
+        """Whether this node must watch the previous round's join keys: it may have to tell
+        when that round empties (a candidate still trying, or kept out by a full group) and,
+        as far as it knows, it is not empty. Decided after the join and again after each read
+        of the round: a member of the previous round may re-attach after an outage."""
+        trying = state.candidate and not state.settled
+        return view.prev_count > 0 and (trying or _tally(view).kept_out(self._settings))
+
+    def _widen(self, watch: Watch, round_: int, session: Session) -> Watch:
+        """A watch of ``ctl/`` and the previous round's join keys, from now, in place of
+        ``watch`` (cancelled). The caller catches up on the gap (:meth:`_catch_up`), which is
+        sound because everything at or below the view's revision is in the view: the read
+        that asked for the wider watch showed the control records unchanged. If the lease
+        ended or the node was shut down meanwhile, the new watch is cancelled too, and the
+        wait ends the way a cancelled watch ends it."""
+        wide = self._client.watch(*self._keys.watch_range(round_, previous=True))
+        with self._lock:
+            if self._watch is watch:
+                self._watch = wide
+            stale = self.shut_down or session.done().is_set()
+        watch.cancel()
+        if stale:
+            wide.cancel()
+        return wide
+
+    def _withdraw_after_error(self) -> None:
+        """The wait ends with an error: withdraw our join if the round is still unsealed (one
+        fenced Txn with a bump of the join counter, at most :data:`WITHDRAW_TIMEOUT`), so that
+        no seal names a node that no longer waits. Best effort: if etcd does not answer, the
+        key goes with the lease, at the next join (it deletes it) or at exit (leave); if the
+        round was sealed meanwhile, the next rendezvous reads our place in it."""
+        try:
+            self._withdraw_if_unsealed(timeout=WITHDRAW_TIMEOUT)
+        except EtcdError as e:
+            log.info("node %s could not withdraw its join after an error: %s", self._node_id, e)
 
     def _catch_up(self, watch: Watch, view: RoundView, round_: int, previous: Sealed) -> Signal | None:
         """Read what happened between our join and the watch's start; a signal if that ended the wait.
@@ -301,14 +377,28 @@ class Participant(NodeLeases):
         read = queries.catch_up(self._client, self._keys, round_)
         return view.catch_up(read, expect_sealed=previous.revision > 0)
 
-    def _confirmed(self, watch: Watch) -> None:
-        """Wait for etcd to confirm ``watch``; ``EtcdTimeoutError`` after the client's timeout."""
+    def _confirmed(self, watch: Watch, *, before_join: bool = False) -> None:
+        """Wait for etcd to confirm ``watch``; ``EtcdTimeoutError`` after the client's timeout.
+
+        The client also ends that wait when the watch failed; a watch that etcd never
+        confirmed (``created_revision`` 0) raises its error here. With ``before_join`` (the
+        control watch, opened before the join), one look at what it delivered so far also
+        catches a refusal in the confirming answer itself (etcd refuses a watch, for instance
+        without read permission, with a "created" answer that also cancels it): its events
+        so far precede the join, and the view would skip them anyway. A failure that comes
+        later still raises from the wait, which then withdraws the join.
+        """
         timeout = self._client.timeout
         if not watch.wait_created(timeout):
             raise EtcdTimeoutError(
                 f"etcd at {self._client.describe()} did not confirm the watch of node {self._node_id} "
                 f"within {timeout:g} s"
             )
+        if watch.created_revision == 0:  # failed before etcd confirmed it: its error is queued
+            watch.get(timeout=timeout)
+            raise EtcdError(f"the watch of node {self._node_id} failed before etcd confirmed it")
+        if before_join:
+            watch.get(timeout=0)
 
     def on_watch(self, watch: Watch, view: RoundView) -> None:
         """Called with each wait's watch and view before waiting (tests count events)."""
@@ -390,20 +480,22 @@ class Participant(NodeLeases):
     def _resolve(self, round_: int, sealed: Sealed) -> RoundResult | None:
         """Our place in ``round_``, sealed while we were not watching; None if not a member.
 
-        The members record is written by the seal transaction itself; it is gone
-        only once two later rounds were sealed (and then so is our group)."""
-        members, _ = queries.read_members(self._client, self._keys, round_)
-        if members is None or len(members) < self._settings.min_nodes or self._node_id not in members:
+        Only while ``round_`` is the last sealed round (:func:`~etcd_rdzv.native.barrier.resolved`:
+        a later seal found ``round_`` empty, so our group re-formed without us). The members
+        record is written by the seal transaction itself. One Range (none when sealed over)."""
+        members = None
+        if sealed.round == round_:
+            members, _ = queries.read_members(self._client, self._keys, round_)
+        place = resolved(members, self._node_id, round_, sealed.round, self._settings)
+        if place is None:
             return None
-        self.member_round, self.member_world = round_, len(members)
+        self.member_round, self.member_world = round_, place.world_size
         joined = self._joined
         if joined is not None:
             self._joined = replace(joined, member=True)
-        revision = sealed.revision if sealed.round == round_ else 0
-        self.member_seal = revision
-        if sealed.round == round_:
-            self.round_master = sealed.master
-        return RoundResult(round_, members.index(self._node_id), len(members), revision, self._node_id)
+        self.member_seal = sealed.revision
+        self.round_master = sealed.master
+        return RoundResult(round_, place.rank, place.world_size, sealed.revision, self._node_id)
 
     def _withdraw(self) -> None:
         """Delete our join key (the run is closed or we gave up). One DeleteRange,

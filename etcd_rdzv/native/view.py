@@ -87,6 +87,9 @@ class RoundView:
         # Events at or below this revision are already in the view: the join's (its compares saw
         # ctl/ there; a watch opened before the join may deliver them), then a catch-up read's.
         self.read_through = revision
+        # Join-key events of the previous round at or below this revision are already counted:
+        # read_through, or a later read of the round (update) whose counts are absolute.
+        self.counted_through = revision
         self.caught_up = 0  # control records found by the catch-up read instead of as events (0 or 1)
 
     @property
@@ -95,9 +98,16 @@ class RoundView:
         return self.prev_count <= 0
 
     def update(self, read: RoundRead) -> None:
-        """Take in a read of the round (a candidate's, or a failed seal's answer)."""
+        """Take in a read of the round (a candidate's, or a failed seal's answer).
+
+        Its counts are absolute at its revision X: join-key events at or below X that the watch
+        delivers later are already in them (skipped, and the read stays fresh). Control events
+        are not skipped: the caller settles on what the read shows of ``sealed`` and ``closed``
+        and waits for their events, which the watch delivers whatever their revision.
+        """
         self.count, self.prev_count, self.read = read.count, read.prev_count, read
         self.revision = max(self.revision, read.revision)
+        self.counted_through = max(self.counted_through, read.revision)
         self.changes += 1
 
     def catch_up(self, read: CatchUp, *, expect_sealed: bool) -> Signal | None:
@@ -111,6 +121,7 @@ class RoundView:
         since = self.revision  # the join's revision: the watch used to start right after it
         self.prev_count = read.prev_count
         self.read_through = read.revision
+        self.counted_through = max(self.counted_through, read.revision)
         self.revision = max(self.revision, read.revision)
         self.changes += 1
         self.read = None
@@ -144,6 +155,8 @@ class RoundView:
             return self._control(event)
         if parsed is None or parsed[0] != self.round - 1:
             return None
+        if kv.mod_revision <= self.counted_through:
+            return None  # a later read of the round already counted it
         self.changes += 1
         self.read = None
         if departure:

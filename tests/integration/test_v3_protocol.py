@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import signal
 import socket
 import threading
 import time
@@ -33,7 +34,8 @@ from etcd_rdzv.native.handler import EtcdV3RendezvousHandler, RoundResult
 from etcd_rdzv.native.keys import RunKeys
 from etcd_rdzv.native.records import Sealed
 from etcd_rdzv.plugin import create_etcd_v3_handler, create_etcd_v3_rdzv_handler
-from etcd_store.client import EtcdClient, RpcCounter
+from etcd_store.client import EtcdClient, RpcCounter, Watch
+from etcd_store.errors import EtcdConnectionError, EtcdPermissionDenied
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -889,6 +891,141 @@ def test_a_node_that_lost_etcd_does_not_close_the_run_once_etcd_is_back(fresh_et
         assert [(r.round, r.world_size) for r in res] == [(2, 1)]
     finally:
         nodes.close()
+
+
+# --------------------------------------------------------------------------- waits that end, keys that go
+
+
+def test_a_candidate_beside_an_empty_round_sees_a_re_attached_member_leave(nodes: Nodes) -> None:
+    """Round 1 is empty when b joins round 2 (a's lease expired: etcd lost it), so b watches
+    ``ctl/`` alone. a re-attaches (round 1 holds a key again) and b's read at the end of its
+    last call finds round 1 occupied: b must watch round 1 from then on, to see a leave it
+    (here a's agent exits: its lease revoked, no join counter bump). It used to wait for its
+    join_timeout."""
+    (a,) = nodes.many(1, 1, 3)
+    assert a.next_round().round == 1
+    nodes.client.lease_revoke(lease_of(a))
+    wait_count(nodes.client, nodes.join_prefix(1), 0)
+    b = nodes.new(1, 3, last_call_timeout="2", join_timeout="120")
+    (fb,) = nodes.start(b)
+    wait_count(nodes.client, nodes.join_prefix(2), 1)
+    assert a.num_nodes_waiting() >= 1  # re-attached (a node waits in round 2: restart at once)
+    assert nodes.client.get(nodes.keys.join_key(1, a.node_id)) is not None  # round 2 not sealed yet
+    time.sleep(3.0)  # b's last call ends; its read finds round 1 occupied
+    assert not fb.done()
+    assert a.leave() is True
+    r = fb.result(timeout=WAIT)
+    assert (r.round, r.rank, r.world_size) == (2, 0, 1)
+
+
+def test_a_round_sealed_over_is_not_resolved_as_ours(nodes: Nodes, monkeypatch: pytest.MonkeyPatch) -> None:
+    """x's wait in round 1 ends without its outcome (its watch history was compacted) while
+    round 1 was sealed with x, x's lease ended and the others re-formed round 2 without it.
+    x must not take its rank of round 1 from the members record (that group is gone, and
+    round 1's master is not in the sealed record x reads): it joins round 3."""
+    x, a, b = nodes.many(3, 2, 3, last_call_timeout="30")
+    real_wait = rounds.Participant._wait
+    release = threading.Event()
+
+    def wait(self: rounds.Participant, round_: int, outcome: Any, previous: Any, clock: Any,
+             *args: Any, **kwargs: Any) -> Any:
+        if self is not x._node or release.is_set():
+            return real_wait(self, round_, outcome, previous, clock, *args, **kwargs)
+        assert release.wait(WAIT)
+        return rounds._Retry(None, clock)  # what the real wait returns on EtcdCompactedError
+
+    monkeypatch.setattr(rounds.Participant, "_wait", wait)
+    (fx,) = nodes.start(x)
+    wait_count(nodes.client, nodes.join_prefix(1), 1)
+    first = results(nodes.start(a, b))  # b fills round 1: sealed with x as rank 0
+    assert sorted((r.round, r.rank, r.world_size) for r in first) == [(1, 1, 3), (1, 2, 3)]
+    assert nodes.members(1)[0] == x.node_id
+    nodes.client.lease_revoke(lease_of(x))
+    res = results(nodes.start(a, b))  # round 2 without x
+    assert [(r.round, r.world_size) for r in res] == [(2, 2), (2, 2)]
+    release.set()
+    wait_count(nodes.client, nodes.join_prefix(3), 1)
+    res = results([fx, *nodes.start(a, b)])
+    assert_group(res, 3)
+    assert {r.round for r in res} == {3}
+    assert res[0].rank == 0  # x joined round 3 first
+
+
+def _broken_watch(kind: str) -> type[Watch]:
+    """A :class:`Watch` whose stream fails: before etcd confirms it, or in the answer that
+    confirms it (etcd's way of refusing a watch, for instance without read permission)."""
+
+    class Broken(Watch):
+        def _run(self) -> None:
+            if kind == "after_confirm":
+                self.created_revision = self._client.range(b"/", count_only=True).revision
+                self._created.set()
+                self._fail(EtcdPermissionDenied("injected: etcdserver: permission denied"))
+            else:
+                self._fail(EtcdConnectionError("injected: the watch stream failed before etcd confirmed it"))
+
+    return Broken
+
+
+@pytest.mark.parametrize("kind", ["before_confirm", "after_confirm"])
+def test_a_watch_that_fails_leaves_no_join_key_behind(
+    nodes: Nodes, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """The control watch fails: no join goes out when it failed before etcd confirmed it
+    (join/1/ and seq/1 stay empty); when it failed later, the join is withdrawn (with a bump
+    of the join counter) before the error is raised. A live key would make a seal name a
+    node that no longer waits."""
+    (a,) = nodes.many(1, 2, 2)
+    broken = _broken_watch(kind)
+    real_watch = nodes.client.watch
+
+    def watch(key: bytes, range_end: bytes | None = None, **kwargs: Any) -> Watch:
+        return broken(nodes.client, key, range_end or b"", 0, False)
+
+    monkeypatch.setattr(nodes.client, "watch", watch)
+    with pytest.raises(RendezvousConnectionError, match="injected"):
+        a.next_round()
+    assert nodes.client.range(nodes.join_prefix(1), prefix=True, count_only=True).count == 0
+    seq = nodes.client.get(nodes.keys.seq(1))
+    if kind == "before_confirm":
+        assert seq is None  # no join was sent
+    else:
+        assert seq is None or seq.version % 2 == 0  # each join withdrawn
+    monkeypatch.setattr(nodes.client, "watch", real_watch)
+    b = nodes.new(2, 2)
+    assert_group(results(nodes.start(a, b)), 2)
+
+
+def test_a_signal_right_after_the_join_applied_still_withdraws_it(
+    nodes: Nodes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM reaches torchrun's agent (its handler raises SignalException) after the join
+    Txn applied but before its answer was recorded; the agent skips shutdown(), the handler
+    leaves at exit. That leave must withdraw the join with a bump of the join counter: a
+    candidate's read taken before it, which names the node, can no longer seal."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    (a,) = nodes.many(1, 2, 2)
+    other = _fake_join(nodes, 1, "other", ttl=30)  # a live joiner: a is not the last node out
+    real_join = protocol.join
+
+    def join_then_signal(*args: Any, **kwargs: Any) -> protocol.JoinOutcome:
+        real_join(*args, **kwargs)
+        raise SignalException("Process got signal: 15", sigval=signal.SIGTERM)
+
+    monkeypatch.setattr(protocol, "join", join_then_signal)
+    with pytest.raises(SignalException):
+        a.next_round()
+    key = nodes.keys.join_key(1, a.node_id)
+    assert nodes.client.get(key) is not None
+    read = queries.read_round(nodes.client, nodes.keys, 1)
+    assert [j.node_id for j in read.joiners] == ["other", a.node_id]
+    assert a.leave() is True
+    assert nodes.client.get(key) is None
+    run_lease = nodes.client.lease_grant(30)
+    out = protocol.seal(nodes.client, nodes.keys, 1, Sealed(), read, run_lease, 2)
+    assert not out.ok and out.read is not None and [j.node_id for j in out.read.joiners] == ["other"]
+    nodes.client.lease_revoke(other)
 
 
 # --------------------------------------------------------------------------- plumbing

@@ -23,6 +23,7 @@ from etcd_rdzv.native.barrier import (
     Void,
     WaitUntil,
     decide,
+    resolved,
     verdict,
 )
 from etcd_rdzv.native.records import Joiner, Membership, decode_membership, decode_sealed, encode_sealed
@@ -220,3 +221,15 @@ def test_join_clock() -> None:
     paused = clock.suspend(True, T0 + 1)
     assert paused.suspend(True, T0 + 2) is paused and not paused.expired(T0 + 99)
     assert paused.suspend(False, T0 + 99).at == T0 + 104.0
+
+
+def test_resolved_only_while_the_round_is_the_last_sealed_one() -> None:
+    """A node whose wait ended without its round's outcome reads the members record; a round
+    whose successor is sealed was empty at that seal, so the node's group is gone."""
+    s = rules(min_nodes=2)
+    members = ["a", "me", "c"]
+    assert resolved(members, "me", 4, 4, s) == Admitted(1, 3)
+    assert resolved(members, "me", 4, 5, s) is None  # sealed over: not ours any more
+    assert resolved(members, "nobody", 4, 4, s) is None
+    assert resolved(None, "me", 4, 4, s) is None
+    assert resolved(["me"], "me", 4, 4, s) is None  # fewer than min_nodes: void
