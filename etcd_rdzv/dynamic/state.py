@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
@@ -148,18 +149,22 @@ class SealedRoundStateHolder(_Holder):
         self._unreachable = False
 
     def sync(self) -> bool | None:
-        """See base class; also notes when etcd was last unreachable for this node.
+        """See base class; also notes when this node's contact with etcd last resumed.
 
-        Raises what torch's ``sync`` raises. After a failed sync, the first one that succeeds starts
-        a new contact period: no member counts as dead until it lasted :attr:`member_expiry`, since
-        nobody could write a heartbeat while etcd was unreachable (the problem was etcd, not them).
+        Raises what torch's ``sync`` raises. A sync that failed, or that took longer than one
+        keep-alive interval (the client rides out an etcd outage until its deadline, so an outage
+        shows as a slow call), starts a new contact period when a later sync (or this one) ends: no
+        member counts as dead until it lasted :attr:`member_expiry`, since nobody could write a
+        heartbeat meanwhile (the problem was etcd, not them). One monotonic clock read more per sync.
         """
+        started = time.monotonic()
         try:
             has_set = super().sync()
         except Exception:
             self._unreachable = True
             raise
-        if self._unreachable:
+        slow = time.monotonic() - started > self._settings.keep_alive_interval.total_seconds()
+        if self._unreachable or slow:
             self._unreachable = False
             self._reachable_since = datetime.now(timezone.utc)
         return has_set
