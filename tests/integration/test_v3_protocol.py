@@ -582,6 +582,7 @@ def _numbered_ports(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return issued
 
 
+@pytest.mark.etcd_matrix
 def test_master_port_is_probed_once_the_round_is_known_after_a_long_wait(
     nodes: Nodes, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -940,6 +941,7 @@ def test_a_node_that_lost_etcd_does_not_close_the_run_once_etcd_is_back(fresh_et
 # --------------------------------------------------------------------------- waits that end, keys that go
 
 
+@pytest.mark.etcd_matrix
 def test_a_candidate_beside_an_empty_round_sees_a_re_attached_member_leave(nodes: Nodes) -> None:
     """Round 1 is empty when b joins round 2 (a's lease expired: etcd lost it), so b watches
     ``ctl/`` alone. a re-attaches (round 1 holds a key again) and b's read at the end of its
@@ -962,6 +964,7 @@ def test_a_candidate_beside_an_empty_round_sees_a_re_attached_member_leave(nodes
     assert (r.round, r.rank, r.world_size) == (2, 0, 1)
 
 
+@pytest.mark.etcd_matrix
 def test_a_round_sealed_over_is_not_resolved_as_ours(nodes: Nodes, monkeypatch: pytest.MonkeyPatch) -> None:
     """x's wait in round 1 ends without its outcome (its watch history was compacted) while
     round 1 was sealed with x, x's lease ended and the others re-formed round 2 without it.
@@ -1011,6 +1014,7 @@ def _broken_watch(kind: str) -> type[Watch]:
     return Broken
 
 
+@pytest.mark.etcd_matrix
 @pytest.mark.parametrize("kind", ["before_confirm", "after_confirm"])
 def test_a_watch_that_fails_leaves_no_join_key_behind(
     nodes: Nodes, monkeypatch: pytest.MonkeyPatch, kind: str
@@ -1040,6 +1044,7 @@ def test_a_watch_that_fails_leaves_no_join_key_behind(
     assert_group(results(nodes.start(a, b)), 2)
 
 
+@pytest.mark.etcd_matrix
 def test_a_signal_right_after_the_join_applied_still_withdraws_it(
     nodes: Nodes, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -22,7 +22,7 @@ from etcd_server import EtcdServer
 from etcd_store.client import EtcdClient
 from etcd_store.errors import EtcdRequestError
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.etcd_matrix]
 
 LIMIT = 16384
 ADDR = "127.0.0.1"
