@@ -76,7 +76,7 @@ from .defaults import (
     PASSWORD_FILE_ENV,
     USER_ENV,
 )
-from .native.settings import V3Settings
+from .native.settings import DEFAULT_MAX_REQUEST_BYTES, V3Settings
 
 if TYPE_CHECKING:
     from etcd_store.client import EtcdClient
@@ -553,6 +553,8 @@ def parse_v3_settings(params: HandlerParams) -> tuple[V3Settings, EtcdClientOpti
         state_ttl=config.state_ttl,
         key_prefix=config.key_prefix,
         fast_recovery=get_bool(params, "fast_recovery", True),
+        max_request_bytes=get_positive_int(params, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES,
+                                           unit="bytes"),
     )
     return settings, config.client
 

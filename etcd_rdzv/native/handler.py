@@ -16,8 +16,10 @@ seal are :class:`~etcd_rdzv.native.rounds.Participant`'s, the transactions
 Cost of an uncontended ``next_rendezvous`` (node already holding its lease): one
 join Txn, one watch; a read Txn and a seal Txn for one node per round; plus
 the store bootstrap: one Txn for rank 0 (it publishes MASTER_ADDR/PORT in the
-round's store), nothing for the others (the sealed record names rank 0's
-address and port, from the sealer's read).
+round's store), nothing for the others while the sealed record names rank 0's
+address and port (from the sealer's read, when rank 0 probed its port at most
+``MASTER_PORT_MAX_AGE`` before the seal); else rank 0 probes a port once it
+knows its rank and the others read it from the store.
 """
 
 from __future__ import annotations
@@ -146,16 +148,14 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
         Then returns the round's ``EtcdStore`` (prefix ``rounds/<T>/store/``) and
         ``bootstrap_store_info`` built in that store (rank 0 publishes
-        ``MASTER_ADDR`` and a free port of its own host, every round).
+        ``MASTER_ADDR`` and a free port of its own host, every round: the one it probed
+        when joining if the sealed record names it, else one probed now).
         """
         result = self.next_round()
         try:
             store = self._round_store(result.round)
             try:
-                bootstrap = bootstrap_info(
-                    self._client, self._keys, result.round, result.rank, result.seal_revision, store,
-                    self._node.round_master, self._node_id, self._settings.node_addr,
-                )
+                bootstrap = bootstrap_info(result.rank, store, self._node.round_master, self._settings.node_addr)
             except Exception as e:
                 self._etcd_lost = isinstance(e, EtcdConnectionError)
                 raise RendezvousConnectionError(

@@ -91,9 +91,9 @@ class _Retry:
 
 
 def _master_named(read: queries.RoundRead) -> tuple[str, int] | None:
-    """Rank 0's address and port for the sealed record: from the first joiner's value."""
-    addr, port = bootstrap.address_of(read.joiners[0].value)
-    return None if addr is None or port is None else (addr, port)
+    """Rank 0's address and port for the sealed record: from the first joiner's value, while
+    its port is recent (:func:`~etcd_rdzv.native.bootstrap.master_of`)."""
+    return bootstrap.master_of(read.joiners[0].value, time.time())
 
 
 def _tally(view: RoundView) -> Tally:

@@ -21,7 +21,37 @@ from ..defaults import (
     DEFAULT_STATE_TTL,
 )
 
-__all__ = ["DEFAULT_LEASE_TTL", "V3Settings"]
+__all__ = ["DEFAULT_LEASE_TTL", "DEFAULT_MAX_REQUEST_BYTES", "SEAL_DELTA_BYTES", "V3Settings", "node_id_bytes",
+           "seal_request_bytes"]
+
+DEFAULT_MAX_REQUEST_BYTES = 1_572_864
+"""etcd's default ``--max-request-bytes`` (1.5 MiB): the largest request it accepts."""
+
+_WORST_ADDR_BYTES = 253  # the longest host name
+
+SEAL_DELTA_BYTES = 12
+"""Bytes a member's create revision may take in a ``"created"`` membership: a delta
+from the previous member's, up to 11 digits, and a comma (revisions of one round's
+joins lie far closer together; the first is absolute, up to 19 digits, in the fixed part)."""
+
+
+def node_id_bytes(node_addr: str) -> int:
+    """The most bytes a node id of a handler advertising ``node_addr`` takes: the address
+    (``/`` replaced), ``_pid`` (up to 7 digits), ``_`` and a local counter (3), ``_`` and
+    6 hex digits (``EtcdV3RendezvousHandler.node_id``)."""
+    return len(node_addr.replace("/", "_").encode()) + 19
+
+
+def seal_request_bytes(root: str, members: int, node_id_size: int) -> int:
+    """An upper estimate of the size of the seal Txn (:func:`~etcd_rdzv.native.protocol.seal`)
+    of a round of ``members`` nodes whose ids take ``node_id_size`` bytes, under the run root
+    ``root``: what etcd's
+    ``--max-request-bytes`` (1.5 MiB by default) bounds. The seal names every member twice
+    (``rounds/T/members``: the node ids, JSON; ``ctl/sealed``: their create revisions when
+    somebody left), about 64 bytes a node for a 45-byte id; the rest (keys, the sealed
+    record's fixed fields, protobuf and raft framing) is under 2 KiB."""
+    per_member = node_id_size + 4 + SEAL_DELTA_BYTES + 2  # '"id", ' in the members list, the delta
+    return 2048 + 8 * len(root.encode()) + members * per_member
 
 
 @dataclass(frozen=True)
@@ -46,6 +76,10 @@ class V3Settings:
       are streamed.
     * ``state_ttl`` (7200): the TTL of the run lease that holds the round records,
       i.e. how long they outlive the run's last live node.
+    * ``max_request_bytes`` (1.5 MiB): etcd's ``--max-request-bytes``. Sealing a round is
+      one etcd request that names every member (about 64 bytes a node), so ``max_nodes``
+      is refused here when a round of that size could not be sealed (about 23,000 nodes
+      for a 30-byte host name at the default); raise it with etcd's own limit.
     """
 
     run_id: str
@@ -59,6 +93,7 @@ class V3Settings:
     state_ttl: int = DEFAULT_STATE_TTL
     key_prefix: str = DEFAULT_KEY_PREFIX
     fast_recovery: bool = True
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
     def __post_init__(self) -> None:
         if not self.run_id:
@@ -80,6 +115,35 @@ class V3Settings:
                 f"state_ttl ({self.state_ttl} s) must be at least the lease TTL "
                 f"({self.lease_ttl} s, option 'heartbeat')."
             )
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be a positive number of bytes, got {self.max_request_bytes}.")
+        self._check_seal_fits()
+
+    def _check_seal_fits(self) -> None:
+        """``ValueError`` when a round of ``max_nodes`` could not be sealed within etcd's
+        request limit (see the class docstring; the node ids are estimated from this
+        node's address, resolved only when a long address would not fit)."""
+        # RunKeys.root's length (keys.py imports the client; settings stay import-light)
+        root = f"{self.key_prefix.rstrip('/')}/{self.run_id}/v3" if self.key_prefix else f"{self.run_id}/v3"
+        worst = node_id_bytes("x" * _WORST_ADDR_BYTES)
+        if seal_request_bytes(root, self.max_nodes, worst) <= self.max_request_bytes:
+            return
+        id_bytes = node_id_bytes(self.node_addr)
+        need = seal_request_bytes(root, self.max_nodes, id_bytes)
+        if need <= self.max_request_bytes:
+            return
+        fixed = seal_request_bytes(root, 0, id_bytes)
+        per_node = seal_request_bytes(root, 1, id_bytes) - fixed
+        fit = max((self.max_request_bytes - fixed) // per_node, 0)
+        raise ValueError(
+            f"max_nodes={self.max_nodes} is too large for etcd-v3: sealing a round is one etcd "
+            f"request naming every member, {per_node} bytes a node with ids like this node's "
+            f"({id_bytes} bytes, address {self.node_addr!r}): about {need} bytes for "
+            f"{self.max_nodes} nodes, above etcd's request limit of {self.max_request_bytes} bytes "
+            f"(--max-request-bytes, 1.5 MiB by default); at most {fit} nodes fit. Lower max_nodes "
+            "(--nnodes), or run etcd with a larger --max-request-bytes and set max_request_bytes "
+            "to it in --rdzv-conf."
+        )
 
     @property
     def node_addr(self) -> str:

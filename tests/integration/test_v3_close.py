@@ -40,7 +40,7 @@ from etcd_rdzv.native.keys import RunKeys
 from etcd_rdzv.plugin import create_etcd_v3_rdzv_handler
 from etcd_store.client import EtcdClient
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.etcd_matrix]
 
 WAIT = 30.0
 _ids = itertools.count()

@@ -567,17 +567,62 @@ def test_members_take_master_from_the_sealed_record(nodes: Nodes) -> None:
     assert masters(infos) == {sealed.master}
 
 
-def test_without_master_in_the_sealed_record_members_read_rank0s_key(
+def _numbered_ports(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Make every port probe of the handlers return the next of 41000, 41001, ... (recorded)."""
+    from etcd_rdzv.native import bootstrap
+
+    issued: list[int] = []
+    numbers = itertools.count(41000)
+
+    def probe() -> int:
+        issued.append(next(numbers))
+        return issued[-1]
+
+    monkeypatch.setattr(bootstrap, "get_free_port", probe)
+    return issued
+
+
+@pytest.mark.etcd_matrix
+def test_master_port_is_probed_once_the_round_is_known_after_a_long_wait(
     nodes: Nodes, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A sealed record without rank 0's address (its key changed under the sealer):
-    members read the earliest join key at the seal revision instead."""
+    """Rank 0 waited longer than a probed port may age (MASTER_PORT_MAX_AGE, here 1 s): the
+    sealer names no master, rank 0 probes a port when it learns its rank (as torch does) and
+    publishes it in the round's store, and every member takes that one, not the port rank 0
+    probed when it joined."""
+    from etcd_rdzv.native import bootstrap
+
+    monkeypatch.setattr(bootstrap, "MASTER_PORT_MAX_AGE", 1.0)
+    issued = _numbered_ports(monkeypatch)
+    a, b, c = nodes.many(3, 3, 3)
+    futures = [nodes.pool.submit(a.next_rendezvous)]
+    wait_count(nodes.client, nodes.join_prefix(1), 1)
+    joined_port = joined_address(nodes, a)[1]
+    time.sleep(1.5)
+    futures += [nodes.pool.submit(h.next_rendezvous) for h in (b, c)]
+    infos = [f.result(timeout=WAIT) for f in futures]
+    assert infos[0].rank == 0
+    assert queries.read_meta(nodes.client, nodes.keys).sealed.master is None
+    ((addr, port),) = masters(infos)
+    assert addr == "127.0.0.1" and port != joined_port
+    assert port == max(issued)  # the last probe: rank 0's, after the seal
+    assert int(infos[0].store.get("MASTER_PORT")) == port
+
+
+def test_without_master_in_the_sealed_record_members_read_rank0s_store(
+    nodes: Nodes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sealed record without rank 0's address (its probe too old, or its key changed under
+    the sealer): rank 0 probes a port now and publishes it in the round's store, where the
+    others read it (torch's RendezvousStoreInfo.build)."""
+    issued = _numbered_ports(monkeypatch)
     monkeypatch.setattr(rounds, "_master_named", lambda read: None)
     hs = nodes.many(3, 3, 3)
     infos = rendezvous_all(nodes, hs)
     assert queries.read_meta(nodes.client, nodes.keys).sealed.master is None
     rank0 = next(h for h, i in zip(hs, infos, strict=True) if i.rank == 0)
-    assert masters(infos) == {joined_address(nodes, rank0)}
+    assert masters(infos) == {("127.0.0.1", max(issued))}
+    assert max(issued) != joined_address(nodes, rank0)[1]
 
 
 def test_a_join_whose_answer_was_lost_is_found_again(nodes: Nodes, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -896,6 +941,7 @@ def test_a_node_that_lost_etcd_does_not_close_the_run_once_etcd_is_back(fresh_et
 # --------------------------------------------------------------------------- waits that end, keys that go
 
 
+@pytest.mark.etcd_matrix
 def test_a_candidate_beside_an_empty_round_sees_a_re_attached_member_leave(nodes: Nodes) -> None:
     """Round 1 is empty when b joins round 2 (a's lease expired: etcd lost it), so b watches
     ``ctl/`` alone. a re-attaches (round 1 holds a key again) and b's read at the end of its
@@ -918,6 +964,7 @@ def test_a_candidate_beside_an_empty_round_sees_a_re_attached_member_leave(nodes
     assert (r.round, r.rank, r.world_size) == (2, 0, 1)
 
 
+@pytest.mark.etcd_matrix
 def test_a_round_sealed_over_is_not_resolved_as_ours(nodes: Nodes, monkeypatch: pytest.MonkeyPatch) -> None:
     """x's wait in round 1 ends without its outcome (its watch history was compacted) while
     round 1 was sealed with x, x's lease ended and the others re-formed round 2 without it.
@@ -967,6 +1014,7 @@ def _broken_watch(kind: str) -> type[Watch]:
     return Broken
 
 
+@pytest.mark.etcd_matrix
 @pytest.mark.parametrize("kind", ["before_confirm", "after_confirm"])
 def test_a_watch_that_fails_leaves_no_join_key_behind(
     nodes: Nodes, monkeypatch: pytest.MonkeyPatch, kind: str
@@ -996,6 +1044,7 @@ def test_a_watch_that_fails_leaves_no_join_key_behind(
     assert_group(results(nodes.start(a, b)), 2)
 
 
+@pytest.mark.etcd_matrix
 def test_a_signal_right_after_the_join_applied_still_withdraws_it(
     nodes: Nodes, monkeypatch: pytest.MonkeyPatch
 ) -> None:
