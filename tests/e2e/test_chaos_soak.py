@@ -65,24 +65,8 @@ def _newest() -> list[str]:
     return sorted(ETCD_BINARIES, key=lambda v: tuple(int(p) for p in v.split(".")))[-1:]
 
 
-_V2_DEFECT = (
-    "etcd-v2 (torch's DynamicRendezvousHandler over our backend), seen twice on a 2-core machine at "
-    "load average 130-200: after a re-rendezvous one node stays in 'Rendezvous'ing worker group' with "
-    "no further log while the two others form and keep a world-2 group that never admits it "
-    "(num_nodes_waiting 0) for 180-240 s; one more failure at low load whose output was not kept; "
-    "passed once at low load (4 runs after the store-TTL fix). One cause found (issue 13): torch's "
-    "_sanitize() drops a participant with a late heartbeat from a completed round on the reading node "
-    "only, so nodes disagree on the world size and one blocks on its assigned rank; a second stuck case "
-    "(at the first rendezvous, load ~500) is not diagnosed yet"
-)
-
-
 def _param(version: str, backend: str) -> Any:
-    param = version_param(version, backend, version, id=f"{backend}-etcd{version}")
-    if backend != "etcd-v2":
-        return param
-    return pytest.param(*param.values, id=param.id,
-                        marks=(*param.marks, pytest.mark.xfail(strict=False, reason=_V2_DEFECT)))  # fmt: skip
+    return version_param(version, backend, version, id=f"{backend}-etcd{version}")
 
 
 PARAMS = [_param(v, b) for v in _newest() for b in SOAK_BACKENDS]
