@@ -178,7 +178,7 @@ def test_c_leader_isolated_in_a_minority_rendezvous_completes(make_bed: Any, bac
     job.wait_for(
         "two agents rendezvousing",
         lambda _: all("Rendezvous'ing worker group" in a.output_tail(200) for a in job.nodes.values()),
-        30,
+        START_BUDGET,
     )
     time.sleep(1.0)  # let both join the round (their join is one etcd round trip)
     leader = bed.etcd.leader()
@@ -353,7 +353,7 @@ def test_b_node_cut_off_from_peers_no_split_brain(make_bed: Any, backend: str, v
     later = job.wait_for(
         "a world of 3 training after the heal",
         lambda r: group_with(r, world_size=3, after=healed, min_steps_done=3),
-        90,
+        START_BUDGET,
     )
     took = _first_step_time(job.records(), later) - healed
     record_timing(
