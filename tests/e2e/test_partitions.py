@@ -68,15 +68,14 @@ VERSIONS = list(FULL_VERSIONS) or sorted(ETCD_BINARIES)
 START_BUDGET = 120
 
 
-def backends(scenario: int, xfail: dict[str, str] | None = None, *, strict: bool = True) -> list[Any]:
-    """``(backend, version)`` parameters; ``xfail`` maps a backend to a known defect
-    (``strict=False`` for one seen in only some runs)."""
+def backends(scenario: int, xfail: dict[str, str] | None = None) -> list[Any]:
+    """``(backend, version)`` parameters; ``xfail`` maps a backend to a known defect (a strict xfail)."""
     out = []
     for b in BACKENDS:
         version = pick_version(VERSIONS, scenario, b)
         param = version_param(version, b, version, id=f"{b}-etcd{version}")
         if xfail and b in xfail:
-            marks = (*param.marks, pytest.mark.xfail(strict=strict, reason=xfail[b]))
+            marks = (*param.marks, pytest.mark.xfail(strict=True, reason=xfail[b]))
             param = pytest.param(*param.values, id=param.id, marks=marks)
         out.append(param)
     return out
