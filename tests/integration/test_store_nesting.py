@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
+from helpers.watch_opened import WatchOpened
 
 from etcd_server import AuthConfig, EtcdServer
 from etcd_store import EtcdStore
@@ -21,25 +22,12 @@ pytestmark = pytest.mark.etcd_matrix
 TIMEOUT = datetime.timedelta(seconds=5)
 
 
-class _WatchOpened(RpcCounter):
-    """Sets ``opened`` when a watch stream is opened through this client."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.opened = threading.Event()
-
-    def intercept_stream_stream(self, continuation: Any, details: Any, it: Any) -> Any:
-        if "Watch" in str(details.method):
-            self.opened.set()
-        return super().intercept_stream_stream(continuation, details, it)
-
-
 @pytest.fixture
-def nested(etcd_endpoint: str) -> Iterator[tuple[EtcdStore, EtcdStore, _WatchOpened]]:
+def nested(etcd_endpoint: str) -> Iterator[tuple[EtcdStore, EtcdStore, WatchOpened]]:
     """An outer store on ``<job>`` (its client signals watches) and an inner one on ``<job>/sub``
     holding a key, a counter (a thread marker), a chunked value and a queue item."""
     job = f"nest-{uuid.uuid4().hex[:8]}"
-    opened = _WatchOpened()
+    opened = WatchOpened()
     outer_client = EtcdClient(etcd_endpoint, interceptors=[opened])
     inner_client = EtcdClient(etcd_endpoint)
     outer = EtcdStore(outer_client, prefix=job, timeout=TIMEOUT, chunk_bytes=1024)
@@ -58,7 +46,7 @@ def nested(etcd_endpoint: str) -> Iterator[tuple[EtcdStore, EtcdStore, _WatchOpe
 
 
 def test_the_inner_namespace_is_not_a_key_or_queue_of_the_outer(
-    nested: tuple[EtcdStore, EtcdStore, _WatchOpened],
+    nested: tuple[EtcdStore, EtcdStore, WatchOpened],
 ) -> None:
     outer, inner, _ = nested
     assert outer.check(["sub"]) is False
@@ -74,7 +62,7 @@ def test_the_inner_namespace_is_not_a_key_or_queue_of_the_outer(
 
 
 def test_a_waiting_outer_store_ignores_the_inner_stores_internal_writes(
-    nested: tuple[EtcdStore, EtcdStore, _WatchOpened],
+    nested: tuple[EtcdStore, EtcdStore, WatchOpened],
 ) -> None:
     outer, inner, opened = nested
     opened.opened.clear()

@@ -10,24 +10,12 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
+from helpers.watch_opened import WatchOpened
 
 from etcd_server import EtcdServer
 from etcd_server.cluster import EtcdCluster
 from etcd_store import EtcdStore
 from etcd_store.client import EtcdClient, RpcCounter
-
-
-class _WatchOpened(RpcCounter):
-    """Sets ``opened`` when a watch stream is opened through this client."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.opened = threading.Event()
-
-    def intercept_stream_stream(self, continuation: Any, details: Any, it: Any) -> Any:
-        if "Watch" in str(details.method):
-            self.opened.set()
-        return super().intercept_stream_stream(continuation, details, it)
 
 
 def _in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
@@ -46,7 +34,7 @@ def _in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
 
 def test_a_blocked_wait_returns_after_etcd_restarts(fresh_etcd: EtcdServer) -> None:
     endpoint = fresh_etcd.get_endpoint()
-    counter = _WatchOpened()
+    counter = WatchOpened()
     client = EtcdClient(endpoint, interceptors=[counter])
     store = EtcdStore(client, prefix="restart", timeout=datetime.timedelta(seconds=60))
     try:
@@ -76,7 +64,7 @@ def test_calls_fail_within_the_timeout_naming_the_endpoints(fresh_etcd: EtcdServ
     store = EtcdStore(endpoint, prefix="down", timeout=timeout)
     store.set("k", "v")
     store.queue_push("q", "item")
-    counter = _WatchOpened()
+    counter = WatchOpened()
     client = EtcdClient(endpoint, interceptors=[counter])
     blocked = EtcdStore(client, prefix="down", timeout=datetime.timedelta(seconds=3))
     waiter, waited = _in_thread(lambda: blocked.wait(["never"]))
