@@ -76,7 +76,12 @@ from .defaults import (
     PASSWORD_FILE_ENV,
     USER_ENV,
 )
-from .native.settings import DEFAULT_MAX_REQUEST_BYTES, V3Settings
+from .native.settings import (
+    DEFAULT_EVICT_MISSES,
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_RENEW_INTERVAL,
+    V3Settings,
+)
 
 if TYPE_CHECKING:
     from etcd_store.client import EtcdClient
@@ -278,6 +283,25 @@ def get_positive_int(params: RdzvParams, key: str, default: int, *, unit: str = 
         raise ValueError(
             f"The rendezvous configuration option {key!r} must be a positive integer"
             f"{f' ({unit})' if unit else ''}, got {value!r}."
+        )
+    return number
+
+
+def get_count(params: RdzvParams, key: str, default: int) -> int:
+    """The conf value ``key`` as an integer of 0 or more (``default`` when absent or blank).
+
+    Raises ``ValueError`` naming the key.
+    """
+    value = params.get(key)
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return default
+    try:
+        number = int(str(value).strip()) if not isinstance(value, bool) else -1
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise ValueError(
+            f"The rendezvous configuration option {key!r} must be an integer of 0 or more, got {value!r}."
         )
     return number
 
@@ -555,6 +579,8 @@ def parse_v3_settings(params: HandlerParams) -> tuple[V3Settings, EtcdClientOpti
         fast_recovery=get_bool(params, "fast_recovery", True),
         max_request_bytes=get_positive_int(params, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES,
                                            unit="bytes"),
+        renew_interval=get_seconds_or(params, "renew_interval", DEFAULT_RENEW_INTERVAL),
+        evict_misses=get_count(params, "evict_misses", DEFAULT_EVICT_MISSES),
     )
     return settings, config.client
 

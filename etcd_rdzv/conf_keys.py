@@ -51,6 +51,7 @@ DYNAMIC_KEYS = frozenset({
 V3_KEYS = frozenset({
     "join_timeout", "last_call_timeout", "close_timeout", "heartbeat", "heartbeat_timeout",
     "keep_alive_interval", "keep_alive_max_attempt", "fast_recovery", "max_request_bytes",
+    "renew_interval", "evict_misses",
 })  # fmt: skip
 """``etcd-v3`` (``heartbeat_timeout`` is accepted and ignored: keep-alives are streamed)."""
 

@@ -176,7 +176,8 @@ class NodeLeases:
 
     def _new_session_locked(self) -> Session:
         """A new lease session for this node (one LeaseGrant), also keeping the run lease alive."""
-        session = self._client.session(self._settings.lease_ttl, on_lost=self._on_lease_lost)
+        session = self._client.session(self._settings.lease_ttl, on_lost=self._on_lease_lost,
+                                       interval=self._settings.renew_every)
         self.session = session
         if self.run_lease is not None:
             session.keep_also(self.run_lease)

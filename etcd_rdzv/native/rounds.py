@@ -50,6 +50,7 @@ from .barrier import (
     verdict,
 )
 from .bootstrap import join_value
+from .eviction import Evictor
 from .keys import RunKeys
 from .node_leases import NodeLeases, _Joined
 from .records import ProtocolStateError, Sealed
@@ -192,7 +193,7 @@ class Participant(NodeLeases):
                 self.observer.joined(target, outcome.count)
                 recovering = self._settings.fast_recovery and prior_round == target - 1
                 waited = self._wait(target, outcome, sealed, clock, prior_world if recovering else None,
-                                    opened=ctl_watch)
+                                    opened=ctl_watch, was_member=prior_round == target - 1)
             if isinstance(waited, RoundResult):
                 self._joined = _Joined(target, key, sealed, member=True)
                 return waited
@@ -227,6 +228,7 @@ class Participant(NodeLeases):
         clock: JoinClock,
         recover_size: int | None = None,
         opened: Watch | None = None,
+        was_member: bool = False,
     ) -> RoundResult | _Retry:
         """Wait on the watch until round ``round_`` is sealed; seal it when due.
 
@@ -236,7 +238,9 @@ class Participant(NodeLeases):
         covers ``ctl/``, and the join keys of the previous round while this node
         must tell when it empties (a candidate, or kept out by a full group).
         ``opened``: a watch of ``ctl/`` alone, opened before the join; used when that
-        range suffices, else cancelled (this method owns it either way).
+        range suffices, else cancelled (this method owns it either way). ``was_member``: this
+        node was a member of the previous round, and evicts dead members of it while it
+        waits for it to empty (:mod:`~etcd_rdzv.native.eviction`).
         """
         s = self._settings
         view = RoundView(
@@ -260,6 +264,7 @@ class Participant(NodeLeases):
                     raise RendezvousClosedError(f"the handler of node {self._node_id} was shut down")
                 return self._lease_lost(previous, clock)
             self._watch = watch
+        evictor = Evictor(s, self._client, self._keys, round_, session) if was_member and s.evict_misses else None
         self.on_watch(watch, view)
         try:
             caught = self._catch_up(watch, view, round_, previous)
@@ -295,6 +300,8 @@ class Participant(NodeLeases):
                     state = state.timed_out_late()  # sealed meanwhile: its event is on the way
                     continue
                 timeout = None if action.at is None else max(action.at - time.monotonic(), 0.0)
+                if evictor is not None and wide and view.prev_count > 0:
+                    timeout = evictor.poll(timeout)  # a dead member of our group leaves in seconds
                 for event in watch.get(timeout=timeout):
                     signal = view.apply(event)
                     if signal is not None:

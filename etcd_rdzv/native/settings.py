@@ -21,11 +21,17 @@ from ..defaults import (
     DEFAULT_STATE_TTL,
 )
 
-__all__ = ["DEFAULT_LEASE_TTL", "DEFAULT_MAX_REQUEST_BYTES", "SEAL_DELTA_BYTES", "V3Settings", "node_id_bytes",
+__all__ = ["DEFAULT_EVICT_MISSES", "DEFAULT_LEASE_TTL", "DEFAULT_MAX_REQUEST_BYTES", "DEFAULT_RENEW_INTERVAL", "SEAL_DELTA_BYTES", "V3Settings", "node_id_bytes",
            "seal_request_bytes"]
 
 DEFAULT_MAX_REQUEST_BYTES = 1_572_864
 """etcd's default ``--max-request-bytes`` (1.5 MiB): the largest request it accepts."""
+
+DEFAULT_RENEW_INTERVAL = 1.0
+"""Seconds between two keep-alives of a node's lease (rdzv-conf ``renew_interval``)."""
+
+DEFAULT_EVICT_MISSES = 2
+"""Keep-alives a member's lease must have missed before a survivor evicts it (``evict_misses``)."""
 
 _WORST_ADDR_BYTES = 253  # the longest host name
 
@@ -80,6 +86,11 @@ class V3Settings:
       one etcd request that names every member (about 64 bytes a node), so ``max_nodes``
       is refused here when a round of that size could not be sealed (about 23,000 nodes
       for a 30-byte host name at the default); raise it with etcd's own limit.
+    * ``renew_interval`` (1): seconds between two keep-alives of a node's lease (at most a
+      third of ``lease_ttl``: :attr:`renew_every`). Renewals are not raft writes.
+    * ``evict_misses`` (2): after a group failed, a survivor evicts a member of it whose lease
+      missed this many renewals while its own were answered (:mod:`~etcd_rdzv.native.eviction`);
+      0 turns eviction off (a dead member then leaves when its lease expires).
     """
 
     run_id: str
@@ -94,6 +105,8 @@ class V3Settings:
     key_prefix: str = DEFAULT_KEY_PREFIX
     fast_recovery: bool = True
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    renew_interval: float = DEFAULT_RENEW_INTERVAL
+    evict_misses: int = DEFAULT_EVICT_MISSES
 
     def __post_init__(self) -> None:
         if not self.run_id:
@@ -115,6 +128,10 @@ class V3Settings:
                 f"state_ttl ({self.state_ttl} s) must be at least the lease TTL "
                 f"({self.lease_ttl} s, option 'heartbeat')."
             )
+        if not (math.isfinite(self.renew_interval) and self.renew_interval > 0):
+            raise ValueError(f"renew_interval must be a positive number of seconds, got {self.renew_interval!r}.")
+        if self.evict_misses < 0:
+            raise ValueError(f"evict_misses must be 0 (no eviction) or more, got {self.evict_misses}.")
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be a positive number of bytes, got {self.max_request_bytes}.")
         self._check_seal_fits()
@@ -144,6 +161,12 @@ class V3Settings:
             "(--nnodes), or run etcd with a larger --max-request-bytes and set max_request_bytes "
             "to it in --rdzv-conf."
         )
+
+    @property
+    def renew_every(self) -> float:
+        """Seconds between two keep-alives of a node's lease: ``renew_interval``, at most a third
+        of ``lease_ttl`` (so that a live node always has two renewals in flight within its TTL)."""
+        return min(self.renew_interval, self.lease_ttl / 3.0)
 
     @property
     def node_addr(self) -> str:

@@ -160,15 +160,17 @@ class EtcdClient(LeaseCalls):
         return TxnResult(resp.succeeded, resp.header.revision, results)
 
     def session(
-        self, ttl: int, *, lease_id: int = 0, on_lost: Callable[[], None] | None = None
+        self, ttl: int, *, lease_id: int = 0, on_lost: Callable[[], None] | None = None,
+        interval: float | None = None,
     ) -> Session:
-        """Grant a lease and keep it alive (over one of the client's keep-alive streams) until the session is closed.
+        """Grant a lease and keep it alive (over one of the client's keep-alive streams) until the session is
+        closed, renewed every ``interval`` seconds (None: a third of ``ttl``).
 
         One LeaseGrant RPC now; see :class:`~etcd_store.client.Session`.
         """
         from .session import Session
 
-        return Session(self, ttl, lease_id=lease_id, on_lost=on_lost)
+        return Session(self, ttl, lease_id=lease_id, on_lost=on_lost, interval=interval)
 
     def keeper(
         self, ttl: int, *, on_expired: Callable[[], None] | None = None, lease_id: int = 0

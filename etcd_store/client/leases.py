@@ -8,7 +8,8 @@ Each unary call is one RPC under the transport's retry policy.
 :class:`KeepAlives` refreshes every lease that the client's sessions keep, over
 one bidirectional ``LeaseKeepAlive`` stream per client (etcd Go's ``clientv3``
 lessor does the same): a timer heap holds each lease's next refresh (a third of
-the TTL etcd last reported, at least 0.2 s), answers are routed to the sessions
+the TTL etcd last reported, at least 0.2 s, unless its session asked for a pace of
+its own), answers are routed to the sessions
 by lease ID. Costs: no thread and no stream per session; one reader thread and
 one stream per client while it keeps any lease (the stream opens when the first
 refresh is due, so a burst of grants opens none, and is half-closed when the
@@ -74,12 +75,13 @@ class _Kept:
     """One lease on the stream: its refresh pace and the sessions that keep it
     (``True``: the session's own lease, ``False``: kept for others, see ``Session.keep_also``)."""
 
-    __slots__ = ("due", "id", "interval", "keepers")
+    __slots__ = ("due", "fixed", "id", "interval", "keepers")
 
-    def __init__(self, lease_id: int, interval: float, due: float) -> None:
+    def __init__(self, lease_id: int, interval: float, due: float, fixed: bool = False) -> None:
         self.id = lease_id
         self.interval = interval
         self.due = due
+        self.fixed = fixed  # a pace asked for by a session: the TTL etcd reports does not change it
         self.keepers: dict[Keeper, bool] = {}
 
 
@@ -101,14 +103,17 @@ class KeepAlives:
 
     # ------------------------------------------------------------------ callers' side
 
-    def keep(self, keeper: Keeper, lease_id: int, ttl: int, *, first_in: float, primary: bool = True) -> None:
-        """Refresh ``lease_id`` for ``keeper`` from ``first_in`` seconds on (sooner if already kept)."""
+    def keep(self, keeper: Keeper, lease_id: int, ttl: int, *, first_in: float, primary: bool = True,
+             interval: float | None = None) -> None:
+        """Refresh ``lease_id`` for ``keeper`` from ``first_in`` seconds on (sooner if already kept),
+        every ``interval`` seconds (at least :data:`MIN_INTERVAL`) if given, else every third of its TTL."""
         with self._cond:
             self._reserved = max(self._reserved - 1, 0)
             closed = self._halted or self._client.closed
             if not closed:
-                self._add_locked(keeper, lease_id, refresh_interval(ttl),
-                                 time.monotonic() + max(first_in, 0.0), primary)
+                pace = refresh_interval(ttl) if interval is None else max(interval, MIN_INTERVAL)
+                self._add_locked(keeper, lease_id, pace, time.monotonic() + max(first_in, 0.0), primary,
+                                 fixed=interval is not None)
         if closed:
             keeper._stopped(EtcdError(f"The etcd client for {self._client.describe()} is closed."))
 
@@ -149,12 +154,14 @@ class KeepAlives:
             self._reserved += 1
             return True
 
-    def _add_locked(self, keeper: Keeper, lease_id: int, interval: float, due: float, primary: bool) -> None:
+    def _add_locked(self, keeper: Keeper, lease_id: int, interval: float, due: float, primary: bool,
+                    *, fixed: bool = False) -> None:
         kept = self._leases.get(lease_id)
         if kept is None:
-            kept = self._leases[lease_id] = _Kept(lease_id, interval, due)
+            kept = self._leases[lease_id] = _Kept(lease_id, interval, due, fixed)
             self._push(kept)
         elif due < kept.due or interval < kept.interval:
+            kept.fixed = kept.fixed or fixed
             kept.interval = min(kept.interval, interval)
             kept.due = min(kept.due, due)
             self._push(kept)
@@ -278,7 +285,7 @@ class KeepAlives:
                     if primary:  # a lost session refreshes nothing more (its extra leases neither)
                         self._drop_locked(keeper)
             else:
-                interval = refresh_interval(ttl)
+                interval = kept.interval if kept.fixed else refresh_interval(ttl)
                 if interval != kept.interval:
                     kept.due += interval - kept.interval
                     kept.interval = interval
@@ -325,9 +332,18 @@ class LeaseCalls(Transport):
 
     def lease_time_to_live(self, lease_id: int, *, keys: bool = False, timeout: float | None = None) -> int:
         """Seconds left on the lease, or -1 when it expired or never existed."""
+        return self._time_to_live(lease_id, keys, timeout)[0]
+
+    def lease_ttls(self, lease_id: int, *, timeout: float | None = None) -> tuple[int, int]:
+        """``(remaining, granted)``: the whole seconds left on the lease as etcd's leader counts
+        them (truncated; -1 when it expired or never existed) and the TTL it was granted with.
+        One LeaseTimeToLive RPC."""
+        return self._time_to_live(lease_id, False, timeout)
+
+    def _time_to_live(self, lease_id: int, keys: bool, timeout: float | None) -> tuple[int, int]:
         req = rpc_pb2.LeaseTimeToLiveRequest(ID=lease_id, keys=keys)
         resp = self._call("Lease", "LeaseTimeToLive", req, timeout=timeout, what=f"lease {lease_id:x}")
-        return int(resp.TTL)
+        return int(resp.TTL), int(resp.grantedTTL)
 
     def keep_alives(self) -> KeepAlives:
         """The keep-alive stream for a new session (no RPC): the first that keeps fewer than

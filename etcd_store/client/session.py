@@ -7,7 +7,7 @@ Contract:
   keeps a lease granted elsewhere alive instead (no RPC).
 * The client's :class:`~etcd_store.client.leases.KeepAlives` refreshes the lease
   every third of its TTL (the TTL etcd reports, so an adopted lease is refreshed
-  at its own pace) over the client's keep-alive stream, shared by its
+  at its own pace), or every ``interval`` seconds when given, over the client's keep-alive stream, shared by its
   sessions: a session costs no thread and no stream of its own; a client opens
   one more stream (same channel) per ``LEASES_PER_STREAM`` (32) sessions, so
   many nodes in one process renew in parallel. A broken
@@ -17,6 +17,8 @@ Contract:
   not block: it holds up every lease of the client). :meth:`done` is set when the
   session stops refreshing for any reason (lost, closed, or its client closed).
   A session never declares its lease lost on its own while etcd cannot be reached.
+* :meth:`renewed_at` says when etcd answered its recent keep-alives (the grant counts as
+  the first): how fresh this client's own view of etcd is.
 * :meth:`close` stops refreshing and revokes the lease (deleting its keys),
   unless the session was made with ``revoke_on_close=False`` or ``close(revoke=False)``.
   A context manager: ``with client.session(10) as s: ...``.
@@ -27,8 +29,10 @@ loop for writers whose lease can be replaced.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -50,6 +54,7 @@ class Session:
         ttl: seconds; the lease's TTL (at least 1).
         lease_id: the id to ask etcd for (0: etcd picks one).
         on_lost: called once, from the client's keep-alive thread, when etcd reports the lease gone.
+        interval: seconds between two keep-alives (at least 0.2); None: a third of the TTL.
 
     Attributes: ``id`` (also :attr:`lease_id`), ``ttl`` (as etcd last reported it),
     :attr:`lost` (a ``threading.Event``; ``expired`` is the same event).
@@ -68,14 +73,16 @@ class Session:
         *,
         lease_id: int = 0,
         on_lost: Callable[[], None] | None = None,
+        interval: float | None = None,
     ) -> None:
         if ttl < 1:
             raise ValueError(f"lease TTL must be at least 1 second, got {ttl}")
         granted = client.lease_grant(int(ttl), lease_id=lease_id)
         # Granted with its full TTL a moment ago: the first refresh is due a third
-        # of the TTL from now (a burst of grants, such as a rendezvous of many
-        # nodes, then opens no stream at all).
-        self._start(client, granted, int(ttl), on_lost, refresh_now=False, revoke_on_close=True)
+        # of the TTL (or one interval) from now (a burst of grants, such as a rendezvous
+        # of many nodes, then opens no stream at all).
+        self._start(client, granted, int(ttl), on_lost, refresh_now=False, revoke_on_close=True,
+                    interval=interval)
 
     @classmethod
     def existing(
@@ -110,8 +117,14 @@ class Session:
         *,
         refresh_now: bool,
         revoke_on_close: bool,
+        interval: float | None = None,
     ) -> None:
         self._client = client
+        self.interval = refresh_interval(ttl) if interval is None else interval
+        # when etcd answered (monotonic): the grant, then each keep-alive; a few TTLs' worth
+        self._renewed: collections.deque[float] = collections.deque(maxlen=256)
+        if not refresh_now:
+            self._renewed.append(time.monotonic())
         self.id = lease_id
         self.ttl = ttl
         self.lost = threading.Event()
@@ -121,7 +134,7 @@ class Session:
         self._closed = False
         self._also: frozenset[int] = frozenset()
         self._mux = client.keep_alives()
-        self._mux.keep(self, lease_id, ttl, first_in=0.0 if refresh_now else refresh_interval(ttl))
+        self._mux.keep(self, lease_id, ttl, first_in=0.0 if refresh_now else self.interval, interval=interval)
 
     # ------------------------------------------------------------------ public
 
@@ -137,6 +150,11 @@ class Session:
     def done(self) -> threading.Event:
         """Set once this session no longer refreshes its lease (lost or closed)."""
         return self._done
+
+    def renewed_at(self) -> tuple[float, ...]:
+        """When etcd granted or last renewed this lease (``time.monotonic()``, oldest first; the
+        last 256). No RPC."""
+        return tuple(self._renewed)
 
     def keep_also(self, lease_id: int) -> None:
         """Refresh ``lease_id`` too, first with this session's next keep-alive."""
@@ -181,6 +199,7 @@ class Session:
 
     def _learn_ttl(self, ttl: int) -> None:
         self.ttl = ttl
+        self._renewed.append(time.monotonic())
 
     def _lease_lost(self, lease_id: int, primary: bool) -> None:
         if not primary:

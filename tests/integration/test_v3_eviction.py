@@ -1,0 +1,125 @@
+"""Suspicion-based eviction in ``etcd-v3`` against a real etcd (:mod:`etcd_rdzv.native.eviction`).
+
+Three handlers in this process, each with its own client (its own keep-alive stream, as a host
+has). A node "dies" when its client closes without revoking its lease: its keep-alives stop and
+its join key stays until etcd expires the lease, as after SIGKILL. The lease TTL is 30 s here, so
+that a re-formed group well before it can only come from an eviction (each test also checks that
+the dead node's lease was still alive when its key went).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import pytest
+from helpers.handlers import shut_down_all
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+from etcd_rdzv.native.handler import EtcdV3RendezvousHandler, RoundResult
+from etcd_rdzv.native.keys import RunKeys
+from etcd_rdzv.plugin import create_etcd_v3_rdzv_handler
+from etcd_store.client import EtcdClient
+
+pytestmark = pytest.mark.timeout(120)
+
+TTL = 30  # "heartbeat": far longer than an eviction takes
+EVICTED_WITHIN = 20.0  # generous: an eviction takes about 2-3 s, the lease 30 s
+_ids = itertools.count()
+
+
+class Run:
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.run_id = f"evict{next(_ids)}"
+        self.prefix = f"/v3e{next(_ids)}-{time.monotonic_ns() % 10**9}"
+        self.client = EtcdClient(endpoint, timeout=10)
+        self.handlers: list[EtcdV3RendezvousHandler] = []
+        self.pool = ThreadPoolExecutor(max_workers=8)
+        self.keys = RunKeys.for_run(self.prefix, self.run_id)
+
+    def new(self, **conf: str) -> EtcdV3RendezvousHandler:
+        conf = {"join_timeout": "60", "last_call_timeout": "30", "close_timeout": "5", "heartbeat": str(TTL),
+                "read_timeout": "10", "key_prefix": self.prefix, **conf}
+        params = RendezvousParameters(
+            backend="etcd-v3", endpoint=self.endpoint, run_id=self.run_id, min_nodes=2, max_nodes=3,
+            local_addr="127.0.0.1", **conf,
+        )
+        handler = create_etcd_v3_rdzv_handler(params)  # its own client
+        self.handlers.append(handler)
+        return handler
+
+    def start(self, *handlers: EtcdV3RendezvousHandler) -> list[Future[RoundResult]]:
+        return [self.pool.submit(h.next_round) for h in handlers]
+
+    def joined(self, round_: int) -> int:
+        return self.client.range(self.keys.join_prefix(round_), prefix=True, count_only=True).count
+
+    def close(self) -> None:
+        shut_down_all(self.handlers, self.pool)
+        self.client.close()
+
+
+@pytest.fixture
+def run(etcd_endpoint: str) -> Iterator[Run]:
+    r = Run(etcd_endpoint)
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+def lease_of(handler: EtcdV3RendezvousHandler) -> int:
+    session = handler._node.session
+    assert session is not None
+    return session.id
+
+
+def form(run: Run, *handlers: EtcdV3RendezvousHandler, timeout: float = 30.0) -> list[RoundResult]:
+    res = [f.result(timeout=timeout) for f in run.start(*handlers)]
+    assert len({(r.round, r.world_size) for r in res}) == 1, res
+    return res
+
+
+def die(handler: EtcdV3RendezvousHandler) -> None:
+    """The node's keep-alives stop and nothing is revoked (its process was SIGKILLed)."""
+    handler._client.close()
+
+
+def test_the_survivors_evict_a_dead_member_long_before_its_lease_expires(run: Run) -> None:
+    a, b, c = run.new(), run.new(), run.new()
+    assert form(run, a, b, c)[0].world_size == 3
+    dead_lease = lease_of(c)
+    die(c)
+    started = time.monotonic()
+    res = form(run, a, b, timeout=EVICTED_WITHIN)  # the group failed: the survivors re-rendezvous
+    took = time.monotonic() - started
+    print(f"[eviction] survivors re-formed round {res[0].round} in {took:.2f} s (lease TTL {TTL} s)")
+    assert {(r.round, r.world_size) for r in res} == {(2, 2)}
+    assert run.client.lease_time_to_live(dead_lease) > 0  # its key was evicted, not expired
+    assert run.joined(1) == 0
+
+
+def test_a_live_member_slow_to_rejoin_is_not_evicted(run: Run) -> None:
+    """A member that has not noticed the failure yet keeps renewing: it is waited for."""
+    a, b, c = run.new(), run.new(), run.new()
+    form(run, a, b, c)
+    waiting = run.start(a, b)
+    time.sleep(5.0)  # the fault: c is slow for 5 s (well over two missed renewals' worth)
+    assert run.joined(1) == 1 and not any(f.done() for f in waiting)
+    res = [f.result(timeout=30) for f in waiting + run.start(c)]
+    assert {(r.round, r.world_size) for r in res} == {(2, 3)}
+
+
+def test_eviction_off_waits_for_the_lease(run: Run) -> None:
+    """``evict_misses=0``: a dead member leaves only when its lease expires."""
+    a, b, c = (run.new(evict_misses="0", heartbeat="6") for _ in range(3))
+    form(run, a, b, c)
+    die(c)
+    waiting = run.start(a, b)
+    time.sleep(4.0)  # the fault's age: past two missed renewals, short of the 6 s lease
+    assert run.joined(1) == 1 and not any(f.done() for f in waiting)
+    res = [f.result(timeout=30) for f in waiting]
+    assert {(r.round, r.world_size) for r in res} == {(2, 2)}
