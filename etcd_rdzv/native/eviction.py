@@ -4,8 +4,8 @@ A member of round ``T`` that calls ``next_rendezvous`` (its group failed: a work
 ``num_nodes_waiting()`` said so) joins ``T + 1``, leaving ``T`` in the same transaction.
 A member that died without leaving still holds its join key in ``T`` until its lease expires
 (``lease_ttl``, 15 s by default), and until then ``T + 1`` waits for it. While a survivor waits
-for ``T`` to empty it looks at the leases of the keys left in ``T`` (one Range, one
-LeaseTimeToLive each, every half keep-alive interval) and deletes the join key of a member
+in ``T + 1`` it looks at the leases of the keys left in ``T`` (one Range, one LeaseTimeToLive
+each, every half keep-alive interval, until ``T`` is empty) and deletes the join key of a member
 whose lease is **suspect** (one Txn fenced on that key's revision and lease). The rule, its
 false-positive bound and why it is safe are in docs/etcd-v3-design.md ("Eviction").
 
@@ -18,7 +18,10 @@ slow, the observer's own renewals are late too and nobody is evicted; after an e
 the observer evicts nobody who went silent before it could renew again.
 
 Only a member of ``T`` evicts (:class:`Evictor` is made for one that was): a node waiting
-outside a running group (a spare, a new node) never removes members of that group.
+outside a running group (a spare, a new node) never removes members of that group. So that a
+large group re-forming costs etcd little, only the members of ranks below :data:`OBSERVERS` in
+``T`` look (:func:`observes`), and a look reads no lease while more than :data:`MAX_LOOKED`
+keys are left in ``T`` (live members are still leaving; if that many died, their leases expire).
 
 Blocks: :meth:`Evictor.poll` makes at most one Range, one LeaseTimeToLive per key left in the
 previous round and one Txn per eviction, each bounded by the client's timeout; etcd errors
@@ -40,7 +43,18 @@ from .settings import V3Settings
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Evictor", "MemberLease", "silent_for", "steady_for", "to_evict"]
+__all__ = ["MAX_LOOKED", "OBSERVERS", "Evictor", "MemberLease", "observes", "silent_for", "steady_for", "to_evict"]
+
+OBSERVERS = 4
+"""The members of ranks ``0 .. OBSERVERS - 1`` of a failed group look for dead members."""
+
+MAX_LOOKED = 16
+"""A look reads the leases of at most this many keys left in the previous round (else none)."""
+
+
+def observes(settings: V3Settings, rank: int) -> bool:
+    """Whether the member of ``rank`` in a failed group looks for dead members of it."""
+    return settings.evict_misses > 0 and rank < OBSERVERS
 
 
 @dataclass(frozen=True)
@@ -104,30 +118,36 @@ class Evictor:
         self._next = 0.0  # the first look is at once
         self.evicted: list[bytes] = []
 
-    def poll(self, timeout: float | None) -> float:
+    def poll(self, timeout: float | None) -> float | None:
         """Look at the previous round's leases if a look is due, and evict; returns ``timeout``
-        (seconds, None: none) shortened to the next look."""
+        (seconds, None: none) shortened to the next look (unchanged once the round was empty)."""
         now = time.monotonic()
         if now >= self._next:
-            self._look()
+            empty = self._look()
             now = time.monotonic()
-            self._next = now + self._period
+            self._next = float("inf") if empty else now + self._period
+        if self._next == float("inf"):
+            return timeout
         wait = self._next - now
         return wait if timeout is None else min(timeout, wait)
 
-    def _look(self) -> None:
+    def _look(self) -> bool:
+        """One look (see the module docstring); whether the previous round was empty."""
         client, s = self._client, self._settings
         prefix = self._keys.join_prefix(self._round - 1)
         started = time.monotonic()
         renewed = self._session.renewed_at()
         try:
-            kvs = client.range(prefix, prefix_range_end(prefix)).kvs
+            kvs = client.range(prefix, prefix_range_end(prefix), limit=MAX_LOOKED + 1).kvs
+            if not kvs or len(kvs) > MAX_LOOKED:
+                return not kvs
             members = [MemberLease(kv.key, kv.mod_revision, kv.lease, *client.lease_ttls(kv.lease))
                        for kv in kvs if kv.lease and kv.lease != self._session.id]
             for member in to_evict(members, renewed, started, s.renew_every, s.evict_misses):
                 self._evict(member, renewed, started)
         except EtcdError as e:
             log.info("round %d: could not look at the leases of round %d: %s", self._round, self._round - 1, e)
+        return False
 
     def _evict(self, member: MemberLease, renewed: Sequence[float], now: float) -> None:
         """Delete ``member``'s join key unless it changed since we read it (one Txn)."""

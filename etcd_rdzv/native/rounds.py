@@ -50,7 +50,7 @@ from .barrier import (
     verdict,
 )
 from .bootstrap import join_value
-from .eviction import Evictor
+from .eviction import Evictor, observes
 from .keys import RunKeys
 from .node_leases import NodeLeases, _Joined
 from .records import ProtocolStateError, Sealed
@@ -126,6 +126,7 @@ class Participant(NodeLeases):
         self._joining: _Joined | None = None  # a join Txn sent whose answer is not recorded yet
         self.member_round: int | None = None
         self.member_world = 0
+        self.member_rank = 0  # our rank in member_round
         self.member_seal = 0  # the revision that sealed member_round (0: not known)
         self._join_value = b""  # the value of our latest join key
         self.round_master: tuple[str, int] | None = None  # from the sealed record of our round
@@ -144,6 +145,7 @@ class Participant(NodeLeases):
         value = join_value(self._settings.node_addr)  # one free port per next_round call
         # The group this node leaves: a round that only re-forms it may skip the last call.
         prior_round, prior_world = self.member_round, self.member_world
+        evicts_dead = prior_round is not None and observes(self._settings, self.member_rank)
         self.member_round, self.member_seal = None, 0
         self.round_master = None
         self._join_value = value
@@ -193,7 +195,7 @@ class Participant(NodeLeases):
                 self.observer.joined(target, outcome.count)
                 recovering = self._settings.fast_recovery and prior_round == target - 1
                 waited = self._wait(target, outcome, sealed, clock, prior_world if recovering else None,
-                                    opened=ctl_watch, was_member=prior_round == target - 1)
+                                    opened=ctl_watch, evicts=evicts_dead and prior_round == target - 1)
             if isinstance(waited, RoundResult):
                 self._joined = _Joined(target, key, sealed, member=True)
                 return waited
@@ -228,7 +230,7 @@ class Participant(NodeLeases):
         clock: JoinClock,
         recover_size: int | None = None,
         opened: Watch | None = None,
-        was_member: bool = False,
+        evicts: bool = False,
     ) -> RoundResult | _Retry:
         """Wait on the watch until round ``round_`` is sealed; seal it when due.
 
@@ -238,9 +240,9 @@ class Participant(NodeLeases):
         covers ``ctl/``, and the join keys of the previous round while this node
         must tell when it empties (a candidate, or kept out by a full group).
         ``opened``: a watch of ``ctl/`` alone, opened before the join; used when that
-        range suffices, else cancelled (this method owns it either way). ``was_member``: this
-        node was a member of the previous round, and evicts dead members of it while it
-        waits for it to empty (:mod:`~etcd_rdzv.native.eviction`).
+        range suffices, else cancelled (this method owns it either way). ``evicts``: this
+        node was a member of the previous round, one of its observers, and evicts dead
+        members of it while it waits (:mod:`~etcd_rdzv.native.eviction`).
         """
         s = self._settings
         view = RoundView(
@@ -264,7 +266,7 @@ class Participant(NodeLeases):
                     raise RendezvousClosedError(f"the handler of node {self._node_id} was shut down")
                 return self._lease_lost(previous, clock)
             self._watch = watch
-        evictor = Evictor(s, self._client, self._keys, round_, session) if was_member and s.evict_misses else None
+        evictor = Evictor(s, self._client, self._keys, round_, session) if evicts else None
         self.on_watch(watch, view)
         try:
             caught = self._catch_up(watch, view, round_, previous)
@@ -300,7 +302,7 @@ class Participant(NodeLeases):
                     state = state.timed_out_late()  # sealed meanwhile: its event is on the way
                     continue
                 timeout = None if action.at is None else max(action.at - time.monotonic(), 0.0)
-                if evictor is not None and wide and view.prev_count > 0:
+                if evictor is not None:
                     timeout = evictor.poll(timeout)  # a dead member of our group leaves in seconds
                 for event in watch.get(timeout=timeout):
                     signal = view.apply(event)
@@ -470,6 +472,7 @@ class Participant(NodeLeases):
             )
         elif isinstance(place, Admitted):
             self.member_round, self.member_world = view.round, place.world_size
+            self.member_rank = place.rank
             self.member_seal = sealed.revision
             self.round_master = sealed.master
             return RoundResult(view.round, place.rank, place.world_size, sealed.revision, self._node_id)
@@ -497,6 +500,7 @@ class Participant(NodeLeases):
         if place is None:
             return None
         self.member_round, self.member_world = round_, place.world_size
+        self.member_rank = place.rank
         joined = self._joined
         if joined is not None:
             self._joined = replace(joined, member=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from etcd_rdzv.conf import parse_v3_settings
-from etcd_rdzv.native.eviction import MemberLease, silent_for, steady_for, to_evict
+from etcd_rdzv.native.eviction import OBSERVERS, MemberLease, observes, silent_for, steady_for, to_evict
 from etcd_rdzv.native.settings import DEFAULT_EVICT_MISSES, DEFAULT_RENEW_INTERVAL, V3Settings
 
 TTL = 15
@@ -107,3 +107,9 @@ def test_settings_defaults_and_conf_keys() -> None:
     assert (got.renew_interval, got.evict_misses) == (0.5, 0)
     with pytest.raises(ValueError, match="evict_misses"):
         parse(evict_misses="-2")
+
+
+def test_the_first_ranks_of_a_failed_group_observe() -> None:
+    s = V3Settings("r", 2, 64)
+    assert [r for r in range(64) if observes(s, r)] == list(range(OBSERVERS)) == [0, 1, 2, 3]
+    assert not observes(V3Settings("r", 2, 64, evict_misses=0), 0)
