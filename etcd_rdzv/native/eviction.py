@@ -90,17 +90,19 @@ def steady_for(renewed_at: Sequence[float], now: float, limit: float) -> float:
 
 
 def to_evict(members: Sequence[MemberLease], renewed_at: Sequence[float], now: float, interval: float,
-             misses: int) -> list[MemberLease]:
+             misses: int, read_for: float = 0.0) -> list[MemberLease]:
     """The members to evict (see the module docstring): none when ``misses`` is 0 or the
-    observer's own renewals are late; else those whose lease etcd has not renewed for at least
-    ``misses * interval`` seconds, while the observer's were renewed steadily for as long."""
+    observer's own renewals are late at ``now``; else those whose lease etcd has not renewed for
+    at least ``misses * interval`` seconds, while the observer's were renewed steadily for as long
+    (plus ``read_for``, the seconds the reads took that ended just before ``now``: the silence
+    was counted at some moment within them)."""
     if misses <= 0:
         return []
     limit = misses * interval
     steady = steady_for(renewed_at, now, limit)
     if steady <= 0.0:
         return []
-    return [m for m in members if m.remaining >= 0 and limit <= silent_for(m) <= steady]
+    return [m for m in members if m.remaining >= 0 and limit <= silent_for(m) <= steady - read_for]
 
 
 class Evictor:
@@ -135,16 +137,17 @@ class Evictor:
         """One look (see the module docstring); whether the previous round was empty."""
         client, s = self._client, self._settings
         prefix = self._keys.join_prefix(self._round - 1)
-        started = time.monotonic()
-        renewed = self._session.renewed_at()
         try:
             kvs = client.range(prefix, prefix_range_end(prefix), limit=MAX_LOOKED + 1).kvs
             if not kvs or len(kvs) > MAX_LOOKED:
                 return not kvs
+            started = time.monotonic()
             members = [MemberLease(kv.key, kv.mod_revision, kv.lease, *client.lease_ttls(kv.lease))
                        for kv in kvs if kv.lease and kv.lease != self._session.id]
-            for member in to_evict(members, renewed, started, s.renew_every, s.evict_misses):
-                self._evict(member, renewed, started)
+            now = time.monotonic()
+            renewed = self._session.renewed_at()  # after the reads: etcd must still be answering us
+            for member in to_evict(members, renewed, now, s.renew_every, s.evict_misses, now - started):
+                self._evict(member, renewed, now)
         except EtcdError as e:
             log.info("round %d: could not look at the leases of round %d: %s", self._round, self._round - 1, e)
         return False

@@ -76,6 +76,12 @@ def test_one_late_renewal_of_our_own_breaks_the_steady_stretch() -> None:
     assert to_evict([member(TTL - 7)], gap, NOW, 1.0, 2) == []  # silent 6 s > 5
 
 
+def test_the_time_the_reads_took_counts_against_the_steady_stretch() -> None:
+    gap = [t for t in STEADY if not NOW - 8 < t < NOW - 5]  # steady for 5 s
+    assert to_evict([member(TTL - 5)], gap, NOW, 1.0, 2, read_for=0.5) == [member(TTL - 5)]  # 4 + 0.5 <= 5
+    assert to_evict([member(TTL - 5)], gap, NOW, 1.0, 2, read_for=1.5) == []  # 4 + 1.5 > 5
+
+
 def test_gone_leases_are_left_alone_and_zero_misses_turns_eviction_off() -> None:
     assert to_evict([member(-1)], STEADY, NOW, 1.0, 2) == []
     assert to_evict([member(3)], STEADY, NOW, 1.0, 0) == []
