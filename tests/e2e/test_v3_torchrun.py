@@ -183,15 +183,19 @@ out_dir, stop_file = sys.argv[1], sys.argv[2]
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 dist.init_process_group("gloo", timeout=timedelta(seconds=30))
 step = 0
-while not os.path.exists(stop_file):
-    t = torch.ones(1)
-    dist.all_reduce(t)  # one training step: needs every rank of the group
+while True:
+    # one training step: needs every rank of the group; the ranks also agree on when to stop (a rank
+    # that stopped alone would leave the others' all_reduce to fail)
+    t = torch.tensor([1, int(os.path.exists(stop_file))], dtype=torch.int64)
+    dist.all_reduce(t)
     step += 1
     if step == 1:
         path = os.path.join(out_dir, f"first-{world}-{rank}.json")
         with open(path + ".tmp", "w") as f:
-            json.dump({"t": time.time(), "agent": os.getppid(), "sum": int(t.item())}, f)
+            json.dump({"t": time.time(), "agent": os.getppid(), "sum": int(t[0].item())}, f)
         os.replace(path + ".tmp", path)
+    if int(t[1].item()) > 0:
+        break
     time.sleep(0.05)
 dist.destroy_process_group()
 '''
