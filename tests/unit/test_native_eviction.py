@@ -3,7 +3,7 @@
 ``to_evict`` is a pure function of what a survivor read (the leases left in its previous
 round, as etcd's leader counts them), of when its own renewals were answered, and of the
 time; every case is a made-up look. The rule runs against real etcd and real agents in
-tests/integration/test_v3_eviction.py and tests/e2e/test_v3_eviction.py.
+tests/integration/test_v3_eviction.py and tests/e2e/test_v3_no_false_eviction.py.
 """
 
 from __future__ import annotations
