@@ -64,8 +64,8 @@ def test_read_modify_write_alone_adds_and_compares_exactly_once(client: EtcdClie
     assert writes.compare_set(k, b"5", b"9") == b"9"
     kv = client.get(k)
     assert kv is not None and kv.value == b"9" and kv.lease == lease
+    writes.append(k, b"x")
     with pytest.raises(dist.DistStoreError, match="not an integer"):
-        writes.update(k, lambda _: b"x")
         writes.add(k, 1, "n")
     client.lease_revoke(lease)
 
