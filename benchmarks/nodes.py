@@ -241,12 +241,13 @@ class FloorBarrierNode:
 
     def rendezvous(self) -> tuple[int, int]:
         from etcd_store.client import op_get, op_put
+        from etcd_store.client.synced import SyncedWatch
 
         deadline = time.monotonic() + self.timeout
-        with self.client.watch(self.go_key) as w:
-            if not w.wait_created(self.timeout):
-                raise TimeoutError(f"floor-barrier: the watch on {self.go_key!r} was not created "
-                                   f"within {self.timeout:g} s")
+        # Confirmed before the Txn (or WatchNotConfirmed, a TimeoutError, or the watch's error):
+        # the watch covers every revision after the Txn, so no event is skipped.
+        with SyncedWatch.open(self.client, self.go_key, None, 0, self.timeout,
+                              f"floor-barrier: the watch on {self.go_key!r}") as w:
             res = self.client.txn([], [op_get(self.joined, prefix=True, count_only=True),
                                        op_put(self.key, b"127.0.0.1")])
             rank = res.responses[0].count  # type: ignore[union-attr]
