@@ -39,7 +39,6 @@ from .kv import (
 )
 from .session import Session, renewing_lease
 from .stats import CallStats
-from .testing import RpcCounter
 from .transport import DEFAULT_CONNECT_TIMEOUT, DEFAULT_TIMEOUT
 from .watch import Watch
 
@@ -56,7 +55,6 @@ __all__ = [
     "MemberStatus",
     "PutResult",
     "RangeResult",
-    "RpcCounter",
     "Session",
     "TxnResult",
     "Watch",

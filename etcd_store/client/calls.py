@@ -62,7 +62,7 @@ class EtcdClient:
             plain-text endpoint is a ``ValueError`` unless ``allow_insecure_auth``
             (then a warning is logged); a password sent to an etcd with auth disabled
             logs a warning once per client.
-        interceptors: gRPC client interceptors (for instance an :class:`RpcCounter`).
+        interceptors: gRPC client interceptors (for instance :class:`~etcd_store.client.testing.RpcCounter`).
         connect_timeout: seconds (default 5) a client that never reached etcd keeps
             retrying when every endpoint refuses the connection (nothing listening,
             unknown host); then the call raises :class:`EtcdConnectionError` instead of
