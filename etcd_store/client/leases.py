@@ -89,7 +89,7 @@ class KeepAlives:
     """The keep-alive multiplexer of one client (see the module docstring)."""
 
     def __init__(self, transport: Transport) -> None:
-        self._client = transport
+        self._transport = transport
         self._cond = threading.Condition()
         self._leases: dict[int, _Kept] = {}
         self._heap: list[tuple[float, int, int]] = []  # (due, tie-breaker, lease id); stale items skipped
@@ -107,12 +107,12 @@ class KeepAlives:
         """Refresh ``lease_id`` for ``keeper`` from ``first_in`` seconds on (sooner if already kept)."""
         with self._cond:
             self._reserved = max(self._reserved - 1, 0)
-            closed = self._halted or self._client.closed
+            closed = self._halted or self._transport.closed
             if not closed:
                 self._add_locked(keeper, lease_id, refresh_interval(ttl),
                                  time.monotonic() + max(first_in, 0.0), primary)
         if closed:
-            keeper._stopped(EtcdError(f"The etcd client for {self._client.describe()} is closed."))
+            keeper._stopped(EtcdError(f"The etcd client for {self._transport.describe()} is closed."))
 
     def keep_with(self, keeper: Keeper, own: int, lease_id: int) -> None:
         """Refresh ``lease_id`` for ``keeper`` too, first together with its lease ``own``."""
@@ -136,7 +136,7 @@ class KeepAlives:
             self._cond.notify_all()
         if call is not None:
             call.cancel()
-        self._stop_all(EtcdError(f"The etcd client for {self._client.describe()} was closed."))
+        self._stop_all(EtcdError(f"The etcd client for {self._transport.describe()} was closed."))
 
     def kept(self) -> int:
         """How many leases are being refreshed."""
@@ -191,15 +191,15 @@ class KeepAlives:
     def _run(self) -> None:
         """The reader thread: waits for the next refresh due, then streams (reconnecting) until
         idle; ends when nothing is kept, the client closes, or a failure is final."""
-        client = self._client
+        transport = self._transport
         stream = ReconnectingStream(
-            client, "keep-alive stream", lambda: self._halted or client.closed,
+            transport, "keep-alive stream", lambda: self._halted or transport.closed,
             recoverable=lambda e: isinstance(e, EtcdLeaseNotFound), on_reconnect=self._refresh_all_now,
         )  # fmt: skip
         while True:
             with self._cond:
                 while True:
-                    if self._halted or client.closed or not self._leases:
+                    if self._halted or transport.closed or not self._leases:
                         self._thread = None  # stopped, or idle: the next keep() starts a new thread
                         return
                     wait = self._next_due() - time.monotonic()
@@ -208,7 +208,7 @@ class KeepAlives:
                     self._cond.wait(min(wait, 3600.0))
             fatal = stream.run(self._stream)
             if fatal is not None:
-                log.warning("keep-alive stream of %s stopped: %s", client.describe(), fatal)
+                log.warning("keep-alive stream of %s stopped: %s", transport.describe(), fatal)
                 self._stop_all(fatal)
                 with self._cond:
                     self._thread = None
