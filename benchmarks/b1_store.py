@@ -190,7 +190,8 @@ class Contender:
 
 
 def make_contender(name: str, farm: EtcdFarm, tcp_endpoint: str, timeout: float) -> Contender:
-    from etcd_store.client import EtcdClient, RpcCounter
+    from etcd_store.client import EtcdClient
+    from etcd_store.client.testing import RpcCounter
 
     td = timedelta(seconds=timeout)
     store: Any
