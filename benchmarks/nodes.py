@@ -338,7 +338,10 @@ def make_node(kind: str, spec: dict[str, Any], node_id: int, shared: SharedClien
         return PgNode(spec, node_id)
     else:
         raise ValueError(f"unknown node kind {kind!r}")
+    from etcd_store.client.testing import count_watches
+
     for client in _clients(node):
+        count_watches(client)  # its watches count into the node's WatchStats (see workers.create)
         if shared is None or not shared.owns(client):
             client.get(_CONNECT_KEY)
     return node
@@ -371,7 +374,8 @@ def _clients(obj: Any, depth: int = 4) -> list[Any]:
 
 def watch_counts(node: Any, stats: Any) -> tuple[int, int] | None:
     """``(events, bytes)`` delivered so far to the watches ``node``'s threads created (``stats``:
-    the node's :class:`~etcd_store.client.testing.WatchStats`, see ``counting_watches``);
+    the node's :class:`~etcd_store.client.testing.WatchStats`, see ``counting_watches`` and
+    ``count_watches``, subscribed in :func:`make_node`);
     None when the node holds none of this package's clients (c10d, torch's etcd-v2)."""
     if not _clients(node):
         return None

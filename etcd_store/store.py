@@ -46,7 +46,7 @@ namespace is attached to one namespace lease that every live store of the
 namespace keeps alive; ``lease_ttl`` seconds after the last store is closed or
 its process died, etcd deletes the whole namespace.
 
-Retries: one policy, the client's (:mod:`etcd_store.client.transport`): each RPC gets attempts
+Retries: one policy, the client's (:meth:`~etcd_store.client.transport.Transport.call`): each RPC gets attempts
 with growing deadlines (2 s, 4 s, 8 s, ...) and fails over to the next endpoint,
 until the call's deadline (the store timeout), so a call rides through an etcd
 restart or a leader election within its timeout. Every request of the store is

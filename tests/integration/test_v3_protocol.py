@@ -35,7 +35,8 @@ from etcd_rdzv.native.handler import EtcdV3RendezvousHandler, RoundResult
 from etcd_rdzv.native.keys import RunKeys
 from etcd_rdzv.native.records import Sealed
 from etcd_rdzv.plugin import create_etcd_v3_handler, create_etcd_v3_rdzv_handler
-from etcd_store.client import EtcdClient, RpcCounter, Watch
+from etcd_store.client import EtcdClient, Watch
+from etcd_store.client.testing import RpcCounter
 from etcd_store.errors import EtcdConnectionError, EtcdPermissionDenied
 
 pytestmark = pytest.mark.timeout(120)
