@@ -99,6 +99,12 @@ class EtcdClient:
     # ---------------------------------------------------------------- the transport's settings
 
     @property
+    def transport(self) -> Transport:
+        """The :class:`Transport` this client holds (for RPCs of services the client has no method
+        for, such as :mod:`.auth_admin`: ``client.transport.call(service, method, request)``)."""
+        return self._transport
+
+    @property
     def endpoints(self) -> list[Endpoint]:
         """The parsed endpoints, in the order given."""
         return self._transport.endpoints
