@@ -10,7 +10,7 @@ the same work (Put; Range; one Txn with the cached value for ``add``; Txn for
 A run measures every operation on every contender, in batches of ``ops`` calls
 (after a short untimed warm-up); the contender order rotates between runs and
 operations. Latency is per call (``time.perf_counter`` around it), RPCs per call
-come from an :class:`~etcd_store.client.RpcCounter` (gRPC) or a count of HTTP
+come from an :class:`~etcd_store.client.testing.RpcCounter` (gRPC) or a count of HTTP
 requests (python-etcd).
 """
 
@@ -190,7 +190,8 @@ class Contender:
 
 
 def make_contender(name: str, farm: EtcdFarm, tcp_endpoint: str, timeout: float) -> Contender:
-    from etcd_store.client import EtcdClient, RpcCounter
+    from etcd_store.client import EtcdClient
+    from etcd_store.client.testing import RpcCounter
 
     td = timedelta(seconds=timeout)
     store: Any

@@ -241,12 +241,13 @@ class FloorBarrierNode:
 
     def rendezvous(self) -> tuple[int, int]:
         from etcd_store.client import op_get, op_put
+        from etcd_store.client.synced import SyncedWatch
 
         deadline = time.monotonic() + self.timeout
-        with self.client.watch(self.go_key) as w:
-            if not w.wait_created(self.timeout):
-                raise TimeoutError(f"floor-barrier: the watch on {self.go_key!r} was not created "
-                                   f"within {self.timeout:g} s")
+        # Confirmed before the Txn (or WatchNotConfirmed, a TimeoutError, or the watch's error):
+        # the watch covers every revision after the Txn, so no event is skipped.
+        with SyncedWatch.open(self.client, self.go_key, None, 0, self.timeout,
+                              f"floor-barrier: the watch on {self.go_key!r}") as w:
             res = self.client.txn([], [op_get(self.joined, prefix=True, count_only=True),
                                        op_put(self.key, b"127.0.0.1")])
             rank = res.responses[0].count  # type: ignore[union-attr]
@@ -337,7 +338,10 @@ def make_node(kind: str, spec: dict[str, Any], node_id: int, shared: SharedClien
         return PgNode(spec, node_id)
     else:
         raise ValueError(f"unknown node kind {kind!r}")
+    from etcd_store.client.testing import count_watches
+
     for client in _clients(node):
+        count_watches(client)  # its watches count into the node's WatchStats (see workers.create)
         if shared is None or not shared.owns(client):
             client.get(_CONNECT_KEY)
     return node
@@ -370,7 +374,8 @@ def _clients(obj: Any, depth: int = 4) -> list[Any]:
 
 def watch_counts(node: Any, stats: Any) -> tuple[int, int] | None:
     """``(events, bytes)`` delivered so far to the watches ``node``'s threads created (``stats``:
-    the node's :class:`~etcd_store.client.testing.WatchStats`, see ``counting_watches``);
+    the node's :class:`~etcd_store.client.testing.WatchStats`, see ``counting_watches`` and
+    ``count_watches``, subscribed in :func:`make_node`);
     None when the node holds none of this package's clients (c10d, torch's etcd-v2)."""
     if not _clients(node):
         return None

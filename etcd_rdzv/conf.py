@@ -43,20 +43,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .conf_env import (
-    ETCDCTL_CACERT,
-    ETCDCTL_CERT,
-    ETCDCTL_ENDPOINTS,
-    ETCDCTL_KEY,
-    ETCDCTL_USER,
-    etcdctl_ca_cert,
-    etcdctl_cert_pair,
-    etcdctl_credentials,
-    etcdctl_endpoints,
-    note_etcdctl_used,
-    own_env_password,
-    read_secret,
-)
+from .conf_env import Given, read_secret, resolve_connection
 from .conf_keys import warn_unknown_keys
 from .defaults import (
     DEFAULT_CLOSE_TIMEOUT,
@@ -336,9 +323,8 @@ _password_in_conf_warned = False
 
 
 def _password(params: RdzvParams) -> str | None:
-    """The etcd password: option ``password``, else the file named by ``password_file``, else
-    ``$ETCD_RDZV_PASSWORD``, else the file named by ``$ETCD_RDZV_PASSWORD_FILE``. The contents never
-    appear in a message."""
+    """The etcd password of the rdzv-conf: option ``password``, else the file named by
+    ``password_file``, else ``None``. The contents never appear in a message."""
     global _password_in_conf_warned
     password = params.get("password")
     if password is not None:
@@ -355,7 +341,7 @@ def _password(params: RdzvParams) -> str | None:
     path = _text(params, "password_file")
     if path is not None:
         return read_secret(path, "The rendezvous configuration option 'password_file'")
-    return own_env_password(os.environ)
+    return None  # then our variables, then etcdctl's (conf_env.resolve_connection)
 
 
 # --------------------------------------------------------------------------- public
@@ -383,84 +369,64 @@ def parse_client_options(params: RdzvParams) -> EtcdClientOptions:
 
     ``user``/``password`` fall back to ``$ETCD_RDZV_USER``/``$ETCD_RDZV_PASSWORD`` so
     secrets can stay off command lines; an empty endpoint, the TLS files and the
-    credentials then fall back to etcdctl's ``ETCDCTL_*`` variables
-    (:mod:`etcd_rdzv.conf_env`). Raises ``ValueError`` naming the bad key or variable.
+    credentials then fall back to etcdctl's ``ETCDCTL_*`` variables, and the endpoint to
+    ``localhost:2379`` (the one resolver, :func:`etcd_rdzv.conf_env.resolve_connection`).
+    Raises ``ValueError`` naming the bad key or variable.
     """
+    given = Given(
+        endpoints=_endpoint(params), ca_cert=_readable_file(params, "ca_cert"),
+        cert=_readable_file(params, "ssl_cert"), key=_readable_file(params, "ssl_cert_key"),
+        user=_text(params, "user"), password=_password(params),
+        user_option="the option 'user'", password_option="the option 'password_file' (a file holding it) or 'password'",
+    )  # fmt: skip
+    conn = resolve_connection(given, os.environ)
+    options = EtcdClientOptions(
+        endpoints=conn.endpoints, read_timeout=get_seconds_or(params, "read_timeout", DEFAULT_READ_TIMEOUT),
+        protocol=_protocol(params), ca_cert=conn.ca_cert, cert=conn.cert, key=_client_key(conn.cert, conn.key),
+        user=conn.user, password=conn.password, allow_insecure_auth=_flag(params, "allow_insecure_auth"),
+    )  # fmt: skip
+    _check_transport(options)
+    return options
+
+
+def _endpoint(params: RdzvParams) -> str | None:
+    """``--rdzv-endpoint`` checked (``ValueError`` naming the bad part), or ``None`` when empty."""
     from etcd_store.client import parse_endpoints
 
-    environ = os.environ
-    used: list[str] = []  # the ETCDCTL_* variables taken
     spec = (params.endpoint or "").strip()
-    if spec:
-        try:
-            parse_endpoints(spec, check_schemes=False)
-        except ValueError as e:  # e names the bad part; spec may hold a password
-            raise ValueError(f"Invalid --rdzv-endpoint: {e}") from None
-    elif (from_env := etcdctl_endpoints(environ)) is not None:
-        spec = from_env
-        used.append(ETCDCTL_ENDPOINTS)
-    else:
-        spec = DEFAULT_ENDPOINT
+    if not spec:
+        return None
+    try:
+        parse_endpoints(spec, check_schemes=False)
+    except ValueError as e:  # e names the bad part; spec may hold a password
+        raise ValueError(f"Invalid --rdzv-endpoint: {e}") from None
+    return spec
 
-    read_timeout = get_seconds_or(params, "read_timeout", DEFAULT_READ_TIMEOUT)
 
+def _protocol(params: RdzvParams) -> str | None:
+    """The option ``protocol`` (``http`` or ``https``, any case), or ``None``."""
     protocol = _text(params, "protocol")
-    if protocol is not None:
-        protocol = protocol.lower()
-        if protocol not in ("http", "https"):
-            raise ValueError(
-                f"The rendezvous configuration option 'protocol' must be 'http' or 'https', "
-                f"got {params.get('protocol')!r}."
-            )
-
-    ca_cert = _readable_file(params, "ca_cert")
-    if ca_cert is None and (ca_cert := etcdctl_ca_cert(environ)) is not None:
-        used.append(ETCDCTL_CACERT)
-    cert = _readable_file(params, "ssl_cert")
-    key = _readable_file(params, "ssl_cert_key")
-    if cert is None and key is None:
-        cert, key = etcdctl_cert_pair(environ)
-        used += [ETCDCTL_CERT, ETCDCTL_KEY] if cert is not None else []
-    if key is not None and cert is None:
+    if protocol is not None and protocol.lower() not in ("http", "https"):
         raise ValueError(
-            "The rendezvous configuration option 'ssl_cert_key' was given without 'ssl_cert'."
+            f"The rendezvous configuration option 'protocol' must be 'http' or 'https', "
+            f"got {params.get('protocol')!r}."
         )
+    return None if protocol is None else protocol.lower()
+
+
+def _client_key(cert: str | None, key: str | None) -> str | None:
+    """The client key: ``key``, or ``cert`` itself when it holds the key too (torch's etcd-v2
+    accepts one PEM file holding both); ``ValueError`` for a key without a certificate."""
+    if key is not None and cert is None:
+        raise ValueError("The rendezvous configuration option 'ssl_cert_key' was given without 'ssl_cert'.")
     if cert is not None and key is None:
-        # torch's etcd-v2 accepts a single PEM file holding certificate and key.
         if not _holds_private_key(cert):
             raise ValueError(
                 f"The rendezvous configuration option 'ssl_cert' ({cert!r}) holds no private "
                 "key: give the key file as 'ssl_cert_key'."
             )
-        key = cert
-
-    user = _text(params, "user") or (environ.get(USER_ENV) or None)
-    password = _password(params)
-    if user is None and password is None:
-        user, password = etcdctl_credentials(environ)
-        used += [ETCDCTL_USER] if user is not None else []
-    note_etcdctl_used(used)
-    if user is None and password:
-        raise ValueError(
-            f"An etcd password was given (option 'password'/'password_file', ${PASSWORD_ENV} or "
-            f"${PASSWORD_FILE_ENV}) but no "
-            f"user: set the option 'user' or ${USER_ENV}."
-        )
-    if user is not None and password is None:
-        raise ValueError(
-            f"The etcd user {user!r} was given without a password: set the option "
-            f"'password_file' (a file holding it), ${PASSWORD_FILE_ENV}, ${PASSWORD_ENV} or the "
-            "option 'password'."
-        )
-    if user is None:
-        password = None
-
-    options = EtcdClientOptions(
-        endpoints=spec, read_timeout=read_timeout, protocol=protocol, ca_cert=ca_cert, cert=cert,
-        key=key, user=user, password=password, allow_insecure_auth=_flag(params, "allow_insecure_auth"),
-    )
-    _check_transport(options)
-    return options
+        return cert
+    return key
 
 
 def _flag(params: RdzvParams, key: str) -> bool:

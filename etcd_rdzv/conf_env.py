@@ -16,9 +16,11 @@ One precedence for the rendezvous (:mod:`etcd_rdzv.conf`) and the ``etcd-rdzv`` 
      ``ETCDCTL_PASSWORD`` is set, as etcdctl does) and ``ETCDCTL_PASSWORD``: when neither a
      user nor a password comes from 1 or 2, so a user is never paired with another
      source's password;
-4. defaults (``localhost:2379``, no TLS, no auth).
+4. defaults (``localhost:2379``, :data:`~etcd_rdzv.defaults.DEFAULT_ENDPOINT`; no TLS, no auth).
 
-Each function is the fallback of one option and reads its variables only when called,
+:func:`resolve_connection` is that chain, the one resolver both callers use: they check
+their own explicit options (:class:`Given`) and get a :class:`Connection`. Each other
+function is the fallback of one option and reads its variables only when called,
 so a bad ``ETCDCTL_*`` value that an explicit option overrides is never an error. A bad
 value raises ``ValueError`` naming the variable (and a path or user name, never a
 password). Which ``ETCDCTL_*`` variables were used is logged at INFO once per process
@@ -31,12 +33,15 @@ import logging
 import os
 import threading
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
-from .defaults import PASSWORD_ENV, PASSWORD_FILE_ENV
+from .defaults import DEFAULT_ENDPOINT, PASSWORD_ENV, PASSWORD_FILE_ENV, USER_ENV
 
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "Connection",
+    "Given",
     "ETCDCTL_CACERT",
     "ETCDCTL_CERT",
     "ETCDCTL_ENDPOINTS",
@@ -50,6 +55,7 @@ __all__ = [
     "note_etcdctl_used",
     "own_env_password",
     "read_secret",
+    "resolve_connection",
 ]
 
 ETCDCTL_ENDPOINTS = "ETCDCTL_ENDPOINTS"
@@ -169,3 +175,77 @@ def note_etcdctl_used(names: Iterable[str]) -> None:
             return
         _noted.add(used)
     log.info("etcd-rdzv: using etcdctl's environment variables %s", ", ".join(f"${n}" for n in sorted(used)))
+
+
+# --------------------------------------------------------------------------- the one resolver
+
+
+@dataclass(frozen=True)
+class Given:
+    """The connection options a caller was given explicitly (rdzv-conf keys, the command's flags),
+    each already checked by the caller; ``None``: not given. ``user_option``/``password_option``
+    name where the caller takes them, for errors ("" when it takes none: the command)."""
+
+    endpoints: str | None = None
+    ca_cert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+    user_option: str = ""
+    password_option: str = ""
+
+
+@dataclass(frozen=True)
+class Connection:
+    """Where and as whom to connect, every fallback applied (:func:`resolve_connection`)."""
+
+    endpoints: str
+    ca_cert: str | None
+    cert: str | None
+    key: str | None
+    user: str | None
+    password: str | None = field(repr=False)
+
+
+def resolve_connection(given: Given, environ: Environ) -> Connection:
+    """The precedence of the module docstring applied to ``given``: explicit options, our
+    variables, etcdctl's, the defaults. Raises ``ValueError`` naming the variable or option (never
+    a password): a bad ``ETCDCTL_*`` value, a user without a password or a password without a user."""
+    used: list[str] = []  # the ETCDCTL_* variables taken
+    endpoints = given.endpoints
+    if not endpoints and (endpoints := etcdctl_endpoints(environ)) is not None:
+        used.append(ETCDCTL_ENDPOINTS)
+    ca_cert = given.ca_cert
+    if ca_cert is None and (ca_cert := etcdctl_ca_cert(environ)) is not None:
+        used.append(ETCDCTL_CACERT)
+    cert, key = given.cert, given.key
+    if cert is None and key is None and (pair := etcdctl_cert_pair(environ))[0] is not None:
+        cert, key = pair
+        used += [ETCDCTL_CERT, ETCDCTL_KEY]
+    user, password = _credentials(given, environ, used)
+    note_etcdctl_used(used)
+    return Connection(endpoints or DEFAULT_ENDPOINT, ca_cert, cert, key, user, password)
+
+
+def _credentials(given: Given, environ: Environ, used: list[str]) -> tuple[str | None, str | None]:
+    """``(user, password)``: given, else ours (``$ETCD_RDZV_USER`` and the password variables), else
+    etcdctl's when neither came from those (a user is never paired with another source's password)."""
+    user = given.user or environ.get(USER_ENV) or None
+    password = given.password if given.password is not None else own_env_password(environ)
+    if user is None and password is None:
+        user, password = etcdctl_credentials(environ)
+        used += [ETCDCTL_USER] if user is not None else []
+        return user, password
+    user_hint = " or ".join(x for x in (given.user_option, f"${USER_ENV}") if x)
+    password_hint = ", ".join(x for x in (given.password_option, f"${PASSWORD_FILE_ENV} or ${PASSWORD_ENV}") if x)
+    if user is None:
+        if password:
+            raise ValueError(f"An etcd password was given ({password_hint}) but no user: set {user_hint}.")
+        return None, None
+    if password is None:
+        source = given.user_option if given.user else f"${USER_ENV}"
+        raise ValueError(
+            f"The etcd user {user!r} was given without a password ({source} is set): set {password_hint}."
+        )
+    return user, password

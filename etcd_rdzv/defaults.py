@@ -1,7 +1,8 @@
 """The defaults of every rdzv-conf value and the names of the environment variables (no imports).
 
-Shared by :mod:`etcd_rdzv.conf` (which re-exports them) and the settings dataclasses, so neither
-imports the other for a constant.
+Shared by :mod:`etcd_rdzv.conf` (which re-exports them), :mod:`etcd_rdzv.conf_env` (the one connection
+resolver), the ``etcd-rdzv`` command and the settings dataclasses, so none
+imports another for a constant.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 DEFAULT_ENDPOINT = "localhost:2379"
 DEFAULT_READ_TIMEOUT = 60.0
 DEFAULT_KEY_PREFIX = "/torch/elastic/rendezvous"
+#: The bound of the ``etcd-rdzv`` command's etcd work (``--timeout``), retries included.
+DEFAULT_CLI_TIMEOUT = 10.0
 LEGACY_KEY_PREFIX = "/torchelastic/p2p"
 DEFAULT_STATE_TTL = 7200
 MAX_STATE_TTL = 6_000_000_000  # the state's lease lasts 1.5 x state_ttl; etcd allows 9e9 s

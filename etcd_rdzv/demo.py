@@ -284,92 +284,116 @@ def _write_plot(path: str, records: Sequence[Record], view: View, chaos: _Chaos 
     stream.write(f"timeline plot: {path}\n")
 
 
-def run_demo(args: argparse.Namespace, stream: TextIO = sys.stdout) -> int:
-    """Run the demo; returns the exit status. Cleans up on every path."""
-    workdir = args.workdir or tempfile.mkdtemp(prefix="etcd-rdzv-demo-")
-    os.makedirs(workdir, exist_ok=True)
-    log_file = os.path.join(workdir, "log.jsonl")
-    steps_file = os.path.join(workdir, "steps")
-    _write_target(steps_file, args.steps)
-    agents: dict[str, LocalAgent] = {}
-    retired: list[LocalAgent] = []
-    keep = bool(args.workdir)  # a temporary workdir is kept only when the job fails
-    try:
-        with _etcd(args.endpoint) as endpoint:
-            run_id = f"demo-{uuid.uuid4().hex[:8]}"
-            view = View(endpoint=endpoint, backend=args.backend, steps=args.steps)
+class _Job:
+    """The demo's agents and files: launch an agent, watch the job, report, clean up."""
 
-            def launch(name: str) -> LocalAgent:
-                cmd = torchrun_command(
-                    ["--log-file", log_file, "--ckpt-dir", os.path.join(workdir, "ckpt"),
-                     "--steps-file", steps_file, "--step-time", str(args.step_time),
-                     "--ckpt-every", str(args.ckpt_every), "--pg-timeout", "30"],
-                    nnodes=f"{args.min_nodes}:{args.nodes}",
-                    nproc_per_node=args.nproc_per_node,
-                    backend=args.backend,
-                    endpoint=endpoint,
-                    run_id=run_id,
-                    max_restarts=args.max_restarts,
-                    rdzv_conf={"join_timeout": 120, "last_call_timeout": 2, "close_timeout": 10,
-                               "keep_alive_interval": 1, "keep_alive_max_attempt": 3},
-                )  # fmt: skip
-                if name in agents:
-                    retired.append(agents[name])
-                agent = LocalAgent(name, cmd, output=os.path.join(workdir, f"{name}.{len(retired)}.out"))
-                agent.start()
-                agents[name] = agent
-                return agent
+    def __init__(self, args: argparse.Namespace, stream: TextIO) -> None:
+        self.args = args
+        self.stream = stream
+        self.workdir = args.workdir or tempfile.mkdtemp(prefix="etcd-rdzv-demo-")
+        os.makedirs(self.workdir, exist_ok=True)
+        self.log_file = os.path.join(self.workdir, "log.jsonl")
+        self.steps_file = os.path.join(self.workdir, "steps")
+        _write_target(self.steps_file, args.steps)
+        self.agents: dict[str, LocalAgent] = {}
+        self.retired: list[LocalAgent] = []
+        self.keep = bool(args.workdir)  # a temporary workdir is kept only when the job fails
+        self.endpoint = ""
+        self.run_id = f"demo-{uuid.uuid4().hex[:8]}"
 
-            for i in range(args.nodes):
-                launch(f"node{i}")
-            view.events.append(f"started {args.nodes} agents; rendezvous id {run_id}; workdir {workdir}")
+    def launch(self, name: str) -> LocalAgent:
+        """Start (or restart) the agent ``name``; a replaced agent is kept for the clean-up."""
+        args = self.args
+        cmd = torchrun_command(
+            ["--log-file", self.log_file, "--ckpt-dir", os.path.join(self.workdir, "ckpt"),
+             "--steps-file", self.steps_file, "--step-time", str(args.step_time),
+             "--ckpt-every", str(args.ckpt_every), "--pg-timeout", "30"],
+            nnodes=f"{args.min_nodes}:{args.nodes}",
+            nproc_per_node=args.nproc_per_node,
+            backend=args.backend,
+            endpoint=self.endpoint,
+            run_id=self.run_id,
+            max_restarts=args.max_restarts,
+            rdzv_conf={"join_timeout": 120, "last_call_timeout": 2, "close_timeout": 10,
+                       "keep_alive_interval": 1, "keep_alive_max_attempt": 3},
+        )  # fmt: skip
+        if name in self.agents:
+            self.retired.append(self.agents[name])
+        agent = LocalAgent(name, cmd, output=os.path.join(self.workdir, f"{name}.{len(self.retired)}.out"))
+        agent.start()
+        self.agents[name] = agent
+        return agent
 
-            chaos = _Chaos(args, agents, launch, view, steps_file) if args.chaos else None
-            deadline = time.monotonic() + args.timeout
-            shown: list[str] = []
-            reported: set[LocalAgent] = set()
-            while True:
-                records = read_records(log_file)
-                if chaos is not None:
-                    chaos.advance(records)
-                for name, agent in agents.items():
-                    rc = agent.returncode
-                    if rc not in (None, 0, -signal.SIGKILL) and agent not in reported:
-                        reported.add(agent)
-                        view.events.append(f"{name} exited with status {rc}; its output: {agent.output}")
-                shown = _redraw(stream, view.lines(records, agents), shown)
-                if all(not a.running() for a in agents.values()):
-                    break
-                if time.monotonic() > deadline:
-                    for name, agent in agents.items():
-                        stream.write(f"--- {name} output (last lines) ---\n{agent.output_tail()}\n")
-                    keep = True
-                    raise DemoError(f"the job did not finish within {args.timeout:.0f}s")
-                time.sleep(0.5)  # refresh period of the view
+    def follow(self, view: View, chaos: _Chaos | None) -> list[str]:
+        """Redraw the view until every agent exited (the lines shown last); raises
+        :class:`DemoError` after ``--timeout`` seconds."""
+        deadline = time.monotonic() + self.args.timeout
+        shown: list[str] = []
+        reported: set[LocalAgent] = set()
+        while True:
+            records = read_records(self.log_file)
+            if chaos is not None:
+                chaos.advance(records)
+            for name, agent in self.agents.items():
+                rc = agent.returncode
+                if rc not in (None, 0, -signal.SIGKILL) and agent not in reported:
+                    reported.add(agent)
+                    view.events.append(f"{name} exited with status {rc}; its output: {agent.output}")
+            shown = _redraw(self.stream, view.lines(records, self.agents), shown)
+            if all(not a.running() for a in self.agents.values()):
+                return shown
+            if time.monotonic() > deadline:
+                for name, agent in self.agents.items():
+                    self.stream.write(f"--- {name} output (last lines) ---\n{agent.output_tail()}\n")
+                self.keep = True
+                raise DemoError(f"the job did not finish within {self.args.timeout:.0f}s")
+            time.sleep(0.5)  # refresh period of the view
 
-            records = read_records(log_file)
-            shown = _redraw(stream, view.lines(records, agents), shown)
-            if getattr(args, "plot", None) is not None:
-                _write_plot(args.plot, records, view, chaos, stream)
-            failed = {n: a.returncode for n, a in agents.items() if a.returncode != 0}
-            done = any(r.kind == "done" for r in records)
-            if failed or not done:
-                for name in failed:
-                    stream.write(f"--- {name} output (last lines) ---\n{agents[name].output_tail()}\n")
-                stream.write(f"job FAILED: agent exit codes {failed}, final step reached: {done}\n")
-                keep = True
-                return 1
-            stream.write(f"job finished: {len(summarize(records))} round(s), log {log_file}\n")
-            return 0
-    finally:
+    def report(self, view: View, chaos: _Chaos | None, shown: list[str]) -> int:
+        """The final view, the plot, and the exit status (0: every agent done and the last step reached)."""
+        stream = self.stream
+        records = read_records(self.log_file)
+        _redraw(stream, view.lines(records, self.agents), shown)
+        if getattr(self.args, "plot", None) is not None:
+            _write_plot(self.args.plot, records, view, chaos, stream)
+        failed = {n: a.returncode for n, a in self.agents.items() if a.returncode != 0}
+        done = any(r.kind == "done" for r in records)
+        if failed or not done:
+            for name in failed:
+                stream.write(f"--- {name} output (last lines) ---\n{self.agents[name].output_tail()}\n")
+            stream.write(f"job FAILED: agent exit codes {failed}, final step reached: {done}\n")
+            self.keep = True
+            return 1
+        stream.write(f"job finished: {len(summarize(records))} round(s), log {self.log_file}\n")
+        return 0
+
+    def clean_up(self) -> None:
+        """Stop every agent; remove a temporary workdir unless the job failed."""
         with _signals_ignored():
-            for agent in [*agents.values(), *retired]:
+            for agent in [*self.agents.values(), *self.retired]:
                 agent.terminate(grace=3.0)
                 agent.close()
-            if not keep:
-                shutil.rmtree(workdir, ignore_errors=True)
-            elif not args.workdir:
-                stream.write(f"kept the training log and the agents' output in {workdir}\n")
+            if not self.keep:
+                shutil.rmtree(self.workdir, ignore_errors=True)
+            elif not self.args.workdir:
+                self.stream.write(f"kept the training log and the agents' output in {self.workdir}\n")
+
+
+def run_demo(args: argparse.Namespace, stream: TextIO = sys.stdout) -> int:
+    """Run the demo; returns the exit status. Cleans up on every path."""
+    job = _Job(args, stream)
+    try:
+        with _etcd(args.endpoint) as endpoint:
+            job.endpoint = endpoint
+            view = View(endpoint=endpoint, backend=args.backend, steps=args.steps)
+            for i in range(args.nodes):
+                job.launch(f"node{i}")
+            view.events.append(f"started {args.nodes} agents; rendezvous id {job.run_id}; workdir {job.workdir}")
+            chaos = _Chaos(args, job.agents, job.launch, view, job.steps_file) if args.chaos else None
+            shown = job.follow(view, chaos)
+            return job.report(view, chaos, shown)
+    finally:
+        job.clean_up()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

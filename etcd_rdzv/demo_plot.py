@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .testing.agents import summarize
+from .testing.agents import GroupSummary, summarize
 from .testing.train import Record
 
 __all__ = ["Event", "PlotUnavailable", "plot_timeline", "require_matplotlib"]
@@ -88,17 +88,7 @@ def plot_timeline(
         gridspec_kw={"height_ratios": [3, max(len(nodes), 2)]},
     )  # fmt: skip
     for i, g in enumerate(groups):
-        colour = colours(i % 10)
-        start, end = g.first_t - origin, g.last_t - origin
-        ax_steps.axvspan(start, end, color=colour, alpha=0.12, linewidth=0)
-        steps = sorted((r.t - origin, r.step) for r in records if r.group == g.group and r.kind == "step" and r.rank == 0)
-        if steps:
-            ax_steps.plot([s[0] for s in steps], [s[1] for s in steps], marker=".", color=colour,
-                          label=f"round {g.round}  world {g.world_size}")  # fmt: skip
-        for node in g.nodes:
-            mine = [r.t - origin for r in records if r.group == g.group and r.node == node]
-            ax_nodes.barh(lane[node], max(mine) - min(mine), left=min(mine), height=0.6, color=colour, alpha=0.8)
-            ax_nodes.text(min(mine), lane[node], f" r{g.round} w{g.world_size}", va="center", fontsize=7)
+        _draw_round(ax_steps, ax_nodes, records, g, colours(i % 10), origin, lane)
     for event in events:
         x = event.t - origin
         for ax in (ax_steps, ax_nodes):
@@ -121,3 +111,20 @@ def plot_timeline(
     finally:
         plt.close(fig)
     return path
+
+
+def _draw_round(
+    ax_steps: Any, ax_nodes: Any, records: Sequence[Record], g: GroupSummary, colour: Any, origin: float,
+    lane: dict[str, int],
+) -> None:
+    """One round ``g`` (a :func:`summarize` group): its span and rank 0's steps on ``ax_steps``,
+    each member's bar on its ``lane`` of ``ax_nodes``."""
+    ax_steps.axvspan(g.first_t - origin, g.last_t - origin, color=colour, alpha=0.12, linewidth=0)
+    steps = sorted((r.t - origin, r.step) for r in records if r.group == g.group and r.kind == "step" and r.rank == 0)
+    if steps:
+        ax_steps.plot([s[0] for s in steps], [s[1] for s in steps], marker=".", color=colour,
+                      label=f"round {g.round}  world {g.world_size}")  # fmt: skip
+    for node in g.nodes:
+        mine = [r.t - origin for r in records if r.group == g.group and r.node == node]
+        ax_nodes.barh(lane[node], max(mine) - min(mine), left=min(mine), height=0.6, color=colour, alpha=0.8)
+        ax_nodes.text(min(mine), lane[node], f" r{g.round} w{g.world_size}", va="center", fontsize=7)

@@ -224,35 +224,7 @@ class EtcdServer:
                 self._work_dir = process.make_temp_dir("etcd-server-")
             data_dir = self.data_dir
             assert data_dir is not None
-            attempts = max(1, num_retries)
-            for attempt in range(1, attempts + 1):
-                had_data = os.path.isdir(os.path.join(data_dir, "member"))
-                repick = self._ports is None
-                if repick:
-                    self._ports = self._pick_ports()
-                member = self._new_member(data_dir)
-                try:
-                    member.launch(stderr)
-                    member.wait_ready(time.monotonic() + timeout)
-                except EtcdStartError as e:
-                    member.terminate(grace=2.0)
-                    collision = e.address_in_use or (stderr is not None and e.returncode is not None)
-                    if repick and collision and attempt < attempts:
-                        logger.warning(
-                            "etcd could not bind its ports %s (attempt %d/%d); retrying on new ports",
-                            self._ports, attempt, attempts,
-                        )  # fmt: skip
-                        self._ports = None
-                        if not had_data:
-                            shutil.rmtree(os.path.join(data_dir, "member"), ignore_errors=True)
-                        continue
-                    self._fail_cleanup(repick)
-                    raise
-                except BaseException:
-                    member.terminate(grace=2.0)
-                    self._fail_cleanup(repick)
-                    raise
-                break
+            member = self._launch(data_dir, timeout, max(1, num_retries), stderr)
             self._member = member
             logger.info(
                 "etcd %s ready at %s (pid %d, data dir %s)",
@@ -265,6 +237,39 @@ class EtcdServer:
                     self.stop()
                     raise
                 self._auth_done = True
+
+    def _launch(self, data_dir: str, timeout: float, attempts: int, stderr: int | TextIO | None) -> EtcdMember:
+        """Launch a member and wait until it is ready, on new ports after a port collision
+        (``attempts`` in all, see :meth:`start`); the ready member, or the start's error."""
+        for attempt in range(1, attempts + 1):
+            had_data = os.path.isdir(os.path.join(data_dir, "member"))
+            repick = self._ports is None
+            if repick:
+                self._ports = self._pick_ports()
+            member = self._new_member(data_dir)
+            try:
+                member.launch(stderr)
+                member.wait_ready(time.monotonic() + timeout)
+            except EtcdStartError as e:
+                member.terminate(grace=2.0)
+                collision = e.address_in_use or (stderr is not None and e.returncode is not None)
+                if repick and collision and attempt < attempts:
+                    logger.warning(
+                        "etcd could not bind its ports %s (attempt %d/%d); retrying on new ports",
+                        self._ports, attempt, attempts,
+                    )  # fmt: skip
+                    self._ports = None
+                    if not had_data:
+                        shutil.rmtree(os.path.join(data_dir, "member"), ignore_errors=True)
+                    continue
+                self._fail_cleanup(repick)
+                raise
+            except BaseException:
+                member.terminate(grace=2.0)
+                self._fail_cleanup(repick)
+                raise
+            return member
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def _pick_ports(self) -> tuple[int, int]:
         need = [p is None for p in (self._given_port, self._given_peer_port)]

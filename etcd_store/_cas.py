@@ -5,23 +5,28 @@ Each operation is one Txn when the store's cached view of the key is right;
 a failed compare returns the current value, and the next Txn starts from it
 (no sleeps), until the store timeout. Replays by the client after a lost reply
 are detected with the thread's :class:`_Marker`, so each write applies exactly
-once (:meth:`ReadModifyWrite._fenced_txn`).
+once (:meth:`ReadModifyWrite.fenced_txn`).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
-import operator
+import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 
-from ._base import StoreBase, _as_bytes, _dist_errors
-from ._values import ChunkedValues, _gen_of, check_deadline
+from ._layout import Layout
+from ._limits import StoreTimeout, budget, check_deadline
+from ._namespace_lease import StoreLease
+from ._values import ChunkedValues, gen_of
 from .client import (
+    EtcdClient,
     PutResult,
     RangeResult,
     TxnResult,
@@ -62,7 +67,7 @@ class _Marker:
 
 @dataclass(frozen=True)
 class Fenced:
-    """The outcome of :meth:`ReadModifyWrite._fenced_txn`.
+    """The outcome of :meth:`ReadModifyWrite.fenced_txn`.
 
     ``txn``: the Txn's result, the marker read left out of a failure branch.
     ``replayed``: an earlier send of this Txn was applied (its reply lost) and
@@ -80,94 +85,38 @@ class Fenced:
         return self.txn.succeeded or self.replayed
 
 
-class ReadModifyWrite(ChunkedValues, StoreBase):
-    """``add``, ``append``, ``compare_set`` and the store's fenced, leased Txn."""
+class ReadModifyWrite:
+    """The writes of one store: its fenced, leased Txn, ``add``, ``append``, ``compare_set``.
 
-    def add(self, key: str | bytes, amount: int) -> int:  # type: ignore[override]
-        """Add ``amount`` to the integer at ``key`` (created at ``amount``); returns the sum.
+    Holds this store's exactly-once markers (one per thread) and its cache of values it
+    last read or wrote (so that the next ``add``/``append`` is one Txn). ``values``: the
+    encoding of values; ``lease``: what every write is attached to; ``timeout``: the store
+    timeout (the deadline of a write).
+    """
+
+    def __init__(
+        self, client: EtcdClient, layout: Layout, values: ChunkedValues, lease: StoreLease,
+        timeout: StoreTimeout,
+    ) -> None:
+        self._client = client
+        self._layout = layout
+        self._values = values
+        self._lease = lease
+        self._timeout = timeout
+        self._id = uuid.uuid4().hex[:16]
+        self._lock = threading.Lock()
+        self._known: dict[bytes, tuple[int, bytes]] = {}
+        self._tls = threading.local()
+        self._thread_numbers = itertools.count()
+
+    def add(self, k: bytes, delta: int, key: str | bytes) -> tuple[int, int]:
+        """Add ``delta`` to the integer at ``k`` (created at ``delta``); (the sum, its revision).
 
         One Txn when the key is new or unchanged since this store last saw it;
         otherwise the failed Txn returns the current value and the next one
-        retries from it (no sleep), until the store timeout. Raises
-        ``DistStoreError`` if the value is not an integer or on timeout.
+        retries from it (no sleep), until the store timeout (``EtcdTimeoutError``).
+        Raises ``DistStoreError`` naming ``key`` if the value is not an integer.
         """
-        return self._add(key, amount)[0]
-
-    def append(self, key: str | bytes, value: str | bytes) -> None:  # type: ignore[override]
-        """Append ``value`` to ``key`` (created if missing). Same cost as :meth:`add`."""
-        k = self._layout.key(key)
-        v = _as_bytes(value, "value")
-        with _dist_errors(f"append({key!r})"):
-            self._update(k, lambda old: (old or b"") + v)
-
-    def compare_set(  # type: ignore[override]
-        self, key: str | bytes, expected_value: str | bytes, desired_value: str | bytes
-    ) -> bytes:
-        """Set ``key`` to ``desired_value`` if it holds ``expected_value``; return the value now.
-
-        As TCPStore: a missing key is created when ``expected_value`` is empty and
-        left missing otherwise (``expected_value`` is returned); a mismatch returns
-        the current value. One Txn; applied at most once even when resent.
-        """
-        k = self._layout.key(key)
-        expected = _as_bytes(expected_value, "expected_value")
-        desired = _as_bytes(desired_value, "desired_value")
-        with _dist_errors(f"compare_set({key!r})"):
-            return self._compare_set(k, expected, desired)
-
-    def _compare_set(self, k: bytes, expected: bytes, desired: bytes) -> bytes:
-        t = self._rpc_timeout()
-        deadline = time.monotonic() + t
-        what = f"compare_set of {k!r}"
-        guard: list[Any] | None
-        if expected == b"":
-            guard = [compare_create(k, "==", 0)]
-        elif self._inline(expected):
-            guard = [compare_value(k, "==", expected)]
-        else:
-            guard = None  # a chunked expected value: compare after reading
-        while True:
-            check_deadline(deadline, what, t)
-            if guard is None:
-                res = self._client.range(k, timeout=self._budget(deadline))
-                if not res.kvs:
-                    return expected
-                current = self._decode(res.kvs[0], deadline)
-                if current is None:
-                    continue
-                if current != expected:
-                    return current
-                guard = [compare_mod(k, "==", res.kvs[0].mod_revision)]
-            out = self._fenced_txn(
-                desired, guard, lambda stored, lease: [op_put(k, stored, lease=lease, prev_kv=True)],
-                [op_get(k)], deadline, what,
-            )
-            if out.applied:
-                self._remember(k, out.revision, desired)
-                if out.txn.succeeded:
-                    self._drop_replaced(_put_of(out.txn).prev_kv, _gen_of(out.stored))
-                return desired
-            rng = out.txn.responses[0]
-            assert isinstance(rng, RangeResult)
-            if not rng.kvs:
-                return expected
-            kv = rng.kvs[0]
-            current = self._decode(kv, deadline)
-            if current is None:
-                guard = None
-                continue
-            if current == expected:  # b"" present, or a chunked value equal to expected
-                guard = [compare_mod(k, "==", kv.mod_revision)]
-                continue
-            self._remember(k, kv.mod_revision, current)
-            return current
-
-    def _add(self, key: str | bytes, amount: int) -> tuple[int, int]:
-        k = self._layout.key(key)
-        try:
-            delta = operator.index(amount)
-        except TypeError:
-            raise TypeError(f"EtcdStore.add amount must be an int, got {amount!r}") from None
 
         def plus(old: bytes | None) -> bytes:
             if old is None:
@@ -180,17 +129,73 @@ class ReadModifyWrite(ChunkedValues, StoreBase):
                 ) from None
             return str(number + delta).encode()
 
-        with _dist_errors(f"add({key!r}, {amount!r})"):
-            new, revision = self._update(k, plus)
+        new, revision = self.update(k, plus)
         return int(new), revision
 
-    def _update(self, k: bytes, compute: Callable[[bytes | None], bytes]) -> tuple[bytes, int]:
+    def append(self, k: bytes, v: bytes) -> None:
+        """Append ``v`` to ``k`` (created if missing). Same cost as :meth:`add`."""
+        self.update(k, lambda old: (old or b"") + v)
+
+    def compare_set(self, k: bytes, expected: bytes, desired: bytes) -> bytes:
+        """Set ``k`` to ``desired`` if it holds ``expected``; return the value now.
+
+        As TCPStore: a missing key is created when ``expected`` is empty and
+        left missing otherwise (``expected`` is returned); a mismatch returns
+        the current value. One Txn; applied at most once even when resent.
+        """
+        t = self._timeout.rpc()
+        deadline = time.monotonic() + t
+        what = f"compare_set of {k!r}"
+        guard: list[Any] | None
+        if expected == b"":
+            guard = [compare_create(k, "==", 0)]
+        elif self._values.inline(expected):
+            guard = [compare_value(k, "==", expected)]
+        else:
+            guard = None  # a chunked expected value: compare after reading
+        while True:
+            check_deadline(deadline, what, t)
+            if guard is None:
+                res = self._client.range(k, timeout=budget(deadline))
+                if not res.kvs:
+                    return expected
+                current = self._values.decode(res.kvs[0], deadline)
+                if current is None:
+                    continue
+                if current != expected:
+                    return current
+                guard = [compare_mod(k, "==", res.kvs[0].mod_revision)]
+            out = self.fenced_txn(
+                desired, guard, lambda stored, lease: [op_put(k, stored, lease=lease, prev_kv=True)],
+                [op_get(k)], deadline, what,
+            )
+            if out.applied:
+                self.remember(k, out.revision, desired)
+                if out.txn.succeeded:
+                    self._values.drop_replaced(put_of(out.txn).prev_kv, gen_of(out.stored))
+                return desired
+            rng = out.txn.responses[0]
+            assert isinstance(rng, RangeResult)
+            if not rng.kvs:
+                return expected
+            kv = rng.kvs[0]
+            current = self._values.decode(kv, deadline)
+            if current is None:
+                guard = None
+                continue
+            if current == expected:  # b"" present, or a chunked value equal to expected
+                guard = [compare_mod(k, "==", kv.mod_revision)]
+                continue
+            self.remember(k, kv.mod_revision, current)
+            return current
+
+    def update(self, k: bytes, compute: Callable[[bytes | None], bytes]) -> tuple[bytes, int]:
         """Read-modify-write ``k`` with a compare-and-swap Txn; returns (new value, revision).
 
         Retries from the value each failed Txn returns until the store timeout
         (then ``EtcdTimeoutError``).
         """
-        t = self._rpc_timeout()
+        t = self._timeout.rpc()
         deadline = time.monotonic() + t
         what = f"read-modify-write of {k!r}"
         with self._lock:
@@ -198,22 +203,22 @@ class ReadModifyWrite(ChunkedValues, StoreBase):
         while True:
             base_mod, base = known
             new = compute(base)
-            out = self._fenced_txn(
+            out = self.fenced_txn(
                 new, [compare_mod(k, "==", base_mod)],
                 lambda stored, lease: [op_put(k, stored, lease=lease, prev_kv=True)],
                 [op_get(k)], deadline, what,
             )
             if out.applied:
-                self._remember(k, out.revision, new)
+                self.remember(k, out.revision, new)
                 if out.txn.succeeded:
-                    self._drop_replaced(_put_of(out.txn).prev_kv, _gen_of(out.stored))
+                    self._values.drop_replaced(put_of(out.txn).prev_kv, gen_of(out.stored))
                 return new, out.revision
             check_deadline(deadline, what, t)
             current = out.txn.responses[0]
             assert isinstance(current, RangeResult)
             known = (0, None)
             if current.kvs:
-                value = self._decode(current.kvs[0], deadline)
+                value = self._values.decode(current.kvs[0], deadline)
                 if value is not None:  # None: replaced since; the next Txn fails and shows it
                     known = (current.kvs[0].mod_revision, value)
 
@@ -226,14 +231,14 @@ class ReadModifyWrite(ChunkedValues, StoreBase):
             self._tls.marker = marker
         return marker
 
-    def _fenced_txn(
+    def fenced_txn(
         self, value: bytes | None, compare: Sequence[Any],
         success: Callable[[bytes, int], list[Any]], failure: Sequence[Any],
         deadline: float, what: str,
     ) -> Fenced:
         """One Txn, applied exactly once, whose writes ride on the namespace lease.
 
-        ``value`` is stored first (its chunks, when it is large: see :meth:`_encode`);
+        ``value`` is stored first (its chunks, when it is large: see :meth:`ChunkedValues.encode`);
         ``success(stored, lease)`` builds the success ops (once per lease). The Txn also requires this
         thread's marker unchanged and writes a fresh op id there, so the client may
         resend it safely: a resend of an applied Txn fails and shows the op id
@@ -247,7 +252,7 @@ class ReadModifyWrite(ChunkedValues, StoreBase):
         op_id = marker.next_id()
 
         def attempt(lease: int) -> Fenced:
-            stored = b"" if value is None else self._encode(value, lease, deadline)
+            stored = b"" if value is None else self._values.encode(value, lease, deadline)
             ops = success(stored, lease)
             while True:
                 seen = marker.mod
@@ -255,7 +260,7 @@ class ReadModifyWrite(ChunkedValues, StoreBase):
                     [*compare, compare_mod(marker.key, "==", seen)],
                     [*ops, op_put(marker.key, op_id, lease=lease)],
                     [*failure, op_get(marker.key)],
-                    timeout=self._budget(deadline), idempotent=True,
+                    timeout=budget(deadline), idempotent=True,
                 )
                 if txn.succeeded:
                     marker.mod = txn.revision
@@ -268,13 +273,13 @@ class ReadModifyWrite(ChunkedValues, StoreBase):
                     log.debug("%s: applied by an earlier send whose reply was lost", what)
                     return Fenced(stored, result, True, marker.mod)
                 if marker.mod == seen:  # the marker held: the caller's compare failed
-                    self._discard(stored)
+                    self._values.discard(stored)
                     return Fenced(stored, result, False, txn.revision)
-                check_deadline(deadline, what, self._rpc_timeout())
+                check_deadline(deadline, what, self._timeout.rpc())
 
-        return self._shared.lease.attached(attempt, self._budget(deadline))
+        return self._lease.attached(attempt, budget(deadline))
 
-    def _remember(self, k: bytes, revision: int, value: bytes) -> None:
+    def remember(self, k: bytes, revision: int, value: bytes) -> None:
         with self._lock:
             if len(value) > _REMEMBER_BYTES:
                 self._known.pop(k, None)
@@ -283,12 +288,14 @@ class ReadModifyWrite(ChunkedValues, StoreBase):
                 self._known.clear()
             self._known[k] = (revision, value)
 
-    def _forget(self, k: bytes) -> None:
+    def forget(self, *ks: bytes) -> None:
+        """Forget what this store knew of ``ks`` (the next write of one reads it first)."""
         with self._lock:
-            self._known.pop(k, None)
+            for k in ks:
+                self._known.pop(k, None)
 
 
-def _put_of(txn: TxnResult) -> PutResult:
+def put_of(txn: TxnResult) -> PutResult:
     put = txn.responses[0]
     assert isinstance(put, PutResult)
     return put

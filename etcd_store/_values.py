@@ -17,13 +17,12 @@ that etcd certainly did not apply. Anything left over goes with the namespace le
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 
-from ._base import StoreBase
-from ._layout import MAGIC, Manifest
-from .client import KeyValue, RangeResult, compare_mod, op_get, prefix_range_end
-from .errors import EtcdError, EtcdTimeoutError
+from ._layout import MAGIC, Layout, Manifest
+from ._limits import StoreTimeout, budget
+from .client import EtcdClient, KeyValue, RangeResult, compare_mod, op_get, prefix_range_end
+from .errors import EtcdError
 
 log = logging.getLogger(__name__)
 
@@ -32,30 +31,41 @@ class ChunksMissing(EtcdError):
     """A key holds a chunk manifest whose chunks are not all in etcd (deleted by hand or lost)."""
 
 
-class ChunkedValues(StoreBase):
-    """Encoding and decoding of stored values (inline, or a manifest of chunks)."""
+class ChunkedValues:
+    """Encoding and decoding of stored values (inline, or a manifest of chunks) in one namespace.
 
-    def _inline(self, value: bytes) -> bool:
-        return len(value) <= self._chunk_bytes and not value.startswith(MAGIC)
+    ``chunk_bytes``: the largest value stored inline, and the size of a chunk. ``timeout``:
+    the store timeout (the deadline of a clean-up Delete).
+    """
 
-    def _encode(self, value: bytes, lease: int, deadline: float) -> bytes:
+    def __init__(self, client: EtcdClient, layout: Layout, chunk_bytes: int, timeout: StoreTimeout) -> None:
+        self._client = client
+        self._layout = layout
+        self.chunk_bytes = chunk_bytes
+        self._timeout = timeout
+
+    def inline(self, value: bytes) -> bool:
+        """Whether ``value`` is stored as it is (else as a manifest of chunks)."""
+        return len(value) <= self.chunk_bytes and not value.startswith(MAGIC)
+
+    def encode(self, value: bytes, lease: int, deadline: float) -> bytes:
         """What to store at the user key: the value, or a manifest after writing its chunks.
 
         The chunk Puts share ``deadline`` (a ``time.monotonic()`` value).
         """
-        if self._inline(value):
+        if self.inline(value):
             return value
-        size = self._chunk_bytes
+        size = self.chunk_bytes
         gen = uuid.uuid4().hex
         count = max(1, -(-len(value) // size))
         for i in range(count):
             self._client.put(
                 self._layout.chunk_key(gen, i), value[i * size : (i + 1) * size],
-                lease=lease, timeout=self._budget(deadline),
+                lease=lease, timeout=budget(deadline),
             )
         return Manifest(gen, count, len(value)).encode()
 
-    def _decode(self, kv: KeyValue, deadline: float, *, live: bool = True) -> bytes | None:
+    def decode(self, kv: KeyValue, deadline: float, *, live: bool = True) -> bytes | None:
         """The value ``kv`` holds, its chunks read at etcd's latest revision.
 
         ``live``: ``kv`` is the key's current version as read; None means the key
@@ -72,14 +82,14 @@ class ChunkedValues(StoreBase):
         if live:
             txn = self._client.txn(
                 [compare_mod(kv.key, "==", kv.mod_revision)], [op_get(start, end)], [],
-                timeout=self._budget(deadline), idempotent=True,
+                timeout=budget(deadline), idempotent=True,
             )
             if not txn.succeeded:
                 return None
             chunks = txn.responses[0]
             assert isinstance(chunks, RangeResult)
         else:
-            chunks = self._client.range(start, end, timeout=self._budget(deadline))
+            chunks = self._client.range(start, end, timeout=budget(deadline))
         data = b"".join(c.value for c in chunks.kvs)
         if len(chunks.kvs) != manifest.count or len(data) != manifest.size:
             raise ChunksMissing(
@@ -89,33 +99,28 @@ class ChunkedValues(StoreBase):
             )
         return data
 
-    def _discard(self, stored: bytes) -> None:
+    def discard(self, stored: bytes) -> None:
         """Delete the chunks of a manifest that etcd certainly never committed."""
-        gen = _gen_of(stored)
+        gen = gen_of(stored)
         if gen is not None:
             self._delete_chunks(gen)
 
-    def _drop_replaced(self, prev: KeyValue | None, own_gen: str | None = None) -> None:
+    def drop_replaced(self, prev: KeyValue | None, own_gen: str | None = None) -> None:
         """Delete the chunks of a value that our own applied write overwrote or deleted."""
         if prev is None:
             return
-        gen = _gen_of(prev.value)
+        gen = gen_of(prev.value)
         if gen is not None and gen != own_gen:
             self._delete_chunks(gen)
 
     def _delete_chunks(self, gen: str) -> None:
         try:
-            self._client.delete(self._layout.chunk_prefix(gen), prefix=True, timeout=self._rpc_timeout())
+            self._client.delete(self._layout.chunk_prefix(gen), prefix=True, timeout=self._timeout.rpc())
         except EtcdError as e:  # harmless: the namespace lease removes them later
             log.warning("could not delete the chunks of %s: %s", gen, e)
 
 
-def _gen_of(stored: bytes) -> str | None:
+def gen_of(stored: bytes) -> str | None:
+    """The generation of the chunks a stored value names (None for an inline value)."""
     manifest = Manifest.decode(stored)
     return manifest.gen if manifest is not None else None
-
-
-def check_deadline(deadline: float, what: str, seconds: float) -> None:
-    """Raise :class:`EtcdTimeoutError` naming ``what`` once ``deadline`` (monotonic) passed."""
-    if time.monotonic() >= deadline:
-        raise EtcdTimeoutError(f"{what} did not complete within {seconds:g} s (the store timeout)")

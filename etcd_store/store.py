@@ -12,7 +12,7 @@ uncontended case:
 ``get``/``wait``/``multi_get``      one read, then one watch from now; one more
 (key missing)                      read when etcd's revision moved between the
                                    two (no polling, no lost wake-up: see
-                                   :mod:`etcd_store._base`)
+                                   :mod:`etcd_store.client.synced`)
 ``multi_get``, ``multi_set``,      one Txn per 128 / 64 / 64 keys
 ``check``                          (etcd's default ``--max-txn-ops`` is 128)
 ``add``, ``append``                one Txn when the key is new or unchanged
@@ -32,23 +32,26 @@ Values larger than ``chunk_bytes`` (1 MiB, below etcd's default 1.5 MiB request
 limit) cost one extra Put per chunk to write and one extra Txn to read (the
 chunks at the latest revision, guarded by the manifest: see :mod:`etcd_store._values`).
 
-Modules: this one (the torch facade: lifecycle, plain keys, waits, barrier),
-:mod:`etcd_store._cas` (``add``, ``append``, ``compare_set``: the compare-and-swap
-engine), :mod:`etcd_store._queues`, :mod:`etcd_store._values` (chunked values),
-:mod:`etcd_store._base` (shared state, deadlines, watch-based waits),
-:mod:`etcd_store._layout` (key layout) and :mod:`etcd_store._namespace_lease`.
+Parts: the store is this facade (torch's API: arguments, errors, lifecycle) over parts it
+holds and calls, each built with what it needs: :class:`~etcd_store._layout.Layout` (the
+keys of a namespace), :class:`~etcd_store._values.ChunkedValues`,
+:class:`~etcd_store._cas.ReadModifyWrite` (the fenced Txn, ``add``, ``append``,
+``compare_set``), :class:`~etcd_store._waits.Waits` (watch-based waits),
+:class:`~etcd_store._keys.PlainKeys`, :class:`~etcd_store._queues.Queues`, and the
+namespace lease (:mod:`etcd_store._namespace_lease`) with the client in
+:class:`~etcd_store._shared.Shared` (what clones share).
 
 Cleanup rule (see :mod:`etcd_store._namespace_lease`): every key of a
 namespace is attached to one namespace lease that every live store of the
 namespace keeps alive; ``lease_ttl`` seconds after the last store is closed or
 its process died, etcd deletes the whole namespace.
 
-Retries: one policy, the client's (:meth:`EtcdClient._call`): each RPC gets attempts
+Retries: one policy, the client's (:meth:`~etcd_store.client.transport.Transport.call`): each RPC gets attempts
 with growing deadlines (2 s, 4 s, 8 s, ...) and fails over to the next endpoint,
 until the call's deadline (the store timeout), so a call rides through an etcd
 restart or a leader election within its timeout. Every request of the store is
 safe to resend: reads are, and every write is one Txn fenced by the thread's
-marker (:meth:`ReadModifyWrite._fenced_txn`), so it applies exactly once; they
+marker (:meth:`ReadModifyWrite.fenced_txn`), so it applies exactly once; they
 are all sent with ``idempotent=True``.
 
 Errors: an unreachable etcd raises ``torch.distributed.DistNetworkError``
@@ -61,45 +64,26 @@ TCPStore; bad arguments raise ``TypeError``/``ValueError``.
 from __future__ import annotations
 
 import datetime
-import itertools
 import logging
+import operator
 import threading
 import time
-import uuid
 import weakref
 from collections.abc import Sequence
-from typing import Any
 
 import torch.distributed as dist
 
-from ._base import (
-    MAX_TXN_OPS,
-    Timeout,
-    _as_bytes,
-    _batches,
-    _dist_errors,
-    _head_of,
-    _seconds,
-    _Shared,
-    _size_batches,
-)
-from ._cas import _put_of
-from ._layout import DEFAULT_CHUNK_BYTES, MAGIC, Layout
+from ._args import Timeout, as_bytes, dist_errors, key_list, seconds
+from ._cas import ReadModifyWrite
+from ._keys import PlainKeys
+from ._layout import DEFAULT_CHUNK_BYTES, Layout
+from ._limits import StoreTimeout
 from ._namespace_lease import GivenLease, NamespaceLease, StoreLease
 from ._queues import Queues
-from ._values import _gen_of
-from .client import (
-    DeleteResult,
-    EtcdClient,
-    Event,
-    KeyValue,
-    PutResult,
-    RangeResult,
-    compare_version,
-    op_delete,
-    op_get,
-    op_put,
-)
+from ._shared import Shared
+from ._values import ChunkedValues
+from ._waits import Waits
+from .client import EtcdClient
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +102,7 @@ _OPEN: set[EtcdStore] = set()
 _OPEN_LOCK = threading.Lock()
 
 
-class EtcdStore(Queues, dist.Store):
+class EtcdStore(dist.Store):
     """A ``torch.distributed.Store`` whose keys live in etcd under ``prefix``.
 
     Args:
@@ -164,7 +148,7 @@ class EtcdStore(Queues, dist.Store):
     ) -> None:
         super().__init__()
         layout = Layout(prefix)
-        seconds = _seconds(timeout)
+        timeout_s = seconds(timeout)
         if not isinstance(chunk_bytes, int) or chunk_bytes < 1024:
             raise ValueError(f"EtcdStore chunk_bytes must be an int >= 1024, got {chunk_bytes!r}")
         if isinstance(endpoints, EtcdClient):
@@ -192,31 +176,31 @@ class EtcdStore(Queues, dist.Store):
             keeper = NamespaceLease(client, layout.lease_key, lease_ttl)
         else:
             keeper = GivenLease(lease)
-        self._setup(_Shared(client, owns, keeper), layout, datetime.timedelta(seconds=seconds), chunk_bytes)
+        self._setup(Shared(client, owns, keeper), layout, datetime.timedelta(seconds=timeout_s), chunk_bytes)
         try:
-            with _dist_errors(f"__init__(prefix={layout.prefix!r})"):
-                keeper.current(self._rpc_timeout())
+            with dist_errors(f"__init__(prefix={layout.prefix!r})"):
+                keeper.current(self._clock.rpc())
         except BaseException:
             self.close()
             raise
 
     def _setup(
-        self, shared: _Shared, layout: Layout, timeout: datetime.timedelta, chunk_bytes: int
+        self, shared: Shared, layout: Layout, timeout: datetime.timedelta, chunk_bytes: int
     ) -> None:
+        """Hold ``shared`` and build this store's parts (no RPC)."""
         shared.acquire()
         self._shared = shared
         self._closer = weakref.finalize(self, shared.release)
         with _OPEN_LOCK:
             _OPEN.add(self)
-        self._client = shared.client
+        client = shared.client
         self._layout = layout
-        self._chunk_bytes = chunk_bytes
-        self._id = uuid.uuid4().hex[:16]
-        self._lock = threading.Lock()
-        self._known: dict[bytes, tuple[int, bytes]] = {}
-        self._queues: dict[bytes, list[tuple[int, bytes]]] = {}
-        self._tls = threading.local()
-        self._thread_numbers = itertools.count()
+        self._clock = clock = StoreTimeout.of(self)
+        self._values = ChunkedValues(client, layout, chunk_bytes, clock)
+        self._writes = ReadModifyWrite(client, layout, self._values, shared.lease, clock)
+        self._waits = Waits(client, layout)
+        self._keys = PlainKeys(client, layout, self._values, self._writes, self._waits, clock)
+        self._queues = Queues(client, layout, self._values, self._writes, self._waits, clock)
         self.set_timeout(timeout)
 
     # ------------------------------------------------------------------ lifecycle
@@ -229,7 +213,7 @@ class EtcdStore(Queues, dist.Store):
     @property
     def client(self) -> EtcdClient:
         """The etcd client (shared with clones)."""
-        return self._client
+        return self._shared.client
 
     def close(self) -> None:
         """Stop keeping the namespace alive from this store; close the client if it owns it.
@@ -250,65 +234,47 @@ class EtcdStore(Queues, dist.Store):
         self.close()
 
     def __repr__(self) -> str:
-        return f"EtcdStore({self._client.describe()!r}, prefix={self.prefix!r})"
+        return f"EtcdStore({self.client.describe()!r}, prefix={self.prefix!r})"
 
     def clone(self) -> EtcdStore:
         """A store on the same namespace, client and lease (no RPC)."""
         twin = EtcdStore.__new__(EtcdStore)
         dist.Store.__init__(twin)
-        twin._setup(self._shared, self._layout, self._timeout(), self._chunk_bytes)
+        twin._setup(self._shared, self._layout, self._timeout(), self._values.chunk_bytes)
         return twin
 
     def has_extended_api(self) -> bool:
         return True
+
+    def _timeout(self) -> datetime.timedelta:
+        timeout: datetime.timedelta = dist.Store.timeout.__get__(self)  # type: ignore[attr-defined]
+        return timeout
 
     # ------------------------------------------------------------------ plain keys
 
     def set(self, key: str | bytes, value: str | bytes) -> None:  # type: ignore[override]
         """Write ``value`` at ``key``. One Txn, applied exactly once even when resent."""
         k = self._layout.key(key)
-        v = _as_bytes(value, "value")
-        with _dist_errors(f"set({key!r})"):
-            out = self._fenced_txn(
-                v, [], lambda stored, lease: [op_put(k, stored, lease=lease, prev_kv=True)], [],
-                time.monotonic() + self._rpc_timeout(), f"set of {k!r}",
-            )
-            self._remember(k, out.revision, v)
-            if out.txn.succeeded:  # a replayed write's replaced value is unknown: the lease cleans up
-                self._drop_replaced(_put_of(out.txn).prev_kv, _gen_of(out.stored))
+        v = as_bytes(value, "value")
+        with dist_errors(f"set({key!r})"):
+            self._keys.set(k, v)
 
     def get(self, key: str | bytes) -> bytes:  # type: ignore[override]
         """The value of ``key``, waiting up to the store timeout for it to be set.
 
         One Range when the key exists; otherwise one Range and one watch from now
         (plus one more read when etcd's revision moved in between: see
-        :mod:`etcd_store._base`). Raises ``DistStoreError`` on timeout.
+        :mod:`etcd_store.client.synced`). Raises ``DistStoreError`` on timeout.
         """
         k = self._layout.key(key)
-        with _dist_errors(f"get({key!r})"):
-            timeout = self._timeout().total_seconds()
-            deadline = time.monotonic() + timeout
-            while True:
-                res = self._client.range(k, timeout=self._budget(deadline))
-                if res.kvs:
-                    kv = res.kvs[0]
-                else:
-                    kv = self._await_heads([k], res.revision, deadline, timeout, [key])[k]
-                value = self._decode(kv, deadline)
-                if value is not None:
-                    self._remember(k, kv.mod_revision, value)
-                    return value
-                if time.monotonic() >= deadline:  # the chunked value kept being replaced
-                    raise self._timeout_error(timeout, [key])
+        with dist_errors(f"get({key!r})"):
+            return self._keys.get(k, key)
 
     def check(self, keys: Sequence[str | bytes]) -> bool:  # type: ignore[override]
         """Whether every key exists (a queue with items counts). One Txn per 64 keys."""
-        ks = [self._layout.key(k) for k in self._key_list(keys)]
-        if not ks:
-            return True
-        with _dist_errors(f"check({list(keys)!r})"):
-            present, _ = self._probe(ks, self._rpc_timeout())
-            return all(k in present for k in ks)
+        ks = [self._layout.key(k) for k in key_list(keys)]
+        with dist_errors(f"check({list(keys)!r})"):
+            return self._keys.check(ks)
 
     def wait(  # type: ignore[override]
         self, keys: Sequence[str | bytes], timeout: Timeout | None = None
@@ -319,46 +285,17 @@ class EtcdStore(Queues, dist.Store):
         one more Txn when etcd's revision moved in between). Raises
         ``DistStoreError("wait timeout after ...ms, keys: ...")``.
         """
-        key_list = self._key_list(keys)
-        ks = [self._layout.key(k) for k in key_list]
-        seconds = self._timeout().total_seconds() if timeout is None else _seconds(timeout)
-        deadline = time.monotonic() + seconds
-        with _dist_errors(f"wait({key_list!r})"):
-            present, revision = self._probe(ks, self._budget(deadline))
-            missing = {k for k in ks if k not in present}
-            if not missing:
-                return
-
-            def reread() -> tuple[bool, int]:
-                present, at = self._probe(list(missing), self._budget(deadline))
-                missing.difference_update(present)
-                return not missing, at
-
-            def seen(ev: Event) -> bool:
-                head = _head_of(self._layout, ev.key)
-                if ev.type == "PUT" and head is not None:
-                    missing.discard(head)
-                return not missing
-
-            if self._wait_for(min(missing), Layout.span_end(max(missing)), revision, deadline, reread, seen):
-                return
-            raise self._timeout_error(seconds, key_list)
+        names = key_list(keys)
+        ks = [self._layout.key(k) for k in names]
+        wait_s = self._clock.seconds() if timeout is None else seconds(timeout)
+        with dist_errors(f"wait({names!r})"):
+            self._waits.wait_keys(ks, wait_s, names)
 
     def delete_key(self, key: str | bytes) -> bool:  # type: ignore[override]
         """Delete ``key``; True if it existed. One Txn, applied exactly once even when resent."""
         k = self._layout.key(key)
-        with _dist_errors(f"delete_key({key!r})"):
-            out = self._fenced_txn(
-                None, [compare_version(k, ">", 0)], lambda _, lease: [op_delete(k, prev_kv=True)], [],
-                time.monotonic() + self._rpc_timeout(), f"delete_key of {k!r}",
-            )
-            self._forget(k)
-            if out.txn.succeeded:
-                deleted = out.txn.responses[0]
-                assert isinstance(deleted, DeleteResult)
-                for kv in deleted.prev_kvs:
-                    self._drop_replaced(kv)
-            return out.applied
+        with dist_errors(f"delete_key({key!r})"):
+            return self._keys.delete(k)
 
     def num_keys(self) -> int:  # type: ignore[override]
         """How many keys this namespace holds (queues and internal keys not counted).
@@ -369,85 +306,112 @@ class EtcdStore(Queues, dist.Store):
         :meth:`list_keys`. TCPStore counts one internal key more; this store counts
         only user keys.
         """
-        return len(self._user_keys("num_keys()"))
+        with dist_errors("num_keys()"):
+            return len(self._keys.user_keys())
 
     def list_keys(self) -> list[str]:  # type: ignore[override]
         """The keys of this namespace, sorted (queues not included). One Range."""
-        return self._user_keys("list_keys()")
+        with dist_errors("list_keys()"):
+            return self._keys.user_keys()
 
     def multi_get(self, keys: Sequence[str | bytes]) -> list[bytes]:  # type: ignore[override]
         """The values of ``keys``, waiting like ``get`` for missing ones.
 
         One Txn per 128 keys; missing keys add one watch.
         """
-        key_list = self._key_list(keys)
-        ks = [self._layout.key(k) for k in key_list]
+        names = key_list(keys)
+        ks = [self._layout.key(k) for k in names]
         if not ks:
             return []
-        with _dist_errors(f"multi_get({key_list!r})"):
-            timeout = self._timeout().total_seconds()
-            deadline = time.monotonic() + timeout
-            unique = list(dict.fromkeys(ks))
-            while True:
-                found: dict[bytes, KeyValue] = {}
-                revision = 0
-                for batch in _batches(unique, MAX_TXN_OPS):
-                    res = self._client.txn(
-                        [], [op_get(k) for k in batch], timeout=self._budget(deadline), idempotent=True,
-                    )
-                    revision = revision or res.revision
-                    for r in res.responses:
-                        if isinstance(r, RangeResult) and r.kvs:
-                            found[r.kvs[0].key] = r.kvs[0]
-                missing = [k for k in unique if k not in found]
-                if missing:
-                    found.update(self._await_heads(missing, revision, deadline, timeout, key_list))
-                values = {k: self._decode(found[k], deadline) for k in unique}
-                if all(v is not None for v in values.values()):
-                    return [values[k] for k in ks]  # type: ignore[misc]
-                if time.monotonic() >= deadline:  # a chunked value kept being replaced
-                    raise self._timeout_error(timeout, key_list)
+        with dist_errors(f"multi_get({names!r})"):
+            return self._keys.multi_get(ks, names)
 
     def multi_set(  # type: ignore[override]
         self, keys: Sequence[str | bytes], values: Sequence[str | bytes]
     ) -> None:
         """Write several keys. One Txn per 64 keys (or per 1 MiB of values); not atomic beyond one Txn."""
-        key_list = self._key_list(keys)
+        names = key_list(keys)
         value_list = list(values)
-        if len(key_list) != len(value_list):
+        if len(names) != len(value_list):
             raise dist.DistStoreError("multiSet keys and values vectors must be of same size")
         pairs = dict(
-            (self._layout.key(k), _as_bytes(v, "value")) for k, v in zip(key_list, value_list, strict=True)
+            (self._layout.key(k), as_bytes(v, "value")) for k, v in zip(names, value_list, strict=True)
         )
         if not pairs:
             return
-        with _dist_errors(f"multi_set({key_list!r})"):
-            deadline = time.monotonic() + self._rpc_timeout()
-            # Batched by stored size: a chunked value's manifest is small.
-            sized = [(k, v if self._inline(v) else MAGIC) for k, v in pairs.items()]
-            for batch in _size_batches(sized, MAX_TXN_OPS // 2, self._chunk_bytes):
-                self._multi_set_batch([(k, pairs[k]) for k, _ in batch], deadline)
-            with self._lock:
-                for k in pairs:
-                    self._known.pop(k, None)
+        with dist_errors(f"multi_set({names!r})"):
+            self._keys.multi_set(pairs)
 
-    def _multi_set_batch(self, batch: list[tuple[bytes, bytes]], deadline: float) -> None:
-        """One fenced Txn writing ``batch`` (chunks first); replaced chunks deleted once applied."""
-        gens: dict[bytes, str | None] = {}
+    # ------------------------------------------------------------------ read-modify-write
 
-        def ops(_: bytes, lease: int) -> list[Any]:
-            puts = []
-            for k, v in batch:
-                stored = self._encode(v, lease, deadline)
-                gens[k] = _gen_of(stored)
-                puts.append(op_put(k, stored, lease=lease, prev_kv=True))
-            return puts
+    def add(self, key: str | bytes, amount: int) -> int:  # type: ignore[override]
+        """Add ``amount`` to the integer at ``key`` (created at ``amount``); returns the sum.
 
-        out = self._fenced_txn(None, [], ops, [], deadline, f"multi_set of {batch[0][0]!r}, ...")
-        if out.txn.succeeded:
-            for (k, _), r in zip(batch, out.txn.responses, strict=True):
-                assert isinstance(r, PutResult)
-                self._drop_replaced(r.prev_kv, gens[k])
+        One Txn when the key is new or unchanged since this store last saw it;
+        otherwise the failed Txn returns the current value and the next one
+        retries from it (no sleep), until the store timeout. Raises
+        ``DistStoreError`` if the value is not an integer or on timeout.
+        """
+        return self._add(key, amount)[0]
+
+    def _add(self, key: str | bytes, amount: int) -> tuple[int, int]:
+        """:meth:`add`, and the revision of the write."""
+        k = self._layout.key(key)
+        try:
+            delta = operator.index(amount)
+        except TypeError:
+            raise TypeError(f"EtcdStore.add amount must be an int, got {amount!r}") from None
+        with dist_errors(f"add({key!r}, {amount!r})"):
+            return self._writes.add(k, delta, key)
+
+    def append(self, key: str | bytes, value: str | bytes) -> None:  # type: ignore[override]
+        """Append ``value`` to ``key`` (created if missing). Same cost as :meth:`add`."""
+        k = self._layout.key(key)
+        v = as_bytes(value, "value")
+        with dist_errors(f"append({key!r})"):
+            self._writes.append(k, v)
+
+    def compare_set(  # type: ignore[override]
+        self, key: str | bytes, expected_value: str | bytes, desired_value: str | bytes
+    ) -> bytes:
+        """Set ``key`` to ``desired_value`` if it holds ``expected_value``; return the value now.
+
+        As TCPStore: a missing key is created when ``expected_value`` is empty and
+        left missing otherwise (``expected_value`` is returned); a mismatch returns
+        the current value. One Txn; applied at most once even when resent.
+        """
+        k = self._layout.key(key)
+        expected = as_bytes(expected_value, "expected_value")
+        desired = as_bytes(desired_value, "desired_value")
+        with dist_errors(f"compare_set({key!r})"):
+            return self._writes.compare_set(k, expected, desired)
+
+    # ------------------------------------------------------------------ queues
+
+    def queue_push(self, key: str | bytes, value: str | bytes) -> None:  # type: ignore[override]
+        """Append ``value`` to the queue ``key``. One Txn, applied exactly once even when resent."""
+        k = self._layout.key(key)
+        v = as_bytes(value, "value")
+        with dist_errors(f"queue_push({key!r})"):
+            self._queues.push(k, v)
+
+    def queue_len(self, key: str | bytes) -> int:  # type: ignore[override]
+        """Items in the queue ``key`` (0 if it never existed). One Range."""
+        k = self._layout.key(key)
+        with dist_errors(f"queue_len({key!r})"):
+            return self._queues.length(k)
+
+    def queue_pop(self, key: str | bytes, block: bool = True) -> bytes:  # type: ignore[override]
+        """Remove and return the oldest item of the queue ``key``.
+
+        With ``block`` it waits up to the store timeout for an item (``DistStoreError``
+        on timeout), else raises ``QueueEmptyError`` at once. One Txn when this store
+        knows a candidate for the oldest item; otherwise one Range first (see
+        :meth:`Queues.pop <etcd_store._queues.Queues.pop>`).
+        """
+        k = self._layout.key(key)
+        with dist_errors(f"queue_pop({key!r})"):
+            return self._queues.pop(k, block, key)
 
     # ------------------------------------------------------------------ barrier
 
@@ -461,39 +425,14 @@ class EtcdStore(Queues, dist.Store):
         etcd's revision moved past the add's before the watch was registered).
         Raises ``DistStoreError("barrier timeout after ...ms, key: ...")``.
         """
-        seconds = self._timeout().total_seconds() if timeout is None else _seconds(timeout)
-        deadline = time.monotonic() + seconds
+        wait_s = self._clock.seconds() if timeout is None else seconds(timeout)
+        deadline = time.monotonic() + wait_s
         count, revision = self._add(key, 1)
         if count >= world_size:
             return
-        k = self._layout.key(key)
-
-        def arrived(ev: Event) -> bool:
-            if ev.type != "PUT" or ev.key != k:
-                return False
-            try:
-                return int(ev.value) >= world_size
-            except ValueError:
-                return False
-
-        def reread() -> tuple[bool, int]:
-            res = self._client.range(k, timeout=self._budget(deadline))
-            return bool(res.kvs) and arrived(Event("PUT", res.kvs[0])), res.revision
-
-        with _dist_errors(f"barrier({key!r})"):
-            if self._wait_for(k, None, revision, deadline, reread, arrived):
+        with dist_errors(f"barrier({key!r})"):
+            if self._waits.await_count(self._layout.key(key), world_size, revision, deadline):
                 return
-        ms = int(round(seconds * 1000))
+        ms = int(round(wait_s * 1000))
         text = key if isinstance(key, str) else key.decode("utf-8", "replace")
         raise dist.DistStoreError(f"barrier timeout after {ms}ms, key: {text}")
-
-    # ------------------------------------------------------------------ helpers
-
-    def _user_keys(self, what: str) -> list[str]:
-        with _dist_errors(what):
-            res = self._client.range(
-                self._layout.user_start, self._layout.user_end, keys_only=True,
-                timeout=self._rpc_timeout(),
-            )
-        keys = (self._layout.user_key(kv.key) for kv in res.kvs)
-        return [k for k in keys if k is not None]

@@ -4,7 +4,8 @@
 Fixtures:
 
 * ``etcd_binary``: parametrized over the selected versions (ids ``etcd3.4`` ... ``etcd3.7``); on
-  ``3.4``/``3.5``/``3.6`` only tests marked ``@pytest.mark.etcd_matrix`` run.
+  ``3.4``/``3.5``/``3.6`` only tests marked ``@pytest.mark.etcd_matrix`` run
+  (``@pytest.mark.etcd_matrix("3.6")``: on those subset versions named only).
 * ``etcd_server``: module-scoped started :class:`etcd_server.EtcdServer`,
   parametrized over the binaries; stopped at module teardown.
 * ``etcd_endpoint``: module-scoped ``etcd_server.get_endpoint()``.
@@ -41,7 +42,8 @@ _VERSION_PARAMS = [version_param(v) for v in SELECTED]
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "etcd_version(v): the etcd version a parametrized test runs on")
     subset = ", ".join(etcd_versions.SUBSET)
-    config.addinivalue_line("markers", f"etcd_matrix: also run on the subset versions ({subset})")
+    config.addinivalue_line(
+        "markers", f"etcd_matrix(*versions): also run on the subset versions ({subset}), or on those named")
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -59,12 +61,15 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Deselect subset-version items not marked ``etcd_matrix``; skip those of a missing binary."""
+    """Deselect subset-version items not marked ``etcd_matrix`` (or of versions its arguments do not
+    name); skip those of a missing binary."""
     keep: list[pytest.Item] = []
     dropped: list[pytest.Item] = []
     for item in items:
         versions = {m.args[0] for m in item.iter_markers("etcd_version")}
-        if versions & set(etcd_versions.SUBSET) and item.get_closest_marker("etcd_matrix") is None:
+        matrix = item.get_closest_marker("etcd_matrix")
+        subset = versions & set(etcd_versions.SUBSET)
+        if subset and (matrix is None or (matrix.args and not subset & set(matrix.args))):
             dropped.append(item)
             continue
         absent = sorted(v for v in versions if v not in ETCD_BINARIES)

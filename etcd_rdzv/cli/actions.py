@@ -24,6 +24,7 @@ Every call is bounded by the command's :class:`~.connect.Deadline`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -113,10 +114,12 @@ class Removal:
 
 
 def gc(client: EtcdClient, prefix: str, deadline: Deadline, *, grace: float = 60.0,
-       dry_run: bool = False, now: datetime | None = None) -> list[Removal]:
-    """Remove what closed or dead runs left under ``prefix`` (see the module doc)."""
+       dry_run: bool = False, now: datetime | None = None,
+       run_ids: Sequence[str] | None = None) -> list[Removal]:
+    """Remove what closed or dead runs left under ``prefix``, or of ``run_ids`` only (then only
+    their keys are read: a role limited to those runs suffices); see the module doc."""
     removed: list[Removal] = []
-    for run_id, backends in sorted(find_runs(client, prefix, deadline).items()):
+    for run_id, backends in sorted(find_runs(client, prefix, deadline, run_ids).items()):
         if V3 in backends:
             r = _gc_v3(client, prefix, run_id, deadline, dry_run)
             if r is not None:
@@ -182,9 +185,9 @@ def _gc_v2(client: EtcdClient, prefix: str, run_id: str, deadline: Deadline, gra
         return Removal(run_id, V2, reason, 1 + count)
     done = client.txn(
         [compare_mod(raw, "==", kv.mod_revision)],
-        # ``key\0n/...``: the store's marker that a namespace is nested under ``key``
-        # (etcd_store/_layout.py); it would go with the store's lease, gc removes it now.
-        [op_delete(raw), op_delete(store, prefix=True), op_delete(raw + b"\0n/", prefix=True)],
+        # The store writes nothing outside ``<key>/store`` (etcd_store/_layout.py): the run's two
+        # ranges (the key, ``<key>/``) are all gc deletes, as ``etcd-rdzv grant`` allows no more.
+        [op_delete(raw), op_delete(store, prefix=True)],
         timeout=deadline.left(), idempotent=True,
     )
     if not done.succeeded:

@@ -22,20 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..conf_env import (
-    ETCDCTL_CACERT,
-    ETCDCTL_CERT,
-    ETCDCTL_ENDPOINTS,
-    ETCDCTL_KEY,
-    ETCDCTL_USER,
-    etcdctl_ca_cert,
-    etcdctl_cert_pair,
-    etcdctl_credentials,
-    etcdctl_endpoints,
-    note_etcdctl_used,
-    own_env_password,
-)
-from ..defaults import PASSWORD_ENV, PASSWORD_FILE_ENV, USER_ENV
+from ..conf_env import ETCDCTL_CACERT, ETCDCTL_CERT, ETCDCTL_ENDPOINTS, ETCDCTL_KEY, Given, resolve_connection
+from ..defaults import DEFAULT_CLI_TIMEOUT, DEFAULT_ENDPOINT, DEFAULT_KEY_PREFIX
 
 if TYPE_CHECKING:
     from etcd_store.client import EtcdClient
@@ -50,8 +38,7 @@ __all__ = [
     "connect_options",
 ]
 
-DEFAULT_KEY_PREFIX = "/torch/elastic/rendezvous"
-DEFAULT_TIMEOUT = 10.0
+DEFAULT_TIMEOUT = DEFAULT_CLI_TIMEOUT
 ENDPOINTS_ENV = ETCDCTL_ENDPOINTS
 
 
@@ -104,7 +91,7 @@ def add_connect_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("etcd connection")
     s = argparse.SUPPRESS
     group.add_argument("--endpoints", default=s, metavar="H:P,...",
-                       help=f"etcd endpoints (default ${ENDPOINTS_ENV}, else localhost:2379)")
+                       help=f"etcd endpoints (default ${ENDPOINTS_ENV}, else {DEFAULT_ENDPOINT})")
     group.add_argument("--cacert", default=s, metavar="FILE",
                        help=f"CA bundle that signed etcd's certificate (default ${ETCDCTL_CACERT})")
     group.add_argument("--cert", default=s, metavar="FILE", help=f"client certificate (PEM; default ${ETCDCTL_CERT})")
@@ -127,11 +114,7 @@ def connect_options(ns: argparse.Namespace, environ: Mapping[str, str] | None = 
 
 
 def _resolve(ns: argparse.Namespace, env: Mapping[str, str]) -> ConnectOptions:
-    used: list[str] = []
-    endpoints = getattr(ns, "endpoints", None)
-    if not endpoints and (endpoints := etcdctl_endpoints(env)) is not None:
-        used.append(ETCDCTL_ENDPOINTS)
-    endpoints = endpoints or "localhost:2379"
+    """The flags checked, then the rendezvous' fallback chain (:func:`~etcd_rdzv.conf_env.resolve_connection`)."""
     timeout = getattr(ns, "timeout", DEFAULT_TIMEOUT)
     if not timeout > 0:
         raise CliError(f"--timeout must be positive, got {timeout:g}")
@@ -145,24 +128,9 @@ def _resolve(ns: argparse.Namespace, env: Mapping[str, str]) -> ConnectOptions:
     for flag, path in files.items():
         if path is not None and not os.path.isfile(path):
             raise CliError(f"{flag} {path!r}: no such file")
-    ca_cert = files["--cacert"]
-    if ca_cert is None and (ca_cert := etcdctl_ca_cert(env)) is not None:
-        used.append(ETCDCTL_CACERT)
-    if cert is None and (pair := etcdctl_cert_pair(env))[0] is not None:
-        cert, key = pair
-        used += [ETCDCTL_CERT, ETCDCTL_KEY]
-    user, password = env.get(USER_ENV) or None, own_env_password(env)
-    if user is None and password is None:
-        user, password = etcdctl_credentials(env)
-        used += [ETCDCTL_USER] if user is not None else []
-    elif user is None and password:
-        raise CliError(f"${PASSWORD_ENV} or ${PASSWORD_FILE_ENV} is set but ${USER_ENV} is not")
-    elif user is not None and not password:
-        raise CliError(f"${USER_ENV} is set but ${PASSWORD_ENV} (or ${PASSWORD_FILE_ENV}) is not")
-    if user is None:
-        password = None
-    note_etcdctl_used(used)
+    given = Given(endpoints=getattr(ns, "endpoints", None) or None, ca_cert=files["--cacert"], cert=cert, key=key)
+    conn = resolve_connection(given, env)  # the user and password come from the environment only
     return ConnectOptions(
-        endpoints, prefix.rstrip("/") if prefix != "/" else "", float(timeout),
-        ca_cert, cert, key, user, password, bool(getattr(ns, "allow_insecure_auth", False)),
+        conn.endpoints, prefix.rstrip("/") if prefix != "/" else "", float(timeout),
+        conn.ca_cert, conn.cert, conn.key, conn.user, conn.password, bool(getattr(ns, "allow_insecure_auth", False)),
     )

@@ -1,4 +1,5 @@
-"""The ``etcd-rdzv`` command: ``list``, ``show``, ``watch``, ``close`` and ``gc`` of rendezvous runs.
+"""The ``etcd-rdzv`` command: ``list``, ``show``, ``watch``, ``close`` and ``gc`` of rendezvous runs,
+and ``grant``/``revoke`` of a run's etcd user and role.
 
 Exit codes: 0 done; 2 bad input or an etcd failure (unknown run, unreachable etcd,
 denied permission, a record this tool cannot decode), reported as one line on
@@ -17,16 +18,17 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from etcd_store.client import EtcdClient, op_get
-from etcd_store.errors import EtcdError
+from etcd_store.client import EtcdClient
+from etcd_store.errors import EtcdError, EtcdPermissionDenied
 
-from ..native.keys import RunKeys
+from ..conf_env import read_secret
 from ..native.records import ProtocolStateError
 from ..v2state import StateDecodeError
 from .actions import DEFAULT_STATE_TTL, close_v2, close_v3, gc
 from .connect import CliError, ConnectOptions, Deadline, add_connect_arguments, connect_options
+from .grants import default_name, grant, revoke
 from .render import esc, render_list, render_show
-from .runs import V2, V3, RunInfo, RunReadError, find_runs, read_run, state_key
+from .runs import V2, V3, RunInfo, RunReadError, backends_of, find_runs, read_run
 from .watching import format_change, watch_run
 
 log = logging.getLogger(__name__)
@@ -60,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--backend", choices=(V2, V3), default=None,
                        help="the run's backend (default: found from its keys)")
 
-    p = command("list", "every run under the key prefix")
+    p = command("list", "every run under the key prefix (or the runs named)")
+    p.add_argument("run_ids", nargs="*", metavar="RUN_ID",
+                   help="only these runs (reads only their keys: a role limited to them suffices)")
     p.add_argument("--json", action="store_true", help='print {"runs": [...]}')
     p = command("show", "one run: members, ranks, leases, waiting nodes")
     p.add_argument("run_id", metavar="RUN_ID")
@@ -77,12 +81,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-ttl", type=int, default=DEFAULT_STATE_TTL, metavar="S",
                    help="etcd-v3: TTL of the run lease if the run has none yet (default %(default)s)")
     backend_arg(p)
-    p = command("gc", "remove what closed or dead runs left")
+    p = command("gc", "remove what closed or dead runs left (under the key prefix, or of the runs named)")
+    p.add_argument("run_ids", nargs="*", metavar="RUN_ID",
+                   help="only these runs (reads only their keys: a role limited to them suffices)")
     p.add_argument("--dry-run", action="store_true", help="print what would be removed, remove nothing")
     p.add_argument("--grace", type=float, default=60.0, metavar="S",
                    help="etcd-v2: only closed runs whose newest heartbeat is older (default %(default)s)")
     p.add_argument("--json", action="store_true", help='print {"removed": [...], "dry_run": ...}')
+    p = command("grant", "create the run's etcd user and role: read and write the run's keys, nothing else")
+    _user_role_args(p)
+    p.add_argument("--password-file", metavar="FILE", default=None,
+                   help="the user's password (one line; - reads stdin); needed to create the user, "
+                        "replaces an existing user's password")
+    p = command("revoke", "delete the run's role, and its user unless it holds other roles")
+    _user_role_args(p)
+    p.add_argument("--keep-user", action="store_true", help="delete the role only")
     return parser
+
+
+def _user_role_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_id", metavar="RUN_ID")
+    p.add_argument("--user", default=None, metavar="NAME", help="the etcd user (default rdzv-RUN_ID)")
+    p.add_argument("--role", default=None, metavar="NAME", help="the etcd role (default rdzv-RUN_ID)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -119,11 +139,7 @@ def resolve_backend(client: EtcdClient, prefix: str, run_id: str, wanted: str | 
     """The backend of ``run_id`` (``wanted`` if given and present); raises CliError if none."""
     if "/" in run_id or not run_id:
         raise CliError(f"invalid run id {run_id!r}")
-    root = f"{RunKeys.for_run(prefix, run_id).root}/".encode()
-    res = client.txn([], [op_get(state_key(prefix, run_id).encode(), count_only=True),
-                          op_get(root, prefix=True, count_only=True)],
-                     timeout=deadline.left(), idempotent=True)
-    found = [b for b, r in zip((V2, V3), res.responses, strict=True) if getattr(r, "count", 0) > 0]
+    found = sorted(backends_of(client, prefix, run_id, deadline))
     where = f"under {prefix or '/'} at {client.describe()}"
     if wanted is not None:
         if wanted not in found:
@@ -136,11 +152,30 @@ def resolve_backend(client: EtcdClient, prefix: str, run_id: str, wanted: str | 
     return found[0]
 
 
+def _scope(ns: argparse.Namespace) -> list[str] | None:
+    """The run ids of ``list``/``gc`` (None: every run under the prefix)."""
+    for run_id in ns.run_ids:
+        if not run_id or "/" in run_id:
+            raise CliError(f"invalid run id {run_id!r}")
+    return list(ns.run_ids) or None
+
+
+def _scan_denied(e: EtcdPermissionDenied, command: str) -> CliError:
+    return CliError(f"{e} (a role limited to single runs may name them: etcd-rdzv {command} RUN_ID ...)")
+
+
 def _list(client: EtcdClient, opts: ConnectOptions, ns: argparse.Namespace) -> int:
     deadline = Deadline(opts.timeout)
     runs: list[RunInfo] = []
     errors: list[tuple[str, str, str]] = []
-    for run_id, backends in sorted(find_runs(client, opts.key_prefix, deadline).items()):
+    run_ids = _scope(ns)
+    try:
+        found = find_runs(client, opts.key_prefix, deadline, run_ids)
+    except EtcdPermissionDenied as e:
+        if run_ids is not None:
+            raise
+        raise _scan_denied(e, "list") from None
+    for run_id, backends in sorted(found.items()):
         for backend in sorted(backends):
             try:
                 info = read_run(client, opts.key_prefix, run_id, backend, deadline)
@@ -213,7 +248,13 @@ def _close(client: EtcdClient, opts: ConnectOptions, ns: argparse.Namespace) -> 
 
 def _gc(client: EtcdClient, opts: ConnectOptions, ns: argparse.Namespace) -> int:
     deadline = Deadline(opts.timeout)
-    removed = gc(client, opts.key_prefix, deadline, grace=ns.grace, dry_run=ns.dry_run)
+    run_ids = _scope(ns)
+    try:
+        removed = gc(client, opts.key_prefix, deadline, grace=ns.grace, dry_run=ns.dry_run, run_ids=run_ids)
+    except EtcdPermissionDenied as e:
+        if run_ids is not None:
+            raise
+        raise _scan_denied(e, "gc") from None
     if ns.json:
         _out(json.dumps({"dry_run": ns.dry_run, "removed": [r.__dict__ for r in removed]}, indent=2))
         return 0
@@ -225,4 +266,36 @@ def _gc(client: EtcdClient, opts: ConnectOptions, ns: argparse.Namespace) -> int
     return 0
 
 
-_COMMANDS = {"list": _list, "show": _show, "watch": _watch, "close": _close, "gc": _gc}
+def _password(path: str | None) -> str | None:
+    """The new user's password: the file's one line, or stdin's for ``-`` (never argv)."""
+    if path is None:
+        return None
+    if path == "-":
+        text = sys.stdin.read()
+        password = text[:-1] if text.endswith("\n") else text
+    else:
+        password = read_secret(path, "--password-file")
+    if not password:
+        raise CliError(f"--password-file {path!r}: the password is empty")
+    return password
+
+
+def _grant(client: EtcdClient, opts: ConnectOptions, ns: argparse.Namespace) -> int:
+    password = _password(ns.password_file)
+    lines = grant(client, opts.key_prefix, ns.run_id, Deadline(opts.timeout),
+                  user=ns.user or default_name(ns.run_id), role=ns.role or default_name(ns.run_id),
+                  password=password)
+    _out("\n".join(lines))
+    return 0
+
+
+def _revoke(client: EtcdClient, opts: ConnectOptions, ns: argparse.Namespace) -> int:
+    lines = revoke(client, opts.key_prefix, ns.run_id, Deadline(opts.timeout),
+                   user=ns.user or default_name(ns.run_id), role=ns.role or default_name(ns.run_id),
+                   keep_user=ns.keep_user)
+    _out("\n".join(lines))
+    return 0
+
+
+_COMMANDS = {"list": _list, "show": _show, "watch": _watch, "close": _close, "gc": _gc, "grant": _grant,
+             "revoke": _revoke}

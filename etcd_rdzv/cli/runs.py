@@ -37,6 +37,7 @@ __all__ = [
     "NodeInfo",
     "RunInfo",
     "RunReadError",
+    "backends_of",
     "classify_keys",
     "find_runs",
     "read_run",
@@ -148,8 +149,24 @@ def classify_keys(prefix: str, keys: Iterable[bytes]) -> dict[str, set[str]]:
     return runs
 
 
-def find_runs(client: EtcdClient, prefix: str, deadline: Deadline) -> dict[str, set[str]]:
-    return classify_keys(prefix, scan_keys(client, prefix, deadline))
+def backends_of(client: EtcdClient, prefix: str, run_id: str, deadline: Deadline) -> set[str]:
+    """The backends that have keys of ``run_id``: one Txn counting its state key and ``<run>/v3/``
+    (reads only the run's own keys, so a role limited to the run suffices)."""
+    root = f"{RunKeys.for_run(prefix, run_id).root}/".encode()
+    res = client.txn([], [op_get(state_key(prefix, run_id).encode(), count_only=True),
+                          op_get(root, prefix=True, count_only=True)],
+                     timeout=deadline.left(), idempotent=True)
+    return {b for b, r in zip((V2, V3), res.responses, strict=True) if getattr(r, "count", 0) > 0}
+
+
+def find_runs(client: EtcdClient, prefix: str, deadline: Deadline,
+              run_ids: Iterable[str] | None = None) -> dict[str, set[str]]:
+    """``{run_id: {backend, ...}}``: every run under ``prefix`` (a scan of the whole prefix), or
+    only those of ``run_ids`` that exist (:func:`backends_of` each)."""
+    if run_ids is None:
+        return classify_keys(prefix, scan_keys(client, prefix, deadline))
+    found = {run_id: backends_of(client, prefix, run_id, deadline) for run_id in dict.fromkeys(run_ids)}
+    return {run_id: backends for run_id, backends in found.items() if backends}
 
 
 # --------------------------------------------------------------------------- reading

@@ -33,7 +33,8 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from etcd_store.client import EtcdClient, Session, Watch, renewing_lease
-from etcd_store.errors import EtcdCompactedError, EtcdError, EtcdTimeoutError
+from etcd_store.client.synced import confirmed
+from etcd_store.errors import EtcdCompactedError, EtcdError
 
 from . import bootstrap, protocol, queries
 from .barrier import (
@@ -387,25 +388,18 @@ class Participant(NodeLeases):
         return view.catch_up(read, expect_sealed=previous.revision > 0)
 
     def _confirmed(self, watch: Watch, *, before_join: bool = False) -> None:
-        """Wait for etcd to confirm ``watch``; ``EtcdTimeoutError`` after the client's timeout.
-
-        The client also ends that wait when the watch failed; a watch that etcd never
-        confirmed (``created_revision`` 0) raises its error here. With ``before_join`` (the
+        """Wait for etcd to confirm ``watch``, by the client's rule
+        (:func:`~etcd_store.client.synced.confirmed`): ``WatchNotConfirmed`` (an
+        ``EtcdTimeoutError``) after the client's timeout; a watch that failed before etcd
+        confirmed it raises its error here. With ``before_join`` (the
         control watch, opened before the join), one look at what it delivered so far also
         catches a refusal in the confirming answer itself (etcd refuses a watch, for instance
         without read permission, with a "created" answer that also cancels it): its events
         so far precede the join, and the view would skip them anyway. A failure that comes
         later still raises from the wait, which then withdraws the join.
         """
-        timeout = self._client.timeout
-        if not watch.wait_created(timeout):
-            raise EtcdTimeoutError(
-                f"etcd at {self._client.describe()} did not confirm the watch of node {self._node_id} "
-                f"within {timeout:g} s"
-            )
-        if watch.created_revision == 0:  # failed before etcd confirmed it: its error is queued
-            watch.get(timeout=timeout)
-            raise EtcdError(f"the watch of node {self._node_id} failed before etcd confirmed it")
+        confirmed(watch, self._client.timeout,
+                  f"the watch of node {self._node_id} (etcd at {self._client.describe()})")
         if before_join:
             watch.get(timeout=0)
 

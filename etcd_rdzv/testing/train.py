@@ -211,6 +211,73 @@ def _next_round(ckpt_dir: str) -> int:
     return last + 1
 
 
+def _identity(group: Any, ckpt_dir: str) -> dict[str, Any]:
+    """The fields of every record of this worker: the round number and group id (chosen by rank
+    0, shared with one broadcast over ``group``), its rank and world, node and restart count."""
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    ident = torch.zeros(2, dtype=torch.int64)
+    if rank == 0:
+        ident[0] = _next_round(ckpt_dir)
+        ident[1] = secrets.randbits(62)
+    dist.broadcast(ident, src=0, group=group)
+    return {
+        "round": int(ident[0]),
+        "group": f"{int(ident[1]):016x}",
+        "rank": rank,
+        "world_size": dist.get_world_size(),
+        "local_rank": _env_int("LOCAL_RANK"),
+        "group_rank": _env_int("GROUP_RANK"),
+        "node": os.environ.get(NODE_ENV) or socket.gethostname(),
+        "pid": os.getpid(),
+        "restart": _env_int("TORCHELASTIC_RESTART_COUNT"),
+    }
+
+
+def _train_step(args: argparse.Namespace, ddp: Any, model: Any, step: int, rank: int) -> float:
+    """One SGD step on this rank's batch of ``step``; returns its loss. Blocks in the gradient
+    all-reduce until every rank took part."""
+    import torch
+    from torch import nn
+
+    if args.step_time:
+        time.sleep(args.step_time)  # stands in for the compute of a real step
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + rank)
+    x = torch.randn(32, 16, generator=g)
+    y = (x @ torch.linspace(-1.0, 1.0, 16)).unsqueeze(1)
+    loss = nn.functional.mse_loss(ddp(x), y)
+    model.zero_grad(set_to_none=True)
+    loss.backward()  # the gradient all-reduce: completes only when every rank took part
+    with torch.no_grad():  # plain SGD by hand: torch.optim would import torch._dynamo (seconds)
+        for param in model.parameters():
+            if param.grad is not None:
+                param.add_(param.grad, alpha=-args.lr)
+    return float(loss.detach())
+
+
+def _checkpoint(args: argparse.Namespace, model: Any, step: int, base: dict[str, Any], writer: _LogWriter) -> None:
+    """Rank 0: save the checkpoint of ``step``, unless a newer round replaced this one (then the
+    process exits at once with status 1)."""
+    import torch
+
+    ckpt_path = os.path.join(args.ckpt_dir, CHECKPOINT_NAME)
+    tmp = f"{ckpt_path}.{os.getpid()}.tmp"
+    torch.save({"model": model.state_dict(), "step": step}, tmp)
+    # Fenced by the round: a group that a newer one replaced (this node
+    # was frozen, say, and is thawed before its agent stops it) must not
+    # put an older checkpoint over the newer group's.
+    if _current_round(args.ckpt_dir) != base["round"]:
+        os.unlink(tmp)
+        log.error("round %d was superseded; checkpoint of step %d dropped", base["round"], step)
+        writer.close()
+        logging.shutdown()
+        os._exit(1)  # skips gloo's destructors, which can hang on a dead group
+    os.replace(tmp, ckpt_path)
+    writer.write(Record(kind="ckpt", t=time.time(), step=step, **base))
+
+
 def run(args: argparse.Namespace) -> int:
     """Train until ``args.steps``; returns the exit status (0)."""
     from datetime import timedelta
@@ -226,26 +293,9 @@ def run(args: argparse.Namespace) -> int:
     # that a hung (not dead) peer is noticed quickly.
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.init_timeout))
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.pg_timeout))
-    rank, world_size = dist.get_rank(), dist.get_world_size()
     writer = _LogWriter(args.log_file)
-
-    # round number and group id: chosen by rank 0, shared with one broadcast
-    ident = torch.zeros(2, dtype=torch.int64)
-    if rank == 0:
-        ident[0] = _next_round(args.ckpt_dir)
-        ident[1] = secrets.randbits(62)
-    dist.broadcast(ident, src=0, group=group)
-    base: dict[str, Any] = {
-        "round": int(ident[0]),
-        "group": f"{int(ident[1]):016x}",
-        "rank": rank,
-        "world_size": world_size,
-        "local_rank": _env_int("LOCAL_RANK"),
-        "group_rank": _env_int("GROUP_RANK"),
-        "node": os.environ.get(NODE_ENV) or socket.gethostname(),
-        "pid": os.getpid(),
-        "restart": _env_int("TORCHELASTIC_RESTART_COUNT"),
-    }
+    base = _identity(group, args.ckpt_dir)
+    rank = base["rank"]
 
     torch.manual_seed(args.seed)
     model = nn.Linear(16, 1)
@@ -257,9 +307,8 @@ def run(args: argparse.Namespace) -> int:
         start = int(state["step"])
     ddp = DistributedDataParallel(model, process_group=group)  # broadcasts rank 0's parameters
     writer.write(Record(kind="start", t=time.time(), step=start, resumed_from=start, **base))
-    log.info("rank %d/%d round %d resumes from step %d", rank, world_size, base["round"], start)
+    log.info("rank %d/%d round %d resumes from step %d", rank, base["world_size"], base["round"], start)
 
-    true_w = torch.linspace(-1.0, 1.0, 16)
     target = torch.zeros(1, dtype=torch.int64)
     step = start
     while True:
@@ -270,33 +319,10 @@ def run(args: argparse.Namespace) -> int:
         if step >= int(target[0]):
             break
         step += 1
-        if args.step_time:
-            time.sleep(args.step_time)  # stands in for the compute of a real step
-        g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + rank)
-        x = torch.randn(32, 16, generator=g)
-        y = (x @ true_w).unsqueeze(1)
-        loss = nn.functional.mse_loss(ddp(x), y)
-        model.zero_grad(set_to_none=True)
-        loss.backward()  # the gradient all-reduce: completes only when every rank took part
-        with torch.no_grad():  # plain SGD by hand: torch.optim would import torch._dynamo (seconds)
-            for param in model.parameters():
-                if param.grad is not None:
-                    param.add_(param.grad, alpha=-args.lr)
-        writer.write(Record(kind="step", t=time.time(), step=step, loss=float(loss.detach()), **base))
+        loss = _train_step(args, ddp, model, step, rank)
+        writer.write(Record(kind="step", t=time.time(), step=step, loss=loss, **base))
         if rank == 0 and step % args.ckpt_every == 0:
-            tmp = f"{ckpt_path}.{os.getpid()}.tmp"
-            torch.save({"model": model.state_dict(), "step": step}, tmp)
-            # Fenced by the round: a group that a newer one replaced (this node
-            # was frozen, say, and is thawed before its agent stops it) must not
-            # put an older checkpoint over the newer group's.
-            if _current_round(args.ckpt_dir) != base["round"]:
-                os.unlink(tmp)
-                log.error("round %d was superseded; checkpoint of step %d dropped", base["round"], step)
-                writer.close()
-                logging.shutdown()
-                os._exit(1)  # skips gloo's destructors, which can hang on a dead group
-            os.replace(tmp, ckpt_path)
-            writer.write(Record(kind="ckpt", t=time.time(), step=step, **base))
+            _checkpoint(args, model, step, base, writer)
 
     writer.write(Record(kind="done", t=time.time(), step=step, **base))
     writer.close()

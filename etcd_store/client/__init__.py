@@ -1,11 +1,14 @@
 """The etcd v3 client layer: the only part of the project that touches gRPC.
 
-Modules: :mod:`.transport` (channels, auth, failover, the retry policy, error
-translation: :class:`EtcdClient`), :mod:`.kv` (results, compare and op
-builders), :mod:`.watch` (:class:`Watch`), :mod:`.session` (:class:`Session`: a lease kept alive),
-:mod:`.testing` (:class:`RpcCounter`), :mod:`.stats` (:class:`CallStats`: retries
-and errors, ``EtcdClient.stats``). Every public name is re-exported here:
-``from etcd_store.client import EtcdClient, Watch, op_put, ...``.
+:class:`EtcdClient` (:mod:`.calls`: KV, ``Txn``, status, the factories of watches and
+sessions) holds its parts and calls them: a :class:`~.transport.Transport` (channels,
+auth, failover, the call loop, error translation; the decisions of :mod:`.retry`) and a
+:class:`~.leases.LeaseCalls` (lease RPCs, keep-alive streams). :mod:`.kv` (results,
+compare and op builders), :mod:`.watch` (:class:`Watch`), :mod:`.session`
+(:class:`Session`: a lease kept alive), :mod:`.stats` (:class:`CallStats`: retries and
+errors, ``EtcdClient.stats``). Every public name is re-exported here:
+``from etcd_store.client import EtcdClient, Watch, op_put, ...``. Test instruments
+(``RpcCounter``, watch counters) live in :mod:`.testing`, outside this API.
 """
 
 from __future__ import annotations
@@ -36,7 +39,6 @@ from .kv import (
 )
 from .session import Session, renewing_lease
 from .stats import CallStats
-from .testing import RpcCounter
 from .transport import DEFAULT_CONNECT_TIMEOUT, DEFAULT_TIMEOUT
 from .watch import Watch
 
@@ -53,7 +55,6 @@ __all__ = [
     "MemberStatus",
     "PutResult",
     "RangeResult",
-    "RpcCounter",
     "Session",
     "TxnResult",
     "Watch",

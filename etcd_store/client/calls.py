@@ -1,11 +1,16 @@
 """``EtcdClient``: the etcd v3 calls (KV, transactions, leases, watches, status).
 
+The client is a face over parts it holds and calls (none is its base class): a
+:class:`~etcd_store.client.transport.Transport` (channels, failover, auth, the call loop
+and error translation) and a :class:`~etcd_store.client.leases.LeaseCalls` (lease RPCs
+and keep-alive streams, over the same transport). Watches get the transport, sessions
+the client's lease calls; neither depends on ``EtcdClient``.
+
 Each unary method is one RPC in the healthy, uncontended case and runs under
-the :class:`~etcd_store.client.transport.Transport`'s single retry policy: a
-deadline (``timeout``, retries included), per-attempt deadlines with failover
-for requests that are safe to resend, and :mod:`etcd_store.errors` exceptions
-for every failure. Streams (:class:`~etcd_store.client.Watch`, lease sessions)
-reconnect by themselves.
+the transport's single retry policy: a deadline (``timeout``, retries included),
+per-attempt deadlines with failover for requests that are safe to resend, and
+:mod:`etcd_store.errors` exceptions for every failure. Streams
+(:class:`~etcd_store.client.Watch`, lease sessions) reconnect by themselves.
 """
 
 from __future__ import annotations
@@ -13,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import grpc
 from etcd3.etcdrpc import rpc_pb2
 
+from .endpoints import Endpoint
 from .kv import (
     DeleteResult,
     KeyValue,
@@ -30,7 +35,10 @@ from .kv import (
     prefix_range_end,
     show_key,
 )
-from .leases import LeaseCalls
+from .leases import KeepAlives, LeaseCalls
+from .retry import RetryPolicy
+from .stats import CallStats
+from .transport import DEFAULT_CONNECT_TIMEOUT, DEFAULT_TIMEOUT, Transport
 
 if TYPE_CHECKING:
     from .session import Session
@@ -39,7 +47,7 @@ if TYPE_CHECKING:
 __all__ = ["EtcdClient"]
 
 
-class EtcdClient(LeaseCalls):
+class EtcdClient:
     """A thread-safe etcd v3 client over one or more endpoints.
 
     Args:
@@ -54,7 +62,7 @@ class EtcdClient(LeaseCalls):
             plain-text endpoint is a ``ValueError`` unless ``allow_insecure_auth``
             (then a warning is logged); a password sent to an etcd with auth disabled
             logs a warning once per client.
-        interceptors: gRPC client interceptors (for instance an :class:`RpcCounter`).
+        interceptors: gRPC client interceptors (for instance :class:`~etcd_store.client.testing.RpcCounter`).
         connect_timeout: seconds (default 5) a client that never reached etcd keeps
             retrying when every endpoint refuses the connection (nothing listening,
             unknown host); then the call raises :class:`EtcdConnectionError` instead of
@@ -65,6 +73,85 @@ class EtcdClient(LeaseCalls):
     Calls fail over to the next endpoint when one is unreachable. Every failure
     surfaces as an :class:`~etcd_store.errors.EtcdError` that names the endpoints.
     """
+
+    def __init__(
+        self,
+        endpoints: str | Sequence[str],
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        ca_cert: str | None = None,
+        cert: str | None = None,
+        key: str | None = None,
+        user: str | None = None,
+        password: str | None = None,
+        protocol: str | None = None,
+        interceptors: Sequence[Any] = (),
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        allow_insecure_auth: bool = False,
+    ) -> None:
+        self._transport = Transport(
+            endpoints, timeout=timeout, ca_cert=ca_cert, cert=cert, key=key, user=user, password=password,
+            protocol=protocol, interceptors=interceptors, connect_timeout=connect_timeout,
+            allow_insecure_auth=allow_insecure_auth,
+        )  # fmt: skip
+        self._leases = LeaseCalls(self._transport)
+
+    # ---------------------------------------------------------------- the transport's settings
+
+    @property
+    def transport(self) -> Transport:
+        """The :class:`Transport` this client holds (for RPCs of services the client has no method
+        for, such as :mod:`.auth_admin`: ``client.transport.call(service, method, request)``)."""
+        return self._transport
+
+    @property
+    def endpoints(self) -> list[Endpoint]:
+        """The parsed endpoints, in the order given."""
+        return self._transport.endpoints
+
+    @property
+    def timeout(self) -> float:
+        """The default deadline in seconds of every call, retries included."""
+        return self._transport.timeout
+
+    @property
+    def connect_timeout(self) -> float:
+        """Seconds a client that never reached etcd retries refused connections."""
+        return self._transport.connect_timeout
+
+    @property
+    def stats(self) -> CallStats:
+        """Retries and errors of this client (:mod:`.stats`), read by the layers above."""
+        return self._transport.stats
+
+    @property
+    def retry_policy(self) -> RetryPolicy:
+        """The numbers of the retry policy (:mod:`.retry`)."""
+        return self._transport.retry_policy
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._transport.closed
+
+    def describe(self) -> str:
+        """The endpoints as a user would write them, for error messages."""
+        return self._transport.describe()
+
+    def __repr__(self) -> str:
+        return f"EtcdClient({self.describe()!r})"
+
+    def close(self) -> None:
+        """Stop the keep-alive streams (every session ends, unrevoked), then close the channels
+        (open watches end). No RPC."""
+        self._leases.close()
+        self._transport.close()
+
+    def __enter__(self) -> EtcdClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ---------------------------------------------------------------- KV
 
@@ -93,7 +180,7 @@ class EtcdClient(LeaseCalls):
             key, range_end, prefix, keys_only, count_only, limit, revision, serializable,
             sort_by, descending,
         )
-        resp = self._call("KV", "Range", req, timeout=timeout, what=f"read {show_key(key)}")
+        resp = self._transport.call("KV", "Range", req, timeout=timeout, what=f"read {show_key(key)}")
         return _range_result(resp)
 
     def get(self, key: bytes, *, timeout: float | None = None) -> KeyValue | None:
@@ -112,7 +199,7 @@ class EtcdClient(LeaseCalls):
     ) -> PutResult:
         """Write a key. One Put RPC (retried on another endpoint only when safe)."""
         req = rpc_pb2.PutRequest(key=key, value=value, lease=lease, prev_kv=prev_kv)
-        resp = self._call("KV", "Put", req, timeout=timeout, what=f"write {show_key(key)}")
+        resp = self._transport.call("KV", "Put", req, timeout=timeout, what=f"write {show_key(key)}")
         return _put_result(resp)
 
     def delete(
@@ -127,7 +214,7 @@ class EtcdClient(LeaseCalls):
         """Delete a key, a range or a prefix. One DeleteRange RPC."""
         end = prefix_range_end(key) if prefix else range_end
         req = rpc_pb2.DeleteRangeRequest(key=key, range_end=end or b"", prev_kv=prev_kv)
-        resp = self._call("KV", "DeleteRange", req, timeout=timeout, what=f"delete {show_key(key)}")
+        resp = self._transport.call("KV", "DeleteRange", req, timeout=timeout, what=f"delete {show_key(key)}")
         return _delete_result(resp)
 
     def txn(
@@ -147,7 +234,7 @@ class EtcdClient(LeaseCalls):
         """
         req = rpc_pb2.TxnRequest(compare=list(compare), success=list(success), failure=list(failure))
         what = "transaction on " + ", ".join(show_key(c.key) for c in compare[:3]) if compare else "txn"
-        resp = self._call("KV", "Txn", req, timeout=timeout, what=what, idempotent=idempotent)
+        resp = self._transport.call("KV", "Txn", req, timeout=timeout, what=what, idempotent=idempotent)
         results: list[RangeResult | PutResult | DeleteResult] = []
         for r in resp.responses:
             kind = r.WhichOneof("response")
@@ -170,7 +257,7 @@ class EtcdClient(LeaseCalls):
         """
         from .session import Session
 
-        return Session(self, ttl, lease_id=lease_id, on_lost=on_lost, interval=interval)
+        return Session(self._leases, ttl, lease_id=lease_id, on_lost=on_lost, interval=interval)
 
     def keeper(
         self, ttl: int, *, on_expired: Callable[[], None] | None = None, lease_id: int = 0
@@ -193,21 +280,43 @@ class EtcdClient(LeaseCalls):
         from .watch import Watch
 
         end = prefix_range_end(key) if prefix else range_end
-        return Watch(self, key, end or b"", start_revision, prev_kv)
+        return Watch(self._transport, key, end or b"", start_revision, prev_kv)
 
     def status(self, index: int | None = None, *, timeout: float | None = None) -> MemberStatus:
         """Maintenance.Status of one member (``index``) or of whichever answers first."""
         req = rpc_pb2.StatusRequest()
         if index is None:
-            resp = self._call("Maintenance", "Status", req, timeout=timeout, what="status")
+            resp = self._transport.call("Maintenance", "Status", req, timeout=timeout, what="status")
         else:
-            member = self._members[index]
-            budget = self.timeout if timeout is None else timeout
-            try:
-                resp = member.stub("Maintenance").Status(req, timeout=budget)
-            except grpc.RpcError as e:
-                raise self._translate(e, f"status of {member.endpoint}") from None
+            what = f"status of {self.endpoints[index]}"
+            resp = self._transport.call_member(index, "Maintenance", "Status", req, timeout=timeout, what=what)
         return MemberStatus(
             resp.header.member_id, resp.leader, resp.header.revision, resp.dbSize,
             resp.version, resp.raftTerm,
         )
+
+    # ---------------------------------------------------------------- leases (:class:`.leases.LeaseCalls`)
+
+    def lease_grant(self, ttl: int, *, lease_id: int = 0, timeout: float | None = None) -> int:
+        """Grant a lease of ``ttl`` seconds and return its id. One LeaseGrant RPC."""
+        return self._leases.lease_grant(ttl, lease_id=lease_id, timeout=timeout)
+
+    def lease_revoke(self, lease_id: int, *, timeout: float | None = None) -> bool:
+        """Revoke a lease (its keys are deleted). False if it had expired already. One LeaseRevoke RPC."""
+        return self._leases.lease_revoke(lease_id, timeout=timeout)
+
+    def lease_time_to_live(self, lease_id: int, *, keys: bool = False, timeout: float | None = None) -> int:
+        """Seconds left on the lease, or -1 when it expired or never existed. One LeaseTimeToLive RPC."""
+        return self._leases.lease_time_to_live(lease_id, keys=keys, timeout=timeout)
+
+    def lease_ttls(self, lease_id: int, *, timeout: float | None = None) -> tuple[int, int]:
+        """``(remaining, granted)`` seconds of the lease (-1 remaining when gone). One LeaseTimeToLive RPC."""
+        return self._leases.lease_ttls(lease_id, timeout=timeout)
+
+    def keep_alives(self) -> KeepAlives:
+        """The keep-alive stream a new session joins (no RPC; see :mod:`.leases`)."""
+        return self._leases.keep_alives()
+
+    def kept_leases(self) -> int:
+        """How many leases the client's keep-alive streams refresh."""
+        return self._leases.kept_leases()

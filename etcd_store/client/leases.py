@@ -1,9 +1,11 @@
 """``LeaseCalls``: the unary lease RPCs, and :class:`KeepAlives`, the client's keep-alive streams.
 
-:class:`LeaseCalls` is a base of :class:`~etcd_store.client.EtcdClient`, and all that a
-:class:`~etcd_store.client.session.Session` needs besides the transport's streams,
-so the session module depends on the lease calls and not on the whole client.
-Each unary call is one RPC under the transport's retry policy.
+:class:`LeaseCalls` holds the :class:`~.transport.Transport` it calls through and the client's
+keep-alive streams; :class:`~etcd_store.client.EtcdClient` holds one and forwards its lease
+methods to it. :class:`LeaseSource` is all that a :class:`~etcd_store.client.session.Session`
+needs (both the client and its :class:`LeaseCalls` are one), so the session module depends on
+the lease calls and not on the whole client. Each unary call is one RPC under the transport's
+retry policy.
 
 :class:`KeepAlives` refreshes every lease that the client's sessions keep, over
 one bidirectional ``LeaseKeepAlive`` stream per client (etcd Go's ``clientv3``
@@ -48,7 +50,7 @@ from .transport import Transport
 
 log = logging.getLogger(__name__)
 
-__all__ = ["KeepAlives", "LeaseCalls"]
+__all__ = ["KeepAlives", "LeaseCalls", "LeaseSource"]
 
 #: The shortest pause between two keep-alives of one lease.
 MIN_INTERVAL = 0.2
@@ -88,8 +90,8 @@ class _Kept:
 class KeepAlives:
     """The keep-alive multiplexer of one client (see the module docstring)."""
 
-    def __init__(self, client: Transport) -> None:
-        self._client = client
+    def __init__(self, transport: Transport) -> None:
+        self._transport = transport
         self._cond = threading.Condition()
         self._leases: dict[int, _Kept] = {}
         self._heap: list[tuple[float, int, int]] = []  # (due, tie-breaker, lease id); stale items skipped
@@ -109,13 +111,13 @@ class KeepAlives:
         every ``interval`` seconds (at least :data:`MIN_INTERVAL`) if given, else every third of its TTL."""
         with self._cond:
             self._reserved = max(self._reserved - 1, 0)
-            closed = self._halted or self._client.closed
+            closed = self._halted or self._transport.closed
             if not closed:
                 pace = refresh_interval(ttl) if interval is None else max(interval, MIN_INTERVAL)
                 self._add_locked(keeper, lease_id, pace, time.monotonic() + max(first_in, 0.0), primary,
                                  fixed=interval is not None)
         if closed:
-            keeper._stopped(EtcdError(f"The etcd client for {self._client.describe()} is closed."))
+            keeper._stopped(EtcdError(f"The etcd client for {self._transport.describe()} is closed."))
 
     def keep_with(self, keeper: Keeper, own: int, lease_id: int) -> None:
         """Refresh ``lease_id`` for ``keeper`` too, first together with its lease ``own``."""
@@ -139,7 +141,7 @@ class KeepAlives:
             self._cond.notify_all()
         if call is not None:
             call.cancel()
-        self._stop_all(EtcdError(f"The etcd client for {self._client.describe()} was closed."))
+        self._stop_all(EtcdError(f"The etcd client for {self._transport.describe()} was closed."))
 
     def kept(self) -> int:
         """How many leases are being refreshed."""
@@ -196,15 +198,15 @@ class KeepAlives:
     def _run(self) -> None:
         """The reader thread: waits for the next refresh due, then streams (reconnecting) until
         idle; ends when nothing is kept, the client closes, or a failure is final."""
-        client = self._client
+        transport = self._transport
         stream = ReconnectingStream(
-            client, "keep-alive stream", lambda: self._halted or client.closed,
+            transport, "keep-alive stream", lambda: self._halted or transport.closed,
             recoverable=lambda e: isinstance(e, EtcdLeaseNotFound), on_reconnect=self._refresh_all_now,
         )  # fmt: skip
         while True:
             with self._cond:
                 while True:
-                    if self._halted or client.closed or not self._leases:
+                    if self._halted or transport.closed or not self._leases:
                         self._thread = None  # stopped, or idle: the next keep() starts a new thread
                         return
                     wait = self._next_due() - time.monotonic()
@@ -213,7 +215,7 @@ class KeepAlives:
                     self._cond.wait(min(wait, 3600.0))
             fatal = stream.run(self._stream)
             if fatal is not None:
-                log.warning("keep-alive stream of %s stopped: %s", client.describe(), fatal)
+                log.warning("keep-alive stream of %s stopped: %s", transport.describe(), fatal)
                 self._stop_all(fatal)
                 with self._cond:
                     self._thread = None
@@ -308,24 +310,42 @@ class KeepAlives:
             keeper._stopped(reason)
 
 
-class LeaseCalls(Transport):
-    """The lease RPCs of a client (see :class:`~etcd_store.client.EtcdClient` for the constructor)."""
+class LeaseSource(Protocol):
+    """What a :class:`~etcd_store.client.session.Session` calls: grant, revoke, a keep-alive stream
+    (an :class:`~etcd_store.client.EtcdClient` or its :class:`LeaseCalls`)."""
 
-    _keep_alive_muxes: tuple[KeepAlives, ...] = ()
+    def lease_grant(self, ttl: int, *, lease_id: int = 0, timeout: float | None = None) -> int: ...
+
+    def lease_revoke(self, lease_id: int, *, timeout: float | None = None) -> bool: ...
+
+    def keep_alives(self) -> KeepAlives: ...
+
+
+class LeaseCalls:
+    """The lease RPCs and keep-alive streams of one client, over its ``transport``.
+
+    Thread-safe. :meth:`close` stops the keep-alive streams (the transport's owner closes the
+    transport after it).
+    """
+
+    def __init__(self, transport: Transport) -> None:
+        self._transport = transport
+        self._lock = threading.Lock()
+        self._keep_alive_muxes: tuple[KeepAlives, ...] = ()
 
     def lease_grant(self, ttl: int, *, lease_id: int = 0, timeout: float | None = None) -> int:
         """Grant a lease of ``ttl`` seconds and return its id. One LeaseGrant RPC."""
         req = rpc_pb2.LeaseGrantRequest(TTL=int(ttl), ID=lease_id)
-        resp = self._call("Lease", "LeaseGrant", req, timeout=timeout, what=f"grant lease ttl={ttl}")
+        resp = self._transport.call("Lease", "LeaseGrant", req, timeout=timeout, what=f"grant lease ttl={ttl}")
         if resp.error:
-            raise EtcdRequestError(f"etcd at {self.describe()} refused a lease: {resp.error}")
+            raise EtcdRequestError(f"etcd at {self._transport.describe()} refused a lease: {resp.error}")
         return int(resp.ID)
 
     def lease_revoke(self, lease_id: int, *, timeout: float | None = None) -> bool:
         """Revoke a lease (its keys are deleted). False if it had expired already."""
         req = rpc_pb2.LeaseRevokeRequest(ID=lease_id)
         try:
-            self._call("Lease", "LeaseRevoke", req, timeout=timeout, what=f"revoke lease {lease_id:x}")
+            self._transport.call("Lease", "LeaseRevoke", req, timeout=timeout, what=f"revoke lease {lease_id:x}")
         except EtcdLeaseNotFound:
             return False
         return True
@@ -342,7 +362,7 @@ class LeaseCalls(Transport):
 
     def _time_to_live(self, lease_id: int, keys: bool, timeout: float | None) -> tuple[int, int]:
         req = rpc_pb2.LeaseTimeToLiveRequest(ID=lease_id, keys=keys)
-        resp = self._call("Lease", "LeaseTimeToLive", req, timeout=timeout, what=f"lease {lease_id:x}")
+        resp = self._transport.call("Lease", "LeaseTimeToLive", req, timeout=timeout, what=f"lease {lease_id:x}")
         return int(resp.TTL), int(resp.grantedTTL)
 
     def keep_alives(self) -> KeepAlives:
@@ -352,7 +372,7 @@ class LeaseCalls(Transport):
             for mux in self._keep_alive_muxes:
                 if mux.reserve(LEASES_PER_STREAM):
                     return mux
-            mux = KeepAlives(self)
+            mux = KeepAlives(self._transport)
             mux.reserve(LEASES_PER_STREAM)
             self._keep_alive_muxes += (mux,)
             return mux
@@ -362,7 +382,6 @@ class LeaseCalls(Transport):
         return sum(mux.kept() for mux in self._keep_alive_muxes)
 
     def close(self) -> None:
-        """Stop the keep-alive streams (every session ends, unrevoked), then close the channels."""
+        """Stop the keep-alive streams: every session ends, unrevoked (no RPC)."""
         for mux in self._keep_alive_muxes:
             mux.stop()
-        super().close()

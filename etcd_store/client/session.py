@@ -37,7 +37,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from ..errors import EtcdError, EtcdLeaseNotFound
-from .leases import LeaseCalls, refresh_interval
+from .leases import LeaseSource, refresh_interval
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,8 @@ class Session:
     """A lease kept alive over the client's keep-alive stream until :meth:`close`.
 
     Args:
-        client: the etcd client whose keep-alive stream refreshes the lease.
+        client: the etcd client whose keep-alive stream refreshes the lease (an
+            :class:`~etcd_store.client.EtcdClient`, or any :class:`~.leases.LeaseSource`).
         ttl: seconds; the lease's TTL (at least 1).
         lease_id: the id to ask etcd for (0: etcd picks one).
         on_lost: called once, from the client's keep-alive thread, when etcd reports the lease gone.
@@ -68,7 +69,7 @@ class Session:
 
     def __init__(
         self,
-        client: LeaseCalls,
+        client: LeaseSource,
         ttl: int,
         *,
         lease_id: int = 0,
@@ -87,7 +88,7 @@ class Session:
     @classmethod
     def existing(
         cls,
-        client: LeaseCalls,
+        client: LeaseSource,
         lease_id: int,
         *,
         ttl: int,
@@ -110,7 +111,7 @@ class Session:
 
     def _start(
         self,
-        client: LeaseCalls,
+        client: LeaseSource,
         lease_id: int,
         ttl: int,
         on_lost: Callable[[], None] | None,

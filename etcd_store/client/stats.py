@@ -8,6 +8,12 @@ things here, and nothing else does:
 * an **error**: the client raises (or ends a stream with) an
   :class:`~etcd_store.errors.EtcdError`, counted by its class name.
 
+The client's watches (:mod:`.watch`) report a third: a **delivery**, a batch of watch
+events and the serialized size of the response that carried it (watch traffic,
+read by benchmarks through :meth:`CallStats.subscribe_deliveries`). A delivery
+listener runs in the watch's reader thread, which runs in a copy of the
+``contextvars`` context of the thread that created the watch.
+
 Contract: counting never blocks (one short lock) and never raises into the
 call it counts; listeners are called synchronously, in the thread of that call,
 after the counter moved, and must be quick: a listener that raises is logged at
@@ -27,7 +33,7 @@ from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ERROR", "RETRY", "CallStats", "StatsListener", "StatsSnapshot", "counts_error"]
+__all__ = ["ERROR", "RETRY", "CallStats", "DeliveryListener", "StatsListener", "StatsSnapshot", "counts_error"]
 
 RETRY = "retry"
 ERROR = "error"
@@ -37,30 +43,54 @@ StatsListener = Callable[[str, str], None]
 or :data:`ERROR` (``detail``: the error's class name, e.g. ``"EtcdTimeoutError"``)."""
 
 
+DeliveryListener = Callable[[int, int], None]
+"""``listener(events, nbytes)``: a watch delivered ``events`` in a response of ``nbytes`` bytes."""
+
+
 @dataclass(frozen=True)
 class StatsSnapshot:
-    """The counters at one moment: retries in total, errors by class name."""
+    """The counters at one moment: retries in total, errors by class name, watch events and
+    the bytes of the responses that carried them."""
 
     retries: int
     errors: dict[str, int]
-
-    @property
-    def error_count(self) -> int:
-        return sum(self.errors.values())
+    watch_events: int = 0
+    watch_bytes: int = 0
 
 
 class CallStats:
-    """Thread-safe counters of retries and errors of one client, with listeners."""
+    """Thread-safe counters of retries, errors and watch deliveries of one client, with listeners."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._retries = 0
         self._errors: Counter[str] = Counter()
+        self._watch_events = 0
+        self._watch_bytes = 0
         self._listeners: tuple[StatsListener, ...] = ()
+        self._delivery_listeners: tuple[DeliveryListener, ...] = ()
 
     def snapshot(self) -> StatsSnapshot:
         with self._lock:
-            return StatsSnapshot(self._retries, dict(self._errors))
+            return StatsSnapshot(self._retries, dict(self._errors), self._watch_events, self._watch_bytes)
+
+    def subscribe_deliveries(self, listener: DeliveryListener) -> None:
+        """Call ``listener(events, nbytes)`` on every watch delivery from now on (see the module
+        docstring); subscribing the same callable twice is a no-op."""
+        with self._lock:
+            if listener not in self._delivery_listeners:
+                self._delivery_listeners += (listener,)
+
+    def delivered(self, events: int, nbytes: int) -> None:
+        with self._lock:
+            self._watch_events += events
+            self._watch_bytes += nbytes
+            listeners = self._delivery_listeners
+        for listener in listeners:
+            try:
+                listener(events, nbytes)
+            except Exception as e:  # a broken listener must not break a watch
+                log.debug("etcd client delivery listener %r failed: %s", listener, e)
 
     def subscribe(self, listener: StatsListener) -> Callable[[], None]:
         """Call ``listener`` on every retry and error from now on; returns the unsubscribe.

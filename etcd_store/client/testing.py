@@ -1,29 +1,30 @@
-"""Test instruments of the client layer.
+"""Test instruments of the client layer (not part of the :mod:`etcd_store.client` API).
 
-:class:`RpcCounter` counts RPCs by method; :func:`watch_stats` returns the
-:class:`WatchStats` of a client (the watch events and bytes its watches delivered);
-:func:`counting_watches` also counts, into a :class:`WatchStats` of the caller's, the
-watches a thread creates (several simulated nodes sharing one client).
+:class:`RpcCounter` counts RPCs by method. :func:`counting_watches` counts, into a
+:class:`WatchStats` of the caller's, the events the watches a thread creates inside the
+block deliver (several simulated nodes sharing one client), for every client that
+:func:`count_watches` was called on. A client's own totals are in its
+``stats.snapshot()`` (``watch_events``, ``watch_bytes``).
+
+How: a watch's reader thread runs in a copy of its creator's ``contextvars`` context, and
+reports each delivery to its client's :class:`~.stats.CallStats`; the listener
+:func:`count_watches` subscribes adds it to the :class:`WatchStats` of that context.
 """
 
 from __future__ import annotations
 
 import threading
-import weakref
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import grpc
 
-__all__ = ["RpcCounter", "WatchStats", "counting_watches", "watch_stats"]
+__all__ = ["RpcCounter", "WatchStats", "count_watches", "counting_watches"]
 
 # --------------------------------------------------------------------------- RPC counting
-
-
-class _CallDetails(grpc.ClientCallDetails):  # type: ignore[misc]
-    pass
 
 
 class RpcCounter(
@@ -76,16 +77,12 @@ class RpcCounter(
         return continuation(details, it)
 
 
-
 # --------------------------------------------------------------------------- watch counting
 
 
 class WatchStats:
-    """Watch events (and their responses' serialized bytes) delivered by one client's watches.
-
-    Counted by every :class:`~etcd_store.client.Watch` of the client as its reader
-    thread queues a batch; thread-safe, never reset (take differences).
-    """
+    """Watch events (and their responses' serialized bytes) delivered to the watches created
+    inside a :func:`counting_watches` block; thread-safe, never reset (take differences)."""
 
     def __init__(self) -> None:
         self.events = 0
@@ -103,34 +100,27 @@ class WatchStats:
             return self.events, self.bytes
 
 
-_watch_stats: weakref.WeakKeyDictionary[Any, WatchStats] = weakref.WeakKeyDictionary()
-_watch_stats_lock = threading.Lock()
+_scope: ContextVar[WatchStats | None] = ContextVar("etcd_store_counting_watches", default=None)
 
 
-def watch_stats(client: Any) -> WatchStats:
-    """The :class:`WatchStats` of ``client`` (an ``EtcdClient``), created on first use."""
-    with _watch_stats_lock:
-        stats = _watch_stats.get(client)
-        if stats is None:
-            stats = _watch_stats[client] = WatchStats()
-        return stats
+def _count_in_scope(events: int, nbytes: int) -> None:
+    stats = _scope.get()
+    if stats is not None:
+        stats.add(events, nbytes)
 
 
-_scope = threading.local()
+def count_watches(client: Any) -> None:
+    """Have the watches of ``client`` (an ``EtcdClient``) count into the :class:`WatchStats` of the
+    :func:`counting_watches` block they were created in (idempotent)."""
+    client.stats.subscribe_deliveries(_count_in_scope)
 
 
 @contextmanager
 def counting_watches(stats: WatchStats) -> Iterator[WatchStats]:
-    """Watches created by this thread inside the block also count into ``stats``
-    (for their whole life, also after the block)."""
-    previous = getattr(_scope, "stats", None)
-    _scope.stats = stats
+    """Watches created by this thread inside the block also count into ``stats`` (for their whole
+    life, also after the block), on the clients :func:`count_watches` was called on."""
+    token = _scope.set(stats)
     try:
         yield stats
     finally:
-        _scope.stats = previous
-
-
-def scoped_watch_stats() -> WatchStats | None:
-    """The :class:`WatchStats` of the innermost :func:`counting_watches` of this thread."""
-    return getattr(_scope, "stats", None)
+        _scope.reset(token)

@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 from etcd3.etcdrpc import rpc_pb2
@@ -63,7 +63,6 @@ _PROBE_TIMEOUT = 2.0
 #: open and silent while the others move on.
 REQUIRE_LEADER = ("hasleader", "true")
 
-_Self = TypeVar("_Self", bound="Transport")
 _Status = tuple[grpc.StatusCode, str]
 _C = grpc.StatusCode
 
@@ -171,7 +170,11 @@ class _Failed:
 class Transport:
     """Channels to the endpoints, auth tokens, failover, the retry policy, error translation.
 
-    Base of :class:`~etcd_store.client.EtcdClient` (see there for the arguments).
+    Held by :class:`~etcd_store.client.EtcdClient` (see there for the arguments) and by the
+    parts that call etcd through it: the lease calls and keep-alive streams (:mod:`.leases`),
+    watches (:mod:`.watch`) and the reconnecting stream they share (:mod:`.streams`). Unary
+    calls go through :meth:`call` (or :meth:`call_member`); streams through the ``stream_*``
+    and ``cancel_*`` methods. Usable alone: ``Transport("h:2379").call("KV", "Range", req)``.
     """
 
     def __init__(
@@ -226,7 +229,7 @@ class Transport:
         return ",".join(str(ep) for ep in self.endpoints)
 
     def __repr__(self) -> str:
-        return f"EtcdClient({self.describe()!r})"
+        return f"Transport({self.describe()!r})"
 
     def _make_channel(self, endpoint: Endpoint) -> grpc.Channel:
         return open_channel(endpoint, self._channel_credentials, self._interceptors)
@@ -288,7 +291,7 @@ class Transport:
         with self._lock:
             self._current = index
 
-    def _call(
+    def call(
         self,
         service: str,
         method: str,
@@ -441,17 +444,25 @@ class Transport:
             f"ports? Last error: {clip(_details(err))}"
         )
 
+    def call_member(
+        self, index: int, service: str, method: str, request: Any, *, timeout: float | None = None, what: str = ""
+    ) -> Any:
+        """One attempt of a unary RPC on member ``index`` only (no retry, no failover, no auth
+        token: for the calls etcd answers without one, such as ``Maintenance.Status``), bounded by
+        ``timeout`` (default: the client's); raises :class:`EtcdError` subclasses only."""
+        member = self._members[index]
+        budget = self.timeout if timeout is None else timeout
+        try:
+            return getattr(member.stub(service), method)(request, timeout=budget)
+        except grpc.RpcError as e:
+            raise self._translate(e, what or f"{method} of {member.endpoint}") from None
+
     def close(self) -> None:
-        """Close every channel. Open watches and lease keepers end."""
+        """Close every channel. Open streams end (their loops see :attr:`closed`)."""
         self._closed = True
         for member in self._members:
             member.close()
 
-    def __enter__(self: _Self) -> _Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
     # ---------------------------------------------------------------- for the client's streams (.streams, .watch)
 
     @staticmethod

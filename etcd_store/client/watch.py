@@ -5,11 +5,15 @@ next reachable endpoint, from the revision after the last event it delivered (th
 client's one reconnect loop, :class:`~.streams.ReconnectingStream`).
 Threads: the reader, and gRPC's sender of the current stream's requests; the
 sender ends with its stream, so a watch holds two threads however often it
-reconnects, and none once it is cancelled or its client closed.
+reconnects, and none once it is cancelled or its client closed. The reader runs
+in a copy of the creating thread's ``contextvars`` context (as an asyncio task
+would) and counts each batch it delivers into the client's
+:class:`~.stats.CallStats` (``watch_events``, ``watch_bytes``).
 """
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import queue
 import threading
@@ -23,7 +27,6 @@ from .channels import Member
 from .kv import Event, KeyValue, show_key
 from .retry import Failure, stream_reconnects
 from .streams import Ended, ReconnectingStream
-from .testing import scoped_watch_stats, watch_stats
 from .transport import Transport
 
 log = logging.getLogger(__name__)
@@ -61,9 +64,10 @@ class Watch:
         self.created_revision = 0
         self._call: Any = None
         self._stream_ended = threading.Event()  # set when the current stream is over
-        self._stats = watch_stats(client)  # events and bytes delivered, per client
-        self._scope_stats = scoped_watch_stats()  # and per caller, when it counts (benchmarks)
-        self._thread = threading.Thread(target=self._run, name=f"etcd-watch-{show_key(key, 40)}", daemon=True)
+        self._thread = threading.Thread(
+            target=contextvars.copy_context().run, args=(self._run,), name=f"etcd-watch-{show_key(key, 40)}",
+            daemon=True,
+        )  # fmt: skip
         self._thread.start()
 
     # -------------------------------------------------------- consumer side
@@ -189,9 +193,7 @@ class Watch:
         if resp.events:
             batch = [self._event(ev) for ev in resp.events]
             self._next_revision = batch[-1].kv.mod_revision + 1
-            self._stats.add(len(batch), resp.ByteSize())
-            if self._scope_stats is not None:
-                self._scope_stats.add(len(batch), resp.ByteSize())
+            client.stats.delivered(len(batch), resp.ByteSize())
             self._queue.put(batch)
         return None
 

@@ -11,9 +11,10 @@ version    binary (first found wins)                                   runs
 
 The named subset is every test marked ``@pytest.mark.etcd_matrix``: the tests whose outcome depends on the
 etcd version (the client: KV, Txn, watch, lease, auth/TLS error forms; store conformance; the backend
-contract; the server and cluster), plus one torchrun job per backend, the scale-down fault scenario and the
-testcontainers job. Everything else (protocol, handlers, CLI, the other torchrun scenarios) runs once, on
-the newest version: its code paths do not branch on the etcd version.
+contract; the server and cluster). One torchrun job per backend, the scale-down fault scenario (etcd-v2) and
+the testcontainers job also run on 3.6 (``etcd_matrix("3.6")``), the other version users run today.
+Everything else (protocol, handlers, CLI, the other torchrun scenarios) runs once, on the newest
+version: its code paths do not branch on the etcd version.
 
 ``ETCD_RDZV_TEST_ETCD=3.7,3.5`` selects versions for a local run (default: all four). A selected
 version whose binary is missing is skipped with a message saying how to get it; under ``CI=true``

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from etcd_store.client import RpcCounter
+from etcd_store.client.testing import RpcCounter
 
 
 class WatchOpened(RpcCounter):

@@ -23,7 +23,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from etcd_rdzv import EtcdRendezvousBackend
-from etcd_store.client import EtcdClient, RpcCounter
+from etcd_store.client import EtcdClient
+from etcd_store.client.testing import RpcCounter
 
 #: The backend contract runs on every etcd version of the matrix.
 pytestmark = pytest.mark.etcd_matrix

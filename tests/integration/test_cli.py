@@ -17,15 +17,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
 import pytest
 from helpers import REPO_ROOT
-from helpers.handlers import shut_down_all
-from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+from helpers.nodes import Nodes
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
@@ -36,10 +34,9 @@ from etcd_rdzv.cli.runs import RunInfo, classify_keys, v2_info
 from etcd_rdzv.cli.v2state import encode_closed
 from etcd_rdzv.cli.watching import describe_v3, diff_v2
 from etcd_rdzv.native.keys import RunKeys
-from etcd_rdzv.plugin import create_etcd_v2_rdzv_handler, create_etcd_v3_rdzv_handler
 from etcd_rdzv.v2state import NodeDesc, StateDecodeError, V2State, decode_state
 from etcd_server import AuthConfig, EtcdServer
-from etcd_store.client import EtcdClient, Event, KeyValue
+from etcd_store.client import Event, KeyValue
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -201,30 +198,12 @@ CONF = {"v3": {"join_timeout": "60", "last_call_timeout": "0.5", "close_timeout"
                "keep_alive_interval": "1", "keep_alive_max_attempt": "4", "read_timeout": "5"}}
 
 
-class Run:
-    """Handlers of one run (one backend) in threads, and the CLI pointed at its key prefix."""
+class Run(Nodes):
+    """Handlers of one run (``kind`` ``v3`` or ``v2``) in threads, and the CLI pointed at its key prefix."""
 
-    def __init__(self, endpoint: str, backend: str) -> None:
-        self.endpoint, self.backend = endpoint, backend
-        self.run_id = f"cli-run-{next(_ids)}"
-        self.prefix = f"/cli{next(_ids)}-{time.monotonic_ns() % 10**9}"
-        self.handlers: list[RendezvousHandler] = []
-        self.pool = ThreadPoolExecutor(max_workers=8)
-        self.client = EtcdClient(endpoint, timeout=10)
-
-    def handler(self, min_nodes: int, max_nodes: int) -> RendezvousHandler:
-        params = RendezvousParameters(
-            backend="etcd-v3" if self.backend == "v3" else "etcd-v2", endpoint=self.endpoint,
-            run_id=self.run_id, min_nodes=min_nodes, max_nodes=max_nodes, local_addr="127.0.0.1",
-            **{**CONF[self.backend], "key_prefix": self.prefix},
-        )
-        create = create_etcd_v3_rdzv_handler if self.backend == "v3" else create_etcd_v2_rdzv_handler
-        h = create(params)
-        self.handlers.append(h)
-        return h
-
-    def join(self, *handlers: RendezvousHandler) -> list[Future[Any]]:
-        return [self.pool.submit(h.next_rendezvous) for h in handlers]
+    def __init__(self, endpoint: str, kind: str) -> None:
+        super().__init__(endpoint, f"etcd-{kind}", conf=CONF[kind], name="cli-run")
+        self.kind = kind
 
     def cli(self, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
         capsys.readouterr()
@@ -250,10 +229,6 @@ class Run:
                     raise AssertionError(f"never reached: {runs}")
                 watch.get(timeout=deadline - time.monotonic())
 
-    def close(self) -> None:
-        shut_down_all(self.handlers, self.pool)
-        self.client.close()
-
 
 @pytest.fixture(params=["v3", "v2"])
 def run(request: pytest.FixtureRequest, etcd_endpoint: str) -> Iterator[Run]:
@@ -265,12 +240,12 @@ def run(request: pytest.FixtureRequest, etcd_endpoint: str) -> Iterator[Run]:
 
 
 def test_list_show_close_gc_of_live_runs(run: Run, capsys: pytest.CaptureFixture[str]) -> None:
-    backend = f"etcd-{run.backend}"
-    a, b = run.handler(2, 2), run.handler(2, 2)
+    backend = f"etcd-{run.kind}"
+    a, b = run.new(2, 2), run.new(2, 2)
     infos = [f.result(timeout=WAIT) for f in run.join(a, b)]
     assert sorted(i.rank for i in infos) == [0, 1]
 
-    first_round = 1 if run.backend == "v3" else 0  # torch numbers its rounds from 0
+    first_round = 1 if run.kind == "v3" else 0  # torch numbers its rounds from 0
     runs = {r["run_id"]: r for r in run.cli_json(capsys, "list")["runs"]}
     row = runs[run.run_id]
     assert (row["backend"], row["round"], row["world_size"], len(row["members"]), row["closed"]) == (
@@ -282,7 +257,7 @@ def test_list_show_close_gc_of_live_runs(run: Run, capsys: pytest.CaptureFixture
     assert sorted(m["rank"] for m in shown["members"]) == [0, 1]
     assert {m["host"] for m in shown["members"]} == {"127.0.0.1"}
     assert shown["store_keys"] >= 1  # the round's (v3) or run's (v2) store holds the rank-0 address
-    if run.backend == "v3":
+    if run.kind == "v3":
         assert all(0 < m["lease_ttl_s"] <= 3 for m in shown["members"])
     else:
         assert all(m["heartbeat_age_s"] is not None for m in shown["members"])
@@ -290,10 +265,10 @@ def test_list_show_close_gc_of_live_runs(run: Run, capsys: pytest.CaptureFixture
     assert rc == 0 and f"run {run.run_id} ({backend}): round {first_round}, world_size 2, open" in text
 
     # A second run of the same prefix: one node waiting for a partner that never comes.
-    lonely = Run(run.endpoint, run.backend)
+    lonely = Run(run.endpoint, run.kind)
     lonely.prefix = run.prefix
     try:
-        waiter = lonely.handler(2, 2)
+        waiter = lonely.new(2, 2)
         (pending,) = lonely.join(waiter)
         runs = run.wait_until(capsys, lambda rs: len(rs.get(lonely.run_id, {}).get("waiting", [])) == 1)
         assert runs[lonely.run_id]["world_size"] == 0 and not runs[lonely.run_id]["closed"]
@@ -328,9 +303,9 @@ def _cli_process(*args: str, env: dict[str, str] | None = None) -> subprocess.Po
 
 
 def test_watch_shows_join_and_seal(run: Run) -> None:
-    first = run.handler(2, 2)
+    first = run.new(2, 2)
     (f1,) = run.join(first)
-    joins = RunKeys.for_run(run.prefix, run.run_id).join_prefix(1) if run.backend == "v3" else None
+    joins = RunKeys.for_run(run.prefix, run.run_id).join_prefix(1) if run.kind == "v3" else None
     deadline = time.monotonic() + WAIT
     key = joins or f"{run.prefix}/{run.run_id}".encode()
     while run.client.range(key, prefix=joins is not None, count_only=True).count == 0:
@@ -342,8 +317,8 @@ def test_watch_shows_join_and_seal(run: Run) -> None:
     try:
         assert proc.stderr is not None and proc.stdout is not None
         started = proc.stderr.readline()
-        assert started.startswith(f"etcd-rdzv: watching etcd-{run.backend} run {run.run_id}"), started
-        second = run.handler(2, 2)
+        assert started.startswith(f"etcd-rdzv: watching etcd-{run.kind} run {run.run_id}"), started
+        second = run.new(2, 2)
         (f2,) = run.join(second)
         f1.result(timeout=WAIT), f2.result(timeout=WAIT)
         out, err = proc.communicate(timeout=WAIT)
@@ -352,7 +327,7 @@ def test_watch_shows_join_and_seal(run: Run) -> None:
     assert proc.returncode == 0, err
     changes = [json.loads(line) for line in out.splitlines()]
     assert [c["event"] for c in changes] == ["join", "seal"], changes
-    assert changes[1]["round"] == (1 if run.backend == "v3" else 0) and changes[0]["host"] == "127.0.0.1"
+    assert changes[1]["round"] == (1 if run.kind == "v3" else 0) and changes[0]["host"] == "127.0.0.1"
 
 
 def test_bad_input_is_one_line_and_exit_2(etcd_endpoint: str) -> None:

@@ -16,7 +16,6 @@ from helpers.ports import closed_port
 from etcd_server import EtcdServer
 from etcd_store.client import (
     EtcdClient,
-    RpcCounter,
     Session,
     compare_create,
     compare_mod,
@@ -29,6 +28,7 @@ from etcd_store.client import (
     prefix_range_end,
     renewing_lease,
 )
+from etcd_store.client.testing import RpcCounter
 from etcd_store.errors import (
     EtcdConnectionError,
     EtcdError,

@@ -22,7 +22,7 @@ from etcd_rdzv.defaults import PASSWORD_ENV, USER_ENV
 from etcd_server import AuthConfig, EtcdServer, TLSConfig
 from etcd_store.client import EtcdClient
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.etcd_matrix("3.6")]  # issue 23: each finding on etcd 3.7 and 3.6
 
 PW = "al1ce-s3cret-pw"
 AUTH = AuthConfig("r00t-s3cret-pw", user="alice", password=PW, prefix=b"/jobs/alice/")

@@ -15,13 +15,12 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from helpers.handlers import shut_down_all
+from helpers.nodes import ETCD_V3, Nodes
 from helpers.ports import closed_port
 from torch.distributed.elastic import events as torch_events
 from torch.distributed.elastic import metrics as torch_metrics
@@ -37,8 +36,6 @@ from torch.distributed.elastic.rendezvous.api import (
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from etcd_rdzv import metrics
-from etcd_rdzv.native.handler import EtcdV3RendezvousHandler
-from etcd_rdzv.plugin import create_etcd_v3_rdzv_handler
 from etcd_server import AuthConfig, EtcdServer
 from etcd_store.client import EtcdClient
 from etcd_store.errors import EtcdLeaseNotFound
@@ -117,32 +114,14 @@ def recorded_metrics() -> Iterator[_Metrics]:
             torch_metrics.configure(previous, group=metrics.GROUP)
 
 
-class V3Run:
+def v3_nodes(endpoint: str) -> Nodes:
     """etcd-v3 handlers of one run, each with its own client, run in threads."""
-
-    def __init__(self, endpoint: str) -> None:
-        self.endpoint = endpoint
-        self.run_id = f"events-run{next(_ids)}"
-        self.prefix = f"/events{next(_ids)}-{time.monotonic_ns() % 10**9}"
-        self.handlers: list[EtcdV3RendezvousHandler] = []
-        self.pool = ThreadPoolExecutor(max_workers=8)
-
-    def new(self, min_nodes: int, max_nodes: int, **conf: str) -> EtcdV3RendezvousHandler:
-        params = RendezvousParameters(
-            backend="etcd-v3", endpoint=self.endpoint, run_id=self.run_id, min_nodes=min_nodes,
-            max_nodes=max_nodes, local_addr="127.0.0.1", **{**V3_CONF, "key_prefix": self.prefix, **conf},
-        )
-        handler = create_etcd_v3_rdzv_handler(params)
-        self.handlers.append(handler)
-        return handler
-
-    def close(self) -> None:
-        shut_down_all(self.handlers, self.pool)
+    return Nodes(endpoint, ETCD_V3, conf=V3_CONF, name="events-run")
 
 
 @pytest.fixture
-def v3run(etcd_endpoint: str) -> Iterator[V3Run]:
-    run = V3Run(etcd_endpoint)
+def v3run(etcd_endpoint: str) -> Iterator[Nodes]:
+    run = v3_nodes(etcd_endpoint)
     try:
         yield run
     finally:
@@ -150,7 +129,7 @@ def v3run(etcd_endpoint: str) -> Iterator[V3Run]:
 
 
 def test_v3_two_nodes_record_join_complete_departure_close(
-    v3run: V3Run, rdzv_events: _Events, recorded_metrics: _Metrics
+    v3run: Nodes, rdzv_events: _Events, recorded_metrics: _Metrics
 ) -> None:
     a, b = v3run.new(2, 2), v3run.new(2, 2)
     infos = [f.result(WAIT) for f in [v3run.pool.submit(h.next_rendezvous) for h in (a, b)]]
@@ -194,7 +173,7 @@ def test_v3_two_nodes_record_join_complete_departure_close(
 
 
 def test_v3_timeout_and_lost_lease_are_recorded(
-    v3run: V3Run, rdzv_events: _Events, recorded_metrics: _Metrics, etcd_endpoint: str
+    v3run: Nodes, rdzv_events: _Events, recorded_metrics: _Metrics, etcd_endpoint: str
 ) -> None:
     lonely = v3run.new(2, 2, join_timeout="1")
     with pytest.raises(RendezvousTimeoutError):
@@ -303,7 +282,7 @@ def test_no_secret_in_logs_events_or_metrics(
     bad.write_text(wrong + "\n")
     caplog.set_level(logging.DEBUG)
     with EtcdServer(binary=etcd_binary, auth=auth) as server:
-        run = V3Run(server.get_endpoint())
+        run = v3_nodes(server.get_endpoint())
         run.prefix = "/jobs/alice/rdzv"
         try:
             # A local etcd without TLS: the password goes in plain text only with the opt-in.

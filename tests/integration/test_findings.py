@@ -33,7 +33,8 @@ from helpers.ports import closed_port
 
 from etcd_server import AuthConfig, EtcdCluster, EtcdServer, TLSConfig
 from etcd_store import EtcdStore
-from etcd_store.client import DEFAULT_CONNECT_TIMEOUT, EtcdClient, RpcCounter
+from etcd_store.client import DEFAULT_CONNECT_TIMEOUT, EtcdClient
+from etcd_store.client.testing import RpcCounter
 from etcd_store.errors import (
     EtcdConnectionError,
     EtcdPermissionDenied,

@@ -13,13 +13,13 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
 import pytest
 import torch.distributed as dist
-from helpers.handlers import shut_down_all
+from helpers.nodes import ETCD_V2, results
+from helpers.nodes import Nodes as HarnessNodes
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
@@ -48,37 +48,17 @@ CONF = {
 WAIT = 30.0  # generous bound for anything that should happen within a few seconds
 
 
-class Nodes:
-    """Creates handlers of one run and runs their blocking calls in threads."""
+class Nodes(HarnessNodes):
+    """etcd-v2 handlers of one run (torchrun's registry path), their blocking calls in threads."""
 
     def __init__(self, endpoint: str) -> None:
-        self.endpoint = endpoint
-        self.run_id = f"handler-run-{next(_ids)}"
-        self.handlers: list[EtcdRendezvousHandler] = []
-        self.pool = ThreadPoolExecutor(max_workers=8)
+        super().__init__(endpoint, ETCD_V2, conf=CONF, name="handler-run")
 
     def new(self, min_nodes: int, max_nodes: int, **conf: str) -> EtcdRendezvousHandler:
-        params = RendezvousParameters(
-            backend="etcd-v2",
-            endpoint=self.endpoint,
-            run_id=self.run_id,
-            min_nodes=min_nodes,
-            max_nodes=max_nodes,
-            local_addr="127.0.0.1",
-            **{**CONF, **conf},
-        )
-        handler = get_rendezvous_handler(params)
+        handler = get_rendezvous_handler(self.params(min_nodes, max_nodes, **conf))
         assert isinstance(handler, EtcdRendezvousHandler)
         self.handlers.append(handler)
         return handler
-
-    def join(self, *handlers: EtcdRendezvousHandler) -> list[Future[RendezvousInfo]]:
-        return [self.pool.submit(h.next_rendezvous) for h in handlers]
-
-    def close(self) -> None:
-        for h in self.handlers:
-            h._stop_heartbeats()
-        shut_down_all(self.handlers, self.pool)
 
 
 @pytest.fixture
@@ -88,10 +68,6 @@ def nodes(etcd_endpoint: str) -> Iterator[Nodes]:
         yield n
     finally:
         n.close()
-
-
-def _results(futures: list[Future[RendezvousInfo]]) -> list[RendezvousInfo]:
-    return [f.result(timeout=WAIT) for f in futures]
 
 
 def _eventually(predicate: Callable[[], bool], what: str, timeout: float = WAIT) -> None:
@@ -127,7 +103,7 @@ def _node(handler: EtcdRendezvousHandler) -> Any:
 
 def test_two_nodes_get_distinct_ranks_and_a_shared_store(nodes: Nodes) -> None:
     a, b = nodes.new(2, 2), nodes.new(2, 2)
-    infos = _results(nodes.join(a, b))
+    infos = results(nodes.join(a, b))
     assert sorted(i.rank for i in infos) == [0, 1]
     assert {i.world_size for i in infos} == {2}
     infos[0].store.set("from-first", b"hello")
@@ -136,7 +112,7 @@ def test_two_nodes_get_distinct_ranks_and_a_shared_store(nodes: Nodes) -> None:
 
 def test_set_closed_is_seen_by_other_nodes(nodes: Nodes) -> None:
     a, b = nodes.new(2, 2), nodes.new(2, 2)
-    _results(nodes.join(a, b))
+    results(nodes.join(a, b))
     assert not b.is_closed()
     assert b.num_nodes_waiting() == 0
     a.set_closed()
@@ -152,7 +128,7 @@ def test_set_closed_is_seen_by_other_nodes(nodes: Nodes) -> None:
 
 def test_late_node_waits_and_is_admitted_next_round(nodes: Nodes) -> None:
     a, b = nodes.new(2, 3), nodes.new(2, 3)
-    first = _results(nodes.join(a, b))
+    first = results(nodes.join(a, b))
     assert {i.world_size for i in first} == {2}
     round_1 = _stored_state(a).round
 
@@ -164,7 +140,7 @@ def test_late_node_waits_and_is_admitted_next_round(nodes: Nodes) -> None:
     assert not late_future.done()
 
     # What the agents do when nodes are waiting: re-rendezvous.
-    second = _results([*nodes.join(a, b), late_future])
+    second = results([*nodes.join(a, b), late_future])
     assert {i.world_size for i in second} == {3}
     assert sorted(i.rank for i in second) == [0, 1, 2]
     state = _stored_state(a)
@@ -190,14 +166,14 @@ def test_node_dying_before_completion_is_dropped_after_heartbeat_timeout(nodes: 
     )
     assert _node(b) in _stored_state(b).participants
     c, d = nodes.new(3, 3), nodes.new(3, 3)
-    infos = _results([b_future, *nodes.join(c, d)])
+    infos = results([b_future, *nodes.join(c, d)])
     assert {i.world_size for i in infos} == {3}
     assert _node(dying) not in _stored_state(b).participants
 
 
 def test_shutdown_closes_the_rendezvous(nodes: Nodes) -> None:
     a, b = nodes.new(2, 2), nodes.new(2, 2)
-    _results(nodes.join(a, b))
+    results(nodes.join(a, b))
     assert a.shutdown() is True
     _eventually(b.is_closed, "the other node sees the rendezvous closed")
 
@@ -235,7 +211,7 @@ def test_the_run_store_expires_with_the_state(nodes: Nodes, etcd_endpoint: str) 
     handler = nodes.new(1, 1, state_ttl="7")
     nodes.join(handler)[0].result(timeout=WAIT)
     with EtcdClient(etcd_endpoint, timeout=10) as client:
-        kv = client.get(f"/torch/elastic/rendezvous/{nodes.run_id}/store".encode() + b"\0lease")
+        kv = client.get(f"{nodes.prefix}/{nodes.run_id}/store".encode() + b"\0lease")
         assert kv is not None, "the run store has no namespace lease key"
         assert 0 < client.lease_time_to_live(int(kv.value)) <= 7
 
@@ -257,7 +233,7 @@ def test_shared_agent_store_is_reachable_and_fresh_every_round(
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
     a, b = nodes.new(2, 2), nodes.new(2, 2)
     assert a.use_agent_store
-    first = _results(nodes.join(a, b))
+    first = results(nodes.join(a, b))
     addresses = {(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port) for i in first}
     assert len(addresses) == 1, "nodes disagree on MASTER_ADDR/MASTER_PORT"
     worker = _tcp_client(first[1])  # as a worker of the second node would connect
@@ -265,7 +241,7 @@ def test_shared_agent_store_is_reachable_and_fresh_every_round(
     assert _tcp_client(first[0]).get("round-1-key") == b"stale"
     del worker
 
-    second = _results(nodes.join(a, b))
+    second = results(nodes.join(a, b))
     addresses = {(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port) for i in second}
     assert len(addresses) == 1, "nodes disagree on MASTER_ADDR/MASTER_PORT after a new round"
     fresh = _tcp_client(second[1])
@@ -280,7 +256,7 @@ def test_without_store_sharing_workers_get_a_free_port(
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     a, b = nodes.new(2, 2), nodes.new(2, 2)
     assert not a.use_agent_store
-    infos = _results(nodes.join(a, b))
+    infos = results(nodes.join(a, b))
     addresses = {(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port) for i in infos}
     assert len(addresses) == 1
     ((addr, port),) = addresses

@@ -7,7 +7,8 @@
   member of the etcd StatefulSet through its headless service, and ``--nnodes=MIN:MAX`` matching the job.
 * The etcd StatefulSet: 3 members, no v2 API, 3.6+ health probes, a volume claim template, compaction and a
   quota; passwords only from Secrets (env ``secretKeyRef`` or mounted files), never in arguments.
-* etcd/auth-setup.yaml's script, run against a real etcd, turns auth on with a user limited to the prefix.
+* etcd/auth-setup.yaml's script, run against a real etcd, turns auth on (root only); etcd/grant-run.yaml's
+  ``etcd-rdzv grant`` line, run after it, makes the training job's user, limited to the job's run.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def by_kind(kind: str) -> list[tuple[Path, dict[str, Any]]]:
 
 def test_every_manifest_is_there() -> None:
     names = {str(p.relative_to(K8S)) for p in FILES}
-    assert {"etcd/etcd.yaml", "etcd/etcd-tls.yaml", "etcd/auth-setup.yaml", "training/job.yaml",
+    assert {"etcd/etcd.yaml", "etcd/etcd-tls.yaml", "etcd/auth-setup.yaml", "etcd/grant-run.yaml", "training/job.yaml",
             "training/job-tls-auth.yaml", "training/pytorchjob.yaml"} <= names
 
 
@@ -154,9 +155,17 @@ def test_torchrun_command_lines_parse_with_torch() -> None:
 
 
 def test_secrets_never_in_arguments() -> None:
+    """No password in a command line; ``--password-file=PATH`` (``etcd-rdzv grant``) only names a file of a
+    read-only mount."""
     for where, _, spec in pod_specs():
         for c in spec.get("containers", []) + spec.get("initContainers", []):
-            text = " ".join([*c.get("command", []), *c.get("args", [])]).lower()
+            line = [*c.get("command", []), *c.get("args", [])]
+            for arg in line:
+                if arg.startswith("--password-file="):
+                    path = arg.split("=", 1)[1]
+                    assert any(path.startswith(m["mountPath"] + "/") and m.get("readOnly")
+                               for m in c["volumeMounts"]), (where, arg)
+            text = " ".join(a for a in line if not a.startswith("--password-file=")).lower()
             assert "password" not in text and "change-me" not in text, where
             for e in c.get("env", []):
                 if "PASSWORD" in e["name"] and not e["name"].endswith("_FILE"):  # *_FILE: a path
@@ -190,7 +199,7 @@ def test_every_pod_runs_unprivileged_with_a_read_only_root() -> None:
     """Non-root, the runtime's seccomp profile, no privilege escalation, no capabilities, a read-only
     root file system (training containers write scratch files to an emptyDir at /tmp)."""
     specs = list(pod_specs())
-    assert len(specs) == 6  # 2 etcd StatefulSets, the auth set-up Job, 3 training workloads
+    assert len(specs) == 7  # 2 etcd StatefulSets, the auth set-up and grant Jobs, 3 training workloads
     for where, _, spec in specs:
         pod = spec.get("securityContext", {})
         assert pod.get("runAsNonRoot") is True and pod.get("runAsUser", 0) > 0, where
@@ -266,34 +275,81 @@ def test_etcd_statefulset(variant: str) -> None:
 # --------------------------------------------------------------------------- the auth set-up script
 
 
+def _grant_job() -> tuple[dict[str, Any], dict[str, str]]:
+    """The container of etcd/grant-run.yaml and its plain ``env`` values."""
+    ((_, job),) = [(p, d) for p, d in by_kind("Job") if p.name == "grant-run.yaml"]
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    return container, {e["name"]: e["value"] for e in container["env"] if "value" in e}
+
+
+def test_grant_job_names_the_training_jobs_run_and_user() -> None:
+    """grant-run.yaml grants the run id the TLS+auth training Job uses, to the user that Job logs in as."""
+    container, env = _grant_job()
+    (train,) = [c for where, _, c in torchrun_lines() if "job-tls-auth.yaml" in where]
+    train_env = {e["name"]: e for e in train["env"]}
+    assert train_env["RUN_ID"]["value"] == env["RUN_ID"]
+    assert "--rdzv-id=$(RUN_ID)" in train["args"]
+    users = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"] if "valueFrom" in e}
+    assert users["RUN_USER"] == train_env["ETCD_RDZV_USER"]["valueFrom"]["secretKeyRef"]
+    assert container["command"] == ["etcd-rdzv"] and env["ETCD_RDZV_USER"] == "root"
+    endpoints = next(a for a in container["args"] if a.startswith("--endpoints=")).split("=", 1)[1]
+    assert set(endpoints.split(",")) == etcd_members(True)
+
+
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
-def test_auth_setup_script_against_etcd(etcd_binary: str, tmp_path: Path) -> None:
+def test_auth_setup_then_grant_against_etcd(etcd_binary: str, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """auth-setup.yaml's script turns auth on with root only; grant-run.yaml's command line (its
+    connection options replaced by the local etcd's) then makes a user limited to the job's run."""
+    from etcd_rdzv.cli import main
+
     (config,) = [d for d in documents(K8S / "etcd" / "auth-setup.yaml") if d["kind"] == "ConfigMap"]
     script = tmp_path / "setup.sh"
     script.write_text(config["data"]["setup.sh"])
-    secrets = tmp_path / "secrets"
-    secrets.mkdir()
-    password = 'pa"ss\\w0rd-x'  # quotes and backslashes survive the JSON body
-    (secrets / "user").write_text("rdzv\n")
-    (secrets / "password").write_text(password + "\n")
-    root = tmp_path / "root"  # a Secret of its own: no training pod mounts it
-    root.mkdir()
-    (root / "root-password").write_text("r00t-pw")
+    password, root_password = 'pa"ss\\w0rd-x', 'r0"ot\\pw'  # quotes and backslashes survive
+    mounts = {"/etc/etcd-rdzv-auth": tmp_path / "auth", "/etc/etcd-rdzv-root": tmp_path / "root"}
+    for local in mounts.values():
+        local.mkdir()
+    (mounts["/etc/etcd-rdzv-auth"] / "password").write_text(password + "\n")
+    (mounts["/etc/etcd-rdzv-root"] / "root-password").write_text(root_password)
     with EtcdServer(binary=etcd_binary) as server:
-        env = {**os.environ, "ETCD_URL": server.get_client_url(), "SECRETS": str(secrets), "ROOT_SECRETS": str(root),
-               "TLS_DIR": str(tmp_path / "no-tls"), "KEY_PREFIX": "/torch/elastic/rendezvous"}
+        env = {**os.environ, "ETCD_URL": server.get_client_url(), "ROOT_SECRETS": str(mounts["/etc/etcd-rdzv-root"]),
+               "TLS_DIR": str(tmp_path / "no-tls")}
         first = subprocess.run(["sh", str(script)], env=env, capture_output=True, text=True, timeout=60)
         assert first.returncode == 0, first.stderr
-        assert password not in first.stdout + first.stderr and "r00t-pw" not in first.stdout + first.stderr
+        assert root_password not in first.stdout + first.stderr
         again = subprocess.run(["sh", str(script)], env=env, capture_output=True, text=True, timeout=60)
         assert again.returncode == 0 and "already" in again.stdout, again.stderr
-        with EtcdClient(server.get_endpoint(), user="rdzv", password=password, timeout=5,
+
+        container, values = _grant_job()
+        values["RUN_USER"] = "rdzv-train"  # the Secret's user
+        argv = []
+        for arg in container["args"]:
+            if arg.split("=", 1)[0] in ("--endpoints", "--cacert", "--cert", "--key"):
+                continue  # the cluster's https endpoints and client certificate
+            arg = re.sub(r"\$\((\w+)\)", lambda m: values[m.group(1)], arg)
+            for mount, local in mounts.items():
+                arg = arg.replace(mount + "/", f"{local}/")
+            argv.append(arg)
+        root_pw = values["ETCD_RDZV_PASSWORD_FILE"].replace("/etc/etcd-rdzv-root/", f"{mounts['/etc/etcd-rdzv-root']}/")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("ETCD_RDZV_USER", values["ETCD_RDZV_USER"])
+            mp.setenv("ETCD_RDZV_PASSWORD_FILE", root_pw)
+            mp.delenv("ETCD_RDZV_PASSWORD", raising=False)
+            base = ["--endpoints", server.get_endpoint(), "--allow-insecure-auth"]  # no TLS locally
+            for _ in range(2):  # a re-run changes nothing
+                assert main([*base, *argv]) == 0, capsys.readouterr().err
+        assert password not in capsys.readouterr().out
+        run = b"/torch/elastic/rendezvous/train"
+        with EtcdClient(server.get_endpoint(), user="rdzv-train", password=password, timeout=5,
                         allow_insecure_auth=True) as client:  # a local etcd without TLS
-            client.put(b"/torch/elastic/rendezvous/job/x", b"1")
-            with pytest.raises(EtcdPermissionDenied):
-                client.put(b"/torch/elastic/rendezvousX", b"1")
-            with pytest.raises(EtcdPermissionDenied):
-                client.range(b"/other")
-        with EtcdClient(server.get_endpoint(), user="root", password="r00t-pw", timeout=5,
+            client.put(run, b"1")
+            client.put(run + b"/v3/ctl/sealed", b"1")
+            for other in (run + b"2", run + b"2/v3/run", b"/torch/elastic/rendezvous/other/x", b"/other"):
+                with pytest.raises(EtcdPermissionDenied):
+                    client.put(other, b"1")
+                with pytest.raises(EtcdPermissionDenied):
+                    client.range(other)
+        with EtcdClient(server.get_endpoint(), user="root", password=root_password, timeout=5,
                         allow_insecure_auth=True) as root_client:  # the root password of ROOT_SECRETS
-            assert root_client.get(b"/torch/elastic/rendezvous/job/x") is not None
+            assert root_client.get(run) is not None

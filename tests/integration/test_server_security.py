@@ -21,7 +21,7 @@ from etcd_server.errors import EtcdGatewayError
 from etcd_store.client import EtcdClient
 from etcd_store.errors import EtcdAuthError, EtcdError, EtcdPermissionDenied
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.etcd_matrix("3.6")]  # issue 23: each finding on etcd 3.7 and 3.6
 
 ROOT_PW, ALICE_PW = "r00t-srv-sec-pw", "al1ce-srv-sec-pw"
 

@@ -20,7 +20,7 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 from etcd_rdzv import EtcdRendezvousBackend, EtcdRendezvousHandler
 from etcd_store.client import EtcdClient
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.etcd_matrix("3.6")]  # issue 23: each finding on etcd 3.7 and 3.6
 
 _ids = itertools.count()
 PREFIX = "/sec/rdzv"

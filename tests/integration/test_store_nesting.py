@@ -15,7 +15,8 @@ from helpers.watch_opened import WatchOpened
 
 from etcd_server import AuthConfig, EtcdServer
 from etcd_store import EtcdStore
-from etcd_store.client import EtcdClient, RpcCounter
+from etcd_store.client import EtcdClient
+from etcd_store.client.testing import RpcCounter
 
 pytestmark = pytest.mark.etcd_matrix
 

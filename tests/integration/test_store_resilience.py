@@ -15,7 +15,8 @@ from helpers.watch_opened import WatchOpened
 from etcd_server import EtcdServer
 from etcd_server.cluster import EtcdCluster
 from etcd_store import EtcdStore
-from etcd_store.client import EtcdClient, RpcCounter
+from etcd_store.client import EtcdClient
+from etcd_store.client.testing import RpcCounter
 
 
 def _in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:

@@ -12,7 +12,8 @@ import pytest
 import torch.distributed as dist
 
 from etcd_store import EtcdStore
-from etcd_store.client import EtcdClient, RpcCounter
+from etcd_store.client import EtcdClient
+from etcd_store.client.testing import RpcCounter
 
 TIMEOUT = datetime.timedelta(seconds=10)
 

@@ -15,6 +15,8 @@ from etcd_store import EtcdStore
 
 PASSWORD = "al1ce-st0re-pw"
 
+pytestmark = pytest.mark.etcd_matrix("3.6")  # issue 23: each finding on etcd 3.7 and 3.6
+
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> CertPaths:

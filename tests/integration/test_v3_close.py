@@ -19,25 +19,16 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
-from typing import Any
 
 import pytest
-import torch.distributed as dist
-from helpers.handlers import shut_down_all
-from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+from helpers.nodes import Nodes
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
-from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
-from torch.distributed.elastic.utils.distributed import get_free_port
 
 from etcd_rdzv.cli import main
 from etcd_rdzv.cli.actions import close_v3
 from etcd_rdzv.cli.connect import Deadline
 from etcd_rdzv.native import protocol, queries
 from etcd_rdzv.native.keys import RunKeys
-from etcd_rdzv.plugin import create_etcd_v3_rdzv_handler
 from etcd_store.client import EtcdClient
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.etcd_matrix]
@@ -51,48 +42,9 @@ CONF = {
 }
 
 
-class Run:
-    """Handlers of one run of ``backend``, their blocking calls in threads."""
-
-    def __init__(self, backend: str, etcd_endpoint: str) -> None:
-        self.backend = backend
-        self.etcd_endpoint = etcd_endpoint
-        self.run_id = f"close-{next(_ids)}"
-        self.prefix = f"/v3close{next(_ids)}-{time.monotonic_ns() % 10**9}"
-        self.handlers: list[RendezvousHandler] = []
-        self.pool = ThreadPoolExecutor(max_workers=8)
-        self.tcp_store: dist.TCPStore | None = None
-        if backend == "c10d":
-            port = get_free_port()
-            self.tcp_store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                                           timeout=timedelta(seconds=30))
-
-    def handler(self, min_nodes: int, max_nodes: int) -> RendezvousHandler:
-        conf: dict[str, Any] = dict(CONF[self.backend])
-        if self.backend == "c10d":
-            assert self.tcp_store is not None
-            params = RendezvousParameters("c10d", f"127.0.0.1:{self.tcp_store.port}", self.run_id, min_nodes,
-                                          max_nodes, local_addr="127.0.0.1", **conf)
-            # One TCPStore client per node, as each torchrun agent has (one client object is
-            # not safe for two nodes' blocking calls at once).
-            store = dist.TCPStore("127.0.0.1", self.tcp_store.port, is_master=False, timeout=timedelta(seconds=30))
-            h: RendezvousHandler = create_handler(store, C10dRendezvousBackend(store, self.run_id), params)
-        else:
-            params = RendezvousParameters(self.backend, self.etcd_endpoint, self.run_id, min_nodes, max_nodes,
-                                          local_addr="127.0.0.1", key_prefix=self.prefix, **conf)
-            h = create_etcd_v3_rdzv_handler(params)
-        self.handlers.append(h)
-        return h
-
-    def group(self, n: int) -> list[RendezvousHandler]:
-        """``n`` handlers (``--nnodes=n``) that formed one round."""
-        hs = [self.handler(n, n) for _ in range(n)]
-        infos = [f.result(timeout=WAIT) for f in [self.pool.submit(h.next_rendezvous) for h in hs]]
-        assert sorted(i.rank for i in infos) == list(range(n))
-        return hs
-
-    def close(self) -> None:
-        shut_down_all(self.handlers, self.pool)
+def new_run(backend: str, etcd_endpoint: str) -> Nodes:
+    """Handlers of one run of ``backend`` (torch's c10d over a TCPStore, or etcd-v3), in threads."""
+    return Nodes(etcd_endpoint, backend, conf=CONF[backend], name="v3close")
 
 
 def wait_count(client: EtcdClient, prefix: bytes, want: int, timeout: float = WAIT) -> None:
@@ -108,11 +60,11 @@ def wait_count(client: EtcdClient, prefix: bytes, want: int, timeout: float = WA
 
 
 @pytest.fixture
-def make_run(etcd_endpoint: str) -> Iterator[Callable[[str], Run]]:
-    runs: list[Run] = []
+def make_run(etcd_endpoint: str) -> Iterator[Callable[[str], Nodes]]:
+    runs: list[Nodes] = []
 
-    def make(backend: str) -> Run:
-        runs.append(Run(backend, etcd_endpoint))
+    def make(backend: str) -> Nodes:
+        runs.append(new_run(backend, etcd_endpoint))
         return runs[-1]
 
     try:
@@ -123,7 +75,7 @@ def make_run(etcd_endpoint: str) -> Iterator[Callable[[str], Run]]:
 
 
 @pytest.mark.parametrize("backend", ["c10d", "etcd-v3"])
-def test_a_peer_that_ends_its_job_leaves_the_others_running(make_run: Callable[[str], Run], backend: str) -> None:
+def test_a_peer_that_ends_its_job_leaves_the_others_running(make_run: Callable[[str], Nodes], backend: str) -> None:
     """A peer's ``shutdown()`` (torchrun's at the end of its job) closes the run; a member
     still running keeps its workers (``num_nodes_waiting() == 0``), and only a new
     rendezvous fails: the semantics of torch's handlers for a closed run."""
@@ -142,7 +94,7 @@ def test_a_peer_that_ends_its_job_leaves_the_others_running(make_run: Callable[[
         slow.next_rendezvous()
 
 
-def test_the_last_member_out_of_a_closed_run_is_not_restarted(make_run: Callable[[str], Run]) -> None:
+def test_the_last_member_out_of_a_closed_run_is_not_restarted(make_run: Callable[[str], Nodes]) -> None:
     """Every other member ended (shut down: lease revoked, key gone): the round is short of
     its world size, but a closed run forms no new group, so there is nothing to restart for."""
     run = make_run("etcd-v3")
@@ -151,7 +103,7 @@ def test_the_last_member_out_of_a_closed_run_is_not_restarted(make_run: Callable
     assert c.num_nodes_waiting() == 0
 
 
-def test_the_operators_close_stops_every_running_member(make_run: Callable[[str], Run], etcd_endpoint: str,
+def test_the_operators_close_stops_every_running_member(make_run: Callable[[str], Nodes], etcd_endpoint: str,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     """``etcd-rdzv close`` closes the run and marks it aborted: every member's
     ``num_nodes_waiting()`` is positive (its agent stops its workers), its
@@ -159,7 +111,7 @@ def test_the_operators_close_stops_every_running_member(make_run: Callable[[str]
     round gets ``RendezvousClosedError`` at once."""
     run = make_run("etcd-v3")
     a, b = run.group(2)
-    waiter = run.handler(3, 3)
+    waiter = run.new(3, 3)
     pending = run.pool.submit(waiter.next_rendezvous)
     with EtcdClient(etcd_endpoint, timeout=10) as client:
         keys = RunKeys.for_run(run.prefix, run.run_id)
@@ -176,12 +128,12 @@ def test_the_operators_close_stops_every_running_member(make_run: Callable[[str]
         a.next_rendezvous()
 
 
-def test_set_closed_from_outside_the_job_stops_every_running_member(make_run: Callable[[str], Run]) -> None:
+def test_set_closed_from_outside_the_job_stops_every_running_member(make_run: Callable[[str], Nodes]) -> None:
     """``set_closed()`` is what a process outside the job calls (torchrun's agents call only
     ``shutdown()``): like ``etcd-rdzv close`` it stops every member that still runs."""
     run = make_run("etcd-v3")
     a, b = run.group(2)
-    outsider = run.handler(2, 2)
+    outsider = run.new(2, 2)
     outsider.set_closed()
     assert a.is_closed() and outsider.is_closed()
     assert a.num_nodes_waiting() >= 1 and b.num_nodes_waiting() >= 1
@@ -189,7 +141,7 @@ def test_set_closed_from_outside_the_job_stops_every_running_member(make_run: Ca
         b.next_rendezvous()
 
 
-def test_the_operators_close_also_stops_a_run_that_ended_normally(make_run: Callable[[str], Run],
+def test_the_operators_close_also_stops_a_run_that_ended_normally(make_run: Callable[[str], Nodes],
                                                                    etcd_endpoint: str) -> None:
     """The slow node of a finished job (its peers shut down: the run is closed, it keeps
     running) is still stopped by ``etcd-rdzv close``: the abort mark is written also

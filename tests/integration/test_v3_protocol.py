@@ -15,11 +15,12 @@ import socket
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from concurrent.futures import as_completed
 from typing import Any
 
 import pytest
-from helpers.handlers import shut_down_all
+from helpers.nodes import ETCD_V3, results
+from helpers.nodes import Nodes as HarnessNodes
 from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
@@ -34,7 +35,8 @@ from etcd_rdzv.native.handler import EtcdV3RendezvousHandler, RoundResult
 from etcd_rdzv.native.keys import RunKeys
 from etcd_rdzv.native.records import Sealed
 from etcd_rdzv.plugin import create_etcd_v3_handler, create_etcd_v3_rdzv_handler
-from etcd_store.client import EtcdClient, RpcCounter, Watch
+from etcd_store.client import EtcdClient, Watch
+from etcd_store.client.testing import RpcCounter
 from etcd_store.errors import EtcdConnectionError, EtcdPermissionDenied
 
 pytestmark = pytest.mark.timeout(120)
@@ -60,52 +62,11 @@ def wait_count(client: EtcdClient, prefix: bytes, want: int, timeout: float = WA
     raise AssertionError(f"{prefix!r} never held {want} keys")
 
 
-class Nodes:
-    """Handlers of one run, sharing one client (or each with its own), run in threads."""
+class Nodes(HarnessNodes):
+    """etcd-v3 handlers of one run sharing one client (``shared=False``: each its own), in threads."""
 
     def __init__(self, endpoint: str, *, shared: bool = True) -> None:
-        self.endpoint = endpoint
-        self.run_id = f"run{next(_ids)}"
-        self.prefix = f"/v3t{next(_ids)}-{time.monotonic_ns() % 10**9}"
-        self.client = EtcdClient(endpoint, timeout=10)
-        self.shared = shared
-        self.handlers: list[EtcdV3RendezvousHandler] = []
-        self.pool = ThreadPoolExecutor(max_workers=64)
-
-    def params(self, min_nodes: int, max_nodes: int, **conf: str) -> RendezvousParameters:
-        return RendezvousParameters(
-            backend="etcd-v3", endpoint=self.endpoint, run_id=self.run_id,
-            min_nodes=min_nodes, max_nodes=max_nodes, local_addr="127.0.0.1",
-            **{**CONF, "key_prefix": self.prefix, **conf},
-        )
-
-    def new(self, min_nodes: int, max_nodes: int, **conf: str) -> EtcdV3RendezvousHandler:
-        params = self.params(min_nodes, max_nodes, **conf)
-        handler = create_etcd_v3_rdzv_handler(params, client=self.client if self.shared else None)
-        self.handlers.append(handler)
-        return handler
-
-    def many(self, n: int, min_nodes: int, max_nodes: int, **conf: str) -> list[EtcdV3RendezvousHandler]:
-        return [self.new(min_nodes, max_nodes, **conf) for _ in range(n)]
-
-    def start(self, *handlers: EtcdV3RendezvousHandler) -> list[Future[RoundResult]]:
-        return [self.pool.submit(h.next_round) for h in handlers]
-
-    @property
-    def keys(self) -> RunKeys:
-        return RunKeys.for_run(self.prefix, self.run_id)
-
-    def join_prefix(self, round_: int) -> bytes:
-        return self.keys.join_prefix(round_)
-
-    def members(self, round_: int) -> list[str]:
-        kv = self.client.get(self.keys.members(round_))
-        assert kv is not None, f"round {round_} has no members record"
-        return list(json.loads(kv.value))
-
-    def close(self) -> None:
-        shut_down_all(self.handlers, self.pool)
-        self.client.close()
+        super().__init__(endpoint, ETCD_V3, conf=CONF, shared=shared, name="v3t", workers=64)
 
 
 @pytest.fixture
@@ -115,10 +76,6 @@ def nodes(etcd_endpoint: str) -> Iterator[Nodes]:
         yield n
     finally:
         n.close()
-
-
-def results(futures: list[Future[RoundResult]]) -> list[RoundResult]:
-    return [f.result(timeout=WAIT) for f in futures]
 
 
 def assert_group(res: list[RoundResult], world_size: int) -> None:

@@ -85,3 +85,36 @@ def test_a_cancel_reason_that_only_mentions_no_leader_is_final(stop_servers: lis
         with pytest.raises(EtcdError, match="cancelled the watch"):
             watch.get(timeout=10)
     assert healthy.starts == []
+
+
+def test_watch_deliveries_count_per_client_and_into_the_creating_threads_scope(stop_servers: list[Any]) -> None:
+    """A client counts what its watches deliver; ``counting_watches`` attributes each watch to the
+    block (thread) that created it, also when its events arrive after the block ended."""
+    from etcd_store.client.testing import WatchStats, count_watches, counting_watches
+
+    servers, endpoints = _serve(_Watcher(10, None))
+    stop_servers.extend(servers)
+    mine, theirs = WatchStats(), WatchStats()
+    with EtcdClient(endpoints, timeout=5) as client:
+        count_watches(client)
+        count_watches(client)  # idempotent: counted once
+        with counting_watches(mine):
+            first = client.watch(b"k")
+        created: list[Any] = []
+        other = threading.Thread(target=lambda: created.append(_watch_in(theirs, client)))
+        other.start()
+        other.join(10)
+        unscoped = client.watch(b"k")
+        for watch in (first, created[0], unscoped):
+            assert len(watch.get(timeout=10)) == 1
+            watch.cancel()
+        snap = client.stats.snapshot()
+    assert snap.watch_events == 3 and snap.watch_bytes > 0
+    assert mine.snapshot() == (1, snap.watch_bytes // 3) and theirs.snapshot() == mine.snapshot()
+
+
+def _watch_in(stats: Any, client: EtcdClient) -> Any:
+    from etcd_store.client.testing import counting_watches
+
+    with counting_watches(stats):
+        return client.watch(b"k")
