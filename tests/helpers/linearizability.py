@@ -390,12 +390,12 @@ def linearizable(
 
 
 def _prefix(ops: list[Op], count: int, model: StoreModel) -> list[Op]:
-    """The first ``count`` ops by invocation, as seen at the last one's invocation: later completions
-    become unknown outcomes (linearizable whenever the whole history is)."""
-    cut = ops[count - 1].invoked
+    """The first ``count`` ops by invocation, as seen just before the next one is invoked: later
+    completions become unknown outcomes (linearizable whenever the whole history is)."""
+    cut = ops[count].invoked if count < len(ops) else None
     out = []
     for o in ops[:count]:
-        if o.completed is not None and o.completed > cut:
+        if cut is not None and o.completed is not None and o.completed >= cut:
             if model.read_only(o):
                 continue
             o = dataclasses.replace(o, outcome=UNKNOWN, completed=None)

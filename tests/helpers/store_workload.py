@@ -33,7 +33,7 @@ from etcd_server import EtcdCluster
 from etcd_store import EtcdStore
 from etcd_store.client import EtcdClient
 from helpers.history import History
-from helpers.lost_replies import LostReplies, compact
+from helpers.lost_replies import LostReplies, Rule, compact
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,7 @@ class Config:
     read_timeout: float = 1.0  # get/multi_get waits on missing keys
     fault_every: float = 0.6
     faults: bool = True
+    lose_rate: float = 0.05  # the share of write Txns (besides the fault thread's) whose reply is lost
 
 
 @dataclass
@@ -63,6 +64,8 @@ class Run:
     config: Config
     wall: float
     late: list[str] = field(default_factory=list)
+    lost_replies: int = 0  # requests that committed and whose reply the client never saw
+    unsent: int = 0  # requests dropped before reaching etcd
 
 
 def _timed_out(exc: BaseException) -> bool:
@@ -159,6 +162,7 @@ class _Faults:
         self.stop = threading.Event()
         self.frozen: int | None = None
         self.killed: int | None = None
+        self.rules: list[Rule] = []
 
     def loop(self) -> None:
         while not self.stop.wait(self.rng.uniform(0.5, 1.5) * self.every):
@@ -166,6 +170,11 @@ class _Faults:
                 self.once()
             except Exception as exc:  # a fault that could not be applied is noted, the run goes on
                 self.history.note("fault failed", error=repr(exc))
+
+    def steady(self, rate: float) -> None:
+        """Lose the reply of about ``rate`` of all Txns, all along (besides the rules :meth:`once` arms)."""
+        rng = random.Random(self.rng.random())
+        self.rules.append(self.lost.lose("KV/Txn", lambda request: rng.random() < rate, times=10**9))
 
     def once(self) -> None:
         self.heal()
@@ -188,8 +197,7 @@ class _Faults:
             times = self.rng.randint(1, 3)
             method = self.rng.choice(["KV/Txn", "KV/"])
             self.history.note(what, method=method, times=times)
-            self.lost.clear()
-            self.lost.lose(method, times=times, send=what == "lose")
+            self.rules.append(self.lost.lose(method, times=times, send=what == "lose"))
 
     def heal(self) -> None:
         if self.frozen is not None:
@@ -241,6 +249,7 @@ def run(cluster: EtcdCluster, config: Config) -> Run:
                    for w, k in zip(workers, share, strict=True)]
         fault_thread = threading.Thread(target=faults.loop, daemon=True)
         if config.faults:
+            faults.steady(config.lose_rate)
             fault_thread.start()
         for th in threads:
             th.start()
@@ -258,6 +267,8 @@ def run(cluster: EtcdCluster, config: Config) -> Run:
             c.close()
     done = Run(history, config, time.monotonic() - start)
     done.late = _late(history, config)
+    done.lost_replies = sum(r.fired for r in faults.rules)
+    done.unsent = sum(r.dropped for r in faults.rules)
     return done
 
 

@@ -47,7 +47,7 @@ def test_store_history_is_linearizable_under_faults(cluster: EtcdCluster, seed: 
     unknown = sum(o.outcome == "unknown" for o in ops)
     faults = [n.what for n in done.history.notes()]
     summary = (f"seed {seed}: {len(ops)} ops ({unknown} unknown outcomes), {len(faults)} faults "
-               f"({', '.join(sorted(set(faults)))}), run {done.wall:.1f} s, check {took:.1f} s")
+               f"({', '.join(sorted(set(faults)))}; {done.lost_replies} lost replies, {done.unsent} unsent), run {done.wall:.1f} s, check {took:.1f} s")
     print(summary)
     if not verdict.ok or done.late:
         path = os.path.join(tempfile.gettempdir(), f"store-history-seed{seed}.json")
