@@ -36,7 +36,7 @@ from helpers.history import FAIL, OK, UNKNOWN, Op
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ANY", "Partition", "SearchBudgetExceeded", "StoreModel", "Verdict", "check",
+__all__ = ["ANY", "Partition", "SearchBudgetExceeded", "StoreModel", "Verdict", "check", "patch",
            "linearizable", "minimal_fragment", "partitions"]
 
 

@@ -13,6 +13,7 @@ from helpers.linearizability import (
     check,
     linearizable,
     partitions,
+    patch,
 )
 
 _ids = iter(range(10**9))
@@ -186,3 +187,20 @@ def test_the_search_budget_is_reported() -> None:
     assert linearizable(ops, StoreModel(), [("reg", "n")])
     with pytest.raises(SearchBudgetExceeded):
         linearizable(ops, StoreModel(), [("reg", "n")], budget=2)
+
+
+def test_an_unknown_write_seen_by_a_reader_took_effect_before_that_read_returned() -> None:
+    ops = [op("set", "k", b"a", at=(0, 1)),
+           op("set", "k", b"b", at=(2, None)),
+           op("get", "k", at=(3, 4), result=b"b"),
+           op("get", "k", at=(5, 6), result=b"b")]
+    patched = patch(ops, StoreModel())
+    assert patched[1].completed == 4 and patched[1].outcome == UNKNOWN
+    assert ok(ops)
+    assert not ok([*ops, op("get", "k", at=(7, 8), result=b"a")])
+
+
+def test_an_unknown_push_nobody_popped_is_left_out() -> None:
+    ops = [op("queue_push", "q", b"1", at=(0, None)), op("queue_pop", "q", at=(4, 5), result=None)]
+    assert [o.kind for o in patch(ops, StoreModel())] == ["queue_pop"]
+    assert ok(ops)
