@@ -53,6 +53,8 @@ def test_store_history_is_linearizable_under_faults(cluster: EtcdCluster, seed: 
     summary = (f"seed {seed}: {len(ops)} ops ({unknown} unknown outcomes), {len(faults)} faults "
                f"({', '.join(sorted(set(faults)))}; {done.lost_replies} lost replies, {done.unsent} unsent), run {done.wall:.1f} s, check {took:.1f} s")
     print(summary)
+    for note in [n for n in done.history.notes() if n.what == "fault failed"][:3]:
+        print(f"  a fault could not be applied: {note.detail}")
     if not verdict.ok or done.late:
         path = os.path.join(tempfile.gettempdir(), f"store-history-seed{seed}.json")
         done.history.dump(path)
