@@ -75,6 +75,7 @@ class StoreModel:
     ``set(k, v)``                    ``None``
     ``get(k)``                       the value; ``None`` when it timed out (missing)
     ``add(k, d)``                    the new integer
+    ``append(k, v)``                 ``None``
     ``compare_set(k, e, d)``         the value after the op (torch: ``d`` if it was set,
                                      ``e`` if ``k`` was missing and ``e`` non-empty,
                                      else the current value; a missing ``k`` with ``e == b""``
@@ -189,6 +190,8 @@ def _register(kind: str, a: tuple[Any, ...], cur: Any, result: Any, known: bool)
         if cur is ANY:
             return [result]
         return [cur] if cur == result else []
+    if kind == "append":
+        return [ANY] if cur is ANY else [(cur or b"") + a[1]]
     if kind == "delete_key":
         if known and cur is not ANY and (cur is not None) != result:
             return []

@@ -117,7 +117,10 @@ class _Client:
             self._do("queue_push", (q, v), lambda: self.store.queue_push(self._k(q), v))
         elif r < 0.89:
             self._do("queue_pop", (q,), lambda: self.store.queue_pop(self._k(q), block=False), missing=None)
-        elif r < 0.945:
+        elif r < 0.92:
+            v = self.value("log")[:12]
+            self._do("append", (reg, v), lambda: self.store.append(self._k(reg), v))
+        elif r < 0.96:
             ks = self.keys["multi"]
             vs = [self.value(k) for k in ks]
             self._do("multi_set", (ks, vs), lambda: self.store.multi_set([self._k(k) for k in ks], vs))
@@ -163,6 +166,9 @@ class _Faults:
         self.frozen: int | None = None
         self.killed: int | None = None
         self.rules: list[Rule] = []
+        # every kind of fault once, in a seeded order, before random ones (a short run sees them all)
+        self.first = ["kill", "freeze", "compact", "lose"]
+        rng.shuffle(self.first)
 
     def loop(self) -> None:
         while not self.stop.wait(self.rng.uniform(0.5, 1.5) * self.every):
@@ -178,7 +184,8 @@ class _Faults:
 
     def once(self) -> None:
         self.heal()
-        what = self.rng.choice(["kill", "freeze", "compact", "lose", "lose", "lose-unsent"])
+        kinds = ["kill", "freeze", "compact", "lose", "lose", "lose-unsent"]
+        what = self.first.pop() if self.first else self.rng.choice(kinds)
         i = self.rng.randrange(self.cluster.size)
         if what == "kill":
             self.history.note("kill", member=i)

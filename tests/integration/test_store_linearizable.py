@@ -28,7 +28,9 @@ from etcd_server import EtcdCluster
 pytestmark = pytest.mark.etcd_matrix
 
 SEEDS = [int(s) for s in os.environ.get("ETCD_RDZV_CHECK_SEED", "1,2").split(",")]
-OPS = int(os.environ.get("ETCD_RDZV_CHECK_OPS", "120"))
+OPS = int(os.environ.get("ETCD_RDZV_CHECK_OPS", "160"))
+#: Seconds between faults, on average: denser in a short run, so that it sees every kind.
+FAULT_EVERY = 0.3 if OPS < 1000 else 0.6
 
 
 #: The newest etcd and the newest subset version (each run costs ~20 s of CI time).
@@ -43,7 +45,7 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[EtcdCluster]:
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_store_history_is_linearizable_under_faults(cluster: EtcdCluster, seed: int) -> None:
-    done = run(cluster, Config(seed=seed, ops=OPS))
+    done = run(cluster, Config(seed=seed, ops=OPS, fault_every=FAULT_EVERY))
     ops = done.history.ops()
     start = time.monotonic()
     verdict = check(ops)

@@ -204,3 +204,10 @@ def test_an_unknown_push_nobody_popped_is_left_out() -> None:
     ops = [op("queue_push", "q", b"1", at=(0, None)), op("queue_pop", "q", at=(4, 5), result=None)]
     assert [o.kind for o in patch(ops, StoreModel())] == ["queue_pop"]
     assert ok(ops)
+
+
+def test_append_concatenates_once() -> None:
+    ops = [op("append", "k", b"a", at=(0, 1)), op("append", "k", b"b", at=(2, 3)),
+           op("get", "k", at=(4, 5), result=b"ab")]
+    assert ok(ops)
+    assert not ok([*ops[:2], op("get", "k", at=(4, 5), result=b"abb")])
