@@ -28,6 +28,7 @@ An exception escaping the block is recorded as ``unknown`` (and re-raised) unles
 
 from __future__ import annotations
 
+import ast
 import itertools
 import json
 import threading
@@ -136,7 +137,34 @@ class History:
         return "\n".join(text for _, text in sorted(rows, key=lambda r: r[0]))
 
     def dump(self, path: str) -> None:
-        """Write the history as JSON (operations and notes), for a failing seed's record."""
+        """Write the history as JSON (operations and notes), for a failing seed's record.
+
+        Values JSON cannot hold are written as their ``repr`` (bytes as ``"b'...'"``); :meth:`load` reads
+        bytes back."""
         data = {"ops": [asdict(o) for o in self.ops()], "notes": [asdict(n) for n in self.notes()]}
         with open(path, "w") as f:
             json.dump(data, f, default=repr, indent=1)
+
+    @classmethod
+    def load(cls, path: str) -> History:
+        """A history written by :meth:`dump` (to check it again); ``args`` come back as tuples."""
+        with open(path) as f:
+            data = json.load(f)
+        history = cls()
+        for o in data["ops"]:
+            o["args"] = tuple(_undump(a) for a in o["args"])
+            o["result"] = _undump(o["result"])
+            history._ops.append(Op(**o))
+        history._notes = [Note(**n) for n in data["notes"]]
+        return history
+
+
+def _undump(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_undump(v) for v in value]
+    if isinstance(value, str) and value[:2] in ("b'", 'b"'):
+        try:
+            return ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            return value
+    return value

@@ -8,7 +8,8 @@ within its timeout. CI runs a few short seeds. The long mode, by hand::
         python -m pytest -n 0 -s tests/integration/test_store_linearizable.py
 
 (``ETCD_RDZV_CHECK_SEED``: comma-separated seeds; ``ETCD_RDZV_CHECK_OPS``: operations per seed).
-A failing seed prints the minimal non-linearizable fragment and writes the whole history as JSON.
+A failing seed prints the minimal non-linearizable fragment and writes the whole history as JSON
+(``check(History.load(path).ops())`` checks it again).
 """
 
 from __future__ import annotations

@@ -211,3 +211,19 @@ def test_append_concatenates_once() -> None:
            op("get", "k", at=(4, 5), result=b"ab")]
     assert ok(ops)
     assert not ok([*ops[:2], op("get", "k", at=(4, 5), result=b"abb")])
+
+
+def test_a_dumped_history_is_checked_again_after_loading(tmp_path: Any) -> None:
+    history = History()
+    with history.op("c1", "set", "k", b"\x00big") as o:
+        o.ok(None)
+    with history.op("c2", "multi_get", ["k"]) as o:
+        o.ok([b"stale"])
+    history.note("kill", member=1)
+    path = str(tmp_path / "h.json")
+    history.dump(path)
+    again = History.load(path)
+    assert [(o.kind, o.args, o.result) for o in again.ops()] == [
+        ("set", ("k", b"\x00big"), None), ("multi_get", (["k"],), [b"stale"])]
+    assert [n.what for n in again.notes()] == ["kill"]
+    assert not check(again.ops()).ok
