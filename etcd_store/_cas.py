@@ -158,6 +158,9 @@ class ReadModifyWrite:
             if guard is None:
                 res = self._client.range(k, timeout=budget(deadline))
                 if not res.kvs:
+                    if expected == b"":  # missing now: created, as by TCPStore
+                        guard = [compare_create(k, "==", 0)]
+                        continue
                     return expected
                 current = self._values.decode(res.kvs[0], deadline)
                 if current is None:
@@ -177,6 +180,9 @@ class ReadModifyWrite:
             rng = out.txn.responses[0]
             assert isinstance(rng, RangeResult)
             if not rng.kvs:
+                if expected == b"":  # deleted since it was read: created, as by TCPStore
+                    guard = [compare_create(k, "==", 0)]
+                    continue
                 return expected
             kv = rng.kvs[0]
             current = self._values.decode(kv, deadline)

@@ -11,7 +11,8 @@ An operation ends in one of three outcomes, as in etcd's robustness tests:
 * ``ok``: it returned ``result``;
 * ``fail``: it raised an error that proves it had no effect (``error`` holds ``repr(exc)``);
 * ``unknown``: it raised an error after which it may or may not have taken effect (a timeout, a lost
-  reply), or it never returned. A checker must allow both, at any time after ``invoked``.
+  reply; ``raised`` holds when), or it never returned. A checker must allow both, at any time after
+  ``invoked``.
 
 Usage::
 
@@ -27,6 +28,7 @@ An exception escaping the block is recorded as ``unknown`` (and re-raised) unles
 
 from __future__ import annotations
 
+import ast
 import itertools
 import json
 import threading
@@ -50,6 +52,8 @@ class Op:
     outcome: str = UNKNOWN
     result: Any = None
     error: str | None = None
+    #: when an exception escaped (an unknown outcome that did return, by raising)
+    raised: int | None = None
 
     def ok(self, result: Any = None) -> None:
         self.result, self.outcome, self.completed = result, OK, time.monotonic_ns()
@@ -59,10 +63,18 @@ class Op:
 
     def __str__(self) -> str:
         end = "..." if self.completed is None else f"{self.completed / 1e6:.3f}"
-        what = {OK: f"-> {self.result!r}", FAIL: f"!! {self.error}", UNKNOWN: f"?? {self.error or ''}"}
-        args = ", ".join(repr(a) for a in self.args)
+        what = {OK: f"-> {_short(self.result)}", FAIL: f"!! {self.error}", UNKNOWN: f"?? {self.error or ''}"}
+        args = ", ".join(_short(a) for a in self.args)
         return (f"#{self.id} [{self.invoked / 1e6:.3f}, {end}] {self.client}: "
                 f"{self.kind}({args}) {what[self.outcome]}")
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, a long one cut in the middle (a chunked value prints its start and size)."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit // 2]}...<{len(text)} chars>...{text[-limit // 4:]}"
 
 
 @dataclass
@@ -97,7 +109,7 @@ class History:
                 if classify is not None and classify(exc):
                     op.fail(exc)
                 else:
-                    op.error = repr(exc)
+                    op.error, op.raised = repr(exc), time.monotonic_ns()
             raise
 
     def note(self, what: str, **detail: Any) -> None:
@@ -125,7 +137,34 @@ class History:
         return "\n".join(text for _, text in sorted(rows, key=lambda r: r[0]))
 
     def dump(self, path: str) -> None:
-        """Write the history as JSON (operations and notes), for a failing seed's record."""
+        """Write the history as JSON (operations and notes), for a failing seed's record.
+
+        Values JSON cannot hold are written as their ``repr`` (bytes as ``"b'...'"``); :meth:`load` reads
+        bytes back."""
         data = {"ops": [asdict(o) for o in self.ops()], "notes": [asdict(n) for n in self.notes()]}
         with open(path, "w") as f:
             json.dump(data, f, default=repr, indent=1)
+
+    @classmethod
+    def load(cls, path: str) -> History:
+        """A history written by :meth:`dump` (to check it again); ``args`` come back as tuples."""
+        with open(path) as f:
+            data = json.load(f)
+        history = cls()
+        for o in data["ops"]:
+            o["args"] = tuple(_undump(a) for a in o["args"])
+            o["result"] = _undump(o["result"])
+            history._ops.append(Op(**o))
+        history._notes = [Note(**n) for n in data["notes"]]
+        return history
+
+
+def _undump(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_undump(v) for v in value]
+    if isinstance(value, str) and value[:2] in ("b'", 'b"'):
+        try:
+            return ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            return value
+    return value

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
+from etcd3.etcdrpc import rpc_pb2
 from helpers.lost_replies import LostReplies, compact, txn_puts_key, writes_key
 
 from etcd_store import EtcdStore
@@ -180,6 +181,30 @@ def test_compare_set_keeps_its_chunks_when_it_times_out_after_committing(stores:
     compact(stores.endpoint)  # deleted chunks would now be gone from history too
     got, _ = _bounded(lambda: reader.get("cs"))
     assert got == BIG, got  # it was committed: its chunks are there
+
+
+def _reads_chunks_of(key: bytes) -> Callable[[Any], bool]:
+    """A ``match`` for ``"KV/Txn"``: the read of a chunked value guarded by ``key``'s mod revision."""
+
+    def match(request: Any) -> bool:
+        return (isinstance(request, rpc_pb2.TxnRequest) and not any(op.request_put.key for op in request.success)
+                and any(c.key == key and c.target == rpc_pb2.Compare.MOD for c in request.compare))
+
+    return match
+
+
+def test_compare_set_from_empty_creates_a_key_deleted_while_its_chunked_value_was_read(stores: Stores) -> None:
+    """Found by the linearizability checker (seed 1, 10,000 ops): ``compare_set(k, "", v)`` on a chunked
+    value deleted between the failed create and the read of its chunks returned ``b""`` (the expected
+    value) instead of creating ``k`` as TCPStore does for a missing key and an empty expected value."""
+    lossy, other = stores.open(lossy=True), stores.open()
+    other.set("big", BIG)
+    key = f"{stores.prefix}/big".encode()
+    rule = stores.lost.meddle("KV/Txn", _reads_chunks_of(key), lambda: other.delete_key("big"))
+    got, _ = _bounded(lambda: lossy.compare_set("big", "", "mine"))
+    assert rule.fired == 1
+    assert got == b"mine", got
+    assert other.get("big") == b"mine"
 
 
 # ------------------------------------------------------------------ 4. the namespace lease record
