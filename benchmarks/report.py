@@ -199,7 +199,7 @@ def markdown(results: dict[str, Any]) -> str:
             "",
             f"Settings that decide it: a dead node counts as gone after keep_alive_interval "
             f"{st['keep_alive_interval']} s × keep_alive_max_attempt {st['keep_alive_max_attempt']} = "
-            f"{st['dead_after_s']:g} s (etcd-v3: its lease TTL, the same product); then last_call_timeout "
+            f"{st['dead_after_s']:g} s (etcd-v3: its lease TTL, the same product, unless a survivor evicts it first: a lease that missed evict_misses 2 renewals of renew_interval 1 s while the survivor's own were steady, docs/etcd-v3-design.md); then last_call_timeout "
             f"{st['last_call_timeout']} s once min_nodes = {st['min_nodes']} are present (max_nodes = "
             f"{st['max_nodes']}). {'These are the defaults.' if st['defaults'] else 'Not the defaults.'} "
             + ("etcd-v3 skips the last call when the new round only re-forms the group (`fast_recovery`, "
