@@ -18,14 +18,14 @@ import os
 import time
 
 import pytest
-from helpers.v3_checker import CheckConf, Checker
+from helpers.v3_checker import CheckConf, Checker, CheckFailed
 from helpers.v3_world import Etcd
 
 from etcd_server import EtcdCluster, EtcdServer
 
 SEED_VAR, STEPS_VAR = "ETCD_RDZV_CHECK_SEED", "ETCD_RDZV_CHECK_STEPS"
-CI_SINGLE = ((11, 160), (12, 160))  # (seed, steps) per run in CI mode
-CI_CLUSTER = ((21, 120),)
+CI_SINGLE = ((11, 100), (12, 100))  # (seed, steps) per run in CI mode
+CI_CLUSTER = ((21, 90),)
 
 
 def _seeds(text: str) -> list[int]:
@@ -51,13 +51,22 @@ def _timeout(ci: tuple[tuple[int, int], ...]) -> int:
 
 
 def check_all(etcd: Etcd, ci: tuple[tuple[int, int], ...]) -> None:
+    """Every planned seed, each to its end or its first violation; fails with every failing seed."""
+    failed: list[str] = []
     for seed, steps in plan(ci):
         began = time.monotonic()
         checker = Checker(etcd, CheckConf(seed=seed, steps=steps))
-        stats = checker.run()
+        try:
+            stats = checker.run()
+        except Exception as e:  # a violation (CheckFailed), or the harness itself broke
+            what = str(e) if isinstance(e, CheckFailed) else f"harness error at seed {seed}: {e!r}"
+            failed.append(what)
+            print(f"\n[v3-checker] FAILED seed={seed} at step {checker.step_no}:\n{what}")
+            continue
         print(f"\n[v3-checker] {'cluster' if etcd.cluster else 'single'} seed={seed} steps={steps} "
               f"episodes={checker.episode} rounds={checker.rounds} wall={time.monotonic() - began:.1f}s "
               f"{dict(sorted(stats.items()))}")
+    assert not failed, "\n\n".join(failed)
 
 
 @pytest.mark.etcd_matrix
