@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from etcd_rdzv.cli.actions import close_v3
 from etcd_rdzv.cli.connect import CliError, Deadline
@@ -54,16 +54,37 @@ class CheckFailed(AssertionError):
 
 @dataclass
 class CheckConf:
+    """One checker run. ``node``/``slots`` None: drawn from the seed (:meth:`NodeConf.drawn`; node slots:
+    ``max_nodes`` + 1 to 3, so that full groups keep nodes out)."""
+
     seed: int
     steps: int
-    slots: int = 5
-    node: NodeConf = field(default_factory=NodeConf)
+    slots: int | None = None
+    node: NodeConf | None = None
     faults: bool = True  # etcd outages, member faults, restarts
     slack: float = 0.0  # default: 2 x read_timeout + heartbeat + 4 s (a loaded 2-core machine)
 
     def __post_init__(self) -> None:
+        rng = random.Random(self.seed * 7919 + 1)
+        self.node = self.node or NodeConf.drawn(rng)
+        self.slots = self.slots or self.node.max_nodes + rng.choice((1, 2, 2, 3))
         if not self.slack:
             self.slack = 2 * self.node.read_timeout + self.node.heartbeat + 4.0
+
+    @property
+    def nodes(self) -> NodeConf:
+        assert self.node is not None
+        return self.node
+
+    @property
+    def width(self) -> int:
+        assert self.slots is not None
+        return self.slots
+
+    def describe(self) -> str:
+        n = self.nodes
+        return (f"{self.width} slots, min_nodes={n.min_nodes} max_nodes={n.max_nodes} "
+                f"last_call={n.last_call_timeout} fast_recovery={n.fast_recovery}")
 
 
 class Checker:
@@ -73,8 +94,8 @@ class Checker:
         self.etcd, self.conf = etcd, conf
         self.rng = random.Random(conf.seed)
         self.history = History()
-        self.client = EtcdClient(etcd.endpoint, timeout=conf.node.read_timeout * 3)
-        self.pool = ThreadPoolExecutor(max_workers=conf.slots + 2)
+        self.client = EtcdClient(etcd.endpoint, timeout=conf.nodes.read_timeout * 3)
+        self.pool = ThreadPoolExecutor(max_workers=conf.width + 2)
         self.episode = 0
         self.step_no = 0
         self.stats: dict[str, int] = {}
@@ -91,8 +112,8 @@ class Checker:
         self.run_id = f"chk{self.conf.seed}e{self.episode}"
         self.prefix = f"/v3chk{time.monotonic_ns() % 10**9}"
         self.keys = RunKeys.for_run(self.prefix, self.run_id)
-        self.model = RunModel(self.conf.node, self.conf.slack)
-        self.nodes = [self._fresh(i) for i in range(self.conf.slots)]
+        self.model = RunModel(self.conf.nodes, self.conf.slack)
+        self.nodes = [self._fresh(i) for i in range(self.conf.width)]
         self._watch_stop = threading.Event()
         start = self.client.range(self.keys.ctl, count_only=True).revision + 1
         self._watcher = threading.Thread(target=self._watch_ctl, args=(self.model, self._watch_stop, start),
@@ -101,7 +122,7 @@ class Checker:
         self.history.note("episode", run=self.run_id, prefix=self.prefix)
 
     def _fresh(self, slot: int) -> Node:
-        return new_node(self.etcd, self.conf.node, self.run_id, self.prefix, slot)
+        return new_node(self.etcd, self.conf.nodes, self.run_id, self.prefix, slot)
 
     def _end_episode(self) -> None:
         """Every live node leaves (bounded); the threads of their calls end."""
@@ -114,7 +135,7 @@ class Checker:
                     log.info("leave of %s failed: %s", node.name, e)
         for node in self.nodes:
             if node.thread is not None:
-                node.thread.join(self.conf.node.read_timeout + 5)
+                node.thread.join(self.conf.nodes.read_timeout + 5)
         self._watch_stop.set()
         if self._watcher is not None:
             self._watcher.join(5)
@@ -178,7 +199,8 @@ class Checker:
         ops = [n.op for n in nodes if n.op is not None]
         raise CheckFailed(
             f"etcd-v3 interleaving checker: {what}\n"
-            f"seed {self.conf.seed}, step {self.step_no} of {self.conf.steps}, episode {self.episode} "
+            f"seed {self.conf.seed} ({self.conf.describe()}), step {self.step_no} of {self.conf.steps}, "
+            f"episode {self.episode} "
             f"(run {self.run_id!r}, etcd {'cluster' if self.etcd.cluster else 'single member'})\n"
             f"replay: ETCD_RDZV_CHECK_SEED={self.conf.seed} ETCD_RDZV_CHECK_STEPS={self.step_no}\n"
             f"history (the operations involved and those concurrent with them):\n{self._render(ops)}"
@@ -286,7 +308,7 @@ class Checker:
         self._rejoin(node)
 
     def _rejoin(self, node: Node) -> None:
-        self._left_group(node, after=self.conf.node.read_timeout)
+        self._left_group(node, after=self.conf.nodes.read_timeout)
         start_rendezvous(node, self.history, self._done)
         time.sleep(0.02)
 
@@ -345,7 +367,7 @@ class Checker:
     def _step_kill_expire(self) -> None:
         node = self._pick_node(lambda n: n.alive)
         if node is not None:
-            self._left_group(node, after=self.conf.node.heartbeat + 1.0)
+            self._left_group(node, after=self.conf.nodes.heartbeat + 1.0)
             self.history.note("kill (lease left to expire)", node=node.name)
             kill(node)
             self.model.bump()
@@ -391,7 +413,7 @@ class Checker:
         """Every etcd member frozen for longer than the lease TTL but shorter than ``read_timeout``,
         while every member's agent polls ``num_nodes_waiting()`` each 0.1 s (torch's monitor interval),
         so a poll is in flight during the outage: a group whose members all live must not restart."""
-        seconds = self.conf.node.heartbeat + self.rng.uniform(0.3, 0.8)
+        seconds = self.conf.nodes.heartbeat + self.rng.uniform(0.3, 0.8)
         group = self.model.group()
         intact = group is not None and not any(n.status == "waiting" for n in self.nodes) and all(
             n.alive and n.status == "member" and n.round == group[0] and self.model.gone(n, group[0]) is None
@@ -416,10 +438,10 @@ class Checker:
         finally:
             self.model.fault_ends(time.monotonic())
             self.history.note("etcd thawed")
-            time.sleep(self.conf.node.heartbeat)  # the polls after it: re-attach, then the group is whole
+            time.sleep(self.conf.nodes.heartbeat)  # the polls after it: re-attach, then the group is whole
             stop.set()
             for t in pollers:
-                t.join(self.conf.node.read_timeout * 2)
+                t.join(self.conf.nodes.read_timeout * 2)
         polled = [a for got in answers.values() for a in got]
         if not intact or group is None or None in polled:  # a poll that failed: its agent would have failed
             return
@@ -479,7 +501,7 @@ class Checker:
         self.model.closing = True
         with self.history.op("operator", "etcd-rdzv close") as op:
             try:
-                out = close_v3(self.client, self.prefix, self.run_id, Deadline(self.conf.node.close_timeout * 3))
+                out = close_v3(self.client, self.prefix, self.run_id, Deadline(self.conf.nodes.close_timeout * 3))
             except CliError as e:  # nothing of the run in etcd yet
                 self.model.closing = False
                 op.fail(e)
@@ -505,7 +527,7 @@ class Checker:
         if probe is not None:
             start_rendezvous(probe, self.history, self._done)
             assert probe.thread is not None
-            probe.thread.join(self.conf.node.read_timeout + self.conf.slack)
+            probe.thread.join(self.conf.nodes.read_timeout + self.conf.slack)
             from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
             if not isinstance(probe.error, RendezvousClosedError):

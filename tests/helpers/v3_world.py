@@ -12,6 +12,7 @@ import atexit
 import itertools
 import logging
 import os
+import random
 import signal
 import threading
 import time
@@ -150,6 +151,14 @@ class NodeConf:
     last_call_timeout: float = 0.3
     close_timeout: float = 3.0
     read_timeout: float = 4.0
+    fast_recovery: bool = True
+
+    @classmethod
+    def drawn(cls, rng: random.Random) -> NodeConf:
+        """Group bounds, last call and fast recovery drawn by a seed (the timeouts stay short)."""
+        min_nodes = rng.choice((1, 2, 2, 3))
+        return cls(min_nodes=min_nodes, max_nodes=min_nodes + rng.choice((0, 1, 1, 2)),
+                   last_call_timeout=rng.choice((0.2, 0.3, 0.8)), fast_recovery=rng.random() < 0.75)
 
 
 def new_node(etcd: Etcd, conf: NodeConf, run_id: str, prefix: str, slot: int) -> Node:
@@ -158,6 +167,7 @@ def new_node(etcd: Etcd, conf: NodeConf, run_id: str, prefix: str, slot: int) ->
         max_nodes=conf.max_nodes, local_addr="127.0.0.1", key_prefix=prefix,
         join_timeout=str(conf.join_timeout), last_call_timeout=str(conf.last_call_timeout),
         close_timeout=str(conf.close_timeout), heartbeat=str(conf.heartbeat), read_timeout=str(conf.read_timeout),
+        fast_recovery=str(conf.fast_recovery).lower(),
     )
     handler = create_etcd_v3_rdzv_handler(params)  # its own client: a node can be killed alone
     return Node(f"n{slot}.{next(_generations)}", handler)

@@ -24,8 +24,8 @@ from helpers.v3_world import Etcd
 from etcd_server import EtcdCluster, EtcdServer
 
 SEED_VAR, STEPS_VAR = "ETCD_RDZV_CHECK_SEED", "ETCD_RDZV_CHECK_STEPS"
-CI_SINGLE = ((11, 100), (12, 100))  # (seed, steps) per run in CI mode
-CI_CLUSTER = ((21, 90),)
+CI_SINGLE = ((3, 80), (12, 80))  # (seed, steps) per run in CI mode
+CI_CLUSTER = ((21, 70),)
 
 
 def _seeds(text: str) -> list[int]:
@@ -64,6 +64,7 @@ def check_all(etcd: Etcd, ci: tuple[tuple[int, int], ...]) -> None:
             print(f"\n[v3-checker] FAILED seed={seed} at step {checker.step_no}:\n{what}")
             continue
         print(f"\n[v3-checker] {'cluster' if etcd.cluster else 'single'} seed={seed} steps={steps} "
+              f"({checker.conf.describe()}) "
               f"episodes={checker.episode} rounds={checker.rounds} wall={time.monotonic() - began:.1f}s "
               f"{dict(sorted(stats.items()))}")
     assert not failed, "\n\n".join(failed)
