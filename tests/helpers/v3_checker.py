@@ -232,13 +232,28 @@ class Checker:
         self.model.node_done(node, time.monotonic())
 
     def _left_group(self, node: Node, after: float = 0.0) -> None:
-        if node.status == "member":
-            self.model.member_gone(node, time.monotonic() + after)
+        if node.status == "member" and node.round is not None:
+            self.model.member_gone(node, node.round, time.monotonic() + after)
+
+    def _retire(self, node: Node, status: str, after: float = 0.0) -> None:
+        """``node`` leaves the run (``status``: left, killed, shut); its key of the round it returned is
+        gone ``after`` seconds from now. Under the model's lock, so that a ``next_rendezvous`` returning
+        meanwhile is either recorded before (and its round left here) or ignored."""
+        with self.model.lock:
+            node.status = status
+            if node.result is not None:
+                self.model.member_gone(node, node.result[0], time.monotonic() + after)
 
     def _waiters_joined(self, round_: int) -> int | None:
         """How many waiting nodes hold a join key of ``round_`` (None if some waiter holds none yet)."""
         waiting = [n for n in self.nodes if n.status == "waiting"]
         deadline = time.monotonic() + 2.0
+        try:  # a wait that failed and could not withdraw leaves its key until its lease ends (by design)
+            if any(self.client.get(self.keys.join_key(round_, n.handler.node_id)) is not None
+                   for n in self.nodes if n.status == "failed"):
+                return None
+        except EtcdError:
+            return None
         while True:
             try:
                 present = sum(self.client.get(self.keys.join_key(round_, n.handler.node_id)) is not None
@@ -323,7 +338,7 @@ class Checker:
             if (self.model.gone(m, g[0]) or 0.0) > now:
                 try:
                     if self.client.get(self.keys.join_key(g[0], m.handler.node_id)) is None:
-                        self.model.member_gone(m, now)
+                        self.model.member_gone(m, g[0], now)
                 except EtcdError:
                     return
 
@@ -337,7 +352,11 @@ class Checker:
         last = self.model.last_round()
         waiters = None if last is None else self._waiters_joined(last + 1)
         version = self.model.version
-        got = self._judge(node, self.model.expect_waiting(node, waiters, time.monotonic()), version)
+        expect = self.model.expect_waiting(node, waiters, time.monotonic())
+        if self.model.last_round() != last:  # a seal arrived meanwhile: the waiters were counted for another round
+            expect = None
+            self.model.unknown = "a seal arrived while the waiters were counted"
+        got = self._judge(node, expect, version)
         if got and node.status == "member" and self.rng.random() < 0.8:
             self._rejoin(node)
 
@@ -350,16 +369,15 @@ class Checker:
         node = self._pick_node(lambda n: n.alive)
         if node is None:
             return
-        self._left_group(node)
+        self._retire(node, "left")
         with self.history.op(node.name, "leave") as op:
-            node.status = "left"
             op.ok(node.handler.leave())
         self.model.bump()
 
     def _step_kill_revoke(self) -> None:
         node = self._pick_node(lambda n: n.alive)
         if node is not None:
-            self._left_group(node)
+            self._retire(node, "killed")
             self.history.note("kill (lease revoked)", node=node.name)
             kill(node, revoke_with=self.client)
             self.model.bump()
@@ -367,7 +385,7 @@ class Checker:
     def _step_kill_expire(self) -> None:
         node = self._pick_node(lambda n: n.alive)
         if node is not None:
-            self._left_group(node, after=self.conf.nodes.heartbeat + 1.0)
+            self._retire(node, "killed", after=self.conf.nodes.heartbeat + 1.0)
             self.history.note("kill (lease left to expire)", node=node.name)
             kill(node)
             self.model.bump()
@@ -381,8 +399,10 @@ class Checker:
             return
         last = self.model.last_round()
         waiters = None if last is None else self._waiters_joined(last + 1)
-        before = self.model.expect_waiting(node, waiters, time.monotonic())
         version = self.model.version
+        before = self.model.expect_waiting(node, waiters, time.monotonic())
+        if self.model.last_round() != last:
+            before = None
         self.history.note("lease revoked, node alive", node=node.name, round=node.round)
         try:
             self.client.lease_revoke(lease)
@@ -489,10 +509,9 @@ class Checker:
         node = self._pick_node(lambda n: n.alive and n.status != "waiting")
         if node is None:
             return
-        self._left_group(node)
+        self._retire(node, "shut")
         self.model.closing = True
         with self.history.op(node.name, "shutdown") as op:
-            node.status = "shut"
             op.ok(node.handler.shutdown())
         self._after_close(aborted=False)
 

@@ -163,12 +163,11 @@ class RunModel:
         with self.lock:
             return max(self.seals) if self.seals else None
 
-    def member_gone(self, node: Node, when: float) -> None:
-        """``node``'s join key of its round is gone by ``when`` (it left, re-joined, died), or earlier."""
+    def member_gone(self, node: Node, round_: int, when: float) -> None:
+        """``node``'s join key of ``round_`` is gone by ``when`` (it left, re-joined, died), or earlier."""
         with self.lock:
-            if node.round is not None:
-                key = (node.name, node.round)
-                self.gone_at[key] = min(self.gone_at.get(key, when), when)
+            key = (node.name, round_)
+            self.gone_at[key] = min(self.gone_at.get(key, when), when)
             self.version += 1
 
     def gone(self, node: Node, round_: int) -> float | None:
