@@ -35,6 +35,7 @@ from etcd_store.client import EtcdClient
 from etcd_store.errors import EtcdCompactedError, EtcdError
 
 from .history import History, Op
+from .v3_faults import FaultSteps
 from .v3_model import Expect, RunModel, Seen
 from .v3_world import Etcd, Node, NodeConf, kill, new_node, start_rendezvous
 
@@ -87,11 +88,12 @@ class CheckConf:
                 f"last_call={n.last_call_timeout} fast_recovery={n.fast_recovery}")
 
 
-class Checker:
+class Checker(FaultSteps):
     """One seeded run of the checker against ``etcd`` (see the module docstring)."""
 
     def __init__(self, etcd: Etcd, conf: CheckConf) -> None:
         self.etcd, self.conf = etcd, conf
+        self.heartbeat, self.read_timeout = conf.nodes.heartbeat, conf.nodes.read_timeout
         self.rng = random.Random(conf.seed)
         self.history = History()
         self.client = EtcdClient(etcd.endpoint, timeout=conf.nodes.read_timeout * 3)
@@ -100,6 +102,7 @@ class Checker:
         self.step_no = 0
         self.stats: dict[str, int] = {}
         self.rounds = 0  # rounds sealed, all episodes
+        self._queried: dict[str, Op] = {}  # each node's latest num_nodes_waiting()
         self.nodes: list[Node] = []
         self._watch_stop = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -196,7 +199,8 @@ class Checker:
             self._fail(what, nodes)
 
     def _fail(self, what: str, nodes: list[Node]) -> None:
-        ops = [n.op for n in nodes if n.op is not None]
+        ops = [n.op for n in nodes if n.op is not None] + [self._queried[n.name] for n in nodes
+                                                           if n.name in self._queried]
         raise CheckFailed(
             f"etcd-v3 interleaving checker: {what}\n"
             f"seed {self.conf.seed} ({self.conf.describe()}), step {self.step_no} of {self.conf.steps}, "
@@ -268,6 +272,7 @@ class Checker:
 
     def _query(self, node: Node) -> int | None:
         with self.history.op(node.name, "num_nodes_waiting") as op:
+            self._queried[node.name] = op
             try:
                 n = node.handler.num_nodes_waiting()
             except Exception as e:
@@ -416,94 +421,6 @@ class Checker:
                 self.model.disturbed.add(node.round)
         self.model.bump()
 
-    def _step_compact(self) -> None:
-        try:
-            revision = self.etcd.compact()
-        except Exception as e:
-            self.history.note("compaction failed", error=repr(e))
-            return
-        self.history.note("compacted", revision=revision)
-
-    def _disturb_all(self) -> None:
-        with self.model.lock:
-            last = self.model.last_round()
-            self.model.disturbed.update(r for r in (last, (last or 0) + 1) if r)
-
-    def _step_outage(self) -> None:
-        """Every etcd member frozen for longer than the lease TTL but shorter than ``read_timeout``,
-        while every member's agent polls ``num_nodes_waiting()`` each 0.1 s (torch's monitor interval),
-        so a poll is in flight during the outage: a group whose members all live must not restart."""
-        seconds = self.conf.nodes.heartbeat + self.rng.uniform(0.3, 0.8)
-        group = self.model.group()
-        intact = group is not None and not any(n.status == "waiting" for n in self.nodes) and all(
-            n.alive and n.status == "member" and n.round == group[0] and self.model.gone(n, group[0]) is None
-            for n in group[2]) and group[0] not in self.model.disturbed and self.model.fault_open is None
-        members = [n for n in group[2] if n.alive and n.status == "member"] if group is not None else []
-        answers: dict[str, list[int | None]] = {n.name: [] for n in members}
-        stop = threading.Event()
-
-        def monitor(node: Node) -> None:
-            while not stop.is_set():
-                answers[node.name].append(self._query(node))
-                stop.wait(0.1)
-
-        pollers = [threading.Thread(target=monitor, args=(n,), daemon=True) for n in members]
-        for t in pollers:
-            t.start()
-        self.model.fault_begins(time.monotonic())
-        self.history.note("etcd frozen", seconds=round(seconds, 2))
-        self._disturb_all()
-        try:
-            self.etcd.freeze_all(seconds)
-        finally:
-            self.model.fault_ends(time.monotonic())
-            self.history.note("etcd thawed")
-            time.sleep(self.conf.nodes.heartbeat)  # the polls after it: re-attach, then the group is whole
-            stop.set()
-            for t in pollers:
-                t.join(self.conf.nodes.read_timeout * 2)
-        polled = [a for got in answers.values() for a in got]
-        if not intact or group is None or None in polled:  # a poll that failed: its agent would have failed
-            return
-        self.stats["outage judged"] = self.stats.get("outage judged", 0) + 1
-        if any(polled):
-            self._fail(f"an outage of {seconds:.1f} s (every lease expired), round {group[0]} with all its "
-                       f"{group[1]} members alive and polling, nobody waiting: num_nodes_waiting() answered "
-                       f"{answers}; a surviving group must not restart", members)
-
-    def _step_restart(self) -> None:
-        self.model.fault_begins(time.monotonic())
-        self.history.note("etcd restarted (SIGKILL, start)")
-        self._disturb_all()
-        self.etcd.restart()
-        self.model.fault_ends(time.monotonic())
-
-    def _step_member_kill(self) -> None:
-        if self.etcd.down or self.etcd.frozen:
-            return
-        i = self.rng.randrange(self.etcd.size)
-        self.model.fault_begins(time.monotonic())
-        self._disturb_all()
-        self.history.note("member killed", member=i)
-        self.etcd.kill_member(i)
-
-    def _step_member_freeze(self) -> None:
-        if self.etcd.down or self.etcd.frozen:
-            return
-        i = self.rng.randrange(self.etcd.size)
-        self.model.fault_begins(time.monotonic())
-        self._disturb_all()
-        self.history.note("member frozen (SIGSTOP)", member=i)
-        self.etcd.freeze_member(i)
-
-    def _step_heal(self) -> None:
-        if not (self.etcd.down or self.etcd.frozen):
-            return
-        self.history.note("members healed", down=sorted(self.etcd.down), frozen=sorted(self.etcd.frozen))
-        self.etcd.heal()
-        self._disturb_all()
-        self.model.fault_ends(time.monotonic())
-
     def _step_close(self) -> None:
         """A normal end: one node's ``shutdown()`` closes the run; the others' workers run on."""
         node = self._pick_node(lambda n: n.alive and n.status != "waiting")
@@ -528,6 +445,35 @@ class Checker:
             op.ok(out)
         self._after_close(aborted=True)
 
+    def _ended_by_close(self, node: Node) -> None:
+        """A wait pending at the close ended with ``RendezvousClosedError`` (``RendezvousGracefulExitError``
+        for a node kept out), or with the rank of a round sealed before the close, or with the error of
+        a wait that had timed out or lost etcd (a fault) on its own."""
+        from torch.distributed.elastic.rendezvous.api import (
+            RendezvousClosedError,
+            RendezvousConnectionError,
+            RendezvousGracefulExitError,
+            RendezvousTimeoutError,
+        )
+
+        if node.status not in ("member", "failed"):
+            return  # still waiting (the deadline check reports it) or retired meanwhile
+        if node.result is not None:
+            seal = self.model.seals.get(node.result[0])
+            closed = self.model.closed_rev
+            if seal is not None and closed is not None and seal.revision > closed:
+                self._fail(f"{node.name} was admitted to round {node.result[0]} sealed at revision "
+                           f"{seal.revision}, after the close at {closed}", [node])
+            return
+        e = node.error
+        if isinstance(e, RendezvousClosedError | RendezvousGracefulExitError):
+            return
+        if isinstance(e, RendezvousTimeoutError) and time.monotonic() - node.started >= self.conf.nodes.join_timeout:
+            return
+        if isinstance(e, RendezvousConnectionError) and (self.model.fault_open is not None or self.model.faults):
+            return
+        self._fail(f"{node.name}'s wait, pending at the close, ended with {e!r}", [node])
+
     def _after_close(self, *, aborted: bool) -> None:
         """Every wait ends by the deadline, queries answer as torch's would, a new rendezvous raises
         ``RendezvousClosedError``; then the episode ends and a new run begins."""
@@ -535,10 +481,13 @@ class Checker:
             self.model.closed_at = time.monotonic()
             self.model.aborted = self.model.aborted or aborted
             self.model.version += 1
-        for node in self.nodes:
-            if node.status == "waiting" and node.thread is not None:
-                node.thread.join(max(self.model.deadline(node, time.monotonic()) - time.monotonic(), 0) + 0.5)
+        waiting = [n for n in self.nodes if n.status == "waiting" and n.thread is not None]
+        for node in waiting:
+            assert node.thread is not None
+            node.thread.join(max(self.model.deadline(node, time.monotonic()) - time.monotonic(), 0) + 0.5)
         self._check()
+        for node in waiting:
+            self._ended_by_close(node)
         version = self.model.version
         for node in [n for n in self.nodes if n.status in ("member", "new", "failed")]:
             self._judge(node, self.model.expect_waiting(node, None, time.monotonic()), version)
