@@ -123,6 +123,7 @@ class Checker(FaultSteps):
                                          name="chk-ctl-watch", daemon=True)
         self._watcher.start()
         self.history.note("episode", run=self.run_id, prefix=self.prefix)
+        self._episode_ns = time.monotonic_ns()
 
     def _fresh(self, slot: int) -> Node:
         return new_node(self.etcd, self.conf.nodes, self.run_id, self.prefix, slot)
@@ -215,7 +216,8 @@ class Checker(FaultSteps):
             return self.history.render(self.history.ops()[-40:])
         lo = min(o.invoked for o in ops)
         hi = max(o.completed or time.monotonic_ns() for o in ops)
-        near = [o for o in self.history.ops() if o.invoked <= hi and (o.completed or hi) >= lo]
+        near = [o for o in self.history.ops() if o.invoked <= hi and (o.completed or hi) >= lo
+                and o.invoked >= self._episode_ns]
         return self.history.render(near)
 
     def close(self) -> None:

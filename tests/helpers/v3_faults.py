@@ -111,7 +111,7 @@ class FaultSteps:
         if self.etcd.down or self.etcd.frozen:
             return
         i = self.rng.randrange(self.etcd.size)
-        self.model.fault_begins(time.monotonic())
+        self.model.fault_begins(time.monotonic(), stall=True)
         self._disturb_all()
         self.history.note("member frozen (SIGSTOP)", member=i)
         self.etcd.freeze_member(i)

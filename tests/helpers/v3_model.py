@@ -23,7 +23,19 @@ from typing import Any
 
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousGracefulExitError
 
+from etcd_store.client.channels import _OPTIONS
+
 from .v3_world import Node, NodeConf
+
+
+def _option(name: str) -> int:
+    return int(dict(_OPTIONS)[name])
+
+
+
+STREAM_STALL = _option("grpc.keepalive_time_ms") / 1000 + _option("grpc.keepalive_timeout_ms") / 1000
+"""Seconds until the client's HTTP/2 keepalive declares a member that answers nothing (SIGSTOPped)
+dead: a stream on it (a wait's watch, a keep-alive stream) hears nothing meanwhile, then moves on."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +75,7 @@ class RunModel:
     disturbed: set[int] = field(default_factory=set)  # rounds whose members lost leases while alive
     faults: list[tuple[float, float]] = field(default_factory=list)  # etcd fault intervals
     fault_open: float | None = None
+    stalls: list[float] = field(default_factory=list)  # when a member was frozen (streams on it stall)
     problems: list[tuple[str, list[Node]]] = field(default_factory=list)
     unknown: str = ""  # why the last expect_waiting had no answer
     version: int = 0  # bumped on every change of a node's state (a query overlapping one is not judged)
@@ -113,8 +126,11 @@ class RunModel:
                     and self.closed_rev is None:
                 self.problem(f"{node.name} got {node.error!r} but the run was not closed", [node])
 
-    def fault_begins(self, now: float) -> None:
+    def fault_begins(self, now: float, *, stall: bool = False) -> None:
+        """An etcd fault begins; ``stall``: a member answers nothing (SIGSTOP), streams on it stall."""
         with self.lock:
+            if stall:
+                self.stalls.append(now)
             if self.fault_open is None:
                 self.fault_open = now
 
@@ -141,8 +157,14 @@ class RunModel:
         for lo, hi in [*self.faults, *([(self.fault_open, now)] if self.fault_open is not None else [])]:
             if hi >= node.started and lo <= now:
                 bound += (hi - lo) + c.read_timeout + c.heartbeat
+        if any(t <= now for t in self.stalls) and (self.fault_open is not None or
+                                                   any(hi >= node.started for _, hi in self.faults)):
+            bound += STREAM_STALL + c.read_timeout  # its watch may have sat on a frozen member
         if self.closed_at is not None:
-            bound = min(bound, max(self.closed_at, node.started) + c.read_timeout + self.slack)
+            closed_bound = max(self.closed_at, node.started) + c.read_timeout + self.slack
+            if self.stalls and (self.fault_open is not None or any(hi >= node.started for _, hi in self.faults)):
+                closed_bound += STREAM_STALL + c.read_timeout
+            bound = min(bound, closed_bound)
         return bound
 
     def full_until(self, now: float) -> float:
@@ -238,8 +260,10 @@ class RunModel:
             self.problems.clear()
             for node in nodes:
                 if node.status == "waiting" and now > self.deadline(node, now):
+                    p = node.handler._node
                     out.append((f"{node.name} waits for {now - node.started:.1f} s, past its deadline "
-                                f"({self.deadline(node, now) - node.started:.1f} s)", [node]))
+                                f"({self.deadline(node, now) - node.started:.1f} s); it holds {p._joined}, "
+                                f"its lease session {p.session}", [node]))
             for round_, got in self.results.items():
                 out += self._round_violations(round_, got, now)
         return out
