@@ -1,0 +1,51 @@
+"""A finding of the etcd-v3 interleaving checker (tests/integration/test_v3_interleavings.py, its member
+SIGSTOP step): a client's keep-alive stream that sits on a member which answers nothing (SIGSTOPped,
+a hung host) does not move to another member until gRPC's HTTP/2 keepalive declares the connection dead
+(``grpc.keepalive_time_ms`` 10 s + ``grpc.keepalive_timeout_ms`` 5 s, etcd_store/client/channels.py).
+Meanwhile no lease of that client is refreshed, so every lease with a TTL below that expires although
+the two other members, a quorum, serve all along: the etcd-v3 nodes on that client lose their join keys
+(a running group restarts unless its members re-attach first; a waiting node re-joins).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from etcd_server import EtcdCluster
+from etcd_store.client import EtcdClient
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.etcd_matrix]
+
+TTL = 3  # seconds; refreshed every TTL/3 while the stream answers
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "defect: a keep-alive stream on a member that answers nothing (SIGSTOP) stalls until gRPC's HTTP/2 "
+    "keepalive gives up (10 s + 5 s), so leases with a shorter TTL expire while a quorum serves; "
+    "KeepAlives has no deadline on the answers to its refreshes"))
+def test_a_lease_outlives_a_frozen_follower(etcd_binary: str) -> None:
+    """A lease kept by a client whose keep-alive stream is on a follower survives that follower's
+    freeze for 2 x TTL: the other two members answer, and the client knows them."""
+    with EtcdCluster(3, binary=etcd_binary) as cluster:
+        leader = cluster.leader()
+        frozen = (leader + 1) % 3
+        endpoints = cluster.endpoints
+        order = [endpoints[frozen]] + [e for i, e in enumerate(endpoints) if i != frozen]
+        with EtcdClient(",".join(order), timeout=3) as client, \
+                EtcdClient(endpoints[leader], timeout=3) as observer:
+            session = client.session(TTL)
+            time.sleep(TTL / 3 + 0.5)  # the keep-alive stream opens (on the preferred member, the follower)
+            pid = cluster.pids[frozen]
+            assert pid is not None
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                time.sleep(2 * TTL)  # the fault's duration, not a synchronisation
+                left = observer.lease_time_to_live(session.id)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            session.close()
+            assert left > 0, f"the lease expired while members {sorted(set(range(3)) - {frozen})} served"
