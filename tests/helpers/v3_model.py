@@ -275,7 +275,8 @@ class RunModel:
         seal = self.seals.get(round_)
         if seal is None:
             first = min(n.op.completed or 0 for n in who if n.op is not None) / 1e9 if who else now
-            if now - first > c.read_timeout + self.slack and not self.watch_gap:
+            bound = c.read_timeout + self.slack + (STREAM_STALL + c.read_timeout if self.stalls else 0.0)
+            if now - first > bound and not self.watch_gap:  # (the checker's watch may sit on a frozen member)
                 return [(f"round {round_} was returned but its seal was never seen", who)]
             return []
         out: list[tuple[str, list[Node]]] = []
