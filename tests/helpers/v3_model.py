@@ -161,11 +161,19 @@ class RunModel:
                                                    any(hi >= node.started for _, hi in self.faults)):
             bound += STREAM_STALL + c.read_timeout  # its watch may have sat on a frozen member
         if self.closed_at is not None:
-            closed_bound = max(self.closed_at, node.started) + c.read_timeout + self.slack
+            closed_bound = max(self.closed_at, node.started, self.stall_until(now)) + c.read_timeout + self.slack
             if self.stalls and (self.fault_open is not None or any(hi >= node.started for _, hi in self.faults)):
                 closed_bound += STREAM_STALL + c.read_timeout
             bound = min(bound, closed_bound)
         return bound
+
+    def stall_until(self, now: float) -> float:
+        """Until when a member was SIGSTOPped (``now`` while it is): a stream on it may hear nothing
+        until then (tests/integration/test_client_frozen_member.py); 0 if none was."""
+        if self.fault_open is not None and any(t >= self.fault_open for t in self.stalls):
+            return now
+        ends = [hi for lo, hi in self.faults if any(lo <= t <= hi for t in self.stalls)]
+        return max(ends, default=0.0)
 
     def full_until(self, now: float) -> float:
         """Until when the last sealed round may have been full and holding its keys (it keeps the next
@@ -275,8 +283,9 @@ class RunModel:
         seal = self.seals.get(round_)
         if seal is None:
             first = min(n.op.completed or 0 for n in who if n.op is not None) / 1e9 if who else now
+            first = max(first, self.stall_until(now))  # the checker's watch may sit on a frozen member
             bound = c.read_timeout + self.slack + (STREAM_STALL + c.read_timeout if self.stalls else 0.0)
-            if now - first > bound and not self.watch_gap:  # (the checker's watch may sit on a frozen member)
+            if now - first > bound and not self.watch_gap:
                 return [(f"round {round_} was returned but its seal was never seen", who)]
             return []
         out: list[tuple[str, list[Node]]] = []
