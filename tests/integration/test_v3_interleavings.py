@@ -87,3 +87,57 @@ def test_interleavings_three_member_cluster(etcd_binary: str) -> None:
     """Random interleavings against a 3-member cluster (also member kills, SIGSTOPs and restarts)."""
     with EtcdCluster(3, binary=etcd_binary) as cluster:
         check_all(Etcd(cluster), CI_CLUSTER)
+
+
+@pytest.mark.etcd_matrix
+@pytest.mark.timeout(60)
+@pytest.mark.xfail(strict=True, reason=(
+    "defect (found by the checker, seed 431 on a cluster with a SIGSTOPped member): a wait whose "
+    "join_timeout passed after its round was sealed (withdrawal refused: Barrier.timed_out_late) waits for "
+    "the sealed event with no deadline (WaitUntil(None)); a watch that hears nothing (on a frozen member, "
+    "see test_client_frozen_member.py) then blocks it for as long as the member is frozen, instead of a "
+    "bounded fallback read of the round's members record"))
+def test_a_wait_that_timed_out_late_does_not_depend_on_its_watch(etcd_server: EtcdServer) -> None:
+    """Node a waits in round 1 with a watch that delivers nothing (as on a SIGSTOPped member); b seals
+    round 1 with a; a's join_timeout then passes and its withdrawal is refused (sealed). a must still
+    end (with its rank, read from the members record) within join_timeout + read_timeout + a margin."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from helpers.handlers import shut_down_all
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from etcd_rdzv.plugin import create_etcd_v3_rdzv_handler
+    from etcd_store.client import Watch
+
+    prefix = f"/v3late{time.monotonic_ns() % 10**9}"
+    params = RendezvousParameters(
+        backend="etcd-v3", endpoint=etcd_server.get_endpoint(), run_id="late", min_nodes=2, max_nodes=2,
+        local_addr="127.0.0.1", key_prefix=prefix, join_timeout="3", last_call_timeout="0.2",
+        close_timeout="5", heartbeat="5", read_timeout="4",
+    )
+    a, b = create_etcd_v3_rdzv_handler(params), create_etcd_v3_rdzv_handler(params)
+    pool = ThreadPoolExecutor(max_workers=2)
+
+    def deaf(watch: Watch, view: object) -> None:  # a's watches keep their errors but lose every event
+        real = watch.get
+
+        def get(timeout: float | None = None) -> list[object]:
+            real(timeout)
+            return []
+
+        watch.get = get  # type: ignore[method-assign]
+
+    a._node.on_watch = deaf  # type: ignore[method-assign]
+    try:
+        fa = pool.submit(a.next_round)
+        keys = a.keys
+        deadline = time.monotonic() + 10
+        while a._client.get(keys.join_key(1, a.node_id)) is None:  # a joined round 1
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        rb = pool.submit(b.next_round).result(timeout=30)  # b fills round 1 and seals it
+        assert (rb.round, rb.world_size) == (1, 2)
+        ra = fa.result(timeout=3 + 4 + 5)  # a's join_timeout + read_timeout + a margin
+        assert (ra.round, ra.rank) == (1, 1 - rb.rank)
+    finally:
+        shut_down_all([a, b], pool)
