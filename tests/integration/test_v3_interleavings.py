@@ -25,8 +25,8 @@ from helpers.v3_world import Etcd
 from etcd_server import EtcdCluster, EtcdServer
 
 SEED_VAR, STEPS_VAR = "ETCD_RDZV_CHECK_SEED", "ETCD_RDZV_CHECK_STEPS"
-CI_SINGLE = ((3, 80), (12, 80))  # (seed, steps) per run in CI mode
-CI_CLUSTER = ((21, 70),)
+CI_SINGLE = ((3, 60), (12, 60))  # (seed, steps) per run in CI mode
+CI_CLUSTER = ((21, 50),)
 
 
 def _seeds(text: str) -> list[int]:
