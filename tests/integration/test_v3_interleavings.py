@@ -89,8 +89,7 @@ def test_interleavings_three_member_cluster(etcd_binary: str) -> None:
         check_all(Etcd(cluster), CI_CLUSTER)
 
 
-@pytest.mark.etcd_matrix
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(60)  # the protocol's behaviour, not etcd's: the newest etcd only (3.6 checked)
 @pytest.mark.xfail(strict=True, reason=(
     "defect (found by the checker, seed 431 on a cluster with a SIGSTOPped member): a wait whose "
     "join_timeout passed after its round was sealed (withdrawal refused: Barrier.timed_out_late) waits for "
@@ -100,7 +99,7 @@ def test_interleavings_three_member_cluster(etcd_binary: str) -> None:
 def test_a_wait_that_timed_out_late_does_not_depend_on_its_watch(etcd_server: EtcdServer) -> None:
     """Node a waits in round 1 with a watch that delivers nothing (as on a SIGSTOPped member); b seals
     round 1 with a; a's join_timeout then passes and its withdrawal is refused (sealed). a must still
-    end (with its rank, read from the members record) within join_timeout + read_timeout + a margin."""
+    end (with its rank, read from the members record) within join_timeout + read_timeout (+ 1 s)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from helpers.handlers import shut_down_all
@@ -137,7 +136,7 @@ def test_a_wait_that_timed_out_late_does_not_depend_on_its_watch(etcd_server: Et
             time.sleep(0.05)
         rb = pool.submit(b.next_round).result(timeout=30)  # b fills round 1 and seals it
         assert (rb.round, rb.world_size) == (1, 2)
-        ra = fa.result(timeout=3 + 4 + 5)  # a's join_timeout + read_timeout + a margin
+        ra = fa.result(timeout=3 + 4 + 1)  # a's join_timeout + read_timeout + a margin
         assert (ra.round, ra.rank) == (1, 1 - rb.rank)
     finally:
         shut_down_all([a, b], pool)
