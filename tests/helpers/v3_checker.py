@@ -432,7 +432,9 @@ class Checker(FaultSteps):
         self.model.closing = True
         with self.history.op(node.name, "shutdown") as op:
             op.ok(node.handler.shutdown())
-        self._after_close(aborted=False)
+        # False: it could not close (etcd failed; after losing etcd it only leaves, by design)
+        if op.result or self._closed_in_etcd():
+            self._after_close(aborted=False)
 
     def _step_abort(self) -> None:
         """The operator's ``etcd-rdzv close``: every wait ends, every agent is told to stop."""
@@ -440,12 +442,22 @@ class Checker(FaultSteps):
         with self.history.op("operator", "etcd-rdzv close") as op:
             try:
                 out = close_v3(self.client, self.prefix, self.run_id, Deadline(self.conf.nodes.close_timeout * 3))
-            except CliError as e:  # nothing of the run in etcd yet
-                self.model.closing = False
+            except (CliError, EtcdError) as e:  # nothing of the run in etcd yet, or etcd failed
                 op.fail(e)
-                return
-            op.ok(out)
-        self._after_close(aborted=True)
+            else:
+                op.ok(out)
+        if op.outcome == "ok" or self._closed_in_etcd():
+            self._after_close(aborted=True)
+
+    def _closed_in_etcd(self) -> bool:
+        """Whether the run is closed after a close that reported failure (its answer may have been
+        lost); if not, the run goes on. A read through the checker's client (failing over)."""
+        try:
+            closed = self.client.get(self.keys.closed) is not None
+        except EtcdError:
+            closed = False  # not known: the watch of ctl/ tells the model if it was
+        self.model.closing = closed or self.model.closed_rev is not None
+        return self.model.closing
 
     def _ended_by_close(self, node: Node) -> None:
         """A wait pending at the close ended with ``RendezvousClosedError`` (``RendezvousGracefulExitError``
