@@ -89,17 +89,14 @@ def test_interleavings_three_member_cluster(etcd_binary: str) -> None:
         check_all(Etcd(cluster), CI_CLUSTER)
 
 
-@pytest.mark.timeout(60)  # the protocol's behaviour, not etcd's: the newest etcd only (3.6 checked)
-@pytest.mark.xfail(strict=True, reason=(
-    "defect (found by the checker, seed 431 on a cluster with a SIGSTOPped member): a wait whose "
-    "join_timeout passed after its round was sealed (withdrawal refused: Barrier.timed_out_late) waits for "
-    "the sealed event with no deadline (WaitUntil(None)); a watch that hears nothing (on a frozen member, "
-    "see test_client_frozen_member.py) then blocks it for as long as the member is frozen, instead of a "
-    "bounded fallback read of the round's members record"))
+@pytest.mark.etcd_matrix
+@pytest.mark.timeout(60)
 def test_a_wait_that_timed_out_late_does_not_depend_on_its_watch(etcd_server: EtcdServer) -> None:
-    """Node a waits in round 1 with a watch that delivers nothing (as on a SIGSTOPped member); b seals
-    round 1 with a; a's join_timeout then passes and its withdrawal is refused (sealed). a must still
-    end (with its rank, read from the members record) within join_timeout + read_timeout (+ 1 s)."""
+    """Found by the checker (seed 431, a cluster with a SIGSTOPped member): node a waits in round 1 with a
+    watch that delivers nothing (as on a frozen member, tests/integration/test_client_frozen_member.py);
+    b seals round 1 with a; a's join_timeout then passes and its withdrawal is refused (sealed). a still
+    ends, with its rank read from the members record, within join_timeout + read_timeout (+ 1 s); it
+    used to wait for the sealed event without a deadline."""
     from concurrent.futures import ThreadPoolExecutor
 
     from helpers.handlers import shut_down_all
