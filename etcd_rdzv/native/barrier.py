@@ -10,8 +10,9 @@ between two looks is a :class:`Barrier`. :func:`decide` maps
 * :class:`Seal`: try the seal transaction now, with that read (the loop then
   records the outcome with :meth:`Barrier.sealed`);
 * :class:`TimeOut`: ``join_timeout`` passed; withdraw (if the round is still
-  unsealed) and raise, or, if it was sealed meanwhile, :meth:`Barrier.timed_out_late`
-  and wait for the sealed event;
+  unsealed) and raise, or, if it was sealed meanwhile, read this node's place in it
+  (the loop does, from the round's members record: a watch may hear nothing for long;
+  :meth:`Barrier.timed_out_late` is the state of a loop that awaits the event instead);
 * :class:`WaitUntil`: wait for the next watch event, at most until ``at``
   (``None``: no deadline).
 

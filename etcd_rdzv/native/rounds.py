@@ -300,8 +300,7 @@ class Participant(NodeLeases):
                             f"({view.count} of min_nodes={s.min_nodes} joined when last known"
                             f"{'' if view.vacated else ', previous round still running'})"
                         )
-                    state = state.timed_out_late()  # sealed meanwhile: its event is on the way
-                    continue
+                    return self._timed_out_late(round_)  # sealed meanwhile
                 timeout = None if action.at is None else max(action.at - time.monotonic(), 0.0)
                 if evictor is not None:
                     timeout = evictor.poll(timeout)  # a dead member of our group leaves in seconds
@@ -480,6 +479,22 @@ class Participant(NodeLeases):
                 f"join_timeout={s.join_timeout:g} s"
             )
         return _Retry(sealed, state.clock)
+
+    def _timed_out_late(self, round_: int) -> RoundResult:
+        """``join_timeout`` passed, but ``round_`` was sealed before we could withdraw: our place in
+        it, read now (one read Txn and one Range), not awaited from the watch, which may hear nothing
+        for long (a stream on a member that answers nothing). ``RendezvousTimeoutError`` (withdrawn
+        first) if we are no member of it."""
+        sealed = queries.read_meta(self._client, self._keys).sealed
+        self._learn(sealed)
+        place = self._resolve(round_, sealed)
+        if place is not None:
+            return place
+        self._withdraw()
+        raise RendezvousTimeoutError(
+            f"node {self._node_id} was not admitted to a round of {self._settings.run_id!r} within "
+            f"join_timeout={self._settings.join_timeout:g} s"
+        )
 
     def _resolve(self, round_: int, sealed: Sealed) -> RoundResult | None:
         """Our place in ``round_``, sealed while we were not watching; None if not a member.
