@@ -1,0 +1,217 @@
+"""The world of the etcd-v3 interleaving checker (tests/helpers/v3_checker.py): the etcd it runs against
+(one member or a 3-member cluster, with its faults) and the in-process nodes (real ``etcd-v3`` handlers,
+each with its own ``EtcdClient``).
+
+Nothing here decides what is correct; the checker's model does. A node's blocking ``next_rendezvous``
+runs in a thread of its own and is recorded in the shared :class:`~helpers.history.History`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import os
+import random
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+from etcd_rdzv.native.handler import EtcdV3RendezvousHandler
+from etcd_rdzv.plugin import create_etcd_v3_rdzv_handler
+from etcd_server import EtcdCluster, EtcdServer
+
+from .history import History, Op
+from .lost_replies import compact
+
+log = logging.getLogger(__name__)
+
+_generations = itertools.count()
+
+
+class Etcd:
+    """The etcd under test: one :class:`EtcdServer` or an :class:`EtcdCluster` (not owned: the test
+    starts and stops it). Faults leave it serving again before they return (``thaw``/``restart``)."""
+
+    def __init__(self, target: EtcdServer | EtcdCluster) -> None:
+        self.target = target
+        self.cluster = isinstance(target, EtcdCluster)
+        self.endpoint = target.endpoint_string if isinstance(target, EtcdCluster) else target.get_endpoint()
+        self.down: set[int] = set()  # cluster members killed and not started again
+        self.frozen: set[int] = set()  # cluster members stopped with SIGSTOP
+
+    @property
+    def size(self) -> int:
+        return self.target.size if isinstance(self.target, EtcdCluster) else 1
+
+    def pids(self) -> list[int]:
+        if isinstance(self.target, EtcdCluster):
+            return [p for p in self.target.pids if p is not None]
+        return [self.target.pid] if self.target.pid is not None else []
+
+    def freeze_all(self, seconds: float) -> None:
+        """Every member answers nothing for ``seconds`` (SIGSTOP), then resumes: leases age meanwhile."""
+        pids = self.pids()
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(seconds)  # the fault's duration, not a synchronisation
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+
+    def freeze_member(self, i: int) -> None:
+        assert isinstance(self.target, EtcdCluster)
+        pid = self.target.pids[i]
+        if pid is not None:
+            os.kill(pid, signal.SIGSTOP)
+            self.frozen.add(i)
+
+    def thaw_member(self, i: int) -> None:
+        assert isinstance(self.target, EtcdCluster)
+        pid = self.target.pids[i]
+        if pid is not None:
+            os.kill(pid, signal.SIGCONT)
+        self.frozen.discard(i)
+
+    def kill_member(self, i: int) -> None:
+        assert isinstance(self.target, EtcdCluster)
+        self.target.stop_member(i)
+        self.down.add(i)
+
+    def start_member(self, i: int) -> None:
+        assert isinstance(self.target, EtcdCluster)
+        self.target.start_member(i, timeout=60)
+        self.down.discard(i)
+
+    def restart(self) -> None:
+        """Stop etcd (SIGKILL: a crash) and start it again on the same data (single member only)."""
+        assert isinstance(self.target, EtcdServer)
+        self.target.restart(timeout=60, graceful=False)
+
+    def compact(self) -> int:
+        """Compact at the current revision, through a member that is up; returns the revision."""
+        endpoints = self.endpoint.split(",")
+        up = [e for i, e in enumerate(endpoints) if i not in self.down and i not in self.frozen]
+        return compact(up[0])
+
+    def heal(self) -> None:
+        """Every member up and unfrozen (the end of a test, or of an episode)."""
+        for i in sorted(self.frozen):
+            self.thaw_member(i)
+        for i in sorted(self.down):
+            self.start_member(i)
+
+
+@dataclass
+class Node:
+    """One in-process agent: a real handler with its own client, and its current blocking call."""
+
+    name: str
+    handler: EtcdV3RendezvousHandler
+    status: str = "new"  # new | waiting | member | failed | left | killed | shut
+    op: Op | None = None  # the pending or last next_rendezvous
+    thread: threading.Thread | None = None
+    started: float = 0.0  # monotonic start of the pending/last next_rendezvous
+    result: tuple[Any, ...] | None = None  # (round, rank, world, seal revision, master addr, master port)
+    error: BaseException | None = None
+    lease_lost_at: float | None = None  # the checker revoked its lease while it lived
+    history: list[str] = field(default_factory=list)
+
+    @property
+    def alive(self) -> bool:
+        return self.status not in ("left", "killed", "shut")
+
+    @property
+    def round(self) -> int | None:
+        return self.result[0] if self.status == "member" and self.result is not None else None
+
+    @property
+    def client(self) -> Any:
+        return self.handler._client
+
+    def session_id(self) -> int | None:
+        session = self.handler._node.session
+        return None if session is None else session.id
+
+
+@dataclass(frozen=True)
+class NodeConf:
+    """The short settings of the checker's nodes (seconds; ``heartbeat`` is the lease TTL)."""
+
+    min_nodes: int = 2
+    max_nodes: int = 3
+    heartbeat: int = 2
+    join_timeout: float = 5.0
+    last_call_timeout: float = 0.3
+    close_timeout: float = 3.0
+    read_timeout: float = 4.0
+    fast_recovery: bool = True
+
+    @classmethod
+    def drawn(cls, rng: random.Random) -> NodeConf:
+        """Group bounds, last call and fast recovery drawn by a seed (the timeouts stay short)."""
+        min_nodes = rng.choice((1, 2, 2, 3))
+        return cls(min_nodes=min_nodes, max_nodes=min_nodes + rng.choice((0, 1, 1, 2)),
+                   last_call_timeout=rng.choice((0.2, 0.3, 0.8)), fast_recovery=rng.random() < 0.75)
+
+
+def new_node(etcd: Etcd, conf: NodeConf, run_id: str, prefix: str, slot: int) -> Node:
+    params = RendezvousParameters(
+        backend="etcd-v3", endpoint=etcd.endpoint, run_id=run_id, min_nodes=conf.min_nodes,
+        max_nodes=conf.max_nodes, local_addr="127.0.0.1", key_prefix=prefix,
+        join_timeout=str(conf.join_timeout), last_call_timeout=str(conf.last_call_timeout),
+        close_timeout=str(conf.close_timeout), heartbeat=str(conf.heartbeat), read_timeout=str(conf.read_timeout),
+        fast_recovery=str(conf.fast_recovery).lower(),
+    )
+    handler = create_etcd_v3_rdzv_handler(params)  # its own client: a node can be killed alone
+    return Node(f"n{slot}.{next(_generations)}", handler)
+
+
+def start_rendezvous(node: Node, history: History, done: Callable[[Node], None]) -> None:
+    """``next_rendezvous`` in a thread, recorded; ``done(node)`` runs when it returns or raises."""
+    node.status, node.result, node.error = "waiting", None, None
+    node.started = time.monotonic()
+    ready = threading.Event()
+
+    def body() -> None:
+        try:
+            with history.op(node.name, "next_rendezvous") as op:
+                node.op = op
+                ready.set()
+                info = node.handler.next_rendezvous()
+                last = node.handler.last_round
+                assert last is not None
+                bs = info.bootstrap_store_info
+                result = (last.round, info.rank, info.world_size, last.seal_revision,
+                          None if bs is None else bs.master_addr, None if bs is None else bs.master_port)
+                op.ok(result)
+                node.result = result
+        except BaseException as e:  # recorded in the op (unknown outcome)
+            node.error = e
+        finally:
+            ready.set()
+            done(node)
+
+    node.thread = threading.Thread(target=body, name=f"rdzv-{node.name}", daemon=True)
+    node.thread.start()
+    ready.wait(5.0)
+
+
+def kill(node: Node, *, revoke_with: Any | None = None) -> None:
+    """The node dies without a word: its client is closed (keep-alives stop, no revoke); with
+    ``revoke_with`` (another client) its lease is revoked first (etcd notices at once)."""
+    atexit.unregister(node.handler._at_exit)
+    lease = node.session_id()
+    if revoke_with is not None and lease is not None:
+        try:
+            revoke_with.lease_revoke(lease)
+        except Exception as e:  # etcd may be faulty: the lease then expires
+            log.info("could not revoke %s's lease: %s", node.name, e)
+    node.status = "killed"
+    node.client.close()
