@@ -17,7 +17,12 @@ one stream per client while it keeps any lease (the stream opens when the first
 refresh is due, so a burst of grants opens none, and is half-closed when the
 last lease is dropped); one request per lease per interval, however many
 sessions keep that lease. A broken stream is reopened on the next reachable
-endpoint and every lease is refreshed at once on it. Nothing here blocks a
+endpoint and every lease is refreshed at once on it. So is a stream that owes
+answers and has heard none for :func:`answer_bound` seconds (a member that
+answers nothing: a hung host, a SIGSTOPped etcd; HTTP/2 keepalive takes 15 s or
+more to notice, if at all): it is cancelled, so the lease is refreshed through
+another member well before it expires. The lease is not given up meanwhile:
+only etcd's answer (TTL 0) says a lease is lost. Nothing here blocks a
 caller: :meth:`KeepAlives.keep` and :meth:`KeepAlives.drop` only take a lock.
 Callbacks into the sessions (lease lost, TTL learnt, stopped) run in the reader
 thread, outside the lock; they must not block.
@@ -54,6 +59,9 @@ __all__ = ["KeepAlives", "LeaseCalls", "LeaseSource"]
 
 #: The shortest pause between two keep-alives of one lease.
 MIN_INTERVAL = 0.2
+#: The least time a keep-alive stream that owes answers may hear none (etcd's leader holds a
+#: renewal up to about 1 s until it has applied every committed entry).
+MIN_ANSWER_BOUND = 1.0
 #: Leases one keep-alive stream refreshes (or has promised to new sessions) before a client opens another.
 LEASES_PER_STREAM = 32
 
@@ -61,6 +69,15 @@ LEASES_PER_STREAM = 32
 def refresh_interval(ttl: float) -> float:
     """Seconds between two keep-alives of a lease with ``ttl``: a third of it, at least 0.2 s."""
     return max(ttl / 3.0, MIN_INTERVAL)
+
+
+def answer_bound(interval: float, first_attempt: float) -> float:
+    """Seconds a keep-alive stream that owes answers may hear none before it is moved to the next
+    member: the shortest refresh ``interval`` of its leases (a third of a TTL), at most the client's
+    per-attempt deadline ``first_attempt``, at least :data:`MIN_ANSWER_BOUND`. A lease refreshed
+    every ``interval`` thus gets a refresh through another member before two thirds of its TTL
+    have passed since its last answered one (plus the reconnect)."""
+    return max(min(interval, first_attempt), MIN_ANSWER_BOUND)
 
 
 class Keeper(Protocol):
@@ -102,6 +119,9 @@ class KeepAlives:
         self._halted = False
         self.streams_opened = 0
         self._reserved = 0  # sessions given this multiplexer that have not called keep() yet
+        self._owed = 0  # requests of the current stream not answered yet
+        self._owed_since = 0.0  # when the stream last progressed while owing (a request, an answer)
+        self.streams_stalled = 0  # streams ended because they answered nothing in time
 
     # ------------------------------------------------------------------ callers' side
 
@@ -221,33 +241,60 @@ class KeepAlives:
                     self._thread = None
                 return
 
-    def _requests(self, gen: int) -> Iterator[Any]:
-        """The keep-alive requests of stream ``gen``, each when its lease is due (grpc's sending thread)."""
+    def _requests(self, gen: int, member: Member) -> Iterator[Any]:
+        """The keep-alive requests of stream ``gen``, each when its lease is due (grpc's sending thread).
+        Cancels the stream when it owes answers and heard none for :func:`answer_bound` seconds."""
         while True:
-            with self._cond:
-                while True:
-                    if self._halted or gen != self._stream_gen or not self._leases:
-                        return  # stopped, the stream ended, or nothing to keep: half-close
-                    now = time.monotonic()
-                    due: list[int] = []
-                    while self._next_due() <= now:
-                        _, _, lease_id = heapq.heappop(self._heap)
-                        kept = self._leases[lease_id]
-                        kept.due = now + kept.interval
-                        self._push(kept)
-                        due.append(lease_id)
-                    if due:
-                        break
-                    self._cond.wait(min(self._next_due() - now, 3600.0))
+            due = self._take_due(gen)
+            if due is None:
+                return  # stopped, the stream ended, or nothing to keep: half-close
+            if not due:
+                with self._cond:
+                    call, self._call = self._call, None
+                    self.streams_stalled += 1
+                log.warning("keep-alive stream on %s answered nothing for %.1f s; moving on",
+                            member.endpoint, time.monotonic() - self._owed_since)  # fmt: skip
+                if call is not None:
+                    call.cancel()  # the reader sees CANCELLED: the loop moves to the next member
+                return
             for lease_id in due:
                 yield rpc_pb2.LeaseKeepAliveRequest(ID=lease_id)
+
+    def _take_due(self, gen: int) -> list[int] | None:
+        """Wait until a lease is due on stream ``gen``: their ids (counted as owed); ``[]`` when the
+        stream stalled (owes answers, heard none in time); None when it should half-close."""
+        with self._cond:
+            while True:
+                if self._halted or gen != self._stream_gen or not self._leases:
+                    return None
+                now = time.monotonic()
+                deadline = float("inf")
+                if self._owed:
+                    shortest = min(kept.interval for kept in self._leases.values())
+                    deadline = self._owed_since + answer_bound(shortest, self._transport.retry_policy.first_attempt)
+                    if now >= deadline and self._call is not None:
+                        return []
+                due: list[int] = []
+                while self._next_due() <= now:
+                    _, _, lease_id = heapq.heappop(self._heap)
+                    kept = self._leases[lease_id]
+                    kept.due = now + kept.interval
+                    self._push(kept)
+                    due.append(lease_id)
+                if due:
+                    if not self._owed:
+                        self._owed_since = now
+                    self._owed += len(due)
+                    return due
+                self._cond.wait(min(self._next_due() - now, max(deadline - now, 0.05), 3600.0))
 
     def _stream(self, member: Member, metadata: tuple[tuple[str, str], ...]) -> Ended:
         """One keep-alive stream on ``member`` until it ends; STOP when idle or halted."""
         with self._cond:
             gen = self._stream_gen
+            self._owed = 0
         try:
-            call = member.stub("Lease").LeaseKeepAlive(self._requests(gen), metadata=metadata)
+            call = member.stub("Lease").LeaseKeepAlive(self._requests(gen, member), metadata=metadata)
             with self._cond:
                 self._call = call
                 self.streams_opened += 1
@@ -277,6 +324,9 @@ class KeepAlives:
         learnt: list[Keeper] = []
         ttl = int(resp.TTL)
         with self._cond:
+            if self._owed:
+                self._owed -= 1
+                self._owed_since = time.monotonic()
             kept = self._leases.get(resp.ID)
             if kept is None:
                 return

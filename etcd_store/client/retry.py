@@ -103,14 +103,23 @@ class RetryPolicy:
     when there is another member to try (doubled after a round in which every member timed
     out). ``first_pause``/``max_pause``: the pause after a round in which every member failed,
     doubling up to the cap, so a long outage costs few RPCs.
+
+    Streams (:mod:`.watch`, :mod:`.leases`) have no deadline of their own, so a member that answers
+    nothing (a hung host, a SIGSTOPped etcd) would hold them for ever: a stream that owes an answer
+    and hears nothing for ``first_attempt`` seconds (a keep-alive stream: for at most a third of its
+    shortest lease's TTL, at least 1 s) is ended and resumed on the next member. A watch stream
+    that has been quiet for ``stream_quiet`` seconds (and whose last request's ``first_attempt`` passed)
+    sends one progress request (``WatchProgressRequest``, etcd 3.4+), which etcd answers: one small
+    request per quiet period.
     """
 
     first_attempt: float = 2.0
     first_pause: float = 0.025
     max_pause: float = 0.5
+    stream_quiet: float = 5.0
 
     def __post_init__(self) -> None:
-        for name in ("first_attempt", "first_pause", "max_pause"):
+        for name in ("first_attempt", "first_pause", "max_pause", "stream_quiet"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"RetryPolicy.{name} must be positive, got {getattr(self, name)!r}")
         if self.max_pause < self.first_pause:

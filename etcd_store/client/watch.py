@@ -3,6 +3,16 @@
 One reader thread per :class:`Watch` owns its gRPC stream and resumes it, on the
 next reachable endpoint, from the revision after the last event it delivered (the
 client's one reconnect loop, :class:`~.streams.ReconnectingStream`).
+A stream that has been quiet for the retry policy's ``stream_quiet`` seconds
+sends one ``WatchProgressRequest`` (etcd 3.4+ answers it with the member's
+revision); a stream that owes an answer (to its create request or to a progress
+request) and hears nothing for ``first_attempt`` seconds is cancelled and resumed
+on the next member, so a watch on a member that answers nothing (a hung host, a
+SIGSTOPped etcd) moves on, which HTTP/2 keepalive does not do. The sender looks
+again only when a request's ``first_attempt`` has passed, so a quiet stream sends
+one small request every ``max(stream_quiet, first_attempt)`` seconds (about),
+none while events flow; a frozen member is left within about
+``stream_quiet + first_attempt`` (7 s by default) after its last answer.
 Threads: the reader, and gRPC's sender of the current stream's requests; the
 sender ends with its stream, so a watch holds two threads however often it
 reconnects, and none once it is cancelled or its client closed. The reader runs
@@ -17,6 +27,7 @@ import contextvars
 import logging
 import queue
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -64,6 +75,11 @@ class Watch:
         self.created_revision = 0
         self._call: Any = None
         self._stream_ended = threading.Event()  # set when the current stream is over
+        self._heard = 0.0  # when the current stream last answered (time.monotonic())
+        #: Streams ended because they did not answer in time (see the module docstring).
+        self.streams_stalled = 0
+        #: Progress requests sent on quiet streams.
+        self.progress_requests = 0
         self._thread = threading.Thread(
             target=contextvars.copy_context().run, args=(self._run,), name=f"etcd-watch-{show_key(key, 40)}",
             daemon=True,
@@ -126,17 +142,49 @@ class Watch:
 
     # -------------------------------------------------------- reader thread
 
-    def _requests(self, ended: threading.Event) -> Iterator[Any]:
-        """The requests of one stream: its create request, then nothing until the stream
-        ``ended`` (gRPC runs this generator in a thread of its own, which ends with it)."""
+    def _requests(self, ended: threading.Event, member: Member) -> Iterator[Any]:
+        """The requests of one stream: its create request, then a progress request whenever the
+        stream was quiet for ``stream_quiet`` seconds, until the stream ``ended`` (gRPC runs this
+        generator in a thread of its own, which ends with it). Cancels the stream when a request
+        stays unanswered for ``first_attempt`` seconds: the reader resumes on the next member."""
         create = rpc_pb2.WatchCreateRequest(
             key=self.key,
             range_end=self.range_end,
             start_revision=self._next_revision,
             prev_kv=self._prev_kv,
         )
+        policy = self._client.retry_policy
+        asked: float | None = time.monotonic()  # when the request awaiting an answer was sent
         yield rpc_pb2.WatchRequest(create_request=create)
-        ended.wait()
+        while True:
+            now = time.monotonic()
+            if asked is not None and self._heard >= asked:
+                asked = None
+            if asked is None:
+                wait = self._heard + policy.stream_quiet - now
+                if wait <= 0:
+                    asked = now
+                    self.progress_requests += 1
+                    yield rpc_pb2.WatchRequest(progress_request=rpc_pb2.WatchProgressRequest())
+                    continue
+            else:
+                wait = asked + policy.first_attempt - now
+                if wait <= 0 and self._stalled(member, now - asked):
+                    ended.wait()
+                    return
+            if ended.wait(max(wait, 0.05)):
+                return
+
+    def _stalled(self, member: Member, silent: float) -> bool:
+        """Cancel the current stream, which answered nothing for ``silent`` seconds (True)."""
+        call = self._call
+        if call is None:
+            return False
+        self.streams_stalled += 1
+        log.warning("watch on %s: %s answered nothing for %.1f s; moving on",
+                    show_key(self.key), member.endpoint, silent)  # fmt: skip
+        call.cancel()  # the reader sees CANCELLED: the loop resumes on the next member
+        return True
 
     def _run(self) -> None:
         """The reader thread: streams until cancelled or a final failure (raised from :meth:`get`)."""
@@ -150,16 +198,18 @@ class Watch:
         """One watch stream on ``member`` from the next undelivered revision; how it ended."""
         ended = self._stream_ended = threading.Event()
         try:
-            self._call = call = member.stub("Watch").Watch(self._requests(ended), metadata=metadata)
+            self._call = call = member.stub("Watch").Watch(self._requests(ended, member), metadata=metadata)
             if self._cancelled.is_set():
                 call.cancel()
             for resp in call:
+                self._heard = time.monotonic()
                 outcome = self._answer(member, resp)
                 if outcome is not None:
                     call.cancel()
                     return outcome
             return Ended.STOP if self._cancelled.is_set() else Ended.MOVE  # etcd ended the stream
         finally:
+            self._call = None
             ended.set()  # the stream's request generator (and its gRPC thread) ends
 
     def _answer(self, member: Member, resp: Any) -> Ended | None:

@@ -23,6 +23,7 @@ import pytest
 from etcd3.etcdrpc import rpc_pb2, rpc_pb2_grpc
 
 from etcd_store.client import EtcdClient
+from etcd_store.client.leases import answer_bound
 from etcd_store.client.retry import Action, Attempts, Failure, RetryPolicy, decide
 from etcd_store.client.transport import Transport, failure_of
 from etcd_store.errors import EtcdTimeoutError
@@ -145,10 +146,18 @@ def test_unreached_only_holds_while_no_attempt_found_a_server() -> None:
     assert not attempts.unreached_only
 
 
-@pytest.mark.parametrize("bad", [dict(first_attempt=0), dict(first_pause=-1), dict(first_pause=1, max_pause=0.5)])
+@pytest.mark.parametrize("bad", [dict(first_attempt=0), dict(first_pause=-1), dict(first_pause=1, max_pause=0.5),
+                                 dict(stream_quiet=0)])
 def test_a_retry_policy_refuses_bad_numbers_naming_them(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError, match="RetryPolicy"):
         RetryPolicy(**bad)
+
+
+@pytest.mark.parametrize("interval, first_attempt, bound", [(1.0, 2.0, 1.0), (5.0, 2.0, 2.0), (0.2, 2.0, 1.0),
+                                                            (5.0, 0.5, 1.0)])
+def test_a_keep_alive_stream_waits_for_answers_a_third_of_a_ttl_at_most_the_attempt_deadline_at_least_1s(
+        interval: float, first_attempt: float, bound: float) -> None:
+    assert answer_bound(interval, first_attempt) == bound
 
 
 # ------------------------------------------------------------------ recognising etcd's errors: code + exact name
