@@ -9,7 +9,8 @@ Modules: :mod:`.settings` (the frozen settings, parsed by :mod:`etcd_rdzv.conf`)
 transition), :mod:`.view` (the round as a node's watch shows it), :mod:`.barrier`
 (the pure decision of the wait loop), :mod:`.bootstrap` (``MASTER_ADDR``/
 ``MASTER_PORT`` of a round), :mod:`.rounds` (one node's join, wait and seal, which
-acts on the decision), :mod:`.handler` (torch's handler interface). Importing
+acts on the decision), :mod:`.errors` (the node's own errors), :mod:`.handler`
+(torch's handler interface, the one place that translates them to torch's errors). Importing
 this package is light; names load on first access.
 """
 

@@ -20,16 +20,11 @@ import threading
 import time
 from dataclasses import dataclass
 
-from torch.distributed.elastic.rendezvous.api import (
-    RendezvousClosedError,
-    RendezvousConnectionError,
-    RendezvousTimeoutError,
-)
-
 from etcd_store.client import EtcdClient, Session, Watch, renewing_lease
 from etcd_store.errors import EtcdError, EtcdTimeoutError
 
 from . import protocol, queries
+from .errors import NodeShutDown
 from .keys import RunKeys
 from .records import Sealed
 from .settings import V3Settings
@@ -134,7 +129,8 @@ class NodeLeases:
     def close_run(self, deadline: float, *, abort: bool = False) -> None:
         """Close the run (:func:`protocol.close`: no new round; members that run keep running),
         or with ``abort`` also stop every agent now (:func:`protocol.abort`). Every RPC
-        bounded by ``deadline``; raises torch's timeout or connection error."""
+        bounded by ``deadline``: raises ``EtcdTimeoutError`` when it passes, other
+        ``EtcdError`` subclasses when etcd fails."""
         def left() -> float:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -147,19 +143,14 @@ class NodeLeases:
                 return out.closed or out.aborted
             return protocol.close(self._client, self._keys, lease, timeout=left())
 
-        try:
-            if renewing_lease(close, lambda: self._run_lease_or_create(left()), self._forget_run_lease,
-                              renewals=1):
-                log.info("node %s %s the rendezvous %r", self._node_id, "aborted" if abort else "closed",
-                         self._settings.run_id)
-        except EtcdTimeoutError as e:
-            raise RendezvousTimeoutError(f"closing the rendezvous timed out: {e}") from e
-        except EtcdError as e:
-            raise RendezvousConnectionError(str(e)) from e
+        if renewing_lease(close, lambda: self._run_lease_or_create(left()), self._forget_run_lease,
+                          renewals=1):
+            log.info("node %s %s the rendezvous %r", self._node_id, "aborted" if abort else "closed",
+                     self._settings.run_id)
 
     def check_not_shut_down(self) -> None:
         if self.shut_down:
-            raise RendezvousClosedError(f"the handler of node {self._node_id} was shut down")
+            raise NodeShutDown(f"the handler of node {self._node_id} was shut down")
 
     def _ensure_lease(self) -> int:
         """This node's lease: a new session if there is none or it ended. 0-1 LeaseGrant."""

@@ -12,10 +12,10 @@ A lease etcd reports gone is replaced and the write sent again, through
 
 Blocks: :meth:`~Participant.rendezvous` (until sealed, closed, or
 ``join_timeout``), :meth:`~Participant.close_run` (at most until its deadline).
-Raises :class:`~etcd_store.errors.EtcdError` subclasses and
-:class:`~etcd_rdzv.native.records.ProtocolStateError`, and torch's
-``RendezvousClosedError``/``RendezvousTimeoutError``/``RendezvousGracefulExitError``
-where the run's state decides the outcome.
+Raises :class:`~etcd_store.errors.EtcdError` subclasses,
+:class:`~etcd_rdzv.native.records.ProtocolStateError` and the node's own errors
+(:mod:`etcd_rdzv.native.errors`: run closed, ``join_timeout``, shut down) where the
+run's state decides the outcome; only the handler translates them to torch's.
 """
 
 from __future__ import annotations
@@ -25,12 +25,6 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, replace
-
-from torch.distributed.elastic.rendezvous.api import (
-    RendezvousClosedError,
-    RendezvousGracefulExitError,
-    RendezvousTimeoutError,
-)
 
 from etcd_store.client import EtcdClient, Session, Watch, renewing_lease
 from etcd_store.client.synced import confirmed
@@ -51,6 +45,7 @@ from .barrier import (
     verdict,
 )
 from .bootstrap import join_value
+from .errors import ClosedWhileKeptOut, NodeShutDown, RoundTimeout, RunClosed
 from .eviction import Evictor, observes
 from .keys import RunKeys
 from .node_leases import NodeLeases, _Joined
@@ -159,7 +154,7 @@ class Participant(NodeLeases):
                 meta = queries.read_meta(client, keys)
                 if meta.closed:
                     self._withdraw()
-                    raise RendezvousClosedError(f"the rendezvous {self._settings.run_id!r} is closed")
+                    raise RunClosed(f"the rendezvous {self._settings.run_id!r} is closed")
                 sealed, fresh_read = meta.sealed, False
             self._learn(sealed)
             joined = self._joined
@@ -184,7 +179,7 @@ class Participant(NodeLeases):
                     self._joining = None
                     if outcome.closed:
                         self._withdraw()
-                        raise RendezvousClosedError(f"the rendezvous {self._settings.run_id!r} is closed")
+                        raise RunClosed(f"the rendezvous {self._settings.run_id!r} is closed")
                     sealed = outcome.sealed
                     continue
                 target = sealed.round + 1
@@ -264,7 +259,7 @@ class Participant(NodeLeases):
             if self.shut_down or session is None or session.done().is_set():
                 watch.cancel()
                 if self.shut_down:
-                    raise RendezvousClosedError(f"the handler of node {self._node_id} was shut down")
+                    raise NodeShutDown(f"the handler of node {self._node_id} was shut down")
                 return self._lease_lost(previous, clock)
             self._watch = watch
         evictor = Evictor(s, self._client, self._keys, round_, session) if evicts else None
@@ -294,7 +289,7 @@ class Participant(NodeLeases):
                     continue
                 if isinstance(action, TimeOut):
                     if self._withdraw_if_unsealed():
-                        raise RendezvousTimeoutError(
+                        raise RoundTimeout(
                             f"node {self._node_id}: round {round_} of the rendezvous "
                             f"{s.run_id!r} was not sealed within join_timeout={s.join_timeout:g} s "
                             f"({view.count} of min_nodes={s.min_nodes} joined when last known"
@@ -314,7 +309,7 @@ class Participant(NodeLeases):
             return _Retry(None, state.clock)
         except EtcdError:
             if self.shut_down:
-                raise RendezvousClosedError(f"the handler of node {self._node_id} was shut down") from None
+                raise NodeShutDown(f"the handler of node {self._node_id} was shut down") from None
             if session.lost.is_set() or session.done().is_set():  # our lease ended: the join key is gone
                 return self._lease_lost(previous, state.clock)
             if watch.cancelled:  # cancelled by a stale lease's on_lost: our lease is fine, join again
@@ -445,11 +440,11 @@ class Participant(NodeLeases):
         if signal.kind is SignalKind.CLOSED:
             self._withdraw()
             if _tally(view).kept_out(s):
-                raise RendezvousGracefulExitError(
+                raise ClosedWhileKeptOut(
                     f"the rendezvous {s.run_id!r} was closed while node {self._node_id} waited "
                     "for room in a full group"
                 )
-            raise RendezvousClosedError(f"the rendezvous {s.run_id!r} was closed")
+            raise RunClosed(f"the rendezvous {s.run_id!r} was closed")
         if signal.kind is SignalKind.RESET or signal.round != view.round:
             return _Retry(None, state.clock)
         sealed = signal.sealed
@@ -475,7 +470,7 @@ class Participant(NodeLeases):
             self._joined = replace(joined, member=False)
         if state.timing_out:
             self._withdraw()
-            raise RendezvousTimeoutError(
+            raise RoundTimeout(
                 f"node {self._node_id} was not admitted to a round of {s.run_id!r} within "
                 f"join_timeout={s.join_timeout:g} s"
             )
