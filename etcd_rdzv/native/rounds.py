@@ -1,8 +1,8 @@
 """One node's part in the rounds of an ``etcd-v3`` run: join, wait, seal, close.
 
-:class:`Participant` holds what a node knows of the run (its leases, through
-:class:`~etcd_rdzv.native.node_leases.NodeLeases`; the last sealed record it
-saw, the round it joined) and strings the transactions of
+:class:`Participant` holds what a node knows of the run (the last sealed record it
+saw, the round it joined) and its leases (a
+:class:`~etcd_rdzv.native.node_leases.NodeLeases` it holds and calls), and strings the transactions of
 :mod:`etcd_rdzv.native.protocol` together: :meth:`Participant.rendezvous` joins
 rounds until one that includes this node is sealed, waiting on a watch of the
 run's ``ctl/`` keys and acting on :func:`~etcd_rdzv.native.barrier.decide`.
@@ -11,7 +11,8 @@ A lease etcd reports gone is replaced and the write sent again, through
 (:mod:`etcd_rdzv.native.handler`) owns one and translates its errors.
 
 Blocks: :meth:`~Participant.rendezvous` (until sealed, closed, or
-``join_timeout``), :meth:`~Participant.close_run` (at most until its deadline).
+``join_timeout``), :meth:`~Participant.leave` and :meth:`~Participant.close_run`
+(at most until their deadline).
 Raises :class:`~etcd_store.errors.EtcdError` subclasses,
 :class:`~etcd_rdzv.native.records.ProtocolStateError` and the node's own errors
 (:mod:`etcd_rdzv.native.errors`: run closed, ``join_timeout``, shut down) where the
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
 from dataclasses import dataclass, replace
 
@@ -48,7 +48,7 @@ from .bootstrap import join_value
 from .errors import ClosedWhileKeptOut, NodeShutDown, RoundTimeout, RunClosed
 from .eviction import Evictor, observes
 from .keys import RunKeys
-from .node_leases import NodeLeases, _Joined
+from .node_leases import NodeLeases
 from .records import ProtocolStateError, Sealed
 from .settings import V3Settings
 from .telemetry import RoundObserver
@@ -79,6 +79,21 @@ class RoundResult:
 
 
 @dataclass(frozen=True)
+class _Joined:
+    """The join key this node holds in ``round``.
+
+    ``member``: True (member of the sealed round), False (the round was sealed
+    without us: over ``max_nodes`` or void), None (not known: still waiting, or
+    the wait ended with an error before the outcome was seen).
+    """
+
+    round: int
+    key: bytes
+    under: Sealed  # the sealed record the join was fenced on (round - 1 sealed at its revision)
+    member: bool | None = None
+
+
+@dataclass(frozen=True)
 class _Retry:
     """Join again: from ``sealed`` when known, else after re-reading the run's records;
     ``clock`` is the ``join_timeout`` deadline as the wait left it."""
@@ -97,13 +112,13 @@ def _tally(view: RoundView) -> Tally:
     return Tally(view.count, view.prev_count, view.changes, fresh=view.read is not None)
 
 
-class Participant(NodeLeases):
-    """One node of the run: its leases and its place in the rounds (see the module docstring).
+class Participant:
+    """One node of the run: its place in the rounds (see the module docstring).
 
-    ``session`` (this node's lease, None before the first join and after
-    :meth:`stop`), ``run_lease``, ``member_round``/``member_world`` (the round this
-    node is a member of and its size), ``round_master`` (rank 0's address from that
-    round's sealed record) and ``shut_down`` are read by the handler.
+    ``leases`` (its :class:`~etcd_rdzv.native.node_leases.NodeLeases`; ``session``,
+    ``run_lease`` and ``shut_down`` read through to it), ``member_round``/``member_world``
+    (the round this node is a member of and its size) and ``round_master`` (rank 0's
+    address from that round's sealed record) are read by the handler.
     One :meth:`rendezvous` at a time; :meth:`stop` may be called from any thread.
     """
 
@@ -114,9 +129,7 @@ class Participant(NodeLeases):
         self._client = client
         self._keys = keys
         self._node_id = node_id
-        self._lock = threading.Lock()
-        self.session: Session | None = None  # this node's lease; it also keeps the run lease alive
-        self.run_lease: int | None = None
+        self.leases = NodeLeases(settings, client, keys, node_id, self.observer)
         self._sealed = Sealed()  # the latest ``ctl/sealed`` this node saw (a guess, checked by each join)
         self._joined: _Joined | None = None
         self._joining: _Joined | None = None  # a join Txn sent whose answer is not recorded yet
@@ -126,8 +139,101 @@ class Participant(NodeLeases):
         self.member_seal = 0  # the revision that sealed member_round (0: not known)
         self._join_value = b""  # the value of our latest join key
         self.round_master: tuple[str, int] | None = None  # from the sealed record of our round
-        self._watch: Watch | None = None
-        self.shut_down = False
+
+    @property
+    def session(self) -> Session | None:
+        """This node's lease session (:attr:`NodeLeases.session`)."""
+        return self.leases.session
+
+    @property
+    def run_lease(self) -> int | None:
+        """The run lease, None while not known (:attr:`NodeLeases.run_lease`)."""
+        return self.leases.run_lease
+
+    @property
+    def shut_down(self) -> bool:
+        """Whether the node was stopped for good (:meth:`stop`)."""
+        return self.leases.shut_down
+
+    # ------------------------------------------------------------------ stopping, leaving, closing
+
+    def stop(self) -> Session | None:
+        """Stop for good: cancel a wait's watch, forget the round; returns the lease session to
+        close (no RPC)."""
+        session = self.leases.stop()
+        self._joined = self._joining = None
+        self.member_round = None
+        return session
+
+    def leave(self, deadline: float) -> bool:
+        """Stop for good and release this node's keys now, without closing the run.
+
+        Withdraws a join from a round that may be unsealed (one Txn each, see
+        :func:`protocol.leave_if_unsealed`), then revokes the node's lease (one
+        LeaseRevoke: its join key vanishes with it), every RPC bounded by ``deadline``.
+        Returns whether etcd confirmed the revoke; never raises for etcd failures.
+        """
+        # The join in flight first: a signal may have ended the process between its Txn and the
+        # recording of its answer, so that the key exists though _joined does not name it.
+        pending = [j for j in (self._joining, self._joined) if j is not None and not j.member]
+        session = self.stop()
+        if session is None:
+            return True
+        withdrawn: set[bytes] = set()
+        for joined in pending:
+            if joined.key in withdrawn or time.monotonic() >= deadline:
+                continue
+            withdrawn.add(joined.key)
+            # Waiting in a round that may be unsealed: withdraw with a bump of its join
+            # counter, so that no seal prepared before names us (a bare revoke would not).
+            try:
+                protocol.leave_if_unsealed(self._client, self._keys, joined.round, joined.key,
+                                           joined.under, timeout=deadline - time.monotonic())
+            except EtcdError as e:
+                log.info("node %s could not withdraw from round %d: %s", self._node_id, joined.round, e)
+        return self.leases.revoke(session, deadline)
+
+    def close_run(self, deadline: float, *, abort: bool = False) -> None:
+        """:meth:`NodeLeases.close_run` (raises ``EtcdError`` subclasses)."""
+        self.leases.close_run(deadline, abort=abort)
+
+    def reattach(self) -> queries.Occupancy | None:
+        """Put our join key back into the round we are a member of, with a new lease.
+
+        For a member whose lease ended (etcd was out of reach for longer than its TTL)
+        while its group still runs: one LeaseGrant and one Txn
+        (:func:`protocol.reattach`), which succeeds only if no round was sealed since
+        ours and the run is open. Returns the group's counts after it, or None when
+        the node cannot re-attach (sealed over, closed, or its round's seal revision
+        is not known): its group is over. Raises ``EtcdError`` if etcd fails and
+        :class:`~etcd_rdzv.native.errors.NodeShutDown` once stopped.
+        """
+        joined, round_ = self._joined, self.member_round
+        if round_ is None or not self.member_seal or joined is None or joined.round != round_:
+            return None
+        session = self.leases.renew()
+        occ = protocol.reattach(self._client, self._keys, round_, joined.key, self._join_value,
+                                session.id, self.member_seal)
+        if occ is None:
+            log.warning("node %s cannot re-attach to round %d: a later round was sealed or the run "
+                        "closed", self._node_id, round_)
+        else:
+            log.warning("node %s re-attached to round %d with a new lease %x after its lease ended",
+                        self._node_id, round_, session.id)
+        return occ
+
+    def _ensure_lease(self) -> int:
+        """This node's lease (:meth:`NodeLeases.ensure`); a new one forgets our join key
+        (it went with the old lease). 0-1 LeaseGrant."""
+        lease, new = self.leases.ensure()
+        if new:
+            self._joined = None
+        return lease
+
+    def _learn(self, sealed: Sealed) -> None:
+        """Remember the latest sealed record and help keep the run lease it names alive."""
+        self._sealed = sealed
+        self.leases.adopt_run_lease(sealed.run_lease)
 
     # ------------------------------------------------------------------ the rounds
 
@@ -169,7 +275,7 @@ class Participant(NodeLeases):
             with client.watch(*keys.watch_range(sealed.round + 1, previous=False)) as ctl_watch:
                 outcome = renewing_lease(
                     functools.partial(self._join, sealed, value, ready=ctl_watch),
-                    self._ensure_lease, self._forget_lease,
+                    self._ensure_lease, self.leases.forget,
                 )
                 if not outcome.ok:
                     if outcome.joined_anyway:
@@ -254,14 +360,9 @@ class Participant(NodeLeases):
             if opened is not None:
                 opened.cancel()
             watch = self._client.watch(start, end)  # from now: a synced watcher (see _catch_up)
-        with self._lock:
-            session = self.session
-            if self.shut_down or session is None or session.done().is_set():
-                watch.cancel()
-                if self.shut_down:
-                    raise NodeShutDown(f"the handler of node {self._node_id} was shut down")
-                return self._lease_lost(previous, clock)
-            self._watch = watch
+        session = self.leases.hold_watch(watch)
+        if session is None:
+            return self._lease_lost(previous, clock)
         evictor = Evictor(s, self._client, self._keys, round_, session) if evicts else None
         self.on_watch(watch, view)
         try:
@@ -321,10 +422,7 @@ class Participant(NodeLeases):
             self._withdraw_after_error()
             raise
         finally:
-            with self._lock:
-                if self._watch is watch:
-                    self._watch = None
-            watch.cancel()
+            self.leases.release_watch(watch)
 
     def _watches_previous(self, state: Barrier, view: RoundView) -> bool:
         """Whether this node must watch the previous round's join keys: it may have to tell
@@ -342,13 +440,7 @@ class Participant(NodeLeases):
         ended or the node was shut down meanwhile, the new watch is cancelled too, and the
         wait ends the way a cancelled watch ends it."""
         wide = self._client.watch(*self._keys.watch_range(round_, previous=True))
-        with self._lock:
-            if self._watch is watch:
-                self._watch = wide
-            stale = self.shut_down or session.done().is_set()
-        watch.cancel()
-        if stale:
-            wide.cancel()
+        self.leases.swap_watch(watch, wide, session)
         return wide
 
     def _withdraw_after_error(self) -> None:
@@ -404,7 +496,7 @@ class Participant(NodeLeases):
     def _lease_lost(self, previous: Sealed, clock: JoinClock) -> _Retry:
         """Our lease ended while we waited: its join key is gone; join again with a new one."""
         self._joined = None
-        self._drop_lease()
+        self.leases.drop()
         return _Retry(previous, clock)
 
     def _try_seal(self, round_: int, previous: Sealed, view: RoundView, state: Barrier) -> Barrier:
@@ -425,7 +517,7 @@ class Participant(NodeLeases):
             return protocol.seal(self._client, self._keys, round_, previous, read, lease, s.max_nodes,
                                  master=named)
 
-        res = renewing_lease(seal, self._run_lease_or_create, self._forget_run_lease, renewals=1)
+        res = renewing_lease(seal, self.leases.run_lease_or_create, self.leases.forget_run_lease, renewals=1)
         if res.ok:
             log.debug("node %s sealed round %d at revision %d", self._node_id, round_, res.revision)
             return state.sealed(True)
