@@ -2,11 +2,13 @@
 
 :class:`Participant` holds what a node knows of the run (the last sealed record it
 saw, the round it joined) and its leases (a
-:class:`~etcd_rdzv.native.node_leases.NodeLeases` it holds and calls), and strings the transactions of
-:mod:`etcd_rdzv.native.protocol` together: :meth:`Participant.rendezvous` joins
-rounds until one that includes this node is sealed, waiting on a watch of the
-run's ``ctl/`` keys and acting on :func:`~etcd_rdzv.native.barrier.decide`.
-A lease etcd reports gone is replaced and the write sent again, through
+:class:`~etcd_rdzv.native.node_leases.NodeLeases` it holds and calls), and strings
+the transactions of :mod:`etcd_rdzv.native.protocol` together:
+:meth:`Participant.rendezvous` joins rounds until one that includes this node is
+sealed; each wait on the watch of the run's ``ctl/`` keys is a
+:class:`~etcd_rdzv.native.wait.RoundWait` (which acts on
+:func:`~etcd_rdzv.native.barrier.decide`), and the participant acts on the signal
+that ends it. A lease etcd reports gone is replaced and the write sent again, through
 :func:`~etcd_store.client.renewing_lease`. The torch-facing handler
 (:mod:`etcd_rdzv.native.handler`) owns one and translates its errors.
 
@@ -27,20 +29,14 @@ import time
 from dataclasses import dataclass, replace
 
 from etcd_store.client import EtcdClient, Session, Watch, renewing_lease
-from etcd_store.client.synced import confirmed
 from etcd_store.errors import EtcdCompactedError, EtcdError
 
-from . import bootstrap, protocol, queries
+from . import protocol, queries
 from .barrier import (
     Admitted,
     Barrier,
-    Check,
     JoinClock,
-    Seal,
-    Tally,
-    TimeOut,
     Void,
-    decide,
     resolved,
     verdict,
 )
@@ -53,6 +49,7 @@ from .records import ProtocolStateError, Sealed
 from .settings import V3Settings
 from .telemetry import RoundObserver
 from .view import RoundView, Signal, SignalKind
+from .wait import RoundWait, confirm, open_watch, tally, watches_previous
 
 log = logging.getLogger(__name__)
 
@@ -94,22 +91,22 @@ class _Joined:
 
 
 @dataclass(frozen=True)
+class _Prior:
+    """The group a node leaves at a rendezvous: its round and size (None, 0: none), and
+    whether this node observes it for dead members (:func:`~etcd_rdzv.native.eviction.observes`)."""
+
+    round: int | None
+    world: int
+    evicts: bool
+
+
+@dataclass(frozen=True)
 class _Retry:
     """Join again: from ``sealed`` when known, else after re-reading the run's records;
     ``clock`` is the ``join_timeout`` deadline as the wait left it."""
 
     sealed: Sealed | None
     clock: JoinClock
-
-
-def _master_named(read: queries.RoundRead) -> tuple[str, int] | None:
-    """Rank 0's address and port for the sealed record: from the first joiner's value, while
-    its port is recent (:func:`~etcd_rdzv.native.bootstrap.master_of`)."""
-    return bootstrap.master_of(read.joiners[0].value, time.time())
-
-
-def _tally(view: RoundView) -> Tally:
-    return Tally(view.count, view.prev_count, view.changes, fresh=view.read is not None)
 
 
 class Participant:
@@ -241,71 +238,101 @@ class Participant:
         """Join rounds until one that includes us is sealed.
 
         The first join assumes the last sealed record this node saw; a stale guess
-        costs one failed join, whose answer carries the current record.
+        costs one failed join, whose answer carries the current record. Raises
+        :class:`~etcd_rdzv.native.errors.RunClosed` (also :class:`ClosedWhileKeptOut`),
+        :class:`~etcd_rdzv.native.errors.RoundTimeout`,
+        :class:`~etcd_rdzv.native.errors.NodeShutDown`, ``ProtocolStateError`` and
+        ``EtcdError`` subclasses.
         """
-        keys, client = self._keys, self._client
         value = join_value(self._settings.node_addr)  # one free port per next_round call
-        # The group this node leaves: a round that only re-forms it may skip the last call.
-        prior_round, prior_world = self.member_round, self.member_world
-        evicts_dead = prior_round is not None and observes(self._settings, self.member_rank)
+        prior = self._begin(value)
+        sealed: Sealed | None = self._sealed
+        while True:
+            if sealed is None:
+                sealed = self._read_sealed()
+            self._learn(sealed)
+            resolved = self._resolve_unseen(sealed)
+            if resolved is not None:
+                return resolved
+            step = self._join_and_wait(sealed, value, clock, prior)
+            if isinstance(step, RoundResult):
+                return step
+            clock, sealed = step.clock, step.sealed
+
+    def _begin(self, value: bytes) -> _Prior:
+        """Forget the round we were a member of (returned: a round that only re-forms that
+        group may skip the last call, and its observers evict its dead); take up a join of
+        the last call that ended in an error (it may have applied). No RPC."""
+        prior = _Prior(self.member_round, self.member_world,
+                       self.member_round is not None and observes(self._settings, self.member_rank))
         self.member_round, self.member_seal = None, 0
         self.round_master = None
         self._join_value = value
-        if self._joining is not None:  # the last call's join ended in an error: it may have applied
+        if self._joining is not None:
             self._joined, self._joining = self._joining, None
-        sealed = self._sealed
-        fresh_read = False
-        while True:
-            if fresh_read:
-                meta = queries.read_meta(client, keys)
-                if meta.closed:
-                    self._withdraw()
-                    raise RunClosed(f"the rendezvous {self._settings.run_id!r} is closed")
-                sealed, fresh_read = meta.sealed, False
-            self._learn(sealed)
-            joined = self._joined
-            if joined is not None and joined.member is None and joined.round <= sealed.round:
-                # Our round was sealed while we were not watching (watch lost, error).
-                resolved = self._resolve(joined.round, sealed)
-                if resolved is not None:
-                    return resolved
-            # The control watch opens before the join (while the lease is granted) and the join
-            # waits for etcd to confirm it, so the watch starts below the join's revision and
-            # no catch-up read is needed (see _catch_up).
-            with client.watch(*keys.watch_range(sealed.round + 1, previous=False)) as ctl_watch:
-                outcome = renewing_lease(
-                    functools.partial(self._join, sealed, value, ready=ctl_watch),
-                    self._ensure_lease, self.leases.forget,
-                )
-                if not outcome.ok:
-                    if outcome.joined_anyway:
-                        # A lost answer hid a join that did apply; its round is sealed now.
-                        target = sealed.round + 1
-                        self._joined = _Joined(target, keys.join_key(target, self._node_id), sealed)
-                    self._joining = None
-                    if outcome.closed:
-                        self._withdraw()
-                        raise RunClosed(f"the rendezvous {self._settings.run_id!r} is closed")
-                    sealed = outcome.sealed
-                    continue
-                target = sealed.round + 1
-                key = keys.join_key(target, self._node_id)
-                self._joined = _Joined(target, key, sealed)
-                self._joining = None
-                log.debug("node %s joined round %d at revision %d (join %d of the round, %d present)",
-                          self._node_id, target, outcome.revision, outcome.seq, outcome.count)
-                self.observer.joined(target, outcome.count)
-                recovering = self._settings.fast_recovery and prior_round == target - 1
-                waited = self._wait(target, outcome, sealed, clock, prior_world if recovering else None,
-                                    opened=ctl_watch, evicts=evicts_dead and prior_round == target - 1)
-            if isinstance(waited, RoundResult):
-                self._joined = _Joined(target, key, sealed, member=True)
-                return waited
-            clock = waited.clock
-            if waited.sealed is None:
-                fresh_read = True
-            else:
-                sealed = waited.sealed
+        return prior
+
+    def _read_sealed(self) -> Sealed:
+        """The run's current sealed record (one read-only Txn); raises
+        :class:`~etcd_rdzv.native.errors.RunClosed` (after withdrawing) if the run is closed."""
+        meta = queries.read_meta(self._client, self._keys)
+        if meta.closed:
+            self._withdraw()
+            raise RunClosed(f"the rendezvous {self._settings.run_id!r} is closed")
+        return meta.sealed
+
+    def _resolve_unseen(self, sealed: Sealed) -> RoundResult | None:
+        """Our place in the round we joined if it was sealed while we were not watching
+        (watch lost, error): :meth:`_resolve`. None if not known to be sealed, or not ours."""
+        joined = self._joined
+        if joined is not None and joined.member is None and joined.round <= sealed.round:
+            return self._resolve(joined.round, sealed)
+        return None
+
+    def _join_and_wait(self, sealed: Sealed, value: bytes, clock: JoinClock,
+                       prior: _Prior) -> RoundResult | _Retry:
+        """Join round ``sealed.round + 1`` and wait in it (:meth:`_wait`).
+
+        The control watch opens before the join (while the lease is granted) and the join
+        waits for etcd to confirm it, so the watch starts below the join's revision and no
+        catch-up read is needed (see :meth:`RoundWait.catch_up
+        <etcd_rdzv.native.wait.RoundWait.catch_up>`). A lease etcd reports gone is
+        replaced and the join sent again (:func:`~etcd_store.client.renewing_lease`).
+        """
+        keys, target = self._keys, sealed.round + 1
+        with self._client.watch(*keys.watch_range(target, previous=False)) as ctl_watch:
+            outcome = renewing_lease(
+                functools.partial(self._join, sealed, value, ready=ctl_watch),
+                self._ensure_lease, self.leases.forget,
+            )
+            if not outcome.ok:
+                return self._join_failed(outcome, sealed, clock)
+            key = keys.join_key(target, self._node_id)
+            self._joined = _Joined(target, key, sealed)
+            self._joining = None
+            log.debug("node %s joined round %d at revision %d (join %d of the round, %d present)",
+                      self._node_id, target, outcome.revision, outcome.seq, outcome.count)
+            self.observer.joined(target, outcome.count)
+            follows = prior.round == target - 1
+            recovering = self._settings.fast_recovery and follows
+            waited = self._wait(target, outcome, sealed, clock, prior.world if recovering else None,
+                                opened=ctl_watch, evicts=prior.evicts and follows)
+        if isinstance(waited, RoundResult):
+            self._joined = _Joined(target, key, sealed, member=True)
+        return waited
+
+    def _join_failed(self, outcome: protocol.JoinOutcome, sealed: Sealed, clock: JoinClock) -> _Retry:
+        """A join whose fences failed: join again from the record its answer carries; raises
+        :class:`~etcd_rdzv.native.errors.RunClosed` (after withdrawing) if the run is closed."""
+        if outcome.joined_anyway:
+            # A lost answer hid a join that did apply; its round is sealed now.
+            target = sealed.round + 1
+            self._joined = _Joined(target, self._keys.join_key(target, self._node_id), sealed)
+        self._joining = None
+        if outcome.closed:
+            self._withdraw()
+            raise RunClosed(f"the rendezvous {self._settings.run_id!r} is closed")
+        return _Retry(outcome.sealed, clock)
 
     def _join(self, sealed: Sealed, value: bytes, lease: int, *, ready: Watch | None = None) -> protocol.JoinOutcome:
         """One join Txn with ``lease``, leaving our previous key (if its lease is still ours);
@@ -316,7 +343,7 @@ class Participant:
         (a signal may end the process between the Txn and the recording of its answer)
         withdraws it with a bump of the join counter, as it withdraws a recorded join."""
         if ready is not None:
-            self._confirmed(ready, before_join=True)
+            confirm(self._client, ready, self._node_id, before_join=True)
         previous = self._joined.key if self._joined is not None else None
         target = sealed.round + 1
         self._joining = _Joined(target, self._keys.join_key(target, self._node_id), sealed)
@@ -344,104 +371,56 @@ class Participant:
         ``opened``: a watch of ``ctl/`` alone, opened before the join; used when that
         range suffices, else cancelled (this method owns it either way). ``evicts``: this
         node was a member of the previous round, one of its observers, and evicts dead
-        members of it while it waits (:mod:`~etcd_rdzv.native.eviction`).
+        members of it while it waits (:mod:`~etcd_rdzv.native.eviction`). An etcd failure
+        that is not a lost lease, a cancelled watch or a compaction withdraws the join
+        (:meth:`_withdraw_after_error`) and is raised.
         """
         s = self._settings
         view = RoundView(
             self._keys, round_, self._node_id, outcome.seq, outcome.create_revision, outcome.count,
             outcome.prev_count, outcome.revision,
         )
-        state = Barrier.start(clock, _tally(view), s, recover_size)
-        wide = self._watches_previous(state, view)
-        start, end = self._keys.watch_range(round_, previous=wide)
-        if opened is not None and (opened.key, opened.range_end) == (start, end):
-            watch = opened
-        else:
-            if opened is not None:
-                opened.cancel()
-            watch = self._client.watch(start, end)  # from now: a synced watcher (see _catch_up)
+        state = Barrier.start(clock, tally(view), s, recover_size)
+        wide = watches_previous(state, view, s)
+        watch = open_watch(self._client, self._keys, round_, wide, opened)
         session = self.leases.hold_watch(watch)
         if session is None:
             return self._lease_lost(previous, clock)
         evictor = Evictor(s, self._client, self._keys, round_, session) if evicts else None
-        self.on_watch(watch, view)
+        w = RoundWait(s, self._client, self._keys, self._node_id, self.leases, round_, previous, view, state,
+                      watch, wide, session, evictor=evictor, give_up=self._withdraw_if_unsealed,
+                      on_watch=self.on_watch)
         try:
-            caught = self._catch_up(watch, view, round_, previous)
-            if caught is not None:
-                return self._on_signal(caught, view, previous, state)
-            while True:
-                if not wide and self._watches_previous(state, view):
-                    # A read found the previous round occupied again (a member re-attached
-                    # after an outage): watch its departures from now on.
-                    watch, wide = self._widen(watch, round_, session), True
-                    self.on_watch(watch, view)
-                    caught = self._catch_up(watch, view, round_, previous)
-                    if caught is not None:
-                        return self._on_signal(caught, view, previous, state)
-                state, action = decide(state, _tally(view), s, time.monotonic())
-                if isinstance(action, Check):
-                    read = queries.read_round(self._client, self._keys, round_)
-                    view.update(read)
-                    if read.sealed.revision != previous.revision or read.closed:
-                        state = state.settle()  # its event is on the way
-                    continue
-                if isinstance(action, Seal):
-                    state = self._try_seal(round_, previous, view, state)
-                    continue
-                if isinstance(action, TimeOut):
-                    if self._withdraw_if_unsealed():
-                        raise RoundTimeout(
-                            f"node {self._node_id}: round {round_} of the rendezvous "
-                            f"{s.run_id!r} was not sealed within join_timeout={s.join_timeout:g} s "
-                            f"({view.count} of min_nodes={s.min_nodes} joined when last known"
-                            f"{'' if view.vacated else ', previous round still running'})"
-                        )
-                    state = state.timed_out_late()  # sealed meanwhile: its event is on the way
-                    continue
-                timeout = None if action.at is None else max(action.at - time.monotonic(), 0.0)
-                if evictor is not None:
-                    timeout = evictor.poll(timeout)  # a dead member of our group leaves in seconds
-                for event in watch.get(timeout=timeout):
-                    signal = view.apply(event)
-                    if signal is not None:
-                        return self._on_signal(signal, view, previous, state)
+            signal = w.run()
+            return self._on_signal(signal, view, previous, w.state)
         except EtcdCompactedError:
             log.warning("node %s: watch history compacted; re-reading the rendezvous", self._node_id)
-            return _Retry(None, state.clock)
+            return _Retry(None, w.state.clock)
         except EtcdError:
-            if self.shut_down:
-                raise NodeShutDown(f"the handler of node {self._node_id} was shut down") from None
-            if session.lost.is_set() or session.done().is_set():  # our lease ended: the join key is gone
-                return self._lease_lost(previous, state.clock)
-            if watch.cancelled:  # cancelled by a stale lease's on_lost: our lease is fine, join again
-                log.info("node %s: its watch was cancelled; joining again", self._node_id)
-                return _Retry(previous, state.clock)
-            self._withdraw_after_error()
-            raise
+            retry = self._retry_after_error(w)
+            if retry is None:
+                self._withdraw_after_error()
+                raise
+            return retry
         except ProtocolStateError:
             self._withdraw_after_error()
             raise
         finally:
-            self.leases.release_watch(watch)
+            self.leases.release_watch(w.watch)
 
-    def _watches_previous(self, state: Barrier, view: RoundView) -> bool:
-        """Whether this node must watch the previous round's join keys: it may have to tell
-        when that round empties (a candidate still trying, or kept out by a full group) and,
-        as far as it knows, it is not empty. Decided after the join and again after each read
-        of the round: a member of the previous round may re-attach after an outage."""
-        trying = state.candidate and not state.settled
-        return view.prev_count > 0 and (trying or _tally(view).kept_out(self._settings))
-
-    def _widen(self, watch: Watch, round_: int, session: Session) -> Watch:
-        """A watch of ``ctl/`` and the previous round's join keys, from now, in place of
-        ``watch`` (cancelled). The caller catches up on the gap (:meth:`_catch_up`), which is
-        sound because everything at or below the view's revision is in the view: the read
-        that asked for the wider watch showed the control records unchanged. If the lease
-        ended or the node was shut down meanwhile, the new watch is cancelled too, and the
-        wait ends the way a cancelled watch ends it."""
-        wide = self._client.watch(*self._keys.watch_range(round_, previous=True))
-        self.leases.swap_watch(watch, wide, session)
-        return wide
+    def _retry_after_error(self, w: RoundWait) -> _Retry | None:
+        """After an etcd failure of the wait: join again if it only means our lease ended
+        (the join key is gone) or a stale lease's ``on_lost`` cancelled the watch; None if
+        the failure is to be raised. Raises :class:`~etcd_rdzv.native.errors.NodeShutDown`
+        if the node was stopped (that cancelled the watch)."""
+        if self.shut_down:
+            raise NodeShutDown(f"the handler of node {self._node_id} was shut down") from None
+        if w.session.lost.is_set() or w.session.done().is_set():  # our lease ended: the join key is gone
+            return self._lease_lost(w.previous, w.state.clock)
+        if w.watch.cancelled:  # cancelled by a stale lease's on_lost: our lease is fine, join again
+            log.info("node %s: its watch was cancelled; joining again", self._node_id)
+            return _Retry(w.previous, w.state.clock)
+        return None
 
     def _withdraw_after_error(self) -> None:
         """The wait ends with an error: withdraw our join if the round is still unsealed (one
@@ -454,42 +433,6 @@ class Participant:
         except EtcdError as e:
             log.info("node %s could not withdraw its join after an error: %s", self._node_id, e)
 
-    def _catch_up(self, watch: Watch, view: RoundView, round_: int, previous: Sealed) -> Signal | None:
-        """Read what happened between our join and the watch's start; a signal if that ended the wait.
-
-        The watch opens from "now", because etcd holds back events for a watcher whose start
-        revision is already in the past until its 100 ms catch-up tick, while a watcher that starts
-        at the current revision gets them at once. etcd confirms the watch with the revision W it
-        starts after. The ``ctl/`` watch is confirmed before the join Txn is sent, so W is below
-        the join's revision J; events up to J are skipped (the join's compares saw that state).
-        A node that must also watch the previous round opens that watch after the join. If
-        W <= J the watch covers everything after the join; else one read-only Txn at a revision
-        R >= W (ctl/ and the count of round T-1, O(1) bytes) covers the gap, and the view skips
-        watch events at or below R. So every revision after the join is seen once, by the read
-        or by the watch: no lost wake-up.
-        """
-        self._confirmed(watch)
-        if watch.created_revision <= view.revision:
-            return None
-        read = queries.catch_up(self._client, self._keys, round_)
-        return view.catch_up(read, expect_sealed=previous.revision > 0)
-
-    def _confirmed(self, watch: Watch, *, before_join: bool = False) -> None:
-        """Wait for etcd to confirm ``watch``, by the client's rule
-        (:func:`~etcd_store.client.synced.confirmed`): ``WatchNotConfirmed`` (an
-        ``EtcdTimeoutError``) after the client's timeout; a watch that failed before etcd
-        confirmed it raises its error here. With ``before_join`` (the
-        control watch, opened before the join), one look at what it delivered so far also
-        catches a refusal in the confirming answer itself (etcd refuses a watch, for instance
-        without read permission, with a "created" answer that also cancels it): its events
-        so far precede the join, and the view would skip them anyway. A failure that comes
-        later still raises from the wait, which then withdraws the join.
-        """
-        confirmed(watch, self._client.timeout,
-                  f"the watch of node {self._node_id} (etcd at {self._client.describe()})")
-        if before_join:
-            watch.get(timeout=0)
-
     def on_watch(self, watch: Watch, view: RoundView) -> None:
         """Called with each wait's watch and view before waiting (tests count events)."""
 
@@ -499,39 +442,11 @@ class Participant:
         self.leases.drop()
         return _Retry(previous, clock)
 
-    def _try_seal(self, round_: int, previous: Sealed, view: RoundView, state: Barrier) -> Barrier:
-        """One seal attempt with the view's fresh read (and the run lease, the first time).
-
-        The sealed record also names rank 0's address and port (from its join
-        value), so that no member has to read them after the seal. A failed
-        attempt's answer is a fresh read, folded into the view.
-        """
-        read = view.read
-        assert read is not None
-        s = self._settings
-        if read.count < s.min_nodes:
-            return state  # not due on what we read: decide() will say so
-        named = _master_named(read)
-
-        def seal(lease: int) -> protocol.SealOutcome:
-            return protocol.seal(self._client, self._keys, round_, previous, read, lease, s.max_nodes,
-                                 master=named)
-
-        res = renewing_lease(seal, self.leases.run_lease_or_create, self.leases.forget_run_lease, renewals=1)
-        if res.ok:
-            log.debug("node %s sealed round %d at revision %d", self._node_id, round_, res.revision)
-            return state.sealed(True)
-        assert res.read is not None
-        view.update(res.read)
-        if res.read.sealed.revision != previous.revision or res.read.closed:
-            return state.settle()
-        return state
-
     def _on_signal(self, signal: Signal, view: RoundView, previous: Sealed, state: Barrier) -> RoundResult | _Retry:
         s = self._settings
         if signal.kind is SignalKind.CLOSED:
             self._withdraw()
-            if _tally(view).kept_out(s):
+            if tally(view).kept_out(s):
                 raise ClosedWhileKeptOut(
                     f"the rendezvous {s.run_id!r} was closed while node {self._node_id} waited "
                     "for room in a full group"
