@@ -3,14 +3,17 @@
 One node = one handler = one lease (TTL ``lease_ttl``) refreshed over one
 keep-alive stream. Joining a round is one transaction that puts a join key
 bound to that lease and bumps the round's join counter; waiting is a watch on
-the run's ``ctl/`` keys (about one event a round) that starts right after the
-join's revision; sealing a round is one transaction fenced by the ``sealed``
+the run's ``ctl/`` keys (about one event a round), opened from now and confirmed by
+etcd before the join is sent, so that it starts below the join's revision (events
+at or below it are skipped); sealing a round is one transaction fenced by the ``sealed``
 record's mod revision, by "the previous round is empty" and by the join counter
 as the sealer read it.
 No node rewrites anything while a job runs: liveness is the lease alone (after an outage
 longer than the lease TTL a member re-attaches: one Txn, :mod:`etcd_rdzv.native.liveness`).
-This module is torch's interface (and its errors); one node's join, wait and
-seal are :class:`~etcd_rdzv.native.rounds.Participant`'s, the transactions
+This module is torch's interface, and the one place where the node's errors
+(:mod:`etcd_rdzv.native.errors`, ``ProtocolStateError``, ``EtcdError``) become torch's
+(:func:`torch_error`); one node's join, wait and seal are
+:class:`~etcd_rdzv.native.rounds.Participant`'s, the transactions
 :mod:`etcd_rdzv.native.protocol`'s; see docs/etcd-v3-design.md.
 
 Cost of an uncontended ``next_rendezvous`` (node already holding its lease): one
