@@ -277,9 +277,14 @@ def test_a_node_that_ends_leaves_and_the_others_train_again(
         print(f"[recovery] {how}: restart decided {noticed - ended_at:.2f} s, rendezvous complete "
               f"{rendezvous:.2f} s, first step {recovery:.2f} s after the end (heartbeat {heartbeat} s)")
         # The protocol's part, not worker start-up (seconds of CPU per worker, which parallel test lanes
-        # stretch): a leave re-forms well inside the 30 s TTL, a kill well before the 15 s lease expires
-        # (an eviction takes 2-3 s). The figures themselves are benchmark output (python -m benchmarks.recovery).
-        assert rendezvous < (15 if how == "sigterm" else heartbeat - 3), agents.log_tails()
+        # stretch): a leave re-forms well inside the 30 s TTL; after a kill a survivor evicted the dead
+        # node (its lease was still alive: it renewed up to a second before the kill) rather than
+        # waiting for the lease. The figures themselves are benchmark output (python -m benchmarks.recovery).
+        assert rendezvous < (15 if how == "sigterm" else heartbeat + 10), agents.log_tails()
+        if how == "sigkill":
+            evictions = [line for log in agents.logs[:2] for line in log.read_text(errors="replace").splitlines()
+                         if ": evicted " in line]
+            assert len(evictions) == 1, agents.log_tails()
         stop_file.write_text("stop")
         codes = agents.wait(timeout=120)
         assert codes[:2] == [0, 0], agents.log_tails()
