@@ -256,7 +256,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """:meth:`Participant.close_run`, its errors translated to torch's (:func:`torch_error`)."""
         try:
             self._node.close_run(deadline, abort=abort)
-        except (EtcdError, NodeError) as e:
+        except EtcdError as e:
             raise torch_error(e, self._settings.run_id, closing=True) from e
 
     def is_closed(self) -> bool:
