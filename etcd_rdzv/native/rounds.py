@@ -47,7 +47,7 @@ from .keys import RunKeys
 from .node_leases import NodeLeases
 from .records import ProtocolStateError, Sealed
 from .settings import V3Settings
-from .telemetry import RoundObserver
+from .telemetry import RoundObserver, SilentObserver
 from .view import RoundView, Signal, SignalKind
 from .wait import RoundWait, confirm, open_watch, tally, watches_previous
 
@@ -122,7 +122,7 @@ class Participant:
     def __init__(self, settings: V3Settings, client: EtcdClient, keys: RunKeys, node_id: str,
                  observer: RoundObserver | None = None) -> None:
         self._settings = settings
-        self.observer = observer or RoundObserver()  # told of joins and lost leases
+        self.observer = observer or SilentObserver()  # told of joins and lost leases
         self._client = client
         self._keys = keys
         self._node_id = node_id

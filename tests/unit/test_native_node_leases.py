@@ -16,7 +16,6 @@ from etcd_rdzv.native.errors import NodeShutDown
 from etcd_rdzv.native.keys import RunKeys
 from etcd_rdzv.native.node_leases import NodeLeases
 from etcd_rdzv.native.settings import V3Settings
-from etcd_rdzv.native.telemetry import RoundObserver
 
 
 class FakeSession:
@@ -65,8 +64,11 @@ class FakeWatch:
         self.cancelled = True
 
 
-class Observer(RoundObserver):
+class Observer:
     lost = 0
+
+    def joined(self, round_: int, count: int) -> None:
+        pass
 
     def lease_lost(self) -> None:
         self.lost += 1
