@@ -8,8 +8,10 @@ Modules: :mod:`.settings` (the frozen settings, parsed by :mod:`etcd_rdzv.conf`)
 :mod:`.queries` (the read-only RPCs), :mod:`.protocol` (one function per
 transition), :mod:`.view` (the round as a node's watch shows it), :mod:`.barrier`
 (the pure decision of the wait loop), :mod:`.bootstrap` (``MASTER_ADDR``/
-``MASTER_PORT`` of a round), :mod:`.rounds` (one node's join, wait and seal, which
-acts on the decision), :mod:`.handler` (torch's handler interface). Importing
+``MASTER_PORT`` of a round), :mod:`.rounds` (one node's join and the outcome of each wait),
+:mod:`.wait` (one wait, which acts on the decision), :mod:`.node_leases` (the
+node's leases, held by the participant), :mod:`.errors` (the node's own errors), :mod:`.handler`
+(torch's handler interface, the one place that translates them to torch's errors). Importing
 this package is light; names load on first access.
 """
 

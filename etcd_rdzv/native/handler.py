@@ -3,14 +3,17 @@
 One node = one handler = one lease (TTL ``lease_ttl``) refreshed over one
 keep-alive stream. Joining a round is one transaction that puts a join key
 bound to that lease and bumps the round's join counter; waiting is a watch on
-the run's ``ctl/`` keys (about one event a round) that starts right after the
-join's revision; sealing a round is one transaction fenced by the ``sealed``
+the run's ``ctl/`` keys (about one event a round), opened from now and confirmed by
+etcd before the join is sent, so that it starts below the join's revision (events
+at or below it are skipped); sealing a round is one transaction fenced by the ``sealed``
 record's mod revision, by "the previous round is empty" and by the join counter
 as the sealer read it.
 No node rewrites anything while a job runs: liveness is the lease alone (after an outage
 longer than the lease TTL a member re-attaches: one Txn, :mod:`etcd_rdzv.native.liveness`).
-This module is torch's interface (and its errors); one node's join, wait and
-seal are :class:`~etcd_rdzv.native.rounds.Participant`'s, the transactions
+This module is torch's interface, and the one place where the node's errors
+(:mod:`etcd_rdzv.native.errors`, ``ProtocolStateError``, ``EtcdError``) become torch's
+(:func:`torch_error`); one node's join, wait and seal are
+:class:`~etcd_rdzv.native.rounds.Participant`'s, the transactions
 :mod:`etcd_rdzv.native.protocol`'s; see docs/etcd-v3-design.md.
 
 Cost of an uncontended ``next_rendezvous`` (node already holding its lease): one
@@ -40,9 +43,11 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousError,
+    RendezvousGracefulExitError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousStateError,
+    RendezvousTimeoutError,
 )
 
 from etcd_store.client import EtcdClient
@@ -52,6 +57,7 @@ from .. import metrics
 from . import protocol, queries
 from .barrier import JoinClock
 from .bootstrap import bootstrap_info
+from .errors import ClosedWhileKeptOut, NodeError, NodeShutDown, RoundTimeout, RunClosed
 from .keys import RunKeys
 from .liveness import GroupCheck
 from .records import ProtocolStateError
@@ -78,6 +84,35 @@ etcd call failed because etcd was unreachable: it then leaves (never closes the 
 an agent that lost etcd exits about ``read_timeout`` + 2 s after its failing call began."""
 
 _local_ids = itertools.count()
+
+
+def torch_error(e: NodeError | ProtocolStateError | EtcdError, run_id: str, *, closing: bool = False,
+                shut_down: bool = False) -> RendezvousError:
+    """The one translation of an ``etcd-v3`` node's errors into torch's rendezvous errors.
+
+    The node's own (:mod:`etcd_rdzv.native.errors`): :class:`RunClosed` and
+    :class:`NodeShutDown` → ``RendezvousClosedError``, :class:`ClosedWhileKeptOut` →
+    ``RendezvousGracefulExitError``, :class:`RoundTimeout` → ``RendezvousTimeoutError``;
+    ``ProtocolStateError`` → ``RendezvousStateError``. etcd's: while ``closing``, an
+    ``EtcdTimeoutError`` (``close_timeout`` passed) → ``RendezvousTimeoutError``; after the
+    node was ``shut_down`` (its stop cancelled the wait) → ``RendezvousClosedError``; else
+    ``RendezvousConnectionError`` (etcd failed or was out of reach). Pure: no I/O.
+    """
+    if isinstance(e, ClosedWhileKeptOut):
+        return RendezvousGracefulExitError(str(e))
+    if isinstance(e, (RunClosed, NodeShutDown)):
+        return RendezvousClosedError(str(e))
+    if isinstance(e, RoundTimeout):
+        return RendezvousTimeoutError(str(e))
+    if isinstance(e, ProtocolStateError):
+        return RendezvousStateError(f"rendezvous {run_id!r}: {e}")
+    if isinstance(e, EtcdTimeoutError):
+        if closing:
+            return RendezvousTimeoutError(f"closing the rendezvous timed out: {e}")
+        return RendezvousConnectionError(f"etcd did not answer in time: {e}")
+    if shut_down and not closing:
+        return RendezvousClosedError("the handler was shut down")
+    return RendezvousConnectionError(str(e))
 
 
 class EtcdV3RendezvousHandler(RendezvousHandler):
@@ -110,7 +145,6 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._store: EtcdStore | None = None
         self._closed_run = False  # shutdown() closed the run
         self._etcd_lost = False  # the last etcd call failed for want of etcd (see shutdown())
-        self.last_round: RoundResult | None = None
         # A process that exits without shutdown() (torchrun's agent on SIGTERM/SIGINT
         # deliberately skips it: it would close the run) leaves its round at exit.
         self._at_exit = functools.partial(_leave_at_exit, weakref.ref(self))
@@ -179,7 +213,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         metrics (:mod:`etcd_rdzv.native.telemetry`).
         """
         with self._rdzv_lock:
-            self._node.check_not_shut_down()
+            if self._node.shut_down:
+                raise RendezvousClosedError(f"the handler of node {self._node_id} was shut down")
             started = self._telemetry.attempt()
             clock = JoinClock.start(self._settings.join_timeout, time.monotonic())
             try:
@@ -187,7 +222,6 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             except Exception as e:
                 self._telemetry.failed("next_rendezvous", e)
                 raise
-            self.last_round = result
             self._telemetry.completed(result.round, result.rank, result.world_size, started,
                                       self._node.round_master)
             log.info(
@@ -197,29 +231,33 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             return result
 
     def _barrier(self, clock: JoinClock) -> RoundResult:
-        """:meth:`Participant.rendezvous`, its etcd and protocol errors translated to torch's."""
+        """:meth:`Participant.rendezvous`, its errors translated to torch's (:func:`torch_error`)."""
         try:
             result = self._node.rendezvous(clock)
-        except EtcdTimeoutError as e:
-            self._etcd_lost = True
-            raise RendezvousConnectionError(f"etcd did not answer in time: {e}") from e
         except EtcdError as e:
-            if self._node.shut_down:
-                raise RendezvousClosedError("the handler was shut down") from e
-            self._etcd_lost = isinstance(e, EtcdConnectionError)
-            raise RendezvousConnectionError(str(e)) from e
-        except ProtocolStateError as e:
-            raise RendezvousStateError(f"rendezvous {self._settings.run_id!r}: {e}") from e
+            shut_down = self._node.shut_down
+            if not shut_down:
+                self._etcd_lost = isinstance(e, EtcdConnectionError)
+            raise torch_error(e, self._settings.run_id, shut_down=shut_down) from e
+        except (NodeError, ProtocolStateError) as e:
+            raise torch_error(e, self._settings.run_id) from e
         self._etcd_lost = False
         return result
 
-    def _etcd_failed(self, what: str, e: EtcdError) -> RendezvousConnectionError:
-        """torch's error for a failed etcd call of ``what``, recorded as a failure event;
-        notes whether etcd was out of reach (what :meth:`shutdown` decides on)."""
+    def _etcd_failed(self, what: str, e: EtcdError) -> RendezvousError:
+        """torch's error for a failed etcd call of ``what`` (:func:`torch_error`), recorded as a
+        failure event; notes whether etcd was out of reach (what :meth:`shutdown` decides on)."""
         self._etcd_lost = isinstance(e, EtcdConnectionError)
-        error = RendezvousConnectionError(str(e))
+        error = torch_error(e, self._settings.run_id)
         self._telemetry.failed(what, error)
         return error
+
+    def _close_run(self, deadline: float, *, abort: bool = False) -> None:
+        """:meth:`Participant.close_run`, its errors translated to torch's (:func:`torch_error`)."""
+        try:
+            self._node.close_run(deadline, abort=abort)
+        except EtcdError as e:
+            raise torch_error(e, self._settings.run_id, closing=True) from e
 
     def is_closed(self) -> bool:
         """Whether the run is closed. One Range (none after :meth:`shutdown`, which closed it)."""
@@ -250,7 +288,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if self._node.shut_down:
             return
         try:
-            self._node.close_run(time.monotonic() + self._settings.close_timeout, abort=True)
+            self._close_run(time.monotonic() + self._settings.close_timeout, abort=True)
         except RendezvousError as e:
             self._telemetry.failed("set_closed", e)
             raise
@@ -290,6 +328,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             waiting = self._group.nodes_waiting()
         except EtcdError as e:
             raise self._etcd_failed("num_nodes_waiting", e) from e
+        except NodeError as e:  # stopped meanwhile, before a re-attach
+            raise torch_error(e, self._settings.run_id) from e
         self._etcd_lost = False
         return waiting
 
@@ -324,7 +364,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         deadline = time.monotonic() + self._settings.close_timeout
         ok = True
         try:
-            self._node.close_run(deadline)
+            self._close_run(deadline)
             self._closed_run = True
             self._telemetry.closed()
         except RendezvousError as e:

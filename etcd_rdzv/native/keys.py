@@ -147,7 +147,3 @@ class RunKeys:
     def rounds_before(self, round_: int) -> tuple[bytes, bytes]:
         """``[start, end)`` of every ``rounds/`` key of rounds older than ``round_``."""
         return self.rounds, self.round_prefix(max(round_, 0))
-
-    def joins_before(self, round_: int) -> tuple[bytes, bytes]:
-        """``[start, end)`` of every join key of rounds older than ``round_``."""
-        return self.join_root, self.join_prefix(max(round_, 0))

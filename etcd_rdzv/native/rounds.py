@@ -1,63 +1,55 @@
 """One node's part in the rounds of an ``etcd-v3`` run: join, wait, seal, close.
 
-:class:`Participant` holds what a node knows of the run (its leases, through
-:class:`~etcd_rdzv.native.node_leases.NodeLeases`; the last sealed record it
-saw, the round it joined) and strings the transactions of
-:mod:`etcd_rdzv.native.protocol` together: :meth:`Participant.rendezvous` joins
-rounds until one that includes this node is sealed, waiting on a watch of the
-run's ``ctl/`` keys and acting on :func:`~etcd_rdzv.native.barrier.decide`.
-A lease etcd reports gone is replaced and the write sent again, through
+:class:`Participant` holds what a node knows of the run (the last sealed record it
+saw, the round it joined) and its leases (a
+:class:`~etcd_rdzv.native.node_leases.NodeLeases` it holds and calls), and strings
+the transactions of :mod:`etcd_rdzv.native.protocol` together:
+:meth:`Participant.rendezvous` joins rounds until one that includes this node is
+sealed; each wait on the watch of the run's ``ctl/`` keys is a
+:class:`~etcd_rdzv.native.wait.RoundWait` (which acts on
+:func:`~etcd_rdzv.native.barrier.decide`), and the participant acts on the signal
+that ends it. A lease etcd reports gone is replaced and the write sent again, through
 :func:`~etcd_store.client.renewing_lease`. The torch-facing handler
 (:mod:`etcd_rdzv.native.handler`) owns one and translates its errors.
 
 Blocks: :meth:`~Participant.rendezvous` (until sealed, closed, or
-``join_timeout``), :meth:`~Participant.close_run` (at most until its deadline).
-Raises :class:`~etcd_store.errors.EtcdError` subclasses and
-:class:`~etcd_rdzv.native.records.ProtocolStateError`, and torch's
-``RendezvousClosedError``/``RendezvousTimeoutError``/``RendezvousGracefulExitError``
-where the run's state decides the outcome.
+``join_timeout``), :meth:`~Participant.leave` and :meth:`~Participant.close_run`
+(at most until their deadline).
+Raises :class:`~etcd_store.errors.EtcdError` subclasses,
+:class:`~etcd_rdzv.native.records.ProtocolStateError` and the node's own errors
+(:mod:`etcd_rdzv.native.errors`: run closed, ``join_timeout``, shut down) where the
+run's state decides the outcome; only the handler translates them to torch's.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
 from dataclasses import dataclass, replace
 
-from torch.distributed.elastic.rendezvous.api import (
-    RendezvousClosedError,
-    RendezvousGracefulExitError,
-    RendezvousTimeoutError,
-)
-
 from etcd_store.client import EtcdClient, Session, Watch, renewing_lease
-from etcd_store.client.synced import confirmed
 from etcd_store.errors import EtcdCompactedError, EtcdError
 
-from . import bootstrap, protocol, queries
+from . import protocol, queries
 from .barrier import (
     Admitted,
     Barrier,
-    Check,
     JoinClock,
-    Seal,
-    Tally,
-    TimeOut,
     Void,
-    decide,
     resolved,
     verdict,
 )
 from .bootstrap import join_value
+from .errors import ClosedWhileKeptOut, NodeShutDown, RoundTimeout, RunClosed
 from .eviction import Evictor, observes
 from .keys import RunKeys
-from .node_leases import NodeLeases, _Joined
+from .node_leases import NodeLeases
 from .records import ProtocolStateError, Sealed
 from .settings import V3Settings
-from .telemetry import RoundObserver
+from .telemetry import RoundObserver, SilentObserver
 from .view import RoundView, Signal, SignalKind
+from .wait import RoundWait, SealedMeanwhile, confirm, open_watch, tally, watches_previous
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +76,31 @@ class RoundResult:
 
 
 @dataclass(frozen=True)
+class _Joined:
+    """The join key this node holds in ``round``.
+
+    ``member``: True (member of the sealed round), False (the round was sealed
+    without us: over ``max_nodes`` or void), None (not known: still waiting, or
+    the wait ended with an error before the outcome was seen).
+    """
+
+    round: int
+    key: bytes
+    under: Sealed  # the sealed record the join was fenced on (round - 1 sealed at its revision)
+    member: bool | None = None
+
+
+@dataclass(frozen=True)
+class _Prior:
+    """The group a node leaves at a rendezvous: its round and size (None, 0: none), and
+    whether this node observes it for dead members (:func:`~etcd_rdzv.native.eviction.observes`)."""
+
+    round: int | None
+    world: int
+    evicts: bool
+
+
+@dataclass(frozen=True)
 class _Retry:
     """Join again: from ``sealed`` when known, else after re-reading the run's records;
     ``clock`` is the ``join_timeout`` deadline as the wait left it."""
@@ -92,36 +109,24 @@ class _Retry:
     clock: JoinClock
 
 
-def _master_named(read: queries.RoundRead) -> tuple[str, int] | None:
-    """Rank 0's address and port for the sealed record: from the first joiner's value, while
-    its port is recent (:func:`~etcd_rdzv.native.bootstrap.master_of`)."""
-    return bootstrap.master_of(read.joiners[0].value, time.time())
+class Participant:
+    """One node of the run: its place in the rounds (see the module docstring).
 
-
-def _tally(view: RoundView) -> Tally:
-    return Tally(view.count, view.prev_count, view.changes, fresh=view.read is not None)
-
-
-class Participant(NodeLeases):
-    """One node of the run: its leases and its place in the rounds (see the module docstring).
-
-    ``session`` (this node's lease, None before the first join and after
-    :meth:`stop`), ``run_lease``, ``member_round``/``member_world`` (the round this
-    node is a member of and its size), ``round_master`` (rank 0's address from that
-    round's sealed record) and ``shut_down`` are read by the handler.
+    ``leases`` (its :class:`~etcd_rdzv.native.node_leases.NodeLeases`; ``session``,
+    ``run_lease`` and ``shut_down`` read through to it), ``member_round``/``member_world``
+    (the round this node is a member of and its size) and ``round_master`` (rank 0's
+    address from that round's sealed record) are read by the handler.
     One :meth:`rendezvous` at a time; :meth:`stop` may be called from any thread.
     """
 
     def __init__(self, settings: V3Settings, client: EtcdClient, keys: RunKeys, node_id: str,
                  observer: RoundObserver | None = None) -> None:
         self._settings = settings
-        self.observer = observer or RoundObserver()  # told of joins and lost leases
+        self.observer = observer or SilentObserver()  # told of joins and lost leases
         self._client = client
         self._keys = keys
         self._node_id = node_id
-        self._lock = threading.Lock()
-        self.session: Session | None = None  # this node's lease; it also keeps the run lease alive
-        self.run_lease: int | None = None
+        self.leases = NodeLeases(settings, client, keys, node_id, self.observer)
         self._sealed = Sealed()  # the latest ``ctl/sealed`` this node saw (a guess, checked by each join)
         self._joined: _Joined | None = None
         self._joining: _Joined | None = None  # a join Txn sent whose answer is not recorded yet
@@ -131,8 +136,101 @@ class Participant(NodeLeases):
         self.member_seal = 0  # the revision that sealed member_round (0: not known)
         self._join_value = b""  # the value of our latest join key
         self.round_master: tuple[str, int] | None = None  # from the sealed record of our round
-        self._watch: Watch | None = None
-        self.shut_down = False
+
+    @property
+    def session(self) -> Session | None:
+        """This node's lease session (:attr:`NodeLeases.session`)."""
+        return self.leases.session
+
+    @property
+    def run_lease(self) -> int | None:
+        """The run lease, None while not known (:attr:`NodeLeases.run_lease`)."""
+        return self.leases.run_lease
+
+    @property
+    def shut_down(self) -> bool:
+        """Whether the node was stopped for good (:meth:`stop`)."""
+        return self.leases.shut_down
+
+    # ------------------------------------------------------------------ stopping, leaving, closing
+
+    def stop(self) -> Session | None:
+        """Stop for good: cancel a wait's watch, forget the round; returns the lease session to
+        close (no RPC)."""
+        session = self.leases.stop()
+        self._joined = self._joining = None
+        self.member_round = None
+        return session
+
+    def leave(self, deadline: float) -> bool:
+        """Stop for good and release this node's keys now, without closing the run.
+
+        Withdraws a join from a round that may be unsealed (one Txn each, see
+        :func:`protocol.leave_if_unsealed`), then revokes the node's lease (one
+        LeaseRevoke: its join key vanishes with it), every RPC bounded by ``deadline``.
+        Returns whether etcd confirmed the revoke; never raises for etcd failures.
+        """
+        # The join in flight first: a signal may have ended the process between its Txn and the
+        # recording of its answer, so that the key exists though _joined does not name it.
+        pending = [j for j in (self._joining, self._joined) if j is not None and not j.member]
+        session = self.stop()
+        if session is None:
+            return True
+        withdrawn: set[bytes] = set()
+        for joined in pending:
+            if joined.key in withdrawn or time.monotonic() >= deadline:
+                continue
+            withdrawn.add(joined.key)
+            # Waiting in a round that may be unsealed: withdraw with a bump of its join
+            # counter, so that no seal prepared before names us (a bare revoke would not).
+            try:
+                protocol.leave_if_unsealed(self._client, self._keys, joined.round, joined.key,
+                                           joined.under, timeout=deadline - time.monotonic())
+            except EtcdError as e:
+                log.info("node %s could not withdraw from round %d: %s", self._node_id, joined.round, e)
+        return self.leases.revoke(session, deadline)
+
+    def close_run(self, deadline: float, *, abort: bool = False) -> None:
+        """:meth:`NodeLeases.close_run` (raises ``EtcdError`` subclasses)."""
+        self.leases.close_run(deadline, abort=abort)
+
+    def reattach(self) -> queries.Occupancy | None:
+        """Put our join key back into the round we are a member of, with a new lease.
+
+        For a member whose lease ended (etcd was out of reach for longer than its TTL)
+        while its group still runs: one LeaseGrant and one Txn
+        (:func:`protocol.reattach`), which succeeds only if no round was sealed since
+        ours and the run is open. Returns the group's counts after it, or None when
+        the node cannot re-attach (sealed over, closed, or its round's seal revision
+        is not known): its group is over. Raises ``EtcdError`` if etcd fails and
+        :class:`~etcd_rdzv.native.errors.NodeShutDown` once stopped.
+        """
+        joined, round_ = self._joined, self.member_round
+        if round_ is None or not self.member_seal or joined is None or joined.round != round_:
+            return None
+        session = self.leases.renew()
+        occ = protocol.reattach(self._client, self._keys, round_, joined.key, self._join_value,
+                                session.id, self.member_seal)
+        if occ is None:
+            log.warning("node %s cannot re-attach to round %d: a later round was sealed or the run "
+                        "closed", self._node_id, round_)
+        else:
+            log.warning("node %s re-attached to round %d with a new lease %x after its lease ended",
+                        self._node_id, round_, session.id)
+        return occ
+
+    def _ensure_lease(self) -> int:
+        """This node's lease (:meth:`NodeLeases.ensure`); a new one forgets our join key
+        (it went with the old lease). 0-1 LeaseGrant."""
+        lease, new = self.leases.ensure()
+        if new:
+            self._joined = None
+        return lease
+
+    def _learn(self, sealed: Sealed) -> None:
+        """Remember the latest sealed record and help keep the run lease it names alive."""
+        self._sealed = sealed
+        self.leases.adopt_run_lease(sealed.run_lease)
 
     # ------------------------------------------------------------------ the rounds
 
@@ -140,71 +238,101 @@ class Participant(NodeLeases):
         """Join rounds until one that includes us is sealed.
 
         The first join assumes the last sealed record this node saw; a stale guess
-        costs one failed join, whose answer carries the current record.
+        costs one failed join, whose answer carries the current record. Raises
+        :class:`~etcd_rdzv.native.errors.RunClosed` (also :class:`ClosedWhileKeptOut`),
+        :class:`~etcd_rdzv.native.errors.RoundTimeout`,
+        :class:`~etcd_rdzv.native.errors.NodeShutDown`, ``ProtocolStateError`` and
+        ``EtcdError`` subclasses.
         """
-        keys, client = self._keys, self._client
         value = join_value(self._settings.node_addr)  # one free port per next_round call
-        # The group this node leaves: a round that only re-forms it may skip the last call.
-        prior_round, prior_world = self.member_round, self.member_world
-        evicts_dead = prior_round is not None and observes(self._settings, self.member_rank)
+        prior = self._begin(value)
+        sealed: Sealed | None = self._sealed
+        while True:
+            if sealed is None:
+                sealed = self._read_sealed()
+            self._learn(sealed)
+            resolved = self._resolve_unseen(sealed)
+            if resolved is not None:
+                return resolved
+            step = self._join_and_wait(sealed, value, clock, prior)
+            if isinstance(step, RoundResult):
+                return step
+            clock, sealed = step.clock, step.sealed
+
+    def _begin(self, value: bytes) -> _Prior:
+        """Forget the round we were a member of (returned: a round that only re-forms that
+        group may skip the last call, and its observers evict its dead); take up a join of
+        the last call that ended in an error (it may have applied). No RPC."""
+        prior = _Prior(self.member_round, self.member_world,
+                       self.member_round is not None and observes(self._settings, self.member_rank))
         self.member_round, self.member_seal = None, 0
         self.round_master = None
         self._join_value = value
-        if self._joining is not None:  # the last call's join ended in an error: it may have applied
+        if self._joining is not None:
             self._joined, self._joining = self._joining, None
-        sealed = self._sealed
-        fresh_read = False
-        while True:
-            if fresh_read:
-                meta = queries.read_meta(client, keys)
-                if meta.closed:
-                    self._withdraw()
-                    raise RendezvousClosedError(f"the rendezvous {self._settings.run_id!r} is closed")
-                sealed, fresh_read = meta.sealed, False
-            self._learn(sealed)
-            joined = self._joined
-            if joined is not None and joined.member is None and joined.round <= sealed.round:
-                # Our round was sealed while we were not watching (watch lost, error).
-                resolved = self._resolve(joined.round, sealed)
-                if resolved is not None:
-                    return resolved
-            # The control watch opens before the join (while the lease is granted) and the join
-            # waits for etcd to confirm it, so the watch starts below the join's revision and
-            # no catch-up read is needed (see _catch_up).
-            with client.watch(*keys.watch_range(sealed.round + 1, previous=False)) as ctl_watch:
-                outcome = renewing_lease(
-                    functools.partial(self._join, sealed, value, ready=ctl_watch),
-                    self._ensure_lease, self._forget_lease,
-                )
-                if not outcome.ok:
-                    if outcome.joined_anyway:
-                        # A lost answer hid a join that did apply; its round is sealed now.
-                        target = sealed.round + 1
-                        self._joined = _Joined(target, keys.join_key(target, self._node_id), sealed)
-                    self._joining = None
-                    if outcome.closed:
-                        self._withdraw()
-                        raise RendezvousClosedError(f"the rendezvous {self._settings.run_id!r} is closed")
-                    sealed = outcome.sealed
-                    continue
-                target = sealed.round + 1
-                key = keys.join_key(target, self._node_id)
-                self._joined = _Joined(target, key, sealed)
-                self._joining = None
-                log.debug("node %s joined round %d at revision %d (join %d of the round, %d present)",
-                          self._node_id, target, outcome.revision, outcome.seq, outcome.count)
-                self.observer.joined(target, outcome.count)
-                recovering = self._settings.fast_recovery and prior_round == target - 1
-                waited = self._wait(target, outcome, sealed, clock, prior_world if recovering else None,
-                                    opened=ctl_watch, evicts=evicts_dead and prior_round == target - 1)
-            if isinstance(waited, RoundResult):
-                self._joined = _Joined(target, key, sealed, member=True)
-                return waited
-            clock = waited.clock
-            if waited.sealed is None:
-                fresh_read = True
-            else:
-                sealed = waited.sealed
+        return prior
+
+    def _read_sealed(self) -> Sealed:
+        """The run's current sealed record (one read-only Txn); raises
+        :class:`~etcd_rdzv.native.errors.RunClosed` (after withdrawing) if the run is closed."""
+        meta = queries.read_meta(self._client, self._keys)
+        if meta.closed:
+            self._withdraw()
+            raise RunClosed(f"the rendezvous {self._settings.run_id!r} is closed")
+        return meta.sealed
+
+    def _resolve_unseen(self, sealed: Sealed) -> RoundResult | None:
+        """Our place in the round we joined if it was sealed while we were not watching
+        (watch lost, error): :meth:`_resolve`. None if not known to be sealed, or not ours."""
+        joined = self._joined
+        if joined is not None and joined.member is None and joined.round <= sealed.round:
+            return self._resolve(joined.round, sealed)
+        return None
+
+    def _join_and_wait(self, sealed: Sealed, value: bytes, clock: JoinClock,
+                       prior: _Prior) -> RoundResult | _Retry:
+        """Join round ``sealed.round + 1`` and wait in it (:meth:`_wait`).
+
+        The control watch opens before the join (while the lease is granted) and the join
+        waits for etcd to confirm it, so the watch starts below the join's revision and no
+        catch-up read is needed (see :meth:`RoundWait.catch_up
+        <etcd_rdzv.native.wait.RoundWait.catch_up>`). A lease etcd reports gone is
+        replaced and the join sent again (:func:`~etcd_store.client.renewing_lease`).
+        """
+        keys, target = self._keys, sealed.round + 1
+        with self._client.watch(*keys.watch_range(target, previous=False)) as ctl_watch:
+            outcome = renewing_lease(
+                functools.partial(self._join, sealed, value, ready=ctl_watch),
+                self._ensure_lease, self.leases.forget,
+            )
+            if not outcome.ok:
+                return self._join_failed(outcome, sealed, clock)
+            key = keys.join_key(target, self._node_id)
+            self._joined = _Joined(target, key, sealed)
+            self._joining = None
+            log.debug("node %s joined round %d at revision %d (join %d of the round, %d present)",
+                      self._node_id, target, outcome.revision, outcome.seq, outcome.count)
+            self.observer.joined(target, outcome.count)
+            follows = prior.round == target - 1
+            recovering = self._settings.fast_recovery and follows
+            waited = self._wait(target, outcome, sealed, clock, prior.world if recovering else None,
+                                opened=ctl_watch, evicts=prior.evicts and follows)
+        if isinstance(waited, RoundResult):
+            self._joined = _Joined(target, key, sealed, member=True)
+        return waited
+
+    def _join_failed(self, outcome: protocol.JoinOutcome, sealed: Sealed, clock: JoinClock) -> _Retry:
+        """A join whose fences failed: join again from the record its answer carries; raises
+        :class:`~etcd_rdzv.native.errors.RunClosed` (after withdrawing) if the run is closed."""
+        if outcome.joined_anyway:
+            # A lost answer hid a join that did apply; its round is sealed now.
+            target = sealed.round + 1
+            self._joined = _Joined(target, self._keys.join_key(target, self._node_id), sealed)
+        self._joining = None
+        if outcome.closed:
+            self._withdraw()
+            raise RunClosed(f"the rendezvous {self._settings.run_id!r} is closed")
+        return _Retry(outcome.sealed, clock)
 
     def _join(self, sealed: Sealed, value: bytes, lease: int, *, ready: Watch | None = None) -> protocol.JoinOutcome:
         """One join Txn with ``lease``, leaving our previous key (if its lease is still ours);
@@ -215,7 +343,7 @@ class Participant(NodeLeases):
         (a signal may end the process between the Txn and the recording of its answer)
         withdraws it with a bump of the join counter, as it withdraws a recorded join."""
         if ready is not None:
-            self._confirmed(ready, before_join=True)
+            confirm(self._client, ready, self._node_id, before_join=True)
         previous = self._joined.key if self._joined is not None else None
         target = sealed.round + 1
         self._joining = _Joined(target, self._keys.join_key(target, self._node_id), sealed)
@@ -243,117 +371,58 @@ class Participant(NodeLeases):
         ``opened``: a watch of ``ctl/`` alone, opened before the join; used when that
         range suffices, else cancelled (this method owns it either way). ``evicts``: this
         node was a member of the previous round, one of its observers, and evicts dead
-        members of it while it waits (:mod:`~etcd_rdzv.native.eviction`).
+        members of it while it waits (:mod:`~etcd_rdzv.native.eviction`). An etcd failure
+        that is not a lost lease, a cancelled watch or a compaction withdraws the join
+        (:meth:`_withdraw_after_error`) and is raised.
         """
         s = self._settings
         view = RoundView(
             self._keys, round_, self._node_id, outcome.seq, outcome.create_revision, outcome.count,
             outcome.prev_count, outcome.revision,
         )
-        state = Barrier.start(clock, _tally(view), s, recover_size)
-        wide = self._watches_previous(state, view)
-        start, end = self._keys.watch_range(round_, previous=wide)
-        if opened is not None and (opened.key, opened.range_end) == (start, end):
-            watch = opened
-        else:
-            if opened is not None:
-                opened.cancel()
-            watch = self._client.watch(start, end)  # from now: a synced watcher (see _catch_up)
-        with self._lock:
-            session = self.session
-            if self.shut_down or session is None or session.done().is_set():
-                watch.cancel()
-                if self.shut_down:
-                    raise RendezvousClosedError(f"the handler of node {self._node_id} was shut down")
-                return self._lease_lost(previous, clock)
-            self._watch = watch
+        state = Barrier.start(clock, tally(view), s, recover_size)
+        wide = watches_previous(state, view, s)
+        watch = open_watch(self._client, self._keys, round_, wide, opened)
+        session = self.leases.hold_watch(watch)
+        if session is None:
+            return self._lease_lost(previous, clock)
         evictor = Evictor(s, self._client, self._keys, round_, session) if evicts else None
-        self.on_watch(watch, view)
+        w = RoundWait(s, self._client, self._keys, self._node_id, self.leases, round_, previous, view, state,
+                      watch, wide, session, evictor=evictor, give_up=self._withdraw_if_unsealed,
+                      on_watch=self.on_watch)
         try:
-            caught = self._catch_up(watch, view, round_, previous)
-            if caught is not None:
-                return self._on_signal(caught, view, previous, state)
-            while True:
-                if not wide and self._watches_previous(state, view):
-                    # A read found the previous round occupied again (a member re-attached
-                    # after an outage): watch its departures from now on.
-                    watch, wide = self._widen(watch, round_, session), True
-                    self.on_watch(watch, view)
-                    caught = self._catch_up(watch, view, round_, previous)
-                    if caught is not None:
-                        return self._on_signal(caught, view, previous, state)
-                state, action = decide(state, _tally(view), s, time.monotonic())
-                if isinstance(action, Check):
-                    read = queries.read_round(self._client, self._keys, round_)
-                    view.update(read)
-                    if read.sealed.revision != previous.revision or read.closed:
-                        state = state.settle()  # its event is on the way
-                    continue
-                if isinstance(action, Seal):
-                    state = self._try_seal(round_, previous, view, state)
-                    continue
-                if isinstance(action, TimeOut):
-                    if self._withdraw_if_unsealed():
-                        raise RendezvousTimeoutError(
-                            f"node {self._node_id}: round {round_} of the rendezvous "
-                            f"{s.run_id!r} was not sealed within join_timeout={s.join_timeout:g} s "
-                            f"({view.count} of min_nodes={s.min_nodes} joined when last known"
-                            f"{'' if view.vacated else ', previous round still running'})"
-                        )
-                    return self._timed_out_late(round_)  # sealed meanwhile
-                timeout = None if action.at is None else max(action.at - time.monotonic(), 0.0)
-                if evictor is not None:
-                    timeout = evictor.poll(timeout)  # a dead member of our group leaves in seconds
-                for event in watch.get(timeout=timeout):
-                    signal = view.apply(event)
-                    if signal is not None:
-                        return self._on_signal(signal, view, previous, state)
+            signal = w.run()
+            return self._on_signal(signal, view, previous, w.state)
+        except SealedMeanwhile:
+            return self._timed_out_late(round_)
         except EtcdCompactedError:
             log.warning("node %s: watch history compacted; re-reading the rendezvous", self._node_id)
-            return _Retry(None, state.clock)
+            return _Retry(None, w.state.clock)
         except EtcdError:
-            if self.shut_down:
-                raise RendezvousClosedError(f"the handler of node {self._node_id} was shut down") from None
-            if session.lost.is_set() or session.done().is_set():  # our lease ended: the join key is gone
-                return self._lease_lost(previous, state.clock)
-            if watch.cancelled:  # cancelled by a stale lease's on_lost: our lease is fine, join again
-                log.info("node %s: its watch was cancelled; joining again", self._node_id)
-                return _Retry(previous, state.clock)
-            self._withdraw_after_error()
-            raise
+            retry = self._retry_after_error(w)
+            if retry is None:
+                self._withdraw_after_error()
+                raise
+            return retry
         except ProtocolStateError:
             self._withdraw_after_error()
             raise
         finally:
-            with self._lock:
-                if self._watch is watch:
-                    self._watch = None
-            watch.cancel()
+            self.leases.release_watch(w.watch)
 
-    def _watches_previous(self, state: Barrier, view: RoundView) -> bool:
-        """Whether this node must watch the previous round's join keys: it may have to tell
-        when that round empties (a candidate still trying, or kept out by a full group) and,
-        as far as it knows, it is not empty. Decided after the join and again after each read
-        of the round: a member of the previous round may re-attach after an outage."""
-        trying = state.candidate and not state.settled
-        return view.prev_count > 0 and (trying or _tally(view).kept_out(self._settings))
-
-    def _widen(self, watch: Watch, round_: int, session: Session) -> Watch:
-        """A watch of ``ctl/`` and the previous round's join keys, from now, in place of
-        ``watch`` (cancelled). The caller catches up on the gap (:meth:`_catch_up`), which is
-        sound because everything at or below the view's revision is in the view: the read
-        that asked for the wider watch showed the control records unchanged. If the lease
-        ended or the node was shut down meanwhile, the new watch is cancelled too, and the
-        wait ends the way a cancelled watch ends it."""
-        wide = self._client.watch(*self._keys.watch_range(round_, previous=True))
-        with self._lock:
-            if self._watch is watch:
-                self._watch = wide
-            stale = self.shut_down or session.done().is_set()
-        watch.cancel()
-        if stale:
-            wide.cancel()
-        return wide
+    def _retry_after_error(self, w: RoundWait) -> _Retry | None:
+        """After an etcd failure of the wait: join again if it only means our lease ended
+        (the join key is gone) or a stale lease's ``on_lost`` cancelled the watch; None if
+        the failure is to be raised. Raises :class:`~etcd_rdzv.native.errors.NodeShutDown`
+        if the node was stopped (that cancelled the watch)."""
+        if self.shut_down:
+            raise NodeShutDown(f"the handler of node {self._node_id} was shut down") from None
+        if w.session.lost.is_set() or w.session.done().is_set():  # our lease ended: the join key is gone
+            return self._lease_lost(w.previous, w.state.clock)
+        if w.watch.cancelled:  # cancelled by a stale lease's on_lost: our lease is fine, join again
+            log.info("node %s: its watch was cancelled; joining again", self._node_id)
+            return _Retry(w.previous, w.state.clock)
+        return None
 
     def _withdraw_after_error(self) -> None:
         """The wait ends with an error: withdraw our join if the round is still unsealed (one
@@ -366,89 +435,25 @@ class Participant(NodeLeases):
         except EtcdError as e:
             log.info("node %s could not withdraw its join after an error: %s", self._node_id, e)
 
-    def _catch_up(self, watch: Watch, view: RoundView, round_: int, previous: Sealed) -> Signal | None:
-        """Read what happened between our join and the watch's start; a signal if that ended the wait.
-
-        The watch opens from "now", because etcd holds back events for a watcher whose start
-        revision is already in the past until its 100 ms catch-up tick, while a watcher that starts
-        at the current revision gets them at once. etcd confirms the watch with the revision W it
-        starts after. The ``ctl/`` watch is confirmed before the join Txn is sent, so W is below
-        the join's revision J; events up to J are skipped (the join's compares saw that state).
-        A node that must also watch the previous round opens that watch after the join. If
-        W <= J the watch covers everything after the join; else one read-only Txn at a revision
-        R >= W (ctl/ and the count of round T-1, O(1) bytes) covers the gap, and the view skips
-        watch events at or below R. So every revision after the join is seen once, by the read
-        or by the watch: no lost wake-up.
-        """
-        self._confirmed(watch)
-        if watch.created_revision <= view.revision:
-            return None
-        read = queries.catch_up(self._client, self._keys, round_)
-        return view.catch_up(read, expect_sealed=previous.revision > 0)
-
-    def _confirmed(self, watch: Watch, *, before_join: bool = False) -> None:
-        """Wait for etcd to confirm ``watch``, by the client's rule
-        (:func:`~etcd_store.client.synced.confirmed`): ``WatchNotConfirmed`` (an
-        ``EtcdTimeoutError``) after the client's timeout; a watch that failed before etcd
-        confirmed it raises its error here. With ``before_join`` (the
-        control watch, opened before the join), one look at what it delivered so far also
-        catches a refusal in the confirming answer itself (etcd refuses a watch, for instance
-        without read permission, with a "created" answer that also cancels it): its events
-        so far precede the join, and the view would skip them anyway. A failure that comes
-        later still raises from the wait, which then withdraws the join.
-        """
-        confirmed(watch, self._client.timeout,
-                  f"the watch of node {self._node_id} (etcd at {self._client.describe()})")
-        if before_join:
-            watch.get(timeout=0)
-
     def on_watch(self, watch: Watch, view: RoundView) -> None:
         """Called with each wait's watch and view before waiting (tests count events)."""
 
     def _lease_lost(self, previous: Sealed, clock: JoinClock) -> _Retry:
         """Our lease ended while we waited: its join key is gone; join again with a new one."""
         self._joined = None
-        self._drop_lease()
+        self.leases.drop()
         return _Retry(previous, clock)
-
-    def _try_seal(self, round_: int, previous: Sealed, view: RoundView, state: Barrier) -> Barrier:
-        """One seal attempt with the view's fresh read (and the run lease, the first time).
-
-        The sealed record also names rank 0's address and port (from its join
-        value), so that no member has to read them after the seal. A failed
-        attempt's answer is a fresh read, folded into the view.
-        """
-        read = view.read
-        assert read is not None
-        s = self._settings
-        if read.count < s.min_nodes:
-            return state  # not due on what we read: decide() will say so
-        named = _master_named(read)
-
-        def seal(lease: int) -> protocol.SealOutcome:
-            return protocol.seal(self._client, self._keys, round_, previous, read, lease, s.max_nodes,
-                                 master=named)
-
-        res = renewing_lease(seal, self._run_lease_or_create, self._forget_run_lease, renewals=1)
-        if res.ok:
-            log.debug("node %s sealed round %d at revision %d", self._node_id, round_, res.revision)
-            return state.sealed(True)
-        assert res.read is not None
-        view.update(res.read)
-        if res.read.sealed.revision != previous.revision or res.read.closed:
-            return state.settle()
-        return state
 
     def _on_signal(self, signal: Signal, view: RoundView, previous: Sealed, state: Barrier) -> RoundResult | _Retry:
         s = self._settings
         if signal.kind is SignalKind.CLOSED:
             self._withdraw()
-            if _tally(view).kept_out(s):
-                raise RendezvousGracefulExitError(
+            if tally(view).kept_out(s):
+                raise ClosedWhileKeptOut(
                     f"the rendezvous {s.run_id!r} was closed while node {self._node_id} waited "
                     "for room in a full group"
                 )
-            raise RendezvousClosedError(f"the rendezvous {s.run_id!r} was closed")
+            raise RunClosed(f"the rendezvous {s.run_id!r} was closed")
         if signal.kind is SignalKind.RESET or signal.round != view.round:
             return _Retry(None, state.clock)
         sealed = signal.sealed
@@ -474,7 +479,7 @@ class Participant(NodeLeases):
             self._joined = replace(joined, member=False)
         if state.timing_out:
             self._withdraw()
-            raise RendezvousTimeoutError(
+            raise RoundTimeout(
                 f"node {self._node_id} was not admitted to a round of {s.run_id!r} within "
                 f"join_timeout={s.join_timeout:g} s"
             )
@@ -483,7 +488,7 @@ class Participant(NodeLeases):
     def _timed_out_late(self, round_: int) -> RoundResult:
         """``join_timeout`` passed, but ``round_`` was sealed before we could withdraw: our place in
         it, read now (one read Txn and one Range), not awaited from the watch, which may hear nothing
-        for long (a stream on a member that answers nothing). ``RendezvousTimeoutError`` (withdrawn
+        for long (a stream on a member that answers nothing). :class:`RoundTimeout` (withdrawn
         first) if we are no member of it."""
         sealed = queries.read_meta(self._client, self._keys).sealed
         self._learn(sealed)
@@ -491,7 +496,7 @@ class Participant(NodeLeases):
         if place is not None:
             return place
         self._withdraw()
-        raise RendezvousTimeoutError(
+        raise RoundTimeout(
             f"node {self._node_id} was not admitted to a round of {self._settings.run_id!r} within "
             f"join_timeout={self._settings.join_timeout:g} s"
         )

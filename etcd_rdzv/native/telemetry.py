@@ -1,8 +1,8 @@
 """torch rendezvous events and etcd-rdzv metrics of one ``etcd-v3`` node.
 
 :class:`RoundObserver` is what :class:`~etcd_rdzv.native.rounds.Participant`
-tells about a node's rounds (no-ops: the participant works without one);
-:class:`Telemetry` is the handler's: it records each as a torch rendezvous
+tells about a node's rounds (a protocol; :class:`SilentObserver` ignores it all, for
+a participant without one); :class:`Telemetry`, which implements it, is the handler's: it records each as a torch rendezvous
 event (``construct_and_record_rdzv_event``, the API torch's own handlers use,
 so the events reach torch's ``dynamic_rendezvous`` event destination) and as
 the metrics of :mod:`etcd_rdzv.metrics`.
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Protocol
 
 from torch.distributed.elastic.events import NodeState, construct_and_record_rdzv_event
 from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
@@ -43,14 +44,14 @@ from .settings import V3Settings
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HANDLER_NAME", "RoundObserver", "Telemetry"]
+__all__ = ["HANDLER_NAME", "RoundObserver", "SilentObserver", "Telemetry"]
 
 HANDLER_NAME = "EtcdV3RendezvousHandler"
 BACKEND = "etcd-v3"
 
 
-class RoundObserver:
-    """What a participant reports about its rounds; every method is a no-op here."""
+class RoundObserver(Protocol):
+    """What a participant reports about its rounds (must not raise)."""
 
     def joined(self, round_: int, count: int) -> None:
         """The node's join key is in round ``round_`` (``count`` joined, ours included)."""
@@ -59,7 +60,17 @@ class RoundObserver:
         """The node's lease ended without a shutdown; a new one replaces it now."""
 
 
-class Telemetry(RoundObserver):
+class SilentObserver:
+    """A :class:`RoundObserver` that ignores everything (a participant without telemetry)."""
+
+    def joined(self, round_: int, count: int) -> None:
+        pass
+
+    def lease_lost(self) -> None:
+        pass
+
+
+class Telemetry:
     """Events and metrics of one handler (see the module docstring). Thread-safe."""
 
     def __init__(self, settings: V3Settings, node_id: str, local_id: int) -> None:

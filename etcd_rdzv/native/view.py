@@ -1,9 +1,12 @@
 """The round view of ``etcd-v3``: what a waiting node knows, folded from its watch.
 
-A node that joined round ``T`` watches the run's ``ctl/`` keys from the revision
-right after its join, and, while it may have to tell when ``T - 1`` empties (a
-seal candidate, or a node kept out by a full group), the join keys of ``T - 1``
-too (:meth:`~etcd_rdzv.native.keys.RunKeys.watch_range`). It never watches the
+A node that joins round ``T`` watches the run's ``ctl/`` keys from "now", on a
+watch that etcd confirmed before the join Txn was sent (so it starts below the join's
+revision, and the view skips its events at or below that revision: the join's compares
+saw that state). While it may have to tell when ``T - 1`` empties (a seal candidate,
+or a node kept out by a full group), it watches the join keys of ``T - 1`` too
+(:meth:`~etcd_rdzv.native.keys.RunKeys.watch_range`), on a watch opened after the
+join, whose gap one read covers (:meth:`RoundView.catch_up`). It never watches the
 joins of its own round: it sees about one event per round (the ``sealed``
 record, which names the members), plus one per departure from ``T - 1`` when it
 watches those. :class:`RoundView` starts from the join's answer and folds
@@ -111,14 +114,16 @@ class RoundView:
         self.changes += 1
 
     def catch_up(self, read: CatchUp, *, expect_sealed: bool) -> Signal | None:
-        """Take in what happened between the join and the watch's start (read, not watched).
+        """Take in a read that covers the gap between the view's revision and the start of a
+        watch opened after it (read, not watched: the wider watch opened after the join).
 
-        A ``sealed`` or ``closed`` record written after the join gives its signal, as its event
-        would have (a ``sealed`` record gone since, when the join saw one, is the RESET its
-        delete would have given); the previous round's count is taken as read, and later watch
-        events at or below the read's revision are skipped (the read already holds them).
+        A ``sealed`` or ``closed`` record written after the view's revision (the join's, or a
+        later read's) gives its signal, as its event would have (a ``sealed`` record gone
+        since, when the join saw one, is the RESET its delete would have given); the previous
+        round's count is taken as read, and later watch events at or below the read's
+        revision are skipped (the read already holds them).
         """
-        since = self.revision  # the join's revision: the watch used to start right after it
+        since = self.revision  # everything at or below it is in the view already
         self.prev_count = read.prev_count
         self.read_through = read.revision
         self.counted_through = max(self.counted_through, read.revision)

@@ -31,6 +31,7 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from etcd_rdzv.conf import DEFAULT_LEASE_TTL, parse_v3_settings
 from etcd_rdzv.native import protocol, queries, records, rounds
+from etcd_rdzv.native import wait as round_wait
 from etcd_rdzv.native.handler import EtcdV3RendezvousHandler, RoundResult
 from etcd_rdzv.native.keys import RunKeys
 from etcd_rdzv.native.records import Sealed
@@ -573,7 +574,7 @@ def test_without_master_in_the_sealed_record_members_read_rank0s_store(
     the sealer): rank 0 probes a port now and publishes it in the round's store, where the
     others read it (torch's RendezvousStoreInfo.build)."""
     issued = _numbered_ports(monkeypatch)
-    monkeypatch.setattr(rounds, "_master_named", lambda read: None)
+    monkeypatch.setattr(round_wait, "_master_named", lambda read: None)
     hs = nodes.many(3, 3, 3)
     infos = rendezvous_all(nodes, hs)
     assert queries.read_meta(nodes.client, nodes.keys).sealed.master is None

@@ -1,0 +1,239 @@
+"""One wait of an ``etcd-v3`` node in a round: decide, act, until a signal ends it.
+
+:class:`RoundWait` is the executor of the wait loop of
+:meth:`Participant._wait <etcd_rdzv.native.rounds.Participant._wait>`: it holds the
+round's :class:`~etcd_rdzv.native.view.RoundView`, the
+:class:`~etcd_rdzv.native.barrier.Barrier` state and the watch it waits on; it asks
+:func:`~etcd_rdzv.native.barrier.decide` (the pure decision) what to do and does it
+(read the round, seal it, time out, or wait on the watch), and returns the
+:class:`~etcd_rdzv.native.view.Signal` that ended the wait. What a signal means for
+the node (its place, a retry, a closed run) is the participant's.
+
+The synced-wait rule: the watch opens from now and etcd confirms it
+(:func:`confirm`, the client's :func:`~etcd_store.client.synced.confirmed`); a gap
+between the join and the watch's start is covered by one read (:meth:`RoundWait.catch_up`)
+and the view skips what that read saw (``RoundView.read_through``).
+
+Blocks: :meth:`RoundWait.run` until a signal, or ``join_timeout``. Raises
+:class:`~etcd_rdzv.native.errors.RoundTimeout`, ``ProtocolStateError`` and
+``EtcdError`` subclasses; never cancels its watch (the participant does).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from etcd_store.client import EtcdClient, Session, Watch, renewing_lease
+from etcd_store.client.synced import confirmed
+
+from . import bootstrap, protocol, queries
+from .barrier import Barrier, Check, Seal, Tally, TimeOut, WaitUntil, decide
+from .errors import RoundTimeout
+from .eviction import Evictor
+from .keys import RunKeys
+from .node_leases import NodeLeases
+from .records import Sealed
+from .settings import V3Settings
+from .view import RoundView, Signal
+
+log = logging.getLogger(__name__)
+
+__all__ = ["RoundWait", "SealedMeanwhile", "confirm", "open_watch", "tally", "watches_previous"]
+
+
+class SealedMeanwhile(Exception):
+    """``join_timeout`` passed, but the round was sealed before the node could withdraw its join:
+    the node's place is to be read now, not awaited from the watch."""
+
+
+def tally(view: RoundView) -> Tally:
+    """What :func:`~etcd_rdzv.native.barrier.decide` needs of the view."""
+    return Tally(view.count, view.prev_count, view.changes, fresh=view.read is not None)
+
+
+def _master_named(read: queries.RoundRead) -> tuple[str, int] | None:
+    """Rank 0's address and port for the sealed record: from the first joiner's value, while
+    its port is recent (:func:`~etcd_rdzv.native.bootstrap.master_of`)."""
+    return bootstrap.master_of(read.joiners[0].value, time.time())
+
+
+def watches_previous(state: Barrier, view: RoundView, settings: V3Settings) -> bool:
+    """Whether this node must watch the previous round's join keys: it may have to tell
+    when that round empties (a candidate still trying, or kept out by a full group) and,
+    as far as it knows, it is not empty. Decided after the join and again after each read
+    of the round: a member of the previous round may re-attach after an outage."""
+    trying = state.candidate and not state.settled
+    return view.prev_count > 0 and (trying or tally(view).kept_out(settings))
+
+
+def open_watch(client: EtcdClient, keys: RunKeys, round_: int, wide: bool, opened: Watch | None) -> Watch:
+    """The wait's watch from now: ``opened`` if it covers the range the wait needs
+    (:meth:`~etcd_rdzv.native.keys.RunKeys.watch_range`), else a new one (``opened``
+    cancelled). No RPC but the watch's creation."""
+    start, end = keys.watch_range(round_, previous=wide)
+    if opened is not None and (opened.key, opened.range_end) == (start, end):
+        return opened
+    if opened is not None:
+        opened.cancel()
+    return client.watch(start, end)  # from now: a synced watcher (see RoundWait.catch_up)
+
+
+def confirm(client: EtcdClient, watch: Watch, node_id: str, *, before_join: bool = False) -> None:
+    """Wait for etcd to confirm ``watch``, by the client's rule
+    (:func:`~etcd_store.client.synced.confirmed`): ``WatchNotConfirmed`` (an
+    ``EtcdTimeoutError``) after the client's timeout; a watch that failed before etcd
+    confirmed it raises its error here. With ``before_join`` (the
+    control watch, opened before the join), one look at what it delivered so far also
+    catches a refusal in the confirming answer itself (etcd refuses a watch, for instance
+    without read permission, with a "created" answer that also cancels it): its events
+    so far precede the join, and the view would skip them anyway. A failure that comes
+    later still raises from the wait, which then withdraws the join.
+    """
+    confirmed(watch, client.timeout, f"the watch of node {node_id} (etcd at {client.describe()})")
+    if before_join:
+        watch.get(timeout=0)
+
+
+class RoundWait:
+    """One wait in ``round_`` (see the module docstring); one :meth:`run` per instance.
+
+    ``state`` and ``watch`` are current after :meth:`run` returns or raises (the wait may
+    widen its watch: the participant cancels the one it ends with). ``give_up(timeout)``
+    withdraws the node's join unless the round was sealed meanwhile (whether it did);
+    ``on_watch(watch, view)`` is told of each watch before the wait uses it.
+    """
+
+    def __init__(self, settings: V3Settings, client: EtcdClient, keys: RunKeys, node_id: str,
+                 leases: NodeLeases, round_: int, previous: Sealed, view: RoundView, state: Barrier,
+                 watch: Watch, wide: bool, session: Session, *, evictor: Evictor | None,
+                 give_up: Callable[[], bool], on_watch: Callable[[Watch, RoundView], None]) -> None:
+        self._settings = settings
+        self._client = client
+        self._keys = keys
+        self._node_id = node_id
+        self._leases = leases
+        self.round = round_
+        self.previous = previous
+        self.view = view
+        self.state = state
+        self.watch = watch
+        self.session = session
+        self.wide = wide  # the watch also covers the previous round's join keys
+        self._evictor = evictor
+        self._give_up = give_up
+        self._on_watch = on_watch
+
+    def run(self) -> Signal:
+        """The wait loop: catch up, then decide (:func:`~etcd_rdzv.native.barrier.decide`) and
+        act (:meth:`act`) until a signal ends the wait; that signal."""
+        self._on_watch(self.watch, self.view)
+        signal = self.catch_up()
+        while signal is None:
+            if not self.wide and watches_previous(self.state, self.view, self._settings):
+                # A read found the previous round occupied again (a member re-attached
+                # after an outage): watch its departures from now on.
+                self.widen()
+                self._on_watch(self.watch, self.view)
+                signal = self.catch_up()
+                if signal is not None:
+                    break
+            self.state, action = decide(self.state, tally(self.view), self._settings, time.monotonic())
+            signal = self.act(action)
+        return signal
+
+    def act(self, action: Check | Seal | TimeOut | WaitUntil) -> Signal | None:
+        """Carry out one decision of the wait: read the round, try to seal it, time out
+        (raises :class:`~etcd_rdzv.native.errors.RoundTimeout` after withdrawing, or
+        :class:`SealedMeanwhile` when the round was sealed meanwhile), or wait on the watch until ``action.at``; the signal
+        that ends the wait, if one came."""
+        if isinstance(action, Check):
+            read = queries.read_round(self._client, self._keys, self.round)
+            self.view.update(read)
+            if read.sealed.revision != self.previous.revision or read.closed:
+                self.state = self.state.settle()  # its event is on the way
+            return None
+        if isinstance(action, Seal):
+            self.state = self.try_seal()
+            return None
+        if isinstance(action, TimeOut):
+            if self._give_up():
+                s, view = self._settings, self.view
+                raise RoundTimeout(
+                    f"node {self._node_id}: round {self.round} of the rendezvous "
+                    f"{s.run_id!r} was not sealed within join_timeout={s.join_timeout:g} s "
+                    f"({view.count} of min_nodes={s.min_nodes} joined when last known"
+                    f"{'' if view.vacated else ', previous round still running'})"
+                )
+            # Sealed meanwhile: the participant reads its place at once (its watch may hear nothing
+            # for long: a stream on a member that answers nothing).
+            raise SealedMeanwhile(self.round)
+        timeout = None if action.at is None else max(action.at - time.monotonic(), 0.0)
+        if self._evictor is not None:
+            timeout = self._evictor.poll(timeout)  # a dead member of our group leaves in seconds
+        for event in self.watch.get(timeout=timeout):
+            signal = self.view.apply(event)
+            if signal is not None:
+                return signal
+        return None
+
+    def widen(self) -> None:
+        """A watch of ``ctl/`` and the previous round's join keys, from now, in place of
+        the current one (cancelled). The caller catches up on the gap (:meth:`catch_up`), which
+        is sound because everything at or below the view's revision is in the view: the read
+        that asked for the wider watch showed the control records unchanged. If the lease
+        ended or the node was shut down meanwhile, the new watch is cancelled too, and the
+        wait ends the way a cancelled watch ends it."""
+        wide = self._client.watch(*self._keys.watch_range(self.round, previous=True))
+        self._leases.swap_watch(self.watch, wide, self.session)
+        self.watch, self.wide = wide, True
+
+    def catch_up(self) -> Signal | None:
+        """Read what happened between our join and the watch's start; a signal if that ended the wait.
+
+        The watch opens from "now", because etcd holds back events for a watcher whose start
+        revision is already in the past until its 100 ms catch-up tick, while a watcher that starts
+        at the current revision gets them at once. etcd confirms the watch with the revision W it
+        starts after. The ``ctl/`` watch is confirmed before the join Txn is sent, so W is below
+        the join's revision J; events up to J are skipped (the join's compares saw that state).
+        A node that must also watch the previous round opens that watch after the join. If
+        W <= J the watch covers everything after the join; else one read-only Txn at a revision
+        R >= W (ctl/ and the count of round T-1, O(1) bytes) covers the gap, and the view skips
+        watch events at or below R. So every revision after the join is seen once, by the read
+        or by the watch: no lost wake-up.
+        """
+        confirm(self._client, self.watch, self._node_id)
+        if self.watch.created_revision <= self.view.revision:
+            return None
+        read = queries.catch_up(self._client, self._keys, self.round)
+        return self.view.catch_up(read, expect_sealed=self.previous.revision > 0)
+
+    def try_seal(self) -> Barrier:
+        """One seal attempt with the view's fresh read (and the run lease, the first time).
+
+        The sealed record also names rank 0's address and port (from its join value,
+        :func:`_master_named`), so that no member has to read them after the seal. A failed attempt's answer is a fresh read, folded
+        into the view.
+        """
+        view, state, previous, round_ = self.view, self.state, self.previous, self.round
+        read = view.read
+        assert read is not None
+        s = self._settings
+        if read.count < s.min_nodes:
+            return state  # not due on what we read: decide() will say so
+        named = _master_named(read)
+
+        def seal(lease: int) -> protocol.SealOutcome:
+            return protocol.seal(self._client, self._keys, round_, previous, read, lease, s.max_nodes,
+                                 master=named)
+
+        res = renewing_lease(seal, self._leases.run_lease_or_create, self._leases.forget_run_lease, renewals=1)
+        if res.ok:
+            log.debug("node %s sealed round %d at revision %d", self._node_id, round_, res.revision)
+            return state.sealed(True)
+        assert res.read is not None
+        view.update(res.read)
+        if res.read.sealed.revision != previous.revision or res.read.closed:
+            return state.settle()
+        return state
