@@ -12,16 +12,11 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
-from helpers.handlers import shut_down_all
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from helpers.nodes import ETCD_V3, Nodes
 
 from etcd_rdzv.native.handler import EtcdV3RendezvousHandler, RoundResult
-from etcd_rdzv.native.keys import RunKeys
-from etcd_rdzv.plugin import create_etcd_v3_rdzv_handler
-from etcd_store.client import EtcdClient
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,36 +25,22 @@ EVICTED_WITHIN = 20.0  # generous: an eviction takes about 2-3 s, the lease 30 s
 _ids = itertools.count()
 
 
-class Run:
+CONF = {"join_timeout": "60", "last_call_timeout": "30", "close_timeout": "5", "heartbeat": str(TTL),
+        "read_timeout": "10"}
+
+
+class Run(Nodes):
+    """etcd-v3 handlers of one run (--nnodes=2:3), each with its own client, in threads."""
+
     def __init__(self, endpoint: str) -> None:
-        self.endpoint = endpoint
-        self.run_id = f"evict{next(_ids)}"
-        self.prefix = f"/v3e{next(_ids)}-{time.monotonic_ns() % 10**9}"
-        self.client = EtcdClient(endpoint, timeout=10)
-        self.handlers: list[EtcdV3RendezvousHandler] = []
-        self.pool = ThreadPoolExecutor(max_workers=8)
-        self.keys = RunKeys.for_run(self.prefix, self.run_id)
+        super().__init__(endpoint, ETCD_V3, conf=CONF, name="v3e")
 
-    def new(self, **conf: str) -> EtcdV3RendezvousHandler:
-        conf = {"join_timeout": "60", "last_call_timeout": "30", "close_timeout": "5", "heartbeat": str(TTL),
-                "read_timeout": "10", "key_prefix": self.prefix, **conf}
-        params = RendezvousParameters(
-            backend="etcd-v3", endpoint=self.endpoint, run_id=self.run_id, min_nodes=2, max_nodes=3,
-            local_addr="127.0.0.1", **conf,
-        )
-        handler = create_etcd_v3_rdzv_handler(params)  # its own client
-        self.handlers.append(handler)
+    def new(self, min_nodes: int = 2, max_nodes: int = 3, **conf: str) -> EtcdV3RendezvousHandler:
+        handler: EtcdV3RendezvousHandler = super().new(min_nodes, max_nodes, **conf)
         return handler
-
-    def start(self, *handlers: EtcdV3RendezvousHandler) -> list[Future[RoundResult]]:
-        return [self.pool.submit(h.next_round) for h in handlers]
 
     def joined(self, round_: int) -> int:
         return self.client.range(self.keys.join_prefix(round_), prefix=True, count_only=True).count
-
-    def close(self) -> None:
-        shut_down_all(self.handlers, self.pool)
-        self.client.close()
 
 
 @pytest.fixture
