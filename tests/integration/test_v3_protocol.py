@@ -361,6 +361,49 @@ def test_member_lease_loss_re_attaches_while_its_round_runs(nodes: Nodes) -> Non
     assert {r.round for r in res} == {2}
 
 
+def test_a_lease_that_ends_between_the_read_and_the_seal_is_a_member_that_re_attaches(
+        nodes: Nodes, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The seal is fenced on the join counter, which joins and withdrawals bump and a lease end
+    does not: a member whose lease ends between the sealer's read and its seal Txn is named
+    (present at the read, gone at the seal revision). A node that still runs (its lease ended
+    in an outage, or was revoked) may hear the seal before its keep-alive tells it, and report
+    its rank: it is then what a member whose lease ended right after the seal is, and it
+    re-attaches at its first ``num_nodes_waiting()`` (fenced on that seal being the last), after
+    which its group is whole (docs/etcd-v3-design.md, "The read and the seal")."""
+    a, b = nodes.many(2, 2, 2)
+    (fa,) = nodes.start(a)
+    wait_count(nodes.client, nodes.join_prefix(1), 1)
+    victim = lease_of(a)
+    real_seal = protocol.seal
+    revoked: list[int] = []
+
+    def seal_after_a_lease_end(*args: Any, **kwargs: Any) -> protocol.SealOutcome:
+        if not revoked:  # between the sealer's read (done) and its Txn
+            nodes.client.lease_revoke(victim)
+            revoked.append(victim)
+        return real_seal(*args, **kwargs)
+
+    monkeypatch.setattr(protocol, "seal", seal_after_a_lease_end)
+    (fb,) = nodes.start(b)
+    res = results([fa, fb])
+    assert revoked == [victim]
+    assert_group(res, 2)  # named: one group, ranks 0..1, one seal revision
+    seal_revision = res[0].seal_revision
+    key = nodes.keys.join_key(1, a.node_id)
+    assert not nodes.client.range(key, revision=seal_revision).kvs  # gone at the seal revision
+    assert sorted(nodes.members(1)) == sorted([a.node_id, b.node_id])
+    session = a._node.session
+    assert session is not None
+    assert session.lost.wait(WAIT)  # its keep-alive tells it within a renewal
+    assert a.num_nodes_waiting() == 0  # re-attached: its agent keeps its workers
+    kv = nodes.client.get(key)
+    assert kv is not None and kv.lease == lease_of(a) != victim
+    assert b.num_nodes_waiting() == 0  # the group is whole again
+    res = results(nodes.start(a, b))
+    assert_group(res, 2)
+    assert {r.round for r in res} == {2}
+
+
 def test_a_dead_member_breaks_the_group_at_once(nodes: Nodes) -> None:
     """A member's lease ends after sealing: the others are told to re-rendezvous
     (num_nodes_waiting >= 1) without waiting for their workers to time out."""

@@ -13,9 +13,10 @@ waiting nodes (which must re-join). After the run, every formed round is checked
 * that record is the first ``max_nodes`` join keys in create order as the sealer
   read them, checked against etcd's own history: the members still present at the
   seal revision are the first join keys there, in order, any later key is an
-  overflow, and every named member missing at the seal revision is a node whose
-  lease ended (a dead node: fake joiner, killed node, revoked lease), never one that
-  withdrew;
+  overflow, every named member held its key when the join counter the seal is
+  fenced on last changed, and every named member missing at the seal revision is a
+  node whose lease ended after that (a dead node: fake joiner, killed node, revoked
+  lease), never one that withdrew;
 * ``min_nodes <= world_size <= max_nodes``;
 * groups never overlap: every member of a round had left it before any member
   of a later round was admitted, and a node's rounds strictly increase.
@@ -87,6 +88,8 @@ class Stress:
         self.stop = threading.Event()
         self.errors: list[BaseException] = []
         self.deaths = self.rejoins = self.lease_kills = 0
+        # Named members gone at the seal revision, and of them those that reported their rank.
+        self.named_gone = self.named_gone_ranked = 0
 
     def new_handler(self, slot: int) -> EtcdV3RendezvousHandler:
         params = RendezvousParameters(
@@ -230,7 +233,20 @@ def check_rounds(stress: Stress) -> int:
         assert at_seal[: len(present)] == present, f"round {round_}: {named} vs {at_seal}"
         gone = set(named) - set(at_seal)
         assert gone <= stress.fakes | stress.lease_ended, f"round {round_}: {gone} left yet were named"
-        assert not gone & set(by_rank.values())
+        # The seal is fenced on the join counter (joins and withdrawals bump it, a lease end does
+        # not): every named member held its key at the counter's last change before the seal, so
+        # a named member gone at the seal is one whose lease ended after that (between the
+        # sealer's read and its seal). One that still ran may report its rank and then re-attach,
+        # as after a lease end right after the seal (test_v3_protocol.py::
+        # test_a_lease_that_ends_between_the_read_and_the_seal_is_a_member_that_re_attaches).
+        counter = client.range(keys.seq(round_), revision=seal_revision - 1).kvs
+        assert counter, f"round {round_}: no join counter before the seal"
+        fenced = client.range(keys.join_prefix(round_), prefix=True, keys_only=True,
+                              revision=counter[0].mod_revision)
+        at_fence = {keys.parse_join_key(kv.key)[1] for kv in fenced.kvs}  # type: ignore[index]
+        assert set(named) <= at_fence, f"round {round_}: {set(named) - at_fence} named without a key"
+        stress.named_gone += len(gone)
+        stress.named_gone_ranked += len(gone & set(by_rank.values()))
     # Exclusivity: a later group is admitted only after the earlier one was left.
     for earlier, later in itertools.pairwise(formed):
         left = max(e.t_out for e in by_round[earlier])
@@ -268,7 +284,8 @@ def test_random_joins_deaths_and_rejoins(etcd_endpoint: str) -> None:
         print(
             f"rounds formed: {formed}, admissions: {len(stress.entries)}, deaths: {stress.deaths}, "
             f"re-joins: {stress.rejoins}, waiting leases revoked: {stress.lease_kills}, "
-            f"fake joiners: {len(stress.fakes)}"
+            f"fake joiners: {len(stress.fakes)}, named but gone at the seal: {stress.named_gone} "
+            f"(of them reported a rank: {stress.named_gone_ranked})"
         )
         assert formed >= MIN_ROUNDS
         assert stress.deaths > 0 and stress.rejoins > 0
