@@ -195,9 +195,11 @@ def op_get(
     keys_only: bool = False,
     count_only: bool = False,
     limit: int = 0,
+    sort_by: str | None = None,
 ) -> Any:
+    """A Range inside a Txn; ``sort_by`` and ``limit`` as for :meth:`EtcdClient.range` (ascending)."""
     return rpc_pb2.RequestOp(
-        request_range=_range_request(key, range_end, prefix, keys_only, count_only, limit)
+        request_range=_range_request(key, range_end, prefix, keys_only, count_only, limit, sort_by=sort_by)
     )
 
 

@@ -228,10 +228,6 @@ def test_a_resent_lease_record_keeps_the_namespace_lease(stores: Stores) -> None
     assert first.client.lease_time_to_live(int(recorded.value)) > 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 21: a queue_pop whose reply was lost recovers the removed item from history (a read at the "
-    "revision before its Txn); a compaction at the current revision between the commit and the resend "
-    "removes that history and the item is lost (DistStoreError naming the compaction)"))
 def test_a_resent_queue_pop_survives_a_compaction_in_between(stores: Stores) -> None:
     pusher, popper = stores.open(), stores.open(lossy=True)
     pusher.queue_push("q", "item")

@@ -361,6 +361,7 @@ def test_member_lease_loss_re_attaches_while_its_round_runs(nodes: Nodes) -> Non
     assert {r.round for r in res} == {2}
 
 
+@pytest.mark.etcd_matrix("3.6")
 def test_a_lease_that_ends_between_the_read_and_the_seal_is_a_member_that_re_attaches(
         nodes: Nodes, monkeypatch: pytest.MonkeyPatch) -> None:
     """The seal is fenced on the join counter, which joins and withdrawals bump and a lease end
