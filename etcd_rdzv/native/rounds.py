@@ -388,8 +388,7 @@ class Participant:
             return self._lease_lost(previous, clock)
         evictor = Evictor(s, self._client, self._keys, round_, session) if evicts else None
         w = RoundWait(s, self._client, self._keys, self._node_id, self.leases, round_, previous, view, state,
-                      watch, wide, session, evictor=evictor, give_up=self._withdraw_if_unsealed,
-                      on_watch=self.on_watch)
+                      watch, wide, session, evictor=evictor, give_up=self._withdraw_if_unsealed)
         try:
             signal = w.run()
             return self._on_signal(signal, view, previous, w.state)
@@ -434,9 +433,6 @@ class Participant:
             self._withdraw_if_unsealed(timeout=WITHDRAW_TIMEOUT)
         except EtcdError as e:
             log.info("node %s could not withdraw its join after an error: %s", self._node_id, e)
-
-    def on_watch(self, watch: Watch, view: RoundView) -> None:
-        """Called with each wait's watch and view before waiting (tests count events)."""
 
     def _lease_lost(self, previous: Sealed, clock: JoinClock) -> _Retry:
         """Our lease ended while we waited: its join key is gone; join again with a new one."""
