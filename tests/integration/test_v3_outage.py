@@ -2,7 +2,8 @@
 
 etcd is frozen with SIGSTOP and resumed with SIGCONT: its clock runs on, so every node's lease
 expires (and its join key with it) while nobody can reach it, exactly as when the whole cluster is
-cut off. The handlers run in this process; a :class:`Monitor` thread per node calls
+cut off. The handlers run in this process (the in-process node harness, tests/helpers/nodes.py); a
+:class:`Monitor` thread per node calls
 ``num_nodes_waiting()`` as torch's agent does every monitor interval while its workers are healthy
 (so a call is in flight during the outage, as with an agent). A running group must survive such an
 outage when no member died (each member re-attaches to its round), and still restart when one did.
