@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .handler import EtcdV3RendezvousHandler
-    from .rounds import RoundResult
     from .settings import V3Settings
+    from .standing import RoundResult
 
 __all__ = [
     "EtcdV3RendezvousHandler",
@@ -33,7 +33,7 @@ __all__ = [
 
 _HOMES = {
     "EtcdV3RendezvousHandler": "handler",
-    "RoundResult": "rounds",
+    "RoundResult": "standing",
     "V3Settings": "settings",
 }
 

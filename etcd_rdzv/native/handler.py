@@ -61,8 +61,9 @@ from .errors import ClosedWhileKeptOut, NodeError, NodeShutDown, RoundTimeout, R
 from .keys import RunKeys
 from .liveness import GroupCheck
 from .records import ProtocolStateError
-from .rounds import Participant, RoundResult
+from .rounds import Participant
 from .settings import V3Settings
+from .standing import RoundResult
 from .telemetry import Telemetry
 
 if TYPE_CHECKING:
@@ -189,7 +190,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         try:
             store = self._round_store(result.round)
             try:
-                bootstrap = bootstrap_info(result.rank, store, self._node.round_master, self._settings.node_addr)
+                master = self._node.standing.round_master
+                bootstrap = bootstrap_info(result.rank, store, master, self._settings.node_addr)
             except Exception as e:
                 self._etcd_lost = isinstance(e, EtcdConnectionError)
                 raise RendezvousConnectionError(
@@ -223,7 +225,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 self._telemetry.failed("next_rendezvous", e)
                 raise
             self._telemetry.completed(result.round, result.rank, result.world_size, started,
-                                      self._node.round_master)
+                                      self._node.standing.round_master)
             log.info(
                 "node %s joined round %d of %r as rank %d of %d",
                 self._node_id, result.round, self._settings.run_id, result.rank, result.world_size,

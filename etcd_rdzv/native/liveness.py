@@ -116,7 +116,7 @@ class GroupCheck:
 
     def nodes_waiting(self) -> int:
         node, s = self._node, self._settings
-        member_round = node.member_round
+        member_round = node.standing.member_round
         started = time.monotonic()
         if member_round is None:
             round_ = queries.read_meta(self._client, self._keys).sealed.round
@@ -141,7 +141,7 @@ class GroupCheck:
             now = time.monotonic()
         if outage:
             self._tolerate_until = max(self._tolerate_until, now + self.grace)
-        group = Group(node.member_world, lease_ok, self._tolerate_until)
+        group = Group(node.standing.member_world, lease_ok, self._tolerate_until)
         answer = nodes_waiting(occ, group, s.max_nodes, now)
         if answer > 0 and not occ.closed and occ.active < group.world and self._on_member_lost:
             self._on_member_lost(member_round, occ.active, group.world)

@@ -1,8 +1,9 @@
 """One node's part in the rounds of an ``etcd-v3`` run: join, wait, seal, close.
 
 :class:`Participant` holds what a node knows of the run (the last sealed record it
-saw, the round it joined) and its leases (a
-:class:`~etcd_rdzv.native.node_leases.NodeLeases` it holds and calls), and strings
+saw), where it stands in the rounds (a :class:`~etcd_rdzv.native.standing.Standing`:
+the join it holds, the round it is a member of) and its leases (a
+:class:`~etcd_rdzv.native.node_leases.NodeLeases`), which it holds and calls, and strings
 the transactions of :mod:`etcd_rdzv.native.protocol` together:
 :meth:`Participant.rendezvous` joins rounds until one that includes this node is
 sealed; each wait on the watch of the run's ``ctl/`` keys is a
@@ -26,7 +27,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from etcd_store.client import EtcdClient, Session, Watch, renewing_lease
 from etcd_store.errors import EtcdCompactedError, EtcdError
@@ -47,6 +48,7 @@ from .keys import RunKeys
 from .node_leases import NodeLeases
 from .records import ProtocolStateError, Sealed
 from .settings import V3Settings
+from .standing import Joined, Prior, RoundResult, Standing
 from .telemetry import RoundObserver, SilentObserver
 from .view import RoundView, Signal, SignalKind
 from .wait import RoundWait, SealedMeanwhile, confirm, open_watch, tally, watches_previous
@@ -58,46 +60,6 @@ __all__ = ["WITHDRAW_TIMEOUT", "Participant", "RoundResult"]
 WITHDRAW_TIMEOUT = 2.0
 """Seconds the withdrawal of a join may take when a wait ended with an error (the error
 is raised after it: a longer bound would only delay it)."""
-
-
-@dataclass(frozen=True)
-class RoundResult:
-    """The outcome of the barrier for one node: its place in a sealed round.
-
-    ``seal_revision`` is the revision at which the round was sealed (the same
-    for every member; 0 when it was learnt from the members record).
-    """
-
-    round: int
-    rank: int
-    world_size: int
-    seal_revision: int
-    node_id: str
-
-
-@dataclass(frozen=True)
-class _Joined:
-    """The join key this node holds in ``round``.
-
-    ``member``: True (member of the sealed round), False (the round was sealed
-    without us: over ``max_nodes`` or void), None (not known: still waiting, or
-    the wait ended with an error before the outcome was seen).
-    """
-
-    round: int
-    key: bytes
-    under: Sealed  # the sealed record the join was fenced on (round - 1 sealed at its revision)
-    member: bool | None = None
-
-
-@dataclass(frozen=True)
-class _Prior:
-    """The group a node leaves at a rendezvous: its round and size (None, 0: none), and
-    whether this node observes it for dead members (:func:`~etcd_rdzv.native.eviction.observes`)."""
-
-    round: int | None
-    world: int
-    evicts: bool
 
 
 @dataclass(frozen=True)
@@ -113,9 +75,9 @@ class Participant:
     """One node of the run: its place in the rounds (see the module docstring).
 
     ``leases`` (its :class:`~etcd_rdzv.native.node_leases.NodeLeases`; ``session``,
-    ``run_lease`` and ``shut_down`` read through to it), ``member_round``/``member_world``
-    (the round this node is a member of and its size) and ``round_master`` (rank 0's
-    address from that round's sealed record) are read by the handler.
+    ``run_lease`` and ``shut_down`` read through to it) and ``standing`` (its
+    :class:`~etcd_rdzv.native.standing.Standing`: the round this node is a member of, its
+    size, rank 0's address from its sealed record) are read by the handler.
     One :meth:`rendezvous` at a time; :meth:`stop` may be called from any thread.
     """
 
@@ -128,14 +90,7 @@ class Participant:
         self._node_id = node_id
         self.leases = NodeLeases(settings, client, keys, node_id, self.observer)
         self._sealed = Sealed()  # the latest ``ctl/sealed`` this node saw (a guess, checked by each join)
-        self._joined: _Joined | None = None
-        self._joining: _Joined | None = None  # a join Txn sent whose answer is not recorded yet
-        self.member_round: int | None = None
-        self.member_world = 0
-        self.member_rank = 0  # our rank in member_round
-        self.member_seal = 0  # the revision that sealed member_round (0: not known)
-        self._join_value = b""  # the value of our latest join key
-        self.round_master: tuple[str, int] | None = None  # from the sealed record of our round
+        self.standing = Standing()  # our joins and the round we are a member of
 
     @property
     def session(self) -> Session | None:
@@ -158,8 +113,7 @@ class Participant:
         """Stop for good: cancel a wait's watch, forget the round; returns the lease session to
         close (no RPC)."""
         session = self.leases.stop()
-        self._joined = self._joining = None
-        self.member_round = None
+        self.standing.forget()
         return session
 
     def leave(self, deadline: float) -> bool:
@@ -170,9 +124,7 @@ class Participant:
         LeaseRevoke: its join key vanishes with it), every RPC bounded by ``deadline``.
         Returns whether etcd confirmed the revoke; never raises for etcd failures.
         """
-        # The join in flight first: a signal may have ended the process between its Txn and the
-        # recording of its answer, so that the key exists though _joined does not name it.
-        pending = [j for j in (self._joining, self._joined) if j is not None and not j.member]
+        pending = self.standing.pending()  # the join in flight first
         session = self.stop()
         if session is None:
             return True
@@ -205,12 +157,13 @@ class Participant:
         is not known): its group is over. Raises ``EtcdError`` if etcd fails and
         :class:`~etcd_rdzv.native.errors.NodeShutDown` once stopped.
         """
-        joined, round_ = self._joined, self.member_round
-        if round_ is None or not self.member_seal or joined is None or joined.round != round_:
+        st = self.standing
+        joined, round_ = st.joined, st.member_round
+        if round_ is None or not st.member_seal or joined is None or joined.round != round_:
             return None
         session = self.leases.renew()
-        occ = protocol.reattach(self._client, self._keys, round_, joined.key, self._join_value,
-                                session.id, self.member_seal)
+        occ = protocol.reattach(self._client, self._keys, round_, joined.key, st.join_value,
+                                session.id, st.member_seal)
         if occ is None:
             log.warning("node %s cannot re-attach to round %d: a later round was sealed or the run "
                         "closed", self._node_id, round_)
@@ -224,7 +177,7 @@ class Participant:
         (it went with the old lease). 0-1 LeaseGrant."""
         lease, new = self.leases.ensure()
         if new:
-            self._joined = None
+            self.standing.joined = None
         return lease
 
     def _learn(self, sealed: Sealed) -> None:
@@ -245,7 +198,7 @@ class Participant:
         ``EtcdError`` subclasses.
         """
         value = join_value(self._settings.node_addr)  # one free port per next_round call
-        prior = self._begin(value)
+        prior = self.standing.begin(value, observes(self._settings, self.standing.member_rank))
         sealed: Sealed | None = self._sealed
         while True:
             if sealed is None:
@@ -259,19 +212,6 @@ class Participant:
                 return step
             clock, sealed = step.clock, step.sealed
 
-    def _begin(self, value: bytes) -> _Prior:
-        """Forget the round we were a member of (returned: a round that only re-forms that
-        group may skip the last call, and its observers evict its dead); take up a join of
-        the last call that ended in an error (it may have applied). No RPC."""
-        prior = _Prior(self.member_round, self.member_world,
-                       self.member_round is not None and observes(self._settings, self.member_rank))
-        self.member_round, self.member_seal = None, 0
-        self.round_master = None
-        self._join_value = value
-        if self._joining is not None:
-            self._joined, self._joining = self._joining, None
-        return prior
-
     def _read_sealed(self) -> Sealed:
         """The run's current sealed record (one read-only Txn); raises
         :class:`~etcd_rdzv.native.errors.RunClosed` (after withdrawing) if the run is closed."""
@@ -284,13 +224,13 @@ class Participant:
     def _resolve_unseen(self, sealed: Sealed) -> RoundResult | None:
         """Our place in the round we joined if it was sealed while we were not watching
         (watch lost, error): :meth:`_resolve`. None if not known to be sealed, or not ours."""
-        joined = self._joined
+        joined = self.standing.joined
         if joined is not None and joined.member is None and joined.round <= sealed.round:
             return self._resolve(joined.round, sealed)
         return None
 
     def _join_and_wait(self, sealed: Sealed, value: bytes, clock: JoinClock,
-                       prior: _Prior) -> RoundResult | _Retry:
+                       prior: Prior) -> RoundResult | _Retry:
         """Join round ``sealed.round + 1`` and wait in it (:meth:`_wait`).
 
         The control watch opens before the join (while the lease is granted) and the join
@@ -308,8 +248,7 @@ class Participant:
             if not outcome.ok:
                 return self._join_failed(outcome, sealed, clock)
             key = keys.join_key(target, self._node_id)
-            self._joined = _Joined(target, key, sealed)
-            self._joining = None
+            self.standing.joined, self.standing.joining = Joined(target, key, sealed), None
             log.debug("node %s joined round %d at revision %d (join %d of the round, %d present)",
                       self._node_id, target, outcome.revision, outcome.seq, outcome.count)
             self.observer.joined(target, outcome.count)
@@ -318,7 +257,7 @@ class Participant:
             waited = self._wait(target, outcome, sealed, clock, prior.world if recovering else None,
                                 opened=ctl_watch, evicts=prior.evicts and follows)
         if isinstance(waited, RoundResult):
-            self._joined = _Joined(target, key, sealed, member=True)
+            self.standing.joined = Joined(target, key, sealed, member=True)
         return waited
 
     def _join_failed(self, outcome: protocol.JoinOutcome, sealed: Sealed, clock: JoinClock) -> _Retry:
@@ -327,8 +266,8 @@ class Participant:
         if outcome.joined_anyway:
             # A lost answer hid a join that did apply; its round is sealed now.
             target = sealed.round + 1
-            self._joined = _Joined(target, self._keys.join_key(target, self._node_id), sealed)
-        self._joining = None
+            self.standing.joined = Joined(target, self._keys.join_key(target, self._node_id), sealed)
+        self.standing.joining = None
         if outcome.closed:
             self._withdraw()
             raise RunClosed(f"the rendezvous {self._settings.run_id!r} is closed")
@@ -339,14 +278,15 @@ class Participant:
         first waits (at most the client's timeout) for etcd to confirm the watch ``ready``,
         and sends nothing if that watch failed.
 
-        The join is recorded as in flight (``_joining``) before it is sent: a leave at exit
+        The join is recorded as in flight (``Standing.joining``) before it is sent: a leave at exit
         (a signal may end the process between the Txn and the recording of its answer)
         withdraws it with a bump of the join counter, as it withdraws a recorded join."""
         if ready is not None:
             confirm(self._client, ready, self._node_id, before_join=True)
-        previous = self._joined.key if self._joined is not None else None
+        joined = self.standing.joined
+        previous = joined.key if joined is not None else None
         target = sealed.round + 1
-        self._joining = _Joined(target, self._keys.join_key(target, self._node_id), sealed)
+        self.standing.joining = Joined(target, self._keys.join_key(target, self._node_id), sealed)
         return protocol.join(
             self._client, self._keys, self._node_id, value, lease, sealed, previous_key=previous
         )
@@ -388,8 +328,7 @@ class Participant:
             return self._lease_lost(previous, clock)
         evictor = Evictor(s, self._client, self._keys, round_, session) if evicts else None
         w = RoundWait(s, self._client, self._keys, self._node_id, self.leases, round_, previous, view, state,
-                      watch, wide, session, evictor=evictor, give_up=self._withdraw_if_unsealed,
-                      on_watch=self.on_watch)
+                      watch, wide, session, evictor=evictor, give_up=self._withdraw_if_unsealed)
         try:
             signal = w.run()
             return self._on_signal(signal, view, previous, w.state)
@@ -435,12 +374,9 @@ class Participant:
         except EtcdError as e:
             log.info("node %s could not withdraw its join after an error: %s", self._node_id, e)
 
-    def on_watch(self, watch: Watch, view: RoundView) -> None:
-        """Called with each wait's watch and view before waiting (tests count events)."""
-
     def _lease_lost(self, previous: Sealed, clock: JoinClock) -> _Retry:
         """Our lease ended while we waited: its join key is gone; join again with a new one."""
-        self._joined = None
+        self.standing.joined = None
         self.leases.drop()
         return _Retry(previous, clock)
 
@@ -469,14 +405,8 @@ class Participant:
                 view.round, s.run_id, place.world_size, s.min_nodes,
             )
         elif isinstance(place, Admitted):
-            self.member_round, self.member_world = view.round, place.world_size
-            self.member_rank = place.rank
-            self.member_seal = sealed.revision
-            self.round_master = sealed.master
-            return RoundResult(view.round, place.rank, place.world_size, sealed.revision, self._node_id)
-        joined = self._joined
-        if joined is not None:
-            self._joined = replace(joined, member=False)
+            return self.standing.admit(view.round, place.rank, place.world_size, sealed, self._node_id)
+        self.standing.mark_joined(False)
         if state.timing_out:
             self._withdraw()
             raise RoundTimeout(
@@ -513,20 +443,14 @@ class Participant:
         place = resolved(members, self._node_id, round_, sealed.round, self._settings)
         if place is None:
             return None
-        self.member_round, self.member_world = round_, place.world_size
-        self.member_rank = place.rank
-        joined = self._joined
-        if joined is not None:
-            self._joined = replace(joined, member=True)
-        self.member_seal = sealed.revision
-        self.round_master = sealed.master
-        return RoundResult(round_, place.rank, place.world_size, sealed.revision, self._node_id)
+        self.standing.mark_joined(True)
+        return self.standing.admit(round_, place.rank, place.world_size, sealed, self._node_id)
 
     def _withdraw(self) -> None:
         """Delete our join key (the run is closed or we gave up). One DeleteRange,
         best effort: if it fails, the key goes with our lease at shutdown."""
-        joined, self._joined = self._joined, None
-        self.member_round = None
+        joined, self.standing.joined = self.standing.joined, None
+        self.standing.member_round = None
         if joined is not None:
             try:
                 self._client.delete(joined.key)
@@ -536,12 +460,12 @@ class Participant:
     def _withdraw_if_unsealed(self, timeout: float | None = None) -> bool:
         """Withdraw from the round we wait in unless it was sealed since we joined (one Txn
         that also bumps the round's join counter, see :func:`protocol.leave_if_unsealed`)."""
-        joined = self._joined
+        joined = self.standing.joined
         if joined is None:
             return True
         if protocol.leave_if_unsealed(
             self._client, self._keys, joined.round, joined.key, joined.under, timeout=timeout
         ):
-            self._joined = None
+            self.standing.joined = None
             return True
         return False

@@ -2,7 +2,7 @@
 
 A node that joins round ``T`` watches the run's ``ctl/`` keys from "now", on a
 watch that etcd confirmed before the join Txn was sent (so it starts below the join's
-revision, and the view skips its events at or below that revision: the join's compares
+revision; its events at or below that revision are not folded in: the join's compares
 saw that state). While it may have to tell when ``T - 1`` empties (a seal candidate,
 or a node kept out by a full group), it watches the join keys of ``T - 1`` too
 (:meth:`~etcd_rdzv.native.keys.RunKeys.watch_range`), on a watch opened after the
@@ -14,6 +14,21 @@ every event in order (no RPC, no clock), and takes in the reads of a seal
 candidate (:meth:`RoundView.update`). Events that end the wait come back as a
 :class:`Signal`. Raises :class:`~etcd_rdzv.native.records.ProtocolStateError`
 on records the protocol never writes.
+
+Two rules keep every revision counted once, and only the second is the view's own:
+
+* **The synced rule** (the client's :class:`~etcd_store.client.synced.SyncedWatch`,
+  applied by :class:`~etcd_rdzv.native.wait.RoundWait`): the events a watch delivers at
+  or below the last read that covered its gap (the join, or a catch-up read) never reach
+  :meth:`RoundView.apply`. That read stands for every key the watch covers, control
+  records included.
+* **Absolute counts** (``counted_through``): a read of the round at revision X
+  (:meth:`RoundView.update`: a seal candidate's, or a failed seal's answer) holds the
+  number of join keys of ``T - 1`` at X, so join-key events at or below X are not
+  counted again. It is not a synced read: the watch was confirmed long before it, and
+  the wait does not take ``sealed``/``closed`` from it but waits for their events, so
+  control events at or below X must still reach the view. Hence a revision of its own
+  next to the synced watch's, for the counts only.
 """
 
 from __future__ import annotations
@@ -85,15 +100,10 @@ class RoundView:
         self.revision = revision
         self.changes = 0
         self.read: RoundRead | None = None
-        self.events = 0  # watch events applied (tests count them)
-        self.departures = 0  # of them, departures from the previous round
-        # Events at or below this revision are already in the view: the join's (its compares saw
-        # ctl/ there; a watch opened before the join may deliver them), then a catch-up read's.
-        self.read_through = revision
         # Join-key events of the previous round at or below this revision are already counted:
-        # read_through, or a later read of the round (update) whose counts are absolute.
+        # the join's or a catch-up read's (the synced watch skips those anyway), or a later read
+        # of the round (update) whose counts are absolute (see the module docstring).
         self.counted_through = revision
-        self.caught_up = 0  # control records found by the catch-up read instead of as events (0 or 1)
 
     @property
     def vacated(self) -> bool:
@@ -120,19 +130,16 @@ class RoundView:
         A ``sealed`` or ``closed`` record written after the view's revision (the join's, or a
         later read's) gives its signal, as its event would have (a ``sealed`` record gone
         since, when the join saw one, is the RESET its delete would have given); the previous
-        round's count is taken as read, and later watch events at or below the read's
-        revision are skipped (the read already holds them).
+        round's count is taken as read. The caller's synced watch skips the events at or
+        below the read's revision from now on (``SyncedWatch.read_at``): the read holds them.
         """
         since = self.revision  # everything at or below it is in the view already
         self.prev_count = read.prev_count
-        self.read_through = read.revision
         self.counted_through = max(self.counted_through, read.revision)
         self.revision = max(self.revision, read.revision)
         self.changes += 1
         self.read = None
-        signal = self._caught(read, since, expect_sealed=expect_sealed)
-        self.caught_up += signal is not None
-        return signal
+        return self._caught(read, since, expect_sealed=expect_sealed)
 
     def _caught(self, read: CatchUp, since: int, *, expect_sealed: bool) -> Signal | None:
         control = {kv.key: kv for kv in read.control}
@@ -146,15 +153,13 @@ class RoundView:
         return self._control(Event("PUT", sealed)) if sealed.mod_revision > since else None
 
     def apply(self, event: Event) -> Signal | None:
-        """Fold one watch event into the view; a :class:`Signal` when it ends the wait."""
-        self.events += 1
+        """Fold one watch event into the view; a :class:`Signal` when it ends the wait.
+
+        ``event`` is above the last synced read (the caller's
+        :class:`~etcd_store.client.synced.SyncedWatch` skipped the others)."""
         kv = event.kv
         key = kv.key
         parsed = self.keys.parse_join_key(key)
-        departure = parsed is not None and parsed[0] == self.round - 1 and event.type == "DELETE"
-        self.departures += departure
-        if kv.mod_revision <= self.read_through:
-            return None  # already in the view: the catch-up read was at or after this revision
         self.revision = max(self.revision, kv.mod_revision)
         if key in (self.keys.sealed, self.keys.closed, self.keys.abort):
             return self._control(event)
@@ -164,7 +169,7 @@ class RoundView:
             return None  # a later read of the round already counted it
         self.changes += 1
         self.read = None
-        if departure:
+        if event.type == "DELETE":
             self.prev_count -= 1
         elif kv.version == 1:
             self.prev_count += 1

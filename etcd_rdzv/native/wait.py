@@ -9,10 +9,13 @@ round's :class:`~etcd_rdzv.native.view.RoundView`, the
 :class:`~etcd_rdzv.native.view.Signal` that ended the wait. What a signal means for
 the node (its place, a retry, a closed run) is the participant's.
 
-The synced-wait rule: the watch opens from now and etcd confirms it
-(:func:`confirm`, the client's :func:`~etcd_store.client.synced.confirmed`); a gap
-between the join and the watch's start is covered by one read (:meth:`RoundWait.catch_up`)
-and the view skips what that read saw (``RoundView.read_through``).
+The synced-wait rule is the client's (:mod:`etcd_store.client.synced`): the watch opens
+from now and etcd confirms it (:func:`confirm`, the client's
+:func:`~etcd_store.client.synced.confirmed`); the wait reads its events through a
+:class:`~etcd_store.client.synced.SyncedWatch` whose read is the view's revision (the
+join's, or the view's latest when the watch is widened); a gap between that revision and
+the watch's start is covered by one read (:meth:`RoundWait.catch_up`, recorded with
+``SyncedWatch.read_at``), and only events above the last such read reach the view.
 
 Blocks: :meth:`RoundWait.run` until a signal, or ``join_timeout``. Raises
 :class:`~etcd_rdzv.native.errors.RoundTimeout`, ``ProtocolStateError`` and
@@ -26,7 +29,7 @@ import time
 from collections.abc import Callable
 
 from etcd_store.client import EtcdClient, Session, Watch, renewing_lease
-from etcd_store.client.synced import confirmed
+from etcd_store.client.synced import SyncedWatch, confirmed
 
 from . import bootstrap, protocol, queries
 from .barrier import Barrier, Check, Seal, Tally, TimeOut, WaitUntil, decide
@@ -101,14 +104,13 @@ class RoundWait:
 
     ``state`` and ``watch`` are current after :meth:`run` returns or raises (the wait may
     widen its watch: the participant cancels the one it ends with). ``give_up(timeout)``
-    withdraws the node's join unless the round was sealed meanwhile (whether it did);
-    ``on_watch(watch, view)`` is told of each watch before the wait uses it.
+    withdraws the node's join unless the round was sealed meanwhile (whether it did).
     """
 
     def __init__(self, settings: V3Settings, client: EtcdClient, keys: RunKeys, node_id: str,
                  leases: NodeLeases, round_: int, previous: Sealed, view: RoundView, state: Barrier,
                  watch: Watch, wide: bool, session: Session, *, evictor: Evictor | None,
-                 give_up: Callable[[], bool], on_watch: Callable[[Watch, RoundView], None]) -> None:
+                 give_up: Callable[[], bool]) -> None:
         self._settings = settings
         self._client = client
         self._keys = keys
@@ -123,19 +125,17 @@ class RoundWait:
         self.wide = wide  # the watch also covers the previous round's join keys
         self._evictor = evictor
         self._give_up = give_up
-        self._on_watch = on_watch
+        self._synced: SyncedWatch | None = None  # self.watch, once confirmed (catch_up)
 
     def run(self) -> Signal:
         """The wait loop: catch up, then decide (:func:`~etcd_rdzv.native.barrier.decide`) and
         act (:meth:`act`) until a signal ends the wait; that signal."""
-        self._on_watch(self.watch, self.view)
         signal = self.catch_up()
         while signal is None:
             if not self.wide and watches_previous(self.state, self.view, self._settings):
                 # A read found the previous round occupied again (a member re-attached
                 # after an outage): watch its departures from now on.
                 self.widen()
-                self._on_watch(self.watch, self.view)
                 signal = self.catch_up()
                 if signal is not None:
                     break
@@ -172,7 +172,9 @@ class RoundWait:
         timeout = None if action.at is None else max(action.at - time.monotonic(), 0.0)
         if self._evictor is not None:
             timeout = self._evictor.poll(timeout)  # a dead member of our group leaves in seconds
-        for event in self.watch.get(timeout=timeout):
+        synced = self._synced
+        assert synced is not None, "catch_up() confirms every watch before the wait reads it"
+        for event in synced.get(timeout=timeout):
             signal = self.view.apply(event)
             if signal is not None:
                 return signal
@@ -199,14 +201,19 @@ class RoundWait:
         the join's revision J; events up to J are skipped (the join's compares saw that state).
         A node that must also watch the previous round opens that watch after the join. If
         W <= J the watch covers everything after the join; else one read-only Txn at a revision
-        R >= W (ctl/ and the count of round T-1, O(1) bytes) covers the gap, and the view skips
-        watch events at or below R. So every revision after the join is seen once, by the read
-        or by the watch: no lost wake-up.
+        R >= W (ctl/ and the count of round T-1, O(1) bytes) covers the gap, and watch events
+        at or below R are skipped. So every revision after the join is seen once, by the read
+        or by the watch: no lost wake-up. This is the client's synced rule
+        (:class:`~etcd_store.client.synced.SyncedWatch`, ``behind`` and ``read_at``) with the
+        view's revision as the caller's read: J at the start, the view's latest revision for a
+        widened watch (everything at or below it is in the view, see :meth:`widen`).
         """
         confirm(self._client, self.watch, self._node_id)
-        if self.watch.created_revision <= self.view.revision:
+        synced = self._synced = SyncedWatch(self.watch, self.view.revision)
+        if not synced.behind:
             return None
         read = queries.catch_up(self._client, self._keys, self.round)
+        synced.read_at(read.revision)
         return self.view.catch_up(read, expect_sealed=self.previous.revision > 0)
 
     def try_seal(self) -> Barrier:

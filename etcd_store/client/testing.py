@@ -4,7 +4,9 @@
 :class:`WatchStats` of the caller's, the events the watches a thread creates inside the
 block deliver (several simulated nodes sharing one client), for every client that
 :func:`count_watches` was called on. A client's own totals are in its
-``stats.snapshot()`` (``watch_events``, ``watch_bytes``).
+``stats.snapshot()`` (``watch_events``, ``watch_bytes``). :class:`WatchTap` stands for
+one client in the code under test and records (or drops, for a "deaf" node) the events its
+watches hand to their consumer.
 
 How: a watch's reader thread runs in a copy of its creator's ``contextvars`` context, and
 reports each delivery to its client's :class:`~.stats.CallStats`; the listener
@@ -15,14 +17,16 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
 
 import grpc
 
-__all__ = ["RpcCounter", "WatchStats", "count_watches", "counting_watches"]
+from ..errors import EtcdError
+
+__all__ = ["RpcCounter", "TappedWatch", "WatchStats", "WatchTap", "count_watches", "counting_watches"]
 
 # --------------------------------------------------------------------------- RPC counting
 
@@ -124,3 +128,75 @@ def counting_watches(stats: WatchStats) -> Iterator[WatchStats]:
         yield stats
     finally:
         _scope.reset(token)
+
+
+# --------------------------------------------------------------------------- watch taps
+
+
+class TappedWatch:
+    """A client's watch as :class:`WatchTap` hands it out: everything is the watch's own
+    (``created_revision``, ``cancel``, its errors from :meth:`get`), except that :meth:`get`
+    records each event it returns in ``events`` and hands on only those ``keep`` accepts."""
+
+    def __init__(self, watch: Any, keep: Callable[[Any], bool], lock: threading.Lock) -> None:
+        self.watch = watch
+        self.events: list[Any] = []  # every event the watch returned from get, kept or not
+        self._keep = keep
+        self._lock = lock
+
+    def get(self, timeout: float | None = None) -> list[Any]:
+        """The watch's next batch (blocks and raises as ``Watch.get``), recorded, then filtered."""
+        batch = self.watch.get(timeout=timeout)
+        with self._lock:
+            self.events.extend(batch)
+        return [ev for ev in batch if self._keep(ev)]
+
+    def __iter__(self) -> Iterator[Any]:
+        """The events one by one through :meth:`get`, as ``Watch.__iter__`` (ends when cancelled)."""
+        while True:
+            try:
+                batch = self.get()
+            except EtcdError:
+                if self.watch.cancelled:
+                    return
+                raise
+            yield from batch
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.watch, name)
+
+    def __enter__(self) -> TappedWatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.watch.cancel()
+
+
+class WatchTap:
+    """One client as the code under test sees it: every call goes to ``client`` (an
+    ``EtcdClient``, possibly shared with other taps), except that :meth:`watch` returns a
+    :class:`TappedWatch`, which records the events the watch hands out through ``get``
+    (``events()``) and passes on those ``keep`` accepts (default: all; ``lambda ev: False``
+    makes a node that keeps its watches' errors but hears no event). Give it where the code
+    takes a client (``create_etcd_v3_rdzv_handler(params, client=WatchTap(client))``); it
+    closes nothing: the caller closes ``client``."""
+
+    def __init__(self, client: Any, keep: Callable[[Any], bool] = lambda ev: True) -> None:
+        self.client = client
+        self.keep = keep
+        self.watches: list[TappedWatch] = []
+        self._lock = threading.Lock()
+
+    def watch(self, *args: Any, **kwargs: Any) -> TappedWatch:
+        tapped = TappedWatch(self.client.watch(*args, **kwargs), self.keep, self._lock)
+        with self._lock:
+            self.watches.append(tapped)
+        return tapped
+
+    def events(self) -> list[Any]:
+        """Every event the tapped watches returned from ``get`` so far, watch by watch."""
+        with self._lock:
+            return [ev for w in self.watches for ev in w.events]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)

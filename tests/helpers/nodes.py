@@ -6,6 +6,8 @@ creators torchrun's registry calls (``etcd-v3``, ``etcd-v2``), or torch's own ``
 TCPStore the harness starts (for side-by-side tests). A test's settings are ``conf`` (the backend's
 rdzv-conf keys); ``shared=True`` makes every etcd-v3 handler use the harness's one client (as the
 benchmarks' processes do), else each handler has its own client (as real agents have).
+``tapped(...)`` makes an etcd-v3 handler whose client is a :class:`~etcd_store.client.testing.WatchTap`:
+the test sees the events that node's watches deliver, or makes it deaf (``keep``), from outside the node.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import itertools
 import json
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import timedelta
@@ -21,7 +23,8 @@ from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousParameters
 
-from etcd_store.client import EtcdClient
+from etcd_store.client import EtcdClient, Event
+from etcd_store.client.testing import WatchTap
 
 from .handlers import shut_down_all
 
@@ -49,6 +52,7 @@ class Nodes:
         self.handlers: list[Any] = []
         self.pool = ThreadPoolExecutor(max_workers=workers)
         self.client = EtcdClient(endpoint, timeout=10)
+        self.own_clients: list[EtcdClient] = []  # made for tapped handlers (shared=False); closed last
         self.tcp_store: Any = None
         if backend == C10D:
             self._start_tcp_store()
@@ -85,6 +89,26 @@ class Nodes:
             handler = self._new_c10d(params)
         self.handlers.append(handler)
         return handler
+
+    def tapped(self, min_nodes: int, max_nodes: int, *, keep: Callable[[Event], bool] = lambda ev: True,
+               **conf: str) -> tuple[Any, WatchTap]:
+        """A new etcd-v3 handler whose client (the harness's one when ``shared``, else its own, made from
+        its rdzv-conf as the creator would) is wrapped in a :class:`WatchTap` (``keep``: the events its
+        watches hand on); the handler and the tap."""
+        from etcd_rdzv.conf import parse_v3_settings
+        from etcd_rdzv.plugin import create_etcd_v3_rdzv_handler
+
+        assert self.backend == ETCD_V3, "only etcd-v3 handlers take a client"
+        params = self.params(min_nodes, max_nodes, **conf)
+        if self.shared:
+            client = self.client
+        else:
+            client = parse_v3_settings(params)[1].create_client()
+            self.own_clients.append(client)
+        tap = WatchTap(client, keep)
+        handler = create_etcd_v3_rdzv_handler(params, client=tap)
+        self.handlers.append(handler)
+        return handler, tap
 
     def _new_c10d(self, params: RendezvousParameters) -> RendezvousHandler:
         import torch.distributed as dist
@@ -134,6 +158,8 @@ class Nodes:
             for h in self.handlers:
                 h._stop_heartbeats()
         shut_down_all(self.handlers, self.pool)
+        for client in self.own_clients:
+            client.close()
         self.client.close()
 
 

@@ -270,7 +270,7 @@ class RunModel:
                 if node.status == "waiting" and now > self.deadline(node, now):
                     p = node.handler._node
                     out.append((f"{node.name} waits for {now - node.started:.1f} s, past its deadline "
-                                f"({self.deadline(node, now) - node.started:.1f} s); it holds {p._joined}, "
+                                f"({self.deadline(node, now) - node.started:.1f} s); it holds {p.standing.joined}, "
                                 f"its lease session {p.session}", [node]))
             for round_, got in self.results.items():
                 out += self._round_violations(round_, got, now)

@@ -96,44 +96,24 @@ def test_a_wait_that_timed_out_late_does_not_depend_on_its_watch(etcd_server: Et
     watch that delivers nothing (as on a frozen member, tests/integration/test_client_frozen_member.py);
     b seals round 1 with a; a's join_timeout then passes and its withdrawal is refused (sealed). a still
     ends, with its rank read from the members record, within join_timeout + read_timeout (+ 1 s); it
-    used to wait for the sealed event without a deadline."""
-    from concurrent.futures import ThreadPoolExecutor
+    used to wait for the sealed event without a deadline. a is deaf from outside: its client is a
+    WatchTap whose watches keep their errors but hand on no event."""
+    from helpers.nodes import ETCD_V3, nodes_of
 
-    from helpers.handlers import shut_down_all
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
-
-    from etcd_rdzv.plugin import create_etcd_v3_rdzv_handler
-    from etcd_store.client import Watch
-
-    prefix = f"/v3late{time.monotonic_ns() % 10**9}"
-    params = RendezvousParameters(
-        backend="etcd-v3", endpoint=etcd_server.get_endpoint(), run_id="late", min_nodes=2, max_nodes=2,
-        local_addr="127.0.0.1", key_prefix=prefix, join_timeout="3", last_call_timeout="0.2",
-        close_timeout="5", heartbeat="5", read_timeout="4",
-    )
-    a, b = create_etcd_v3_rdzv_handler(params), create_etcd_v3_rdzv_handler(params)
-    pool = ThreadPoolExecutor(max_workers=2)
-
-    def deaf(watch: Watch, view: object) -> None:  # a's watches keep their errors but lose every event
-        real = watch.get
-
-        def get(timeout: float | None = None) -> list[object]:
-            real(timeout)
-            return []
-
-        watch.get = get  # type: ignore[method-assign]
-
-    a._node.on_watch = deaf  # type: ignore[method-assign]
-    try:
-        fa = pool.submit(a.next_round)
-        keys = a.keys
+    conf = {"join_timeout": "3", "last_call_timeout": "0.2", "close_timeout": "5", "heartbeat": "5",
+            "read_timeout": "4"}
+    with nodes_of(etcd_server.get_endpoint(), ETCD_V3, conf=conf, name="v3late") as nodes:
+        a, tap = nodes.tapped(2, 2, keep=lambda ev: False)  # its own client, as the creator makes it
+        b = nodes.new(2, 2)
+        (fa,) = nodes.start(a)
         deadline = time.monotonic() + 10
-        while a._client.get(keys.join_key(1, a.node_id)) is None:  # a joined round 1
+        while nodes.client.get(nodes.keys.join_key(1, a.node_id)) is None:  # a joined round 1
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        rb = pool.submit(b.next_round).result(timeout=30)  # b fills round 1 and seals it
+        (fb,) = nodes.start(b)
+        rb = fb.result(timeout=30)  # b fills round 1 and seals it
         assert (rb.round, rb.world_size) == (1, 2)
         ra = fa.result(timeout=3 + 4 + 1)  # a's join_timeout + read_timeout + a margin
         assert (ra.round, ra.rank) == (1, 1 - rb.rank)
-    finally:
-        shut_down_all([a, b], pool)
+        # a's watch did deliver the seal; a did not hear it (dropped by the tap), so it read its place.
+        assert [ev.kv.key for ev in tap.events()] == [nodes.keys.sealed]

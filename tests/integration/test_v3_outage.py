@@ -2,7 +2,8 @@
 
 etcd is frozen with SIGSTOP and resumed with SIGCONT: its clock runs on, so every node's lease
 expires (and its join key with it) while nobody can reach it, exactly as when the whole cluster is
-cut off. The handlers run in this process; a :class:`Monitor` thread per node calls
+cut off. The handlers run in this process (the in-process node harness, tests/helpers/nodes.py); a
+:class:`Monitor` thread per node calls
 ``num_nodes_waiting()`` as torch's agent does every monitor interval while its workers are healthy
 (so a call is in flight during the outage, as with an agent). A running group must survive such an
 outage when no member died (each member re-attaches to its round), and still restart when one did.
@@ -10,23 +11,17 @@ outage when no member died (each member re-attaches to its round), and still res
 
 from __future__ import annotations
 
-import itertools
 import os
 import signal
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from helpers.handlers import shut_down_all
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from helpers.nodes import ETCD_V3, Nodes, results
 
 from etcd_rdzv.native.handler import EtcdV3RendezvousHandler, RoundResult
-from etcd_rdzv.native.keys import RunKeys
-from etcd_rdzv.plugin import create_etcd_v3_rdzv_handler
 from etcd_server import EtcdServer
-from etcd_store.client import EtcdClient
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,34 +29,19 @@ TTL = 2  # the nodes' lease TTL ("heartbeat"); the outage lasts longer
 OUTAGE = TTL + 2.0
 MONITOR_INTERVAL = 0.1  # torch's default monitor interval
 WAIT = 30.0
-_ids = itertools.count()
+CONF = {"join_timeout": "60", "last_call_timeout": "0.5", "close_timeout": "5", "heartbeat": str(TTL),
+        "read_timeout": "10"}
 
 
-class Run:
-    """Handlers of one run on one client, and the frozen-etcd fault."""
+class Run(Nodes):
+    """etcd-v3 handlers of one run on one client (the in-process node harness), and the frozen-etcd fault."""
 
     def __init__(self, server: EtcdServer) -> None:
+        super().__init__(server.get_endpoint(), ETCD_V3, conf=CONF, shared=True, name="v3o")
         self.server = server
-        self.endpoint = server.get_endpoint()
-        self.run_id = f"outage{next(_ids)}"
-        self.prefix = f"/v3o{next(_ids)}"
-        self.client = EtcdClient(self.endpoint, timeout=10)  # read_timeout
-        self.handlers: list[EtcdV3RendezvousHandler] = []
-        self.pool = ThreadPoolExecutor(max_workers=8)
-        self.keys = RunKeys.for_run(self.prefix, self.run_id)
-
-    def new(self, min_nodes: int, max_nodes: int) -> EtcdV3RendezvousHandler:
-        params = RendezvousParameters(
-            backend="etcd-v3", endpoint=self.endpoint, run_id=self.run_id, min_nodes=min_nodes,
-            max_nodes=max_nodes, local_addr="127.0.0.1", join_timeout="60", last_call_timeout="0.5",
-            close_timeout="5", heartbeat=str(TTL), read_timeout="10", key_prefix=self.prefix,
-        )
-        handler = create_etcd_v3_rdzv_handler(params, client=self.client)
-        self.handlers.append(handler)
-        return handler
 
     def form(self, *handlers: EtcdV3RendezvousHandler) -> list[RoundResult]:
-        res = [f.result(timeout=WAIT) for f in [self.pool.submit(h.next_round) for h in handlers]]
+        res = results(self.start(*handlers), timeout=WAIT)
         assert len({(r.round, r.world_size) for r in res}) == 1
         return res
 
@@ -76,11 +56,7 @@ class Run:
             os.kill(pid, signal.SIGCONT)
 
     def joined(self, round_: int) -> int:
-        return self.client.range(self.keys.join_prefix(round_), prefix=True, count_only=True).count
-
-    def close(self) -> None:
-        shut_down_all(self.handlers, self.pool)
-        self.client.close()
+        return self.client.range(self.join_prefix(round_), prefix=True, count_only=True).count
 
 
 @pytest.fixture

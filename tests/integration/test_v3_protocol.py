@@ -37,7 +37,7 @@ from etcd_rdzv.native.keys import RunKeys
 from etcd_rdzv.native.records import Sealed
 from etcd_rdzv.plugin import create_etcd_v3_handler, create_etcd_v3_rdzv_handler
 from etcd_store.client import EtcdClient, Watch
-from etcd_store.client.testing import RpcCounter
+from etcd_store.client.testing import RpcCounter, WatchTap
 from etcd_store.errors import EtcdConnectionError, EtcdPermissionDenied
 
 pytestmark = pytest.mark.timeout(120)
@@ -236,55 +236,55 @@ def test_over_max_nodes_move_to_the_next_round(nodes: Nodes) -> None:
 # --------------------------------------------------------------------------- events per node
 
 
-def watch_views(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
-    """Every wait's (node id, RoundView), recorded through Participant.on_watch."""
-    seen: list[tuple[str, Any]] = []
-    lock = threading.Lock()
-
-    def on_watch(self: rounds.Participant, watch: Any, view: Any) -> None:
-        with lock:
-            seen.append((view.node_id, view))
-
-    monkeypatch.setattr(rounds.Participant, "on_watch", on_watch)
-    return seen
+def tapped(nodes: Nodes, n: int, min_nodes: int, max_nodes: int, **conf: str) -> tuple[list[Any], list[WatchTap]]:
+    """``n`` handlers whose watches the test sees (:class:`WatchTap` over the shared client)."""
+    pairs = [nodes.tapped(min_nodes, max_nodes, **conf) for _ in range(n)]
+    return [h for h, _ in pairs], [t for _, t in pairs]
 
 
 @pytest.mark.parametrize(("min_nodes", "last_call"), [(32, "30"), (2, "0.5")])
-def test_a_waiting_node_hears_one_event_per_round(
-    nodes: Nodes, monkeypatch: pytest.MonkeyPatch, min_nodes: int, last_call: str
-) -> None:
+def test_a_waiting_node_hears_one_event_per_round(nodes: Nodes, min_nodes: int, last_call: str) -> None:
     """32 nodes form a round: each waiting node's watch delivers the sealed record
     and nothing else (the joins of its round are not in its watch), whether one
     joiner fills the round (min = max) or candidates wait out the last call."""
-    views = watch_views(monkeypatch)
-    hs = nodes.many(32, min_nodes, 32, last_call_timeout=last_call)
-    assert_group(results(nodes.start(*hs)), 32)
-    assert len(views) == 32
-    heard = sorted(view.events + view.caught_up for _, view in views)
-    assert all(n <= 1 for n in heard), heard
+    hs, taps = tapped(nodes, 32, min_nodes, 32, last_call_timeout=last_call)
+    res = results(nodes.start(*hs))
+    assert_group(res, 32)
+    seal = res[0].seal_revision
+    assert all(len(t.watches) == 1 for t in taps)  # one wait each, on the watch opened before its join
+    heard = []
+    for tap in taps:
+        events = tap.events()
+        assert [(ev.type, ev.kv.key, ev.kv.mod_revision) for ev in events] in (
+            [], [("PUT", nodes.keys.sealed, seal)]), events
+        # Not heard: the seal came before the node's watch started, so the catch-up read found it.
+        by_read = not events and tap.watches[0].created_revision >= seal
+        heard.append(len(events) + by_read)
     # The seal reaches a node as its watch event or, when the seal came before the node's watch
     # started, through the catch-up read; the sealer may see its own seal first.
     assert sum(heard) >= 31, heard
 
 
-def test_a_re_rendezvous_costs_each_node_the_departures_it_waits_for(
-    nodes: Nodes, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_re_rendezvous_costs_each_node_the_departures_it_waits_for(nodes: Nodes) -> None:
     """All 16 members of round 1 re-join round 2: a node hears at most 3 events besides
     the departures from round 1 it must wait for (a seal candidate's), and the
     others hear only the seal."""
-    hs = nodes.many(16, 2, 16, last_call_timeout="30")
+    hs, taps = tapped(nodes, 16, 2, 16, last_call_timeout="30")
     assert_group(results(nodes.start(*hs)), 16)
-    views = watch_views(monkeypatch)
+    before = [len(t.watches) for t in taps]  # the watches of round 1 are not counted
     started = time.monotonic()
     res = results(nodes.start(*hs))
     assert time.monotonic() - started < 20  # fast recovery: not the 30 s last call
     assert_group(res, 16)
     assert {r.round for r in res} == {2}
-    assert len(views) == 16
-    for _, view in views:
-        assert view.events - view.departures <= 3
-        assert view.departures <= 15
+    for tap, skip in zip(taps, before, strict=True):
+        watches = tap.watches[skip:]
+        assert 1 <= len(watches) <= 2  # one wait: its ctl/ watch, widened to round 1's joins or not
+        events = [ev for w in watches for ev in w.events]
+        departures = [ev for ev in events
+                      if ev.type == "DELETE" and (nodes.keys.parse_join_key(ev.kv.key) or (0,))[0] == 1]
+        assert len(events) - len(departures) <= 3, events
+        assert len(departures) <= 15, events
 
 
 # --------------------------------------------------------------------------- failures
