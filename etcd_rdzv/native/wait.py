@@ -66,8 +66,14 @@ def watches_previous(state: Barrier, view: RoundView, settings: V3Settings) -> b
     """Whether this node must watch the previous round's join keys: it may have to tell
     when that round empties (a candidate still trying, or kept out by a full group) and,
     as far as it knows, it is not empty. Decided after the join and again after each read
-    of the round: a member of the previous round may re-attach after an outage."""
-    trying = state.candidate and not state.settled
+    of the round: a member of the previous round may re-attach after an outage.
+
+    Never once the wait is settled: a read showed the round sealed or the run closed, and
+    that record's event is on the watch the node has (``ctl/``); a wider watch from now would
+    not deliver it, and its catch-up signals only records newer than that read."""
+    if state.settled:
+        return False
+    trying = state.candidate
     return view.prev_count > 0 and (trying or tally(view).kept_out(settings))
 
 

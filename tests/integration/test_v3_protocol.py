@@ -25,6 +25,7 @@ from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousParam
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
     RendezvousConnectionError,
+    RendezvousGracefulExitError,
     RendezvousTimeoutError,
 )
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
@@ -964,6 +965,37 @@ def test_a_candidate_beside_an_empty_round_sees_a_re_attached_member_leave(nodes
     assert a.leave() is True
     r = fb.result(timeout=WAIT)
     assert (r.round, r.rank, r.world_size) == (2, 0, 1)
+
+
+@pytest.mark.etcd_matrix("3.6")
+def test_a_close_seen_by_the_read_that_widens_the_watch_still_ends_the_wait(
+        nodes: Nodes, monkeypatch: pytest.MonkeyPatch) -> None:
+    """b joins round 2 beside an empty round 1 (ctl/ watch only). Before its read, a re-attaches
+    (round 1 full again: b is kept out) and the run is closed. That one read shows both: b settles
+    on the close (its event is on b's watch) and must not swap that watch for a wider one from
+    now, whose catch-up only signals records newer than the read, or the close is never heard
+    and, kept out (the join_timeout suspended), b waits for ever."""
+    (a,) = nodes.many(1, 1, 1)
+    assert a.next_round().round == 1
+    nodes.client.lease_revoke(lease_of(a))
+    wait_count(nodes.client, nodes.join_prefix(1), 0)
+    real_read = queries.read_round
+    done: list[bool] = []
+
+    def read_after_a_re_attach_and_a_close(*args: Any, **kwargs: Any) -> queries.RoundRead:
+        if not done:
+            done.append(True)
+            a.num_nodes_waiting()  # a re-attaches into round 1
+            assert nodes.client.get(nodes.keys.join_key(1, a.node_id)) is not None
+            a.set_closed()
+        return real_read(*args, **kwargs)
+
+    monkeypatch.setattr(queries, "read_round", read_after_a_re_attach_and_a_close)
+    b = nodes.new(1, 1, join_timeout="600")
+    (fb,) = nodes.start(b)
+    with pytest.raises(RendezvousGracefulExitError, match="closed while node .* waited for room in a full group"):
+        fb.result(timeout=WAIT)  # as torch's handler answers a node on its redundancy list
+    assert done
 
 
 @pytest.mark.etcd_matrix
