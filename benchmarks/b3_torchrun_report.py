@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from typing import Any
 
-from .common import OURS_ETCD_V3
+from .common import OURS_ETCD_V3, Series
 from .targets import fig
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,27 @@ def targets(b3t: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def summaries(figures: Sequence[dict[str, Any]], contenders: Sequence[str], scenarios: Sequence[str]) -> list[dict[str, Any]]:
+    """One row per (contender, scenario): each part's median and range over the runs, failed runs."""
+    rows = []
+    for c in contenders:
+        for s in scenarios:
+            mine = sorted((f for f in figures if f["contender"] == c and f["scenario"] == s), key=lambda f: f["rep"])
+            if not mine:
+                continue
+            ok = [f for f in mine if f["error"] is None]
+            row: dict[str, Any] = {"contender": c, "scenario": s, "failed_runs": len(mine) - len(ok),
+                                   "first_error": next((f["error"] for f in mine if f["error"]), None)}
+            for key in ("rendezvous_s", "startup_s", "total_s"):
+                series = Series()
+                for f in ok:
+                    series.add_run([f[key]])
+                row[key] = series.summary()
+            row["overlapped_runs"] = sum(1 for f in ok if f["overlapped"])
+            rows.append(row)
+    return rows
+
+
 def _row_cells(r: dict[str, Any]) -> list[str]:
     return [r["contender"], fig(r["rendezvous_s"], " s", 2), fig(r["startup_s"], " s", 2), fig(r["total_s"], " s", 2),
             str(r["failed_runs"]), str(r["overlapped_runs"]),
@@ -74,7 +96,8 @@ def markdown_lines(b3t: dict[str, Any]) -> list[str]:
         "",
         f"3 torchrun agents, {st['nproc_per_node']} worker each (gloo, one training step every "
         f"{st['step_time_s']} s plus its all-reduce), `--max-restarts={st['max_restarts']}`, "
-        f"`--monitor-interval={st['monitor_interval_s']}` (torchrun's default), {b3t['reps']} runs per figure; "
+        f"`--monitor-interval={st['monitor_interval_s']}` (torchrun's default), {b3t['reps']} runs per figure "
+        f"(a fault not recovered within {b3t.get('fault_timeout_s', '?')} s fails); "
         f"{etcd}; c10d's TCPStore in the first agent. Seconds from the fault: **rendezvous** until the last "
         "agent of the new group logged \"Rendezvous complete for workers\", **start-up** from there until every "
         "worker of the new group finished its first step, **total** the sum. Median over the runs (range). "
@@ -102,6 +125,9 @@ def markdown_lines(b3t: dict[str, Any]) -> list[str]:
                      f"| {','.join(f['new_group'])} | {f['loadavg_1m']} | {s(f['rendezvous_s'])} | {s(f['startup_s'])} "
                      f"| {s(f['total_s']) if not f['error'] else 'FAILED: ' + f['error'][:120].replace('|', '/')} "
                      f"| {'; '.join(f['overlapped']) or '—'} |")
+    if b3t.get("events"):
+        parts += ["", "Jobs that ended early (their remaining faults ran on a fresh job):", ""]
+        parts += [f"- {e}" for e in b3t["events"]]
     parts += ["", "![B3 torchrun](b3_torchrun.png)", ""]
     return parts
 
@@ -143,7 +169,7 @@ def plot(b3t: dict[str, Any], outdir: str, title_suffix: str = "") -> str | None
     ax.set_xticks(range(len(scs)), [{"spare": "hot spare (2:2 + 1)"}.get(s, s) for s in scs])
     ax.set_ylabel("s from the fault: rendezvous (solid) + worker start-up (hatched)")
     ax.set_title("B3 with 3 torchrun agents, default settings" + title_suffix, fontsize=10)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, ncol=2, loc="upper left")
     path = os.path.join(outdir, "b3_torchrun.png")
     fig_.tight_layout()
     fig_.savefig(path, dpi=110)

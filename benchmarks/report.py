@@ -82,7 +82,8 @@ def markdown(results: dict[str, Any]) -> str:
     m = results.get("machine", {})
     v = m.get("versions", {})
     parts = [
-        f"# Benchmark results: {results.get('mode', '?')} mode",
+        "# Benchmark results: " + ("B3 with torchrun agents" if results.get("config", {}).get("sections") == ["b3t"]
+                                    else f"{results.get('mode', '?')} mode"),
         "",
         f"Machine: **{m.get('machine')}** ({m.get('cores')} usable cores, {m.get('memory_gib')} GiB, "
         f"{m.get('os')}); load average at start {m.get('loadavg_at_start')}, at end "
