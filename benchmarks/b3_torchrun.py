@@ -450,9 +450,11 @@ def run_b3t(contenders: Sequence[str], scenarios: Sequence[str], reps: int, time
         together = [c for c in contenders if c not in solo]
 
         def one(c: str) -> None:
-            figures.extend(run_contender(c, endpoints[c], scenarios, reps, timeout,
-                                         os.path.join(workdir, BACKEND[c] + ("-torch" if c == TORCH_ETCD_V2 else "")),
-                                         busy))
+            try:
+                figures.extend(run_contender(c, endpoints[c], scenarios, reps, timeout, os.path.join(
+                    workdir, BACKEND[c] + ("-torch" if c == TORCH_ETCD_V2 else "")), busy))
+            except Exception as e:  # a thread's crash must reach the results, not vanish
+                busy.event(f"{c}: crashed: {type(e).__name__}: {e}")
 
         for c in solo:
             say(f"B3t {c}: alone")
