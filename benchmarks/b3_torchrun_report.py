@@ -126,7 +126,7 @@ def markdown_lines(b3t: dict[str, Any]) -> list[str]:
                      f"| {s(f['total_s']) if not f['error'] else 'FAILED: ' + f['error'][:120].replace('|', '/')} "
                      f"| {'; '.join(f['overlapped']) or '—'} |")
     if b3t.get("events"):
-        parts += ["", "Jobs that ended early (their remaining faults ran on a fresh job):", ""]
+        parts += ["", "Jobs that did not start (their fault counts as failed):", ""]
         parts += [f"- {e}" for e in b3t["events"]]
     parts += ["", "![B3 torchrun](b3_torchrun.png)", ""]
     return parts

@@ -56,7 +56,7 @@ from .common import (
 log = logging.getLogger(__name__)
 
 # B3 with real torchrun agents (--only b3t): in no mode's default sections.
-B3T = {"reps": 2, "scenarios": ["sigkill", "sigterm", "spare"], "timeout": 240.0, "stagger": 20.0}
+B3T = {"reps": 2, "scenarios": ["sigkill", "sigterm", "spare"], "timeout": 240.0, "stagger": 10.0}
 SECTIONS = ("b1", "b2", "b3", "b3t", "b4", "b5", "b6")
 
 FAST_B3 = {"keep_alive_interval": "1", "keep_alive_max_attempt": "2", "last_call_timeout": "1"}
