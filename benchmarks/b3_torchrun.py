@@ -144,6 +144,7 @@ class Busy:
         self.spans: list[tuple[str, float, float]] = []
         self.jobs: list[Job] = []
         self.events: list[str] = []
+        self.agent_env: dict[str, str] = {}  # added to every agent's environment (none by default)
 
     def event(self, text: str) -> None:
         """Note something that went wrong outside a figure (a job that ended early)."""
@@ -187,8 +188,8 @@ class Job:
             nnodes=self.nnodes, nproc_per_node=1, backend=BACKEND[self.contender], endpoint=self.endpoint,
             run_id=self.run_id, max_restarts=MAX_RESTARTS, monitor_interval=0.1,
         )  # fmt: skip
-        env = {"LOGLEVEL": "INFO"}
-        unset = ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "ETCD_RDZV_DISABLE_OVERRIDE"]
+        env = {"LOGLEVEL": "INFO", **self.busy.agent_env}
+        unset = [k for k in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "ETCD_RDZV_DISABLE_OVERRIDE") if k not in env]
         if self.contender == TORCH_ETCD_V2:
             env["ETCD_RDZV_DISABLE_OVERRIDE"] = "1"  # torchrun then resolves etcd-v2 to torch's own handler
         name = f"node{len(self.agents)}"
@@ -285,6 +286,9 @@ def _fault(job: Job, scenario: str, rep: int, victim: LocalAgent, expect: set[st
         job.busy.add(f"{job.label()}: worker start-up after {scenario} rep {rep}", step_t - parts["startup_s"], step_t)
     except (TimeoutError, ValueError, RuntimeError, OSError) as e:
         fig.error = f"{type(e).__name__}: {e}" + "".join(f"; {n}: {line}" for n, line in job.last_errors(expect).items())
+        firsts = [min((t for t in ts if t > fig.killed_at), default=None) for ts in job.completions(sorted(expect)).values()]
+        if firsts and None not in firsts:  # the rendezvous completed, the new group did not train
+            fig.rendezvous_s = round(max(t for t in firsts if t is not None) - fig.killed_at, 3)
     finally:
         if scenario == "sigterm":
             victim.wait(30)
@@ -380,7 +384,7 @@ def default_etcd_binaries(etcd_binary: str | None) -> dict[str, str]:
 
 def run_b3t(contenders: Sequence[str], scenarios: Sequence[str], reps: int, timeout: float,
             etcd_binary: str | None = None, stagger: float = 20.0, one_at_a_time: bool = False,
-            keep_dir: str | None = None) -> dict[str, Any]:
+            keep_dir: str | None = None, agent_env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Measure every scenario ``reps`` times per contender (see the module docstring); returns the
     ``b3t`` section of results.json. Starts and stops its own etcd servers and agents."""
     from etcd_server import EtcdServer
@@ -395,6 +399,7 @@ def run_b3t(contenders: Sequence[str], scenarios: Sequence[str], reps: int, time
     servers: dict[str, Any] = {}
     endpoints: dict[str, str] = {}
     busy = Busy()
+    busy.agent_env = dict(agent_env or {})
     figures: list[Figure] = []
     try:
         for c in contenders:
@@ -445,6 +450,7 @@ def run_b3t(contenders: Sequence[str], scenarios: Sequence[str], reps: int, time
         "contenders": list(contenders), "scenarios": list(scenarios), "reps": reps,
         "etcd": {c: {"binary": b, "version": etcd_version(b)} for c, b in binaries.items() if c in contenders},
         "settings": {"rdzv_conf": "none (every backend's defaults)", "nproc_per_node": 1,
+                     "agent_env": busy.agent_env,
                      "max_restarts": MAX_RESTARTS, "monitor_interval_s": 0.1, "step_time_s": STEP_TIME_S,
                      "nnodes": {"sigkill": "2:3", "sigterm": "2:3", "spare": "2:2"}, "agents": 3},
         "schedule": {"alone": solo, "concurrent": together, "stagger_s": stagger},

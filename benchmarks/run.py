@@ -153,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="B3t: comma-separated subset of sigkill,sigterm,spare (default all)")
     p.add_argument("--one-at-a-time", action="store_true",
                    help="B3t: run every contender alone (default: etcd-v3 alone, the others concurrently)")
+    p.add_argument("--no-agent-store", action="store_true",
+                   help="B3t: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for every agent (torch's workaround of its "
+                        "scale-down failure, docs/operations.md; not the default)")
     p.add_argument("--box", type=_parse_box, action="append", default=[], metavar="[CONTENDER=]SECONDS",
                    help="B2 time box of one round (repeatable; a bare number sets every contender's)")
     p.add_argument("--workers", type=int, help="worker processes hosting the nodes of B2-B4")
@@ -354,7 +357,9 @@ def main(argv: list[str] | None = None) -> int:
 
                         results["b3t"] = run_b3t([x for x in rdzv if x not in FLOORS], c["scenarios"], c["reps"],
                                                  c["timeout"], etcd_binary=args.etcd_binary, stagger=c["stagger"],
-                                                 one_at_a_time=args.one_at_a_time)
+                                                 one_at_a_time=args.one_at_a_time,
+                                                 agent_env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+                                                 if args.no_agent_store else None)
                     elif section == "b4":
                         from .b4_idle_load import run_b4
 
