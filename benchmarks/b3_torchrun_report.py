@@ -147,29 +147,38 @@ def plot(b3t: dict[str, Any], outdir: str, title_suffix: str = "") -> str | None
 
     cs, scs = b3t["contenders"], b3t["scenarios"]
     by = {(r["contender"], r["scenario"]): r for r in b3t["rows"]}
-    fig_, ax = plt.subplots(figsize=(9, 4.8))
+    fig_, ax = plt.subplots(figsize=(11, 5))
     width = 0.8 / max(1, len(cs))
+    limit = f"{b3t.get('fault_timeout_s', 0):g}"
     for j, c in enumerate(cs):
-        xs, rdzv, start = [], [], []
+        xs, rdzv, start, labels = [], [], [], []
         for i, s in enumerate(scs):
             r = by.get((c, s))
-            if r is None or r["total_s"]["median"] is None:
+            if r is None:
                 continue
-            xs.append(i + (j - (len(cs) - 1) / 2) * width)
+            x = i + (j - (len(cs) - 1) / 2) * width
+            runs = r["failed_runs"] + (r["total_s"]["runs"] or 0)
+            if r["total_s"]["median"] is None:  # every run failed: say so where the bar would be
+                ax.text(x, 1, f"{c}: no first step\nwithin {limit} s\n({r['failed_runs']} of {runs} runs)",
+                        rotation=90, ha="center", va="bottom", fontsize=7, color=COLORS.get(c))
+                continue
+            xs.append(x)
             rdzv.append(r["rendezvous_s"]["median"])
             start.append(r["startup_s"]["median"])
+            total = r["rendezvous_s"]["median"] + r["startup_s"]["median"]
+            labels.append(f"{total:.1f}" + (f"\n({r['failed_runs']} of {runs} failed)" if r["failed_runs"] else ""))
         color = COLORS.get(c)
         ax.bar(xs, rdzv, width, color=color, label=f"{c}: rendezvous")
         bars = ax.bar(xs, start, width, bottom=rdzv, color=color, alpha=0.4, hatch="//", label=f"{c}: start-up")
-        ax.bar_label(bars, labels=[f"{a + b:.1f}" for a, b in zip(rdzv, start, strict=True)], fontsize=7)
+        ax.bar_label(bars, labels=labels, fontsize=7)
     ref = float(b3t["reference_s"])
-    ax.axhline(ref, color="black", linestyle="--", linewidth=1)
-    ax.text(len(scs) - 0.5, ref, f"production report (Volcano + TorchElastic): {ref:g} s", ha="right",
-            va="bottom", fontsize=8)
+    ax.axhline(ref, color="black", linestyle="--", linewidth=1,
+               label=f"production report (Volcano + TorchElastic): {ref:g} s")
     ax.set_xticks(range(len(scs)), [{"spare": "hot spare (2:2 + 1)"}.get(s, s) for s in scs])
     ax.set_ylabel("s from the fault: rendezvous (solid) + worker start-up (hatched)")
     ax.set_title("B3 with 3 torchrun agents, default settings" + title_suffix, fontsize=10)
-    ax.legend(fontsize=7, ncol=2, loc="upper left")
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.1)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     path = os.path.join(outdir, "b3_torchrun.png")
     fig_.tight_layout()
     fig_.savefig(path, dpi=110)
