@@ -98,3 +98,14 @@ def test_targets_are_met_only_when_every_run_is_within_the_bound() -> None:
     assert status == ["met", "met", "not met", "not met"]  # sigkill total, its rendezvous, sigterm, spare
     assert rows[2]["figure"].startswith("4.50 s")
     assert rows[3]["note"] == "a run failed"
+
+
+def test_only_b3t_takes_its_own_sizes_and_the_scenario_filter() -> None:
+    from benchmarks.run import _config, build_parser
+
+    args = build_parser().parse_args(["--only", "b3t", "--scenarios", "sigkill,spare", "--reps", "3"])
+    mode, cfg = _config(args)
+    assert cfg["sections"] == ["b3t"]
+    assert cfg["b3t"]["scenarios"] == ["sigkill", "spare"] and cfg["b3t"]["reps"] == 3
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--only", "b3t", "--scenarios", "sigsegv"])
