@@ -108,6 +108,9 @@ def markdown_lines(b3t: dict[str, Any]) -> list[str]:
         f"production report's {b3t['reference_s']} s (Volcano + TorchElastic).",
         "",
     ]
+    if st.get("agent_env"):
+        parts += ["**Not the defaults:** every agent ran with " + ", ".join(
+            f"`{k}={v}`" for k, v in st["agent_env"].items()) + ".", ""]
     header = ["backend", "rendezvous", "start-up", "total", "failed runs", "overlapped", "first failure"]
     for scenario in b3t["scenarios"]:
         rows = [r for r in b3t["rows"] if r["scenario"] == scenario]
@@ -176,7 +179,9 @@ def plot(b3t: dict[str, Any], outdir: str, title_suffix: str = "") -> str | None
                label=f"production report (Volcano + TorchElastic): {ref:g} s")
     ax.set_xticks(range(len(scs)), [{"spare": "hot spare (2:2 + 1)"}.get(s, s) for s in scs])
     ax.set_ylabel("s from the fault: rendezvous (solid) + worker start-up (hatched)")
-    ax.set_title("B3 with 3 torchrun agents, default settings" + title_suffix, fontsize=10)
+    env = " ".join(f"{k}={v}" for k, v in b3t["settings"].get("agent_env", {}).items())
+    ax.set_title("B3 with 3 torchrun agents, default settings" + (f" + {env}" if env else "") + title_suffix,
+                 fontsize=10)
     ax.set_ylim(0, ax.get_ylim()[1] * 1.1)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     path = os.path.join(outdir, "b3_torchrun.png")
