@@ -82,7 +82,8 @@ def markdown(results: dict[str, Any]) -> str:
     m = results.get("machine", {})
     v = m.get("versions", {})
     parts = [
-        f"# Benchmark results: {results.get('mode', '?')} mode",
+        "# Benchmark results: " + ("B3 with torchrun agents" if results.get("config", {}).get("sections") == ["b3t"]
+                                    else f"{results.get('mode', '?')} mode"),
         "",
         f"Machine: **{m.get('machine')}** ({m.get('cores')} usable cores, {m.get('memory_gib')} GiB, "
         f"{m.get('os')}); load average at start {m.get('loadavg_at_start')}, at end "
@@ -251,6 +252,10 @@ def markdown(results: dict[str, Any]) -> str:
         from .b6_many_jobs import markdown_lines
 
         parts += markdown_lines(results["b6"])
+    if results.get("b3t"):
+        from .b3_torchrun_report import markdown_lines as b3t_lines
+
+        parts += b3t_lines(results["b3t"])
     parts += ["## Contenders", ""] + [f"- **{k}**: {v}" for k, v in DESCRIPTIONS.items()] + [""]
     return "\n".join(parts)
 
@@ -367,6 +372,12 @@ def plots(results: dict[str, Any], outdir: str) -> list[str]:
             ax.set_title("B4 idle job load on etcd" + title_suffix)
             ax.legend(fontsize=8)
             save(fig, "b4_idle_load.png")
+    if results.get("b3t"):
+        from .b3_torchrun_report import plot as b3t_plot
+
+        path = b3t_plot(results["b3t"], outdir, title_suffix)
+        if path:
+            written.append(path)
     b5 = results.get("b5")
     if b5:
         by5 = {(r["world"], r["contender"]): r for r in b5["rows"]}

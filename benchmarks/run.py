@@ -7,6 +7,9 @@ Modes (sizes in :data:`MODES`):
   CI smoke test. Exits 1 when a benchmark crashed or a contender produced no
   figure at all (something is broken), 0 otherwise.
 * ``--scale``: B2 up to N = 4096 and B4 up to N = 1024, for a 16-core machine.
+* ``--only b3t``: B3 with real torchrun agents and every backend's default settings
+  (:mod:`benchmarks.b3_torchrun`), about 11 minutes on 2 cores; in no mode by default. Results go to
+  ``benchmarks/results/b3-torchrun-<cores>core/`` unless ``--out`` says otherwise.
 
 B2 time-boxes every round (``--box``): a contender that does not finish in its
 box is reported as "did not finish in X s" and not run at larger N.
@@ -51,6 +54,10 @@ from .common import (
 )
 
 log = logging.getLogger(__name__)
+
+# B3 with real torchrun agents (--only b3t): in no mode's default sections.
+B3T = {"reps": 2, "scenarios": ["sigkill", "sigterm", "spare"], "timeout": 240.0, "stagger": 10.0}
+SECTIONS = ("b1", "b2", "b3", "b3t", "b4", "b5", "b6")
 
 FAST_B3 = {"keep_alive_interval": "1", "keep_alive_max_attempt": "2", "last_call_timeout": "1"}
 
@@ -104,6 +111,16 @@ def _parse_contenders(text: str) -> list[str]:
     return names
 
 
+def _parse_scenarios(text: str) -> list[str]:
+    from .b3_torchrun import SCENARIOS
+
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [x for x in names if x not in SCENARIOS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"unknown scenario(s) {unknown or text!r}; use {','.join(SCENARIOS)}")
+    return names
+
+
 def _parse_box(text: str) -> tuple[str, float]:
     """``SECONDS`` (every contender) or ``CONTENDER=SECONDS``."""
     name, _, value = text.rpartition("=")
@@ -124,13 +141,21 @@ def build_parser() -> argparse.ArgumentParser:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="tiny sizes, under 2 minutes (CI smoke test)")
     mode.add_argument("--scale", action="store_true", help="B2 up to N = 4096, B4 up to 1024 (16-core machine)")
-    p.add_argument("--only", default="", help="comma-separated subset of b1,b2,b3,b4,b5,b6")
+    p.add_argument("--only", default="", help="comma-separated subset of b1,b2,b3,b3t,b4,b5,b6 (b3t: B3 with "
+                   "real torchrun agents, only when named here)")
     p.add_argument("--ns", type=_parse_ints, help="N list for B2 and B4 (overrides the mode's)")
     p.add_argument("--jobs", type=_parse_ints, help="B6: J list of concurrent jobs (overrides the mode's)")
     p.add_argument("--reps", type=int, help="runs per figure (overrides the mode's)")
     p.add_argument("--window", type=float, help="B4 idle window in seconds (overrides the mode's)")
     p.add_argument("--contenders", type=_parse_contenders,
                    help=f"comma-separated rendezvous contenders of B2-B4 (default all: {','.join(RDZV_CONTENDERS)})")
+    p.add_argument("--scenarios", type=_parse_scenarios,
+                   help="B3t: comma-separated subset of sigkill,sigterm,spare (default all)")
+    p.add_argument("--one-at-a-time", action="store_true",
+                   help="B3t: run every contender alone (default: etcd-v3 alone, the others concurrently)")
+    p.add_argument("--no-agent-store", action="store_true",
+                   help="B3t: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for every agent (torch's workaround of its "
+                        "scale-down failure, docs/operations.md; not the default)")
     p.add_argument("--box", type=_parse_box, action="append", default=[], metavar="[CONTENDER=]SECONDS",
                    help="B2 time box of one round (repeatable; a bare number sets every contender's)")
     p.add_argument("--workers", type=int, help="worker processes hosting the nodes of B2-B4")
@@ -151,19 +176,21 @@ def _config(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in MODES[mode].items()}
     if args.only:
         wanted = [s.strip() for s in args.only.split(",") if s.strip()]
-        unknown = [s for s in wanted if s not in ("b1", "b2", "b3", "b4", "b5", "b6")]
+        unknown = [s for s in wanted if s not in SECTIONS]
         if unknown:
-            raise SystemExit(f"--only: unknown section(s) {unknown}; use b1..b6")
+            raise SystemExit(f"--only: unknown section(s) {unknown}; use {','.join(SECTIONS)}")
         cfg["sections"] = wanted
         for s in wanted:  # a section outside the mode gets the full mode's sizes
-            cfg.setdefault(s, dict(MODES["full"][s]))
+            cfg.setdefault(s, dict(B3T if s == "b3t" else MODES["full"][s]))
+    if args.scenarios and "b3t" in cfg:
+        cfg["b3t"]["scenarios"] = args.scenarios
     for s in ("b2", "b4"):
         if args.ns and s in cfg:
             cfg[s]["ns"] = args.ns
     if args.jobs and "b6" in cfg:
         cfg["b6"]["jobs"] = args.jobs
     if args.reps:
-        for s in ("b1", "b2", "b3", "b5", "b6"):
+        for s in ("b1", "b2", "b3", "b3t", "b5", "b6"):
             if s in cfg:
                 cfg[s]["reps"] = args.reps
     for s in ("b4", "b6"):
@@ -181,6 +208,15 @@ def _config(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
             if s in cfg:
                 cfg[s]["workers"] = args.workers
     return mode, cfg
+
+
+def _facts_etcd(etcd_binary: str | None, sections: list[str]) -> str | None:
+    """The etcd named in the machine facts: B3t alone runs this package's backends on etcd 3.7."""
+    if etcd_binary is None and sections == ["b3t"]:
+        from .b3_torchrun import default_etcd_binaries
+
+        return default_etcd_binaries(None)[OURS_ETCD_V3]
+    return etcd_binary
 
 
 def available(results: dict[str, Any]) -> tuple[list[str], list[str]]:
@@ -232,6 +268,9 @@ def broken_contenders(results: dict[str, Any]) -> list[str]:
         check("B2", results["b2"]["rows"], "ms")
     for b3 in results.get("b3") or []:
         check(f"B3 {b3['scenario']}", b3["rows"], "s")
+    if results.get("b3t"):
+        check("B3t", [{**r, "contender": f"{r['contender']} {r['scenario']}"} for r in results["b3t"]["rows"]],
+              "total_s")
     if results.get("b4"):
         check("B4", results["b4"]["rows"], "revisions_per_min")
     if results.get("b5"):
@@ -249,14 +288,15 @@ def main(argv: list[str] | None = None) -> int:
     raise_fd_limit()  # etcd (started from here) and the workers hold a connection per node
     mode, cfg = _config(args)
     cores = usable_cores()
-    outdir = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"{mode}-{cores}core")
+    name = f"b3-torchrun-{cores}core" if cfg["sections"] == ["b3t"] else f"{mode}-{cores}core"
+    outdir = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", name)
     os.makedirs(outdir, exist_ok=True)
     started = time.monotonic()
     results: dict[str, Any] = {
         "mode": mode,
         "command": "python -m benchmarks.run " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
         "config": cfg,
-        "machine": machine_facts(args.etcd_binary, args.machine_name),
+        "machine": machine_facts(_facts_etcd(args.etcd_binary, cfg["sections"]), args.machine_name),
     }
     json_path = os.path.join(outdir, "results.json")
     stores, rdzv = available(results)
@@ -312,6 +352,14 @@ def main(argv: list[str] | None = None) -> int:
                                    conf, c.get("timeout", timeout), c["workers"], scenario=sc, name=name)
                             for sc, conf, name in b3_cases
                         ]
+                    elif section == "b3t":
+                        from .b3_torchrun import run_b3t
+
+                        results["b3t"] = run_b3t([x for x in rdzv if x not in FLOORS], c["scenarios"], c["reps"],
+                                                 c["timeout"], etcd_binary=args.etcd_binary, stagger=c["stagger"],
+                                                 one_at_a_time=args.one_at_a_time,
+                                                 agent_env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+                                                 if args.no_agent_store else None)
                     elif section == "b4":
                         from .b4_idle_load import run_b4
 

@@ -201,6 +201,10 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                                f"{fig(row5['ms'], ' ms')} vs {fig(tcp['ms'], ' ms')}"))
     if results.get("b6"):
         out += _b6_targets(results["b6"])
+    if results.get("b3t"):
+        from .b3_torchrun_report import targets as b3t_targets
+
+        out += b3t_targets(results["b3t"])
     return out
 
 

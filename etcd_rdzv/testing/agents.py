@@ -4,7 +4,8 @@
 torchrun agent (:func:`torchrun_command`) and every process under it, found by
 the unique tag it carries in its environment (:func:`tagged_pids`).
 :func:`summarize` condenses the training script's step log
-(:mod:`etcd_rdzv.testing.train`) into one :class:`GroupSummary` per worker group.
+(:mod:`etcd_rdzv.testing.train`) into one :class:`GroupSummary` per worker group;
+:func:`log_line_times` reads the times of torchrun's own log lines in an agent's output.
 
 Blocking: :meth:`LocalAgent.wait`, :meth:`LocalAgent.kill`,
 :meth:`LocalAgent.freeze` and :meth:`LocalAgent.terminate` wait at most the
@@ -35,6 +36,7 @@ __all__ = [
     "TRAIN_SCRIPT",
     "GroupSummary",
     "LocalAgent",
+    "log_line_times",
     "summarize",
     "tagged_pids",
     "torchrun_command",
@@ -365,4 +367,29 @@ def summarize(records: Sequence[Record]) -> list[GroupSummary]:
                 done=any(r.kind == "done" for r in rs),
             )
         )
+    return out
+
+
+def log_line_times(text: str, needle: str, *, now: float | None = None) -> list[float]:
+    """Times (epoch seconds) of the torchrun log lines of ``text`` that contain ``needle``, in order.
+
+    torchrun's lines start with a glog prefix, ``I1202 04:03:32.001000 ...`` (level, month and day,
+    local time; no year): the year is the one that puts the time at most a day after ``now``
+    (default: the current time), so a log written on 31 December reads right on 1 January. Lines
+    without a parsable prefix are skipped.
+    """
+    now = time.time() if now is None else now
+    year = time.localtime(now).tm_year
+    out: list[float] = []
+    for line in text.splitlines():
+        if needle not in line or len(line) < 21:
+            continue
+        try:
+            fraction = float("0" + line[14:21])
+            t = time.mktime(time.strptime(f"{year} {line[1:5]} {line[6:14]}", "%Y %m%d %H:%M:%S")) + fraction
+            if t > now + 86400:
+                t = time.mktime(time.strptime(f"{year - 1} {line[1:5]} {line[6:14]}", "%Y %m%d %H:%M:%S")) + fraction
+        except ValueError:
+            continue
+        out.append(t)
     return out

@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
-from etcd_rdzv.testing.agents import LocalAgent, summarize, torchrun_command
+from etcd_rdzv.testing.agents import LocalAgent, log_line_times, summarize, torchrun_command
 from etcd_rdzv.testing.train import Record, read_records
 
 T = TypeVar("T")
@@ -255,21 +255,6 @@ def agent_log_times(agent: LocalAgent, needle: str) -> list[float]:
     time; the year is taken as the current one).
     """
     return log_line_times(agent.output_tail(100_000), needle)
-
-
-def log_line_times(text: str, needle: str) -> list[float]:
-    """Times (epoch seconds) of the torchrun INFO log lines of ``text`` that contain ``needle``."""
-    out: list[float] = []
-    year = time.localtime().tm_year
-    for line in text.splitlines():
-        if needle not in line or len(line) < 21:
-            continue
-        try:
-            stamp = time.strptime(f"{year} {line[1:5]} {line[6:14]}", "%Y %m%d %H:%M:%S")
-            out.append(time.mktime(stamp) + float("0" + line[14:21]))
-        except ValueError:
-            continue
-    return out
 
 
 # ---------------------------------------------------------------------- log predicates
