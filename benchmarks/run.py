@@ -121,6 +121,14 @@ def _parse_scenarios(text: str) -> list[str]:
     return names
 
 
+def _parse_conf(text: str) -> tuple[str, str]:
+    """``KEY=VALUE`` (an rdzv-conf setting)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key.strip(), value.strip()
+
+
 def _parse_box(text: str) -> tuple[str, float]:
     """``SECONDS`` (every contender) or ``CONTENDER=SECONDS``."""
     name, _, value = text.rpartition("=")
@@ -164,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "default) or have one each (node)")
     p.add_argument("--nodes-per-client", type=int, default=0, metavar="K",
                    help="B2 with --clients process: every K nodes of a worker share one client (default 0: all)")
+    p.add_argument("--v3-conf", type=_parse_conf, action="append", default=[], metavar="KEY=VALUE",
+                   help="B6: an rdzv-conf setting of every etcd-v3 node (repeatable), e.g. renew_interval=5")
     p.add_argument("--etcd-binary", help="etcd binary (default: etcd_server's lookup)")
     p.add_argument("--machine-name", help="label of this machine in the results")
     p.add_argument("--out", help="output directory (default benchmarks/results/<mode>-<cores>core)")
@@ -378,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
 
                         assert pool is not None
                         results["b6"] = run_b6(pool, args.etcd_binary, c["jobs"], c["reps"], c["solo_rounds"],
-                                               c["window"], c["cli_runs"], c.get("timeout", timeout), c["workers"])
+                                               c["window"], c["cli_runs"], c.get("timeout", timeout), c["workers"],
+                                               conf=dict(args.v3_conf) or None)
                 except Exception as e:
                     crashed.append(f"{section}: {type(e).__name__}: {e}")
                     say(f"{section.upper()} CRASHED: {type(e).__name__}: {e}\n{traceback.format_exc()}")

@@ -18,9 +18,10 @@ refresh is due, so a burst of grants opens none, and is half-closed when the
 last lease is dropped); one request per lease per interval, however many
 sessions keep that lease. A broken stream is reopened on the next reachable
 endpoint and every lease is refreshed at once on it. So is a stream that owes
-answers and has heard none for :func:`answer_bound` seconds (a member that
-answers nothing: a hung host, a SIGSTOPped etcd; HTTP/2 keepalive takes 15 s or
-more to notice, if at all): it is cancelled, so the lease is refreshed through
+answers and has heard none for :meth:`KeepAlives.answer_bound` seconds (from a
+third of the shortest TTL, whatever pace its sessions asked for, doubled after
+each stall in a row; a member that answers nothing: a hung host, a SIGSTOPped
+etcd; HTTP/2 keepalive takes 15 s or more to notice, if at all): it is cancelled, so the lease is refreshed through
 another member well before it expires. The lease is not given up meanwhile:
 only etcd's answer (TTL 0) says a lease is lost. Nothing here blocks a
 caller: :meth:`KeepAlives.keep` and :meth:`KeepAlives.drop` only take a lock.
@@ -50,6 +51,7 @@ from etcd3.etcdrpc import rpc_pb2
 
 from ..errors import EtcdError, EtcdLeaseNotFound, EtcdRequestError
 from .channels import Member
+from .retry import stall_bound
 from .streams import Ended, ReconnectingStream
 from .transport import Transport
 
@@ -94,13 +96,17 @@ class _Kept:
     """One lease on the stream: its refresh pace and the sessions that keep it
     (``True``: the session's own lease, ``False``: kept for others, see ``Session.keep_also``)."""
 
-    __slots__ = ("due", "fixed", "id", "interval", "keepers")
+    __slots__ = ("due", "fixed", "id", "interval", "keepers", "ttl_pace")
 
-    def __init__(self, lease_id: int, interval: float, due: float, fixed: bool = False) -> None:
+    def __init__(self, lease_id: int, interval: float, due: float, fixed: bool = False,
+                 ttl_pace: float | None = None) -> None:
         self.id = lease_id
         self.interval = interval
         self.due = due
         self.fixed = fixed  # a pace asked for by a session: the TTL etcd reports does not change it
+        # a third of the TTL (etcd's last word): what the stream's answer bound is taken from,
+        # also for a lease refreshed faster at its session's request
+        self.ttl_pace = interval if ttl_pace is None else ttl_pace
         self.keepers: dict[Keeper, bool] = {}
 
 
@@ -122,6 +128,7 @@ class KeepAlives:
         self._owed = 0  # requests of the current stream not answered yet
         self._owed_since = 0.0  # when the stream last progressed while owing (a request, an answer)
         self.streams_stalled = 0  # streams ended because they answered nothing in time
+        self._stalls_in_row = 0  # of those, since the last answer (the answer bound doubles: retry.stall_bound)
 
     # ------------------------------------------------------------------ callers' side
 
@@ -135,7 +142,7 @@ class KeepAlives:
             if not closed:
                 pace = refresh_interval(ttl) if interval is None else max(interval, MIN_INTERVAL)
                 self._add_locked(keeper, lease_id, pace, time.monotonic() + max(first_in, 0.0), primary,
-                                 fixed=interval is not None)
+                                 fixed=interval is not None, ttl_pace=refresh_interval(ttl))
         if closed:
             keeper._stopped(EtcdError(f"The etcd client for {self._transport.describe()} is closed."))
 
@@ -145,7 +152,7 @@ class KeepAlives:
             kept = self._leases.get(own)
             if kept is None or keeper not in kept.keepers or lease_id == own:
                 return  # the keeper's own lease is gone or dropped: nothing is refreshed for it
-            self._add_locked(keeper, lease_id, kept.interval, kept.due, False)
+            self._add_locked(keeper, lease_id, kept.interval, kept.due, False, ttl_pace=kept.ttl_pace)
 
     def drop(self, keeper: Keeper) -> None:
         """Stop refreshing every lease for ``keeper`` (a lease others keep goes on)."""
@@ -163,6 +170,15 @@ class KeepAlives:
             call.cancel()
         self._stop_all(EtcdError(f"The etcd client for {self._transport.describe()} was closed."))
 
+    def answer_bound(self) -> float:
+        """Seconds the stream may owe answers and hear none before it moves to the next member:
+        :func:`answer_bound` of the shortest third of a kept lease's TTL (not the pace a session
+        asked for: a lease renewed every second with a TTL of 15 s waits 2 s, not 1 s, which is
+        about how long etcd's leader may hold a renewal under a burst of writes), doubled after
+        each stall in a row (:func:`~.retry.stall_bound`). Call with the lock held or not: a read."""
+        shortest = min((kept.ttl_pace for kept in list(self._leases.values())), default=MIN_ANSWER_BOUND)
+        return stall_bound(answer_bound(shortest, self._transport.retry_policy.first_attempt), self._stalls_in_row)
+
     def kept(self) -> int:
         """How many leases are being refreshed."""
         with self._cond:
@@ -177,10 +193,10 @@ class KeepAlives:
             return True
 
     def _add_locked(self, keeper: Keeper, lease_id: int, interval: float, due: float, primary: bool,
-                    *, fixed: bool = False) -> None:
+                    *, fixed: bool = False, ttl_pace: float | None = None) -> None:
         kept = self._leases.get(lease_id)
         if kept is None:
-            kept = self._leases[lease_id] = _Kept(lease_id, interval, due, fixed)
+            kept = self._leases[lease_id] = _Kept(lease_id, interval, due, fixed, ttl_pace)
             self._push(kept)
         elif due < kept.due or interval < kept.interval:
             kept.fixed = kept.fixed or fixed
@@ -252,6 +268,7 @@ class KeepAlives:
                 with self._cond:
                     call, self._call = self._call, None
                     self.streams_stalled += 1
+                    self._stalls_in_row += 1
                 log.warning("keep-alive stream on %s answered nothing for %.1f s; moving on",
                             member.endpoint, time.monotonic() - self._owed_since)  # fmt: skip
                 if call is not None:
@@ -270,8 +287,7 @@ class KeepAlives:
                 now = time.monotonic()
                 deadline = float("inf")
                 if self._owed:
-                    shortest = min(kept.interval for kept in self._leases.values())
-                    deadline = self._owed_since + answer_bound(shortest, self._transport.retry_policy.first_attempt)
+                    deadline = self._owed_since + self.answer_bound()
                     if now >= deadline and self._call is not None:
                         return []
                 due: list[int] = []
@@ -327,6 +343,7 @@ class KeepAlives:
             if self._owed:
                 self._owed -= 1
                 self._owed_since = time.monotonic()
+            self._stalls_in_row = 0
             kept = self._leases.get(resp.ID)
             if kept is None:
                 return
@@ -337,7 +354,8 @@ class KeepAlives:
                     if primary:  # a lost session refreshes nothing more (its extra leases neither)
                         self._drop_locked(keeper)
             else:
-                interval = kept.interval if kept.fixed else refresh_interval(ttl)
+                kept.ttl_pace = refresh_interval(ttl)
+                interval = kept.interval if kept.fixed else kept.ttl_pace
                 if interval != kept.interval:
                     kept.due += interval - kept.interval
                     kept.interval = interval

@@ -29,7 +29,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Action", "Attempts", "Call", "Failure", "RetryPolicy", "decide", "stream_reconnects"]
+__all__ = ["Action", "Attempts", "Call", "Failure", "RetryPolicy", "decide", "stall_bound", "stream_reconnects"]
 
 
 class Failure(enum.Enum):
@@ -95,6 +95,20 @@ def stream_reconnects(failure: Failure) -> bool:
     return failure in _MEMBER_FAILURES or failure is Failure.STALE_TOKEN
 
 
+#: A stream's answer bound doubles after each stall in a row, at most this many times.
+MAX_STALL_DOUBLINGS = 3
+
+
+def stall_bound(bound: float, stalls: int) -> float:
+    """Seconds a stream that owes an answer may hear none: ``bound`` after an answer, doubled for
+    each of the ``stalls`` streams in a row ended for hearing nothing (at most
+    :data:`MAX_STALL_DOUBLINGS` times), as a request's attempt deadline doubles after a round in
+    which every member timed out. A frozen member is still left after ``bound`` (the next member
+    answers, and the count starts again); a member (or a client process) that is merely slow, and
+    a single endpoint with nowhere else to go, are not hammered with a new stream every ``bound``."""
+    return bound * 2 ** min(max(stalls, 0), MAX_STALL_DOUBLINGS)
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     """The numbers of the retry policy.
@@ -107,7 +121,8 @@ class RetryPolicy:
     Streams (:mod:`.watch`, :mod:`.leases`) have no deadline of their own, so a member that answers
     nothing (a hung host, a SIGSTOPped etcd) would hold them for ever: a stream that owes an answer
     and hears nothing for ``first_attempt`` seconds (a keep-alive stream: for at most a third of its
-    shortest lease's TTL, at least 1 s) is ended and resumed on the next member. A watch stream
+    shortest lease's TTL, at least 1 s; either doubled after each such stall in a row,
+    :func:`stall_bound`) is ended and resumed on the next member. A watch stream
     that has been quiet for ``stream_quiet`` seconds (and whose last request's ``first_attempt`` passed)
     sends one progress request (``WatchProgressRequest``, etcd 3.4+), which etcd answers: one small
     request per quiet period.

@@ -6,9 +6,10 @@ client's one reconnect loop, :class:`~.streams.ReconnectingStream`).
 A stream that has been quiet for the retry policy's ``stream_quiet`` seconds
 sends one ``WatchProgressRequest`` (etcd 3.4+ answers it with the member's
 revision); a stream that owes an answer (to its create request or to a progress
-request) and hears nothing for ``first_attempt`` seconds is cancelled and resumed
-on the next member, so a watch on a member that answers nothing (a hung host, a
-SIGSTOPped etcd) moves on, which HTTP/2 keepalive does not do. The sender looks
+request) and hears nothing for ``first_attempt`` seconds (doubled after each such
+stall in a row, :func:`~.retry.stall_bound`) is cancelled and resumed on the next
+member, so a watch on a member that answers nothing (a hung host, a SIGSTOPped
+etcd) moves on, which HTTP/2 keepalive does not do. The sender looks
 again only when a request's ``first_attempt`` has passed, so a quiet stream sends
 one small request every ``max(stream_quiet, first_attempt)`` seconds (about),
 none while events flow; a frozen member is left within about
@@ -36,7 +37,7 @@ from etcd3.etcdrpc import rpc_pb2
 from ..errors import EtcdCompactedError, EtcdError
 from .channels import Member
 from .kv import Event, KeyValue, show_key
-from .retry import Failure, stream_reconnects
+from .retry import Failure, stall_bound, stream_reconnects
 from .streams import Ended, ReconnectingStream
 from .transport import Transport
 
@@ -78,6 +79,7 @@ class Watch:
         self._heard = 0.0  # when the current stream last answered (time.monotonic())
         #: Streams ended because they did not answer in time (see the module docstring).
         self.streams_stalled = 0
+        self._stalls_in_row = 0  # of those, since the last answer: the bound doubles (retry.stall_bound)
         #: Progress requests sent on quiet streams.
         self.progress_requests = 0
         self._thread = threading.Thread(
@@ -168,7 +170,7 @@ class Watch:
                     yield rpc_pb2.WatchRequest(progress_request=rpc_pb2.WatchProgressRequest())
                     continue
             else:
-                wait = asked + policy.first_attempt - now
+                wait = asked + stall_bound(policy.first_attempt, self._stalls_in_row) - now
                 if wait <= 0 and self._stalled(member, now - asked):
                     ended.wait()
                     return
@@ -181,6 +183,7 @@ class Watch:
         if call is None:
             return False
         self.streams_stalled += 1
+        self._stalls_in_row += 1
         log.warning("watch on %s: %s answered nothing for %.1f s; moving on",
                     show_key(self.key), member.endpoint, silent)  # fmt: skip
         call.cancel()  # the reader sees CANCELLED: the loop resumes on the next member
@@ -203,6 +206,7 @@ class Watch:
                 call.cancel()
             for resp in call:
                 self._heard = time.monotonic()
+                self._stalls_in_row = 0
                 outcome = self._answer(member, resp)
                 if outcome is not None:
                     call.cancel()

@@ -28,6 +28,7 @@ from benchmarks.common import (
 from benchmarks.run import (
     _config,
     _parse_box,
+    _parse_conf,
     _parse_contenders,
     _parse_ints,
     broken_contenders,
@@ -72,6 +73,15 @@ def test_box_option_sets_every_or_one_contender() -> None:
     assert _parse_contenders("etcd-v3, floor-barrier") == [OURS_ETCD_V3, FLOOR_BARRIER]
     with pytest.raises(argparse.ArgumentTypeError, match="etcd-v9"):
         _parse_contenders("etcd-v3,etcd-v9")
+
+
+def test_v3_conf_option_gives_b6_its_rdzv_conf() -> None:
+    assert _parse_conf("renew_interval=5") == ("renew_interval", "5")
+    for bad in ("renew_interval", "=5"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _parse_conf(bad)
+    args = build_parser().parse_args(["--only", "b6", "--v3-conf", "renew_interval=5", "--v3-conf", "evict_misses=3"])
+    assert dict(args.v3_conf) == {"renew_interval": "5", "evict_misses": "3"}
 
 
 def _fake_results() -> dict[str, Any]:

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from etcd_server import EtcdCluster
+from etcd_server import EtcdCluster, EtcdServer
 from etcd_store.client import EtcdClient
 
 pytestmark = pytest.mark.timeout(120)  # the client's behaviour, not etcd's: the newest etcd only (3.6 checked)
@@ -102,3 +102,40 @@ def test_quiet_streams_on_a_live_member_stay_there(etcd_endpoint: str) -> None:
         assert watch.progress_requests >= 2
         assert watch.streams_stalled == 0 and session._mux.streams_stalled == 0
         assert session._mux.streams_opened == 1
+
+
+LONE_FREEZE = 6.0  # seconds the client's only member is stopped
+
+
+def test_streams_on_a_lone_frozen_member_back_off(fresh_etcd: EtcdServer) -> None:
+    """A client whose only endpoint answers nothing (SIGSTOPped; as well, a client process too
+    starved to hear the answers: B2 with a client per node) ends its silent streams ever more rarely
+    (each stall in a row doubles the answer bound) instead of opening a new stream on that member
+    every bound, and both streams serve again once it answers. Before: a stall every 0.5 s (watch)
+    and every 1 s (keep-alives) of the freeze, about 9 and 5 in 6 s; now at most 4 and 3."""
+    with EtcdClient(fresh_etcd.get_endpoint(), timeout=3) as client:
+        client.transport.retry_policy = dataclasses.replace(client.retry_policy, stream_quiet=QUIET,
+                                                             first_attempt=0.5)
+        session = client.session(15, interval=0.5)  # keep-alive bound: min(15 / 3, 0.5), at least 1 s
+        watch = client.watch(b"/lone-frozen/", prefix=True)
+        try:
+            assert watch.wait_created(10)
+            time.sleep(1.0)  # the keep-alive stream opens and answers (not a synchronisation)
+            pid = fresh_etcd.pid
+            assert pid is not None
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                time.sleep(LONE_FREEZE)  # the fault's duration
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            stalled = (watch.streams_stalled, session._mux.streams_stalled)
+            client.put(b"/lone-frozen/k", b"v")
+            events = watch.get(timeout=15)
+            left = client.lease_time_to_live(session.id)
+        finally:
+            watch.cancel()
+            session.close()
+        assert 1 <= stalled[0] <= 4, f"watch streams ended in {LONE_FREEZE} s: {stalled[0]}"
+        assert 1 <= stalled[1] <= 3, f"keep-alive streams ended in {LONE_FREEZE} s: {stalled[1]}"
+        assert [e.kv.key for e in events] == [b"/lone-frozen/k"]
+        assert left > 0

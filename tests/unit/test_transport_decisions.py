@@ -23,8 +23,16 @@ import pytest
 from etcd3.etcdrpc import rpc_pb2, rpc_pb2_grpc
 
 from etcd_store.client import EtcdClient
-from etcd_store.client.leases import answer_bound
-from etcd_store.client.retry import Action, Attempts, Failure, RetryPolicy, decide
+from etcd_store.client.leases import KeepAlives, answer_bound
+from etcd_store.client.retry import (
+    MAX_STALL_DOUBLINGS,
+    Action,
+    Attempts,
+    Failure,
+    RetryPolicy,
+    decide,
+    stall_bound,
+)
 from etcd_store.client.transport import Transport, failure_of
 from etcd_store.errors import EtcdTimeoutError
 
@@ -158,6 +166,40 @@ def test_a_retry_policy_refuses_bad_numbers_naming_them(bad: dict[str, float]) -
 def test_a_keep_alive_stream_waits_for_answers_a_third_of_a_ttl_at_most_the_attempt_deadline_at_least_1s(
         interval: float, first_attempt: float, bound: float) -> None:
     assert answer_bound(interval, first_attempt) == bound
+
+
+def test_a_stream_answer_bound_doubles_with_each_stall_in_a_row_up_to_a_cap() -> None:
+    assert [stall_bound(2.0, n) for n in range(6)] == [2.0, 4.0, 8.0, 16.0, 16.0, 16.0]
+    assert MAX_STALL_DOUBLINGS == 3 and stall_bound(2.0, -1) == 2.0
+
+
+class _Keeper:
+    def _lease_lost(self, lease_id: int, primary: bool) -> None: ...
+
+    def _learn_ttl(self, ttl: int) -> None: ...
+
+    def _stopped(self, reason: BaseException) -> None: ...
+
+
+def test_a_keep_alive_stream_bound_comes_from_the_ttl_not_the_pace_and_doubles_after_stalls() -> None:
+    """A lease renewed every second (etcd-v3's ``renew_interval``) with a TTL of 15 s waits 2 s for an
+    answer (a third of the TTL, at most ``first_attempt``), not 1 s: etcd's leader may hold a renewal
+    about 1 s under a burst of writes (it was 1 s, and 1,024 clients' streams were cancelled over and
+    over in B2). After a stall the bound doubles until an answer comes. No RPC is made here."""
+    transport = Transport("127.0.0.1:1", timeout=5)
+    mux = KeepAlives(transport)
+    try:
+        mux.keep(_Keeper(), 7, 15, first_in=3600.0, interval=1.0)
+        assert mux.answer_bound() == 2.0
+        mux._stalls_in_row = 2  # two streams in a row ended unanswered
+        assert mux.answer_bound() == 8.0
+        mux._answer(rpc_pb2.LeaseKeepAliveResponse(ID=7, TTL=15))
+        assert mux.answer_bound() == 2.0
+        mux.keep(_Keeper(), 8, 3, first_in=3600.0)  # the shortest TTL sets the bound: 3 s / 3 -> 1 s
+        assert mux.answer_bound() == 1.0
+    finally:
+        mux.stop()
+        transport.close()
 
 
 # ------------------------------------------------------------------ recognising etcd's errors: code + exact name
