@@ -58,13 +58,17 @@ class Member:
 
     def wait_ready(self, timeout: float) -> bool:
         """Block until the channel connects (True) or ``timeout`` passes or it is closed (False)."""
+        ready = grpc.channel_ready_future(self.channel())
         try:
-            grpc.channel_ready_future(self.channel()).result(timeout=timeout)
+            ready.result(timeout=timeout)
             return True
         except grpc.FutureTimeoutError:
             return False
         except Exception:  # closed under us
             return False
+        finally:
+            # Unsubscribes: else gRPC's connectivity poller thread runs on, and fails once the channel closes.
+            ready.cancel()
 
     def close(self) -> None:
         """Close the channel (its calls and streams end); the next stub makes a new one."""
