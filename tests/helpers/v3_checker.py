@@ -103,6 +103,7 @@ class Checker(FaultSteps):
         self.stats: dict[str, int] = {}
         self.rounds = 0  # rounds sealed, all episodes
         self._queried: dict[str, Op] = {}  # each node's latest num_nodes_waiting()
+        self._strays: list[Node] = []  # nodes whose next_rendezvous raised something no handler raises
         self.nodes: list[Node] = []
         self._watch_stop = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -194,6 +195,10 @@ class Checker(FaultSteps):
         return self.rng.choices(kinds, weights=[WEIGHTS[k] for k in kinds])[0]
 
     def _check(self) -> None:
+        if self._strays:
+            node = self._strays[0]
+            self._fail(f"{node.name}'s next_rendezvous raised {node.error!r}, which is no rendezvous outcome "
+                       "(torch's handlers raise RendezvousError subclasses)", [node])
         found = self.model.violations(self.nodes, time.monotonic())
         if found:
             what, nodes = found[0]
@@ -235,6 +240,10 @@ class Checker(FaultSteps):
         return self.rng.choice(chosen) if chosen else None
 
     def _done(self, node: Node) -> None:
+        from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+        if node.error is not None and not isinstance(node.error, RendezvousError):
+            self._strays.append(node)  # no outcome of a rendezvous: the product or the harness broke
         self.model.node_done(node, time.monotonic())
 
     def _left_group(self, node: Node, after: float = 0.0) -> None:
