@@ -178,16 +178,6 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def get_run_id(self) -> str:
         return self._settings.run_id
 
-    @property
-    def last_round(self) -> RoundResult | None:
-        """The round this node is a member of, as :meth:`next_round` returned it (also after
-        :meth:`next_rendezvous`, which returns torch's ``RendezvousInfo``: the round number and
-        seal revision are here); None while it is a member of none. No RPC."""
-        s = self._node.standing
-        if s.member_round is None:
-            return None
-        return RoundResult(s.member_round, s.member_rank, s.member_world, s.member_seal, self._node_id)
-
     def next_rendezvous(self) -> RendezvousInfo:
         """Block until this node is a member of a sealed round; see :meth:`next_round`.
 

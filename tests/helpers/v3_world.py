@@ -22,7 +22,7 @@ from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from etcd_rdzv.native.handler import EtcdV3RendezvousHandler
+from etcd_rdzv.native.handler import EtcdV3RendezvousHandler, RoundResult
 from etcd_rdzv.plugin import create_etcd_v3_rdzv_handler
 from etcd_server import EtcdCluster, EtcdServer
 
@@ -179,14 +179,22 @@ def start_rendezvous(node: Node, history: History, done: Callable[[Node], None])
     node.started = time.monotonic()
     ready = threading.Event()
 
+    rounds: list[RoundResult] = []  # what next_rendezvous's own next_round returned
+    handler = node.handler
+
+    def next_round() -> RoundResult:
+        rounds.append(EtcdV3RendezvousHandler.next_round(handler))
+        return rounds[-1]
+
+    handler.next_round = next_round  # type: ignore[method-assign]  # the harness listens (next_rendezvous calls it)
+
     def body() -> None:
         try:
             with history.op(node.name, "next_rendezvous") as op:
                 node.op = op
                 ready.set()
                 info = node.handler.next_rendezvous()
-                last = node.handler.last_round
-                assert last is not None
+                last = rounds[-1]  # read after the return, the node's state may already be another's
                 bs = info.bootstrap_store_info
                 result = (last.round, info.rank, info.world_size, last.seal_revision,
                           None if bs is None else bs.master_addr, None if bs is None else bs.master_port)
