@@ -346,6 +346,8 @@ class Transport:
                 self.stats.retried(call.method)
             try:
                 metadata = self._metadata(member, call.deadline)
+                if self._closed:  # closed during the call: open no channel again
+                    raise self._closed_during(call)
                 stub = member.stub(call.service)
                 attempt = call.attempts.timeout(remaining, call.idempotent)
                 resp = getattr(stub, call.method)(call.request, timeout=attempt, metadata=metadata)
@@ -359,11 +361,18 @@ class Transport:
                     return False, action
                 log.debug("etcd %s at %s failed (%s): %s", call.method, member.endpoint, *failed.status)
                 continue
+            except ValueError:  # gRPC's "Cannot invoke RPC on closed channel!": closed during the call
+                if not self._closed:
+                    raise
+                raise self._closed_during(call) from None
             self._reached = True
             if index != order[0]:
                 self._promote(index)
             return True, resp
         return False, None
+
+    def _closed_during(self, call: Call) -> EtcdError:
+        return EtcdError(f"The etcd client for {self.describe()} was closed during {call.what or call.method}.")
 
     def _between_rounds(self, call: Call) -> None:
         """After a round in which every member failed: raise when the call is over (deadline,

@@ -16,7 +16,7 @@ from etcd3.etcdrpc import rpc_pb2, rpc_pb2_grpc
 from etcd_store.client import EtcdClient, Session
 from etcd_store.client.leases import LeaseCalls
 from etcd_store.client.transport import Transport
-from etcd_store.errors import EtcdConnectionError
+from etcd_store.errors import EtcdConnectionError, EtcdError
 
 _NOT_FOUND = (grpc.StatusCode.NOT_FOUND, "etcdserver: requested lease not found")
 
@@ -108,5 +108,28 @@ def test_a_call_to_one_member_neither_retries_nor_fails_over(serve: Any) -> None
         assert (leaderless.calls, healthy.calls) == (1, 0)
         assert transport.call("Maintenance", "Status", rpc_pb2.StatusRequest()).version == "3.7.0"  # fails over
         assert (leaderless.calls, healthy.calls) == (2, 1)
+    finally:
+        transport.close()
+
+
+def test_a_client_closed_during_a_call_raises_its_own_error_not_grpcs(
+        serve: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client is closed between two attempts of a call (the first member had no leader): the next
+    attempt's channel is closed and gRPC raises a bare ValueError ("Cannot invoke RPC on closed
+    channel!"); the call must end with the client's own error."""
+    transport = Transport(serve(_Status(None), _Status("3.7.0")), timeout=5)
+    metadata = transport._metadata
+    attempts: list[int] = []
+
+    def close_before_the_second_attempt(*args: Any) -> Any:
+        attempts.append(1)
+        if len(attempts) == 2:
+            transport.close()
+        return metadata(*args)
+
+    monkeypatch.setattr(transport, "_metadata", close_before_the_second_attempt)
+    try:
+        with pytest.raises(EtcdError, match="was closed during"):
+            transport.call("Maintenance", "Status", rpc_pb2.StatusRequest())
     finally:
         transport.close()
