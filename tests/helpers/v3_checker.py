@@ -263,9 +263,12 @@ class Checker(FaultSteps):
         """How many waiting nodes hold a join key of ``round_`` (None if some waiter holds none yet)."""
         waiting = [n for n in self.nodes if n.status == "waiting"]
         deadline = time.monotonic() + 2.0
-        try:  # a wait that failed and could not withdraw leaves its key until its lease ends (by design)
+        # A wait that failed and could not withdraw, and a killed node whose lease is left to expire, leave
+        # their key until the lease ends (by design: torch's handlers count a dead node until its keep-alive
+        # times out too): not judged then.
+        try:
             if any(self.client.get(self.keys.join_key(round_, n.handler.node_id)) is not None
-                   for n in self.nodes if n.status == "failed"):
+                   for n in self.nodes if n.status in ("failed", "killed")):
                 return None
         except EtcdError:
             return None
