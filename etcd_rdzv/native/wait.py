@@ -73,8 +73,7 @@ def watches_previous(state: Barrier, view: RoundView, settings: V3Settings) -> b
     not deliver it, and its catch-up signals only records newer than that read."""
     if state.settled:
         return False
-    trying = state.candidate
-    return view.prev_count > 0 and (trying or tally(view).kept_out(settings))
+    return view.prev_count > 0 and (state.candidate or tally(view).kept_out(settings))
 
 
 def open_watch(client: EtcdClient, keys: RunKeys, round_: int, wide: bool, opened: Watch | None) -> Watch:

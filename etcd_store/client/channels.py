@@ -58,8 +58,9 @@ class Member:
 
     def wait_ready(self, timeout: float) -> bool:
         """Block until the channel connects (True) or ``timeout`` passes or it is closed (False)."""
-        ready = grpc.channel_ready_future(self.channel())
+        ready: grpc.Future | None = None
         try:
+            ready = grpc.channel_ready_future(self.channel())
             ready.result(timeout=timeout)
             return True
         except grpc.FutureTimeoutError:
@@ -67,8 +68,9 @@ class Member:
         except Exception:  # closed under us
             return False
         finally:
-            # Unsubscribes: else gRPC's connectivity poller thread runs on, and fails once the channel closes.
-            ready.cancel()
+            if ready is not None:
+                # Unsubscribes: else gRPC's connectivity poller thread runs on, and fails once the channel closes.
+                ready.cancel()
 
     def close(self) -> None:
         """Close the channel (its calls and streams end); the next stub makes a new one."""
