@@ -1,13 +1,16 @@
-"""gRPC channels of the client: one lazily made channel (and its stubs) per endpoint.
+"""gRPC channels of the client: per endpoint, one lazily made channel for unary calls and one for streams.
 
-:class:`Member` is one endpoint's channel, stubs and auth token; :func:`open_channel` makes a
+:class:`Member` is one endpoint's channels, stubs and auth token; :func:`open_channel` makes a
 channel with the client's options (message sizes, reconnect backoff, HTTP/2 keepalive, gRPC's
-own retries off: the client has its own policy, :mod:`.retry`). Nothing here makes an RPC;
-making a channel does not connect (gRPC connects on the first call).
+own retries off: the client has its own policy, :mod:`.retry`). Unary calls use a synchronous
+channel (the caller's thread blocks); watch and keep-alive streams use a ``grpc.aio`` channel,
+made and used only on the process's stream loop (:mod:`.reactor`), so a stream holds no thread.
+Nothing here makes an RPC; making a channel does not connect (gRPC connects on the first call).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,8 +18,9 @@ import grpc
 
 from ..errors import EtcdTLSError
 from .endpoints import Endpoint
+from .reactor import started
 
-__all__ = ["Member", "channel_credentials", "check_options", "open_channel"]
+__all__ = ["Member", "channel_credentials", "check_options", "open_aio_channel", "open_channel"]
 
 _OPTIONS = [
     ("grpc.max_send_message_length", 256 * 1024 * 1024),
@@ -32,23 +36,28 @@ _OPTIONS = [
 
 
 class Member:
-    """One endpoint's channel and stubs, created lazily, and its auth token (None: log in first)."""
+    """One endpoint's channels and stubs, created lazily, and its auth token (None: log in first).
 
-    def __init__(self, endpoint: Endpoint, factory: Callable[[Endpoint], grpc.Channel]) -> None:
+    The synchronous channel (:meth:`stub`) may be used from any thread; the stream channel
+    (:meth:`stream_stub`, :meth:`ready`) only on the stream loop.
+    """
+
+    def __init__(self, endpoint: Endpoint, factory: Callable[[Endpoint], grpc.Channel],
+                 aio_factory: Callable[[Endpoint], grpc.aio.Channel]) -> None:
         self.endpoint = endpoint
         self._factory = factory
+        self._aio_factory = aio_factory
         self._channel: grpc.Channel | None = None
+        self._aio: grpc.aio.Channel | None = None
         self.stubs: dict[str, Any] = {}
+        self._stream_stubs: dict[str, Any] = {}
         self.token: str | None = None
 
     def stub(self, service: str) -> Any:
         """The stub of etcd's gRPC ``service`` (``"KV"``, ``"Watch"``, ...) on this member."""
         stub = self.stubs.get(service)
         if stub is None:
-            from etcd3.etcdrpc import rpc_pb2_grpc
-
-            stub = getattr(rpc_pb2_grpc, f"{service}Stub")(self.channel())
-            self.stubs[service] = stub
+            stub = self.stubs[service] = _stub(service, self.channel())
         return stub
 
     def channel(self) -> grpc.Channel:
@@ -56,28 +65,51 @@ class Member:
             self._channel = self._factory(self.endpoint)
         return self._channel
 
-    def wait_ready(self, timeout: float) -> bool:
-        """Block until the channel connects (True) or ``timeout`` passes or it is closed (False)."""
-        ready: grpc.Future | None = None
+    def stream_stub(self, service: str) -> Any:
+        """The stub of ``service`` on the stream channel (on the stream loop only)."""
+        stub = self._stream_stubs.get(service)
+        if stub is None:
+            stub = self._stream_stubs[service] = _stub(service, self._aio_channel())
+        return stub
+
+    def _aio_channel(self) -> grpc.aio.Channel:
+        if self._aio is None:
+            self._aio = self._aio_factory(self.endpoint)
+        return self._aio
+
+    async def ready(self, timeout: float) -> bool:
+        """Wait until the stream channel connects (True) or ``timeout`` passes or it is closed (False)."""
         try:
-            ready = grpc.channel_ready_future(self.channel())
-            ready.result(timeout=timeout)
+            await asyncio.wait_for(self._aio_channel().channel_ready(), timeout)
             return True
-        except grpc.FutureTimeoutError:
+        except asyncio.TimeoutError:
             return False
         except Exception:  # closed under us
             return False
-        finally:
-            if ready is not None:
-                # Unsubscribes: else gRPC's connectivity poller thread runs on, and fails once the channel closes.
-                ready.cancel()
 
     def close(self) -> None:
-        """Close the channel (its calls and streams end); the next stub makes a new one."""
+        """Close both channels (their calls and streams end); the next stub makes new ones.
+        The stream channel closes on the stream loop, soon after (no wait): whatever stream
+        channel exists when the loop gets there, so a stream opened meanwhile ends too."""
         if self._channel is not None:
             self._channel.close()
         self._channel = None
         self.stubs.clear()
+        loop = started()
+        if loop is not None:  # else no stream ever ran in this process: no stream channel exists
+            loop.call_soon(self._close_stream_channel)
+
+    def _close_stream_channel(self) -> None:
+        aio, self._aio = self._aio, None
+        self._stream_stubs = {}
+        if aio is not None:
+            asyncio.ensure_future(aio.close())
+
+
+def _stub(service: str, channel: Any) -> Any:
+    from etcd3.etcdrpc import rpc_pb2_grpc
+
+    return getattr(rpc_pb2_grpc, f"{service}Stub")(channel)
 
 
 def channel_credentials(ca: str | None, cert: str | None, key: str | None) -> grpc.ChannelCredentials:
@@ -106,6 +138,14 @@ def open_channel(
     if interceptors:
         channel = grpc.intercept_channel(channel, *interceptors)
     return channel
+
+
+def open_aio_channel(endpoint: Endpoint, credentials: Callable[[], grpc.ChannelCredentials]) -> grpc.aio.Channel:
+    """A stream channel to ``endpoint``, with :func:`open_channel`'s options; on the stream loop only.
+    (Client interceptors are synchronous: they see no stream; see ``Transport.stream_opened``.)"""
+    if endpoint.secure:
+        return grpc.aio.secure_channel(endpoint.target, credentials(), _OPTIONS)
+    return grpc.aio.insecure_channel(endpoint.target, _OPTIONS)
 
 
 def check_options(

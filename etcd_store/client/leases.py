@@ -12,8 +12,9 @@ one bidirectional ``LeaseKeepAlive`` stream per client (etcd Go's ``clientv3``
 lessor does the same): a timer heap holds each lease's next refresh (a third of
 the TTL etcd last reported, at least 0.2 s, unless its session asked for a pace of
 its own), answers are routed to the sessions
-by lease ID. Costs: no thread and no stream per session; one reader thread and
-one stream per client while it keeps any lease (the stream opens when the first
+by lease ID. Costs: no thread and no stream per session; one task on the
+process's stream loop (:mod:`.reactor`, no thread of its own) and one stream per
+client while it keeps any lease (the stream opens when the first
 refresh is due, so a burst of grants opens none, and is half-closed when the
 last lease is dropped); one request per lease per interval, however many
 sessions keep that lease. A broken stream is reopened on the next reachable
@@ -24,9 +25,10 @@ each stall in a row; a member that answers nothing: a hung host, a SIGSTOPped
 etcd; HTTP/2 keepalive takes 15 s or more to notice, if at all): it is cancelled, so the lease is refreshed through
 another member well before it expires. The lease is not given up meanwhile:
 only etcd's answer (TTL 0) says a lease is lost. Nothing here blocks a
-caller: :meth:`KeepAlives.keep` and :meth:`KeepAlives.drop` only take a lock.
-Callbacks into the sessions (lease lost, TTL learnt, stopped) run in the reader
-thread, outside the lock; they must not block.
+caller: :meth:`KeepAlives.keep` and :meth:`KeepAlives.drop` only take a lock and
+wake the task. Callbacks into the sessions (lease lost, TTL learnt) run on the
+stream loop, outside the lock; they must not block (they would stall every stream
+of the process). ``stopped`` runs in the thread that closes the client.
 
 etcd answers the requests of one stream in order, and its leader holds each
 renewal until it has applied every committed entry (up to 1 s), so under a burst
@@ -39,20 +41,22 @@ process of simulated nodes spreads its leases over several.
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import heapq
 import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any, Protocol
 
+import grpc
 from etcd3.etcdrpc import rpc_pb2
 
 from ..errors import EtcdError, EtcdLeaseNotFound, EtcdRequestError
 from .channels import Member
 from .retry import stall_bound
-from .streams import Ended, ReconnectingStream
+from .streams import Ended, ReconnectingStream, settled
 from .transport import Transport
 
 log = logging.getLogger(__name__)
@@ -83,7 +87,8 @@ def answer_bound(interval: float, first_attempt: float) -> float:
 
 
 class Keeper(Protocol):
-    """What :class:`KeepAlives` tells a session (run in the reader thread; must not block)."""
+    """What :class:`KeepAlives` tells a session (``_lease_lost``, ``_learn_ttl``: on the stream loop;
+    must not block)."""
 
     def _lease_lost(self, lease_id: int, primary: bool) -> None: ...
 
@@ -115,13 +120,13 @@ class KeepAlives:
 
     def __init__(self, transport: Transport) -> None:
         self._transport = transport
-        self._cond = threading.Condition()
+        self._cond = threading.Lock()  # the state below; never held across an await
         self._leases: dict[int, _Kept] = {}
         self._heap: list[tuple[float, int, int]] = []  # (due, tie-breaker, lease id); stale items skipped
         self._ties = itertools.count()
-        self._thread: threading.Thread | None = None
-        self._call: Any = None
-        self._stream_gen = 0  # bumped when a stream ends: its request generator stops
+        self._running = False  # a task runs (or is about to) on the stream loop
+        self._task: asyncio.Task[None] | None = None  # that task, once started (on the loop)
+        self._wake: asyncio.Event | None = None  # set (on the loop) when the state changed
         self._halted = False
         self.streams_opened = 0
         self._reserved = 0  # sessions given this multiplexer that have not called keep() yet
@@ -158,16 +163,15 @@ class KeepAlives:
         """Stop refreshing every lease for ``keeper`` (a lease others keep goes on)."""
         with self._cond:
             self._drop_locked(keeper)
-            self._cond.notify_all()
+            self._poke_locked()
 
     def stop(self) -> None:
         """Stop for good (the client closes): end the stream; every keeper is told it stopped."""
         with self._cond:
             self._halted = True
-            call = self._call
-            self._cond.notify_all()
-        if call is not None:
-            call.cancel()
+            running = self._running
+        if running:
+            self._transport.reactor.call_soon(self._cancel_task)
         self._stop_all(EtcdError(f"The etcd client for {self._transport.describe()} was closed."))
 
     def answer_bound(self) -> float:
@@ -204,10 +208,16 @@ class KeepAlives:
             kept.due = min(kept.due, due)
             self._push(kept)
         kept.keepers[keeper] = kept.keepers.get(keeper, False) or primary
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="etcd-keepalive", daemon=True)
-            self._thread.start()
-        self._cond.notify_all()
+        if not self._running:
+            self._running = True
+            self._transport.reactor.call_soon(self._start)
+        else:
+            self._poke_locked()
+
+    def _poke_locked(self) -> None:
+        """Wake the task: the leases or their dues changed (no-op when none runs)."""
+        if self._running:
+            self._transport.reactor.call_soon(self._set_wake)
 
     def _drop_locked(self, keeper: Keeper) -> None:
         for lease_id in [i for i, k in self._leases.items() if keeper in k.keepers]:
@@ -219,7 +229,19 @@ class KeepAlives:
     def _push(self, kept: _Kept) -> None:
         heapq.heappush(self._heap, (kept.due, next(self._ties), kept.id))
 
-    # ------------------------------------------------------------------ the reader thread
+    # ------------------------------------------------------------------ the task, on the stream loop
+
+    def _start(self) -> None:
+        self._wake = asyncio.Event()
+        self._task = self._transport.reactor.spawn(self._run(), contextvars.Context())
+
+    def _set_wake(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    def _cancel_task(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
 
     def _next_due(self) -> float:
         """The earliest refresh due (stale heap items dropped); inf when none."""
@@ -231,101 +253,121 @@ class KeepAlives:
             heapq.heappop(self._heap)
         return float("inf")
 
-    def _run(self) -> None:
-        """The reader thread: waits for the next refresh due, then streams (reconnecting) until
-        idle; ends when nothing is kept, the client closes, or a failure is final."""
+    async def _run(self) -> None:
+        """Waits for the next refresh due, then streams (reconnecting) until idle; ends when
+        nothing is kept, the client closes, or a failure is final."""
         transport = self._transport
         stream = ReconnectingStream(
             transport, "keep-alive stream", lambda: self._halted or transport.closed,
             recoverable=lambda e: isinstance(e, EtcdLeaseNotFound), on_reconnect=self._refresh_all_now,
         )  # fmt: skip
-        while True:
-            with self._cond:
-                while True:
+        try:
+            while True:
+                with self._cond:
                     if self._halted or transport.closed or not self._leases:
-                        self._thread = None  # stopped, or idle: the next keep() starts a new thread
+                        self._running = False  # stopped, or idle: the next keep() starts a new task
                         return
                     wait = self._next_due() - time.monotonic()
-                    if wait <= 0:
-                        break
-                    self._cond.wait(min(wait, 3600.0))
-            fatal = stream.run(self._stream)
-            if fatal is not None:
-                log.warning("keep-alive stream of %s stopped: %s", transport.describe(), fatal)
-                self._stop_all(fatal)
-                with self._cond:
-                    self._thread = None
-                return
+                if wait > 0:
+                    await self._sleep(wait)
+                    continue
+                fatal = await stream.run(self._stream)
+                if fatal is not None:
+                    log.warning("keep-alive stream of %s stopped: %s", transport.describe(), fatal)
+                    self._stop_all(fatal)
+                    with self._cond:
+                        self._running = False
+                    return
+        except asyncio.CancelledError:
+            with self._cond:
+                self._running = False
 
-    def _requests(self, gen: int, member: Member) -> Iterator[Any]:
-        """The keep-alive requests of stream ``gen``, each when its lease is due (grpc's sending thread).
-        Cancels the stream when it owes answers and heard none for :func:`answer_bound` seconds."""
-        while True:
-            due = self._take_due(gen)
-            if due is None:
-                return  # stopped, the stream ended, or nothing to keep: half-close
-            if not due:
-                with self._cond:
-                    call, self._call = self._call, None
-                    self.streams_stalled += 1
-                    self._stalls_in_row += 1
-                log.warning("keep-alive stream on %s answered nothing for %.1f s; moving on",
-                            member.endpoint, time.monotonic() - self._owed_since)  # fmt: skip
-                if call is not None:
-                    call.cancel()  # the reader sees CANCELLED: the loop moves to the next member
-                return
-            for lease_id in due:
-                yield rpc_pb2.LeaseKeepAliveRequest(ID=lease_id)
-
-    def _take_due(self, gen: int) -> list[int] | None:
-        """Wait until a lease is due on stream ``gen``: their ids (counted as owed); ``[]`` when the
-        stream stalled (owes answers, heard none in time); None when it should half-close."""
-        with self._cond:
-            while True:
-                if self._halted or gen != self._stream_gen or not self._leases:
-                    return None
-                now = time.monotonic()
-                deadline = float("inf")
-                if self._owed:
-                    deadline = self._owed_since + self.answer_bound()
-                    if now >= deadline and self._call is not None:
-                        return []
-                due: list[int] = []
-                while self._next_due() <= now:
-                    _, _, lease_id = heapq.heappop(self._heap)
-                    kept = self._leases[lease_id]
-                    kept.due = now + kept.interval
-                    self._push(kept)
-                    due.append(lease_id)
-                if due:
-                    if not self._owed:
-                        self._owed_since = now
-                    self._owed += len(due)
-                    return due
-                self._cond.wait(min(self._next_due() - now, max(deadline - now, 0.05), 3600.0))
-
-    def _stream(self, member: Member, metadata: tuple[tuple[str, str], ...]) -> Ended:
-        """One keep-alive stream on ``member`` until it ends; STOP when idle or halted."""
-        with self._cond:
-            gen = self._stream_gen
-            self._owed = 0
+    async def _sleep(self, seconds: float, *others: asyncio.Future[Any]) -> None:
+        """Wait ``seconds`` at most, until woken (:meth:`_poke_locked`) or one of ``others`` is done."""
+        assert self._wake is not None
+        woken = asyncio.ensure_future(self._wake.wait())
         try:
-            call = member.stub("Lease").LeaseKeepAlive(self._requests(gen, member), metadata=metadata)
-            with self._cond:
-                self._call = call
-                self.streams_opened += 1
-            if self._halted:
-                call.cancel()
-            for resp in call:
-                self._answer(resp)
-            with self._cond:
-                idle = not self._leases
-            return Ended.STOP if idle or self._halted else Ended.MOVE  # half-closed by us, or by etcd
+            await asyncio.wait((woken, *others), timeout=min(seconds, 3600.0), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            with self._cond:
-                self._call = None
-                self._stream_gen += 1  # the old request generator must not take refreshes
-                self._cond.notify_all()
+            woken.cancel()
+        self._wake.clear()
+
+    def _take_due(self) -> tuple[list[int] | None, float]:
+        """The leases due now (counted as owed) and the seconds until the next thing to do.
+        ``(None, 0)``: half-close (stopped, nothing to keep); ``([], 0)``: the stream stalled (owes
+        answers and heard none for :meth:`answer_bound` seconds)."""
+        with self._cond:
+            if self._halted or not self._leases:
+                return None, 0.0
+            now = time.monotonic()
+            deadline = float("inf")
+            if self._owed:
+                deadline = self._owed_since + self.answer_bound()
+                if now >= deadline:
+                    return [], 0.0
+            due: list[int] = []
+            while self._next_due() <= now:
+                _, _, lease_id = heapq.heappop(self._heap)
+                kept = self._leases[lease_id]
+                kept.due = now + kept.interval
+                self._push(kept)
+                due.append(lease_id)
+            if due:
+                if not self._owed:
+                    self._owed_since = now
+                self._owed += len(due)
+            return due, min(self._next_due(), deadline) - now
+
+    async def _stream(self, member: Member, metadata: tuple[tuple[str, str], ...]) -> Ended:
+        """One keep-alive stream on ``member``: sends each refresh when due, reads the answers;
+        MOVE when it stalls or etcd ends it, STOP once idle or halted (half-closed by us)."""
+        with self._cond:
+            self._owed = 0
+            self.streams_opened += 1
+        call = member.stream_stub("Lease").LeaseKeepAlive(metadata=metadata)
+        self._transport.stream_opened("Lease/LeaseKeepAlive")
+        read: asyncio.Future[Any] | None = None
+        try:
+            while True:
+                due, wait = self._take_due()
+                if due is None:
+                    return await self._half_close(call, read)
+                if not due and wait <= 0:
+                    return self._stalled(member)
+                for lease_id in due:
+                    await settled(call.write(rpc_pb2.LeaseKeepAliveRequest(ID=lease_id)))
+                if read is None:
+                    read = asyncio.ensure_future(call.read())
+                if wait > 0 and not read.done():
+                    await self._sleep(wait, read)
+                if read.done():
+                    resp = await settled(read)
+                    read = None
+                    if resp is grpc.aio.EOF:
+                        return Ended.MOVE  # etcd ended the stream
+                    self._answer(resp)
+        finally:
+            if read is not None and not read.done():
+                read.cancel()
+            call.cancel()
+
+    async def _half_close(self, call: Any, read: asyncio.Future[Any] | None) -> Ended:
+        """Nothing left to keep (or halted): half-close, read the answers still owed, STOP."""
+        await settled(call.done_writing())
+        while True:
+            resp = await settled(read if read is not None else call.read())
+            read = None
+            if resp is grpc.aio.EOF:
+                return Ended.STOP
+            self._answer(resp)
+
+    def _stalled(self, member: Member) -> Ended:
+        with self._cond:
+            self.streams_stalled += 1
+            self._stalls_in_row += 1
+            silent = time.monotonic() - self._owed_since
+        log.warning("keep-alive stream on %s answered nothing for %.1f s; moving on", member.endpoint, silent)
+        return Ended.MOVE
 
     def _refresh_all_now(self) -> None:
         """After a reconnect: the old stream may have dropped refreshes, so every lease is due now."""
@@ -360,7 +402,6 @@ class KeepAlives:
                     kept.due += interval - kept.interval
                     kept.interval = interval
                     self._push(kept)
-                    self._cond.notify_all()
                 learnt = [k for k, primary in kept.keepers.items() if primary]
         if ttl <= 0:
             log.info("lease %x is gone (expired or revoked)", resp.ID)

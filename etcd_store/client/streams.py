@@ -1,25 +1,30 @@
 """The one reconnecting stream of the client: watches and keep-alives both run on it.
 
 :class:`ReconnectingStream` runs one gRPC stream after another over the transport's members
-until its owner stops it or a failure is final. The owner gives a *body*: it opens the call on
-the member it is handed (with the metadata it is handed: the auth token and ``hasleader``) and
-consumes the answers, then says how the stream ended (:class:`Ended`). The loop does the rest,
+until its owner stops it or a failure is final. The owner gives a *body*: a coroutine that
+opens the call on the member it is handed (with the metadata it is handed: the auth token and
+``hasleader``), before its first ``await``, and consumes the answers, then says how the stream
+ended (:class:`Ended`). The loop does the rest,
 once for both kinds of stream: a broken stream (member gone, etcd restarted, "no leader") is
 recognised by the transport (:meth:`~.transport.Transport.stream_error`) and reopened on the
 next member whose channel is ready; a refused token is dropped so the next stream logs in; a
 closed client ends the loop with an error.
 
-Blocking: :meth:`ReconnectingStream.run` blocks its (the owner's) thread until the end; between
-streams it waits for a member's channel in steps of one second, checking ``stopped()``.
+Everything here runs on the process's stream loop (:mod:`.reactor`): :meth:`ReconnectingStream.run`
+is a coroutine that ends with the stream's owner; between streams it waits for a member's
+channel in steps of one second, checking ``stopped()``; a login (a unary RPC) runs in a worker
+thread. :func:`settled` awaits one gRPC step (a read, a write) as a task of its own, so a call
+cancelled under it (the client closing) is told apart from the owner's task being cancelled.
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
@@ -31,7 +36,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Ended", "ReconnectingStream"]
+__all__ = ["CallCancelled", "Ended", "ReconnectingStream", "settled"]
+
+_T = TypeVar("_T")
 
 
 class Ended(enum.Enum):
@@ -42,7 +49,27 @@ class Ended(enum.Enum):
     MOVE = "move"  #: this member cannot serve (it ended the stream, "no leader"): the next member
 
 
-Body = Callable[["Member", tuple[tuple[str, str], ...]], Ended]
+Body = Callable[["Member", tuple[tuple[str, str], ...]], Coroutine[Any, Any, Ended]]
+
+
+class CallCancelled(Exception):
+    """A gRPC call was cancelled under a step of it (the client closed its channel, or the
+    stream's own watchdog cancelled it): the stream is over, the owner's task is not."""
+
+
+async def settled(step: Awaitable[_T]) -> _T:
+    """Await ``step`` (one read or write of a call) as a task of its own: its result, its
+    error (``grpc.RpcError``), or :class:`CallCancelled` when the call was cancelled under it.
+    Cancelling the caller's task cancels the step too."""
+    task = asyncio.ensure_future(step)
+    try:
+        await asyncio.wait((task,))
+    finally:
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        raise CallCancelled()
+    return task.result()
 
 
 class ReconnectingStream:
@@ -69,15 +96,21 @@ class ReconnectingStream:
         self._recoverable = recoverable
         self._on_reconnect = on_reconnect
 
-    def run(self, body: Body) -> EtcdError | None:
+    async def run(self, body: Body) -> EtcdError | None:
         """Run streams until ``body`` says :attr:`Ended.STOP` or ``stopped()`` (None), or a failure
         is final: the error (also :class:`EtcdError` "closed" when the client closed)."""
         transport = self._transport
         while not self._stopped():
             index, member = transport.stream_target()
             try:
-                metadata = transport.stream_metadata(member, time.monotonic() + transport.timeout)
-                ended = body(member, metadata)
+                deadline = time.monotonic() + transport.timeout
+                if transport.login_pending(member):
+                    metadata = await transport.reactor.blocking(transport.stream_metadata, member, deadline)
+                else:
+                    metadata = transport.stream_metadata(member, deadline)
+                if transport.closed:  # checked with no await before the body opens its call
+                    return self._closed()
+                ended = await body(member, metadata)
             except grpc.RpcError as e:
                 if self._stopped():
                     return None
@@ -87,26 +120,30 @@ class ReconnectingStream:
                 ended = Ended.MOVE
             except EtcdError as e:  # auth refused while logging in
                 return e
-            except ValueError:  # the channel was closed by client.close()
-                return self._closed()
+            except (CallCancelled, ValueError, grpc.aio.UsageError):  # cancelled, or the channel closed
+                if self._stopped():
+                    return None
+                if transport.closed:
+                    return self._closed()
+                ended = Ended.MOVE
             if ended is Ended.STOP:
                 return None
             if ended is Ended.AGAIN:
                 continue
             log.info("%s lost %s; reconnecting", self.what, member.endpoint)
-            if not self._next_member(index):
+            if not await self._next_member(index):
                 return self._closed() if transport.closed else None
             self._on_reconnect()
         return None
 
-    def _next_member(self, index: int) -> bool:
+    async def _next_member(self, index: int) -> bool:
         """Move on from member ``index`` to the next whose channel is ready; False when the
         owner stopped or the client closed first."""
         transport = self._transport
         transport.stream_moved(index)
         while not (self._stopped() or transport.closed):
             nxt, member = transport.stream_target()
-            if member.wait_ready(timeout=1.0):
+            if await member.ready(timeout=1.0):
                 return True
             transport.stream_moved(nxt)
         return False

@@ -39,7 +39,9 @@ class RpcCounter(
 ):
     """A client interceptor that counts RPCs by method (``"KV/Range"``, ``"Watch/Watch"``).
 
-    Streams count once when opened. Pass it as ``EtcdClient(..., interceptors=[counter])``.
+    Streams count once when opened (the client tells it: :meth:`stream_opened`; its streams run
+    on ``grpc.aio`` channels, which no synchronous interceptor sees). Pass it as
+    ``EtcdClient(..., interceptors=[counter])``.
     """
 
     def __init__(self) -> None:
@@ -63,6 +65,11 @@ class RpcCounter(
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return dict(self.counts)
+
+    def stream_opened(self, method: str) -> None:
+        """Count a stream the client opened (``"Watch/Watch"``, ``"Lease/LeaseKeepAlive"``)."""
+        with self._lock:
+            self.counts[method] += 1
 
     def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
         self._count(details)

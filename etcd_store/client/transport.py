@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,9 +40,10 @@ from ..errors import (
     EtcdTimeoutError,
     EtcdTLSError,
 )
-from .channels import Member, channel_credentials, check_options, open_channel
+from .channels import Member, channel_credentials, check_options, open_aio_channel, open_channel
 from .endpoints import Endpoint, client_endpoints
 from .kv import clip
+from .reactor import Reactor, reactor
 from .retry import Action, Attempts, Call, Failure, RetryPolicy, stream_reconnects
 from .stats import CallStats, counts_error
 from .tls_probe import tls_failure
@@ -213,7 +214,7 @@ class Transport:
         self._user = user
         self._password = password
         self._interceptors = list(interceptors)
-        self._members = [Member(ep, self._make_channel) for ep in self.endpoints]
+        self._members = [Member(ep, self._make_channel, self._make_aio_channel) for ep in self.endpoints]
         self._current = 0
         self._lock = threading.Lock()
         self._closed = False
@@ -233,6 +234,9 @@ class Transport:
 
     def _make_channel(self, endpoint: Endpoint) -> grpc.Channel:
         return open_channel(endpoint, self._channel_credentials, self._interceptors)
+
+    def _make_aio_channel(self, endpoint: Endpoint) -> grpc.aio.Channel:
+        return open_aio_channel(endpoint, self._channel_credentials)
 
     def _channel_credentials(self) -> grpc.ChannelCredentials:
         if self._credentials is None:
@@ -473,6 +477,36 @@ class Transport:
             member.close()
 
     # ---------------------------------------------------------------- for the client's streams (.streams, .watch)
+
+    @property
+    def reactor(self) -> Reactor:
+        """The process's stream loop (:mod:`.reactor`), started on first use."""
+        return reactor()
+
+    def login_pending(self, member: Member) -> bool:
+        """Whether a stream on ``member`` must log in first (a unary RPC: not on the stream loop)."""
+        return self._user is not None and member.token is None
+
+    def stream_opened(self, method: str) -> Callable[[bool, Any], None] | None:
+        """Tell the client's interceptors that a stream (``"Watch/Watch"``) opened. Streams run on
+        ``grpc.aio`` channels, which synchronous interceptors do not see: an interceptor that
+        wants to count them has a ``stream_opened(method)`` method (:class:`~.testing.RpcCounter`),
+        one that wants their messages a ``stream_message(method, sent, message)`` method. Returns
+        ``note(sent, message)`` for the stream's owner to call on each request it sends (True) and
+        answer it reads (False) when some interceptor has the latter; else None (no cost)."""
+        for interceptor in self._interceptors:
+            opened = getattr(interceptor, "stream_opened", None)
+            if opened is not None:
+                opened(method)
+        notes = [n for n in (getattr(i, "stream_message", None) for i in self._interceptors) if n is not None]
+        if not notes:
+            return None
+
+        def note(sent: bool, message: Any) -> None:
+            for each in notes:
+                each(method, sent, message)
+
+        return note
 
     @staticmethod
     def cancel_failure(reason: str) -> Failure:

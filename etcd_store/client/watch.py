@@ -1,6 +1,7 @@
 """Watches: a key or key range's events, delivered in order to a queue.
 
-One reader thread per :class:`Watch` owns its gRPC stream and resumes it, on the
+Each :class:`Watch` is a task on the process's stream loop (:mod:`.reactor`: no thread of
+its own) that owns its gRPC stream and resumes it, on the
 next reachable endpoint, from the revision after the last event it delivered (the
 client's one reconnect loop, :class:`~.streams.ReconnectingStream`).
 A stream that has been quiet for the retry policy's ``stream_quiet`` seconds
@@ -9,21 +10,20 @@ revision); a stream that owes an answer (to its create request or to a progress
 request) and hears nothing for ``first_attempt`` seconds (doubled after each such
 stall in a row, :func:`~.retry.stall_bound`) is cancelled and resumed on the next
 member, so a watch on a member that answers nothing (a hung host, a SIGSTOPped
-etcd) moves on, which HTTP/2 keepalive does not do. The sender looks
+etcd) moves on, which HTTP/2 keepalive does not do. The task looks
 again only when a request's ``first_attempt`` has passed, so a quiet stream sends
 one small request every ``max(stream_quiet, first_attempt)`` seconds (about),
 none while events flow; a frozen member is left within about
 ``stream_quiet + first_attempt`` (7 s by default) after its last answer.
-Threads: the reader, and gRPC's sender of the current stream's requests; the
-sender ends with its stream, so a watch holds two threads however often it
-reconnects, and none once it is cancelled or its client closed. The reader runs
-in a copy of the creating thread's ``contextvars`` context (as an asyncio task
+The task runs in a copy of the creating thread's ``contextvars`` context (as any asyncio task
 would) and counts each batch it delivers into the client's
-:class:`~.stats.CallStats` (``watch_events``, ``watch_bytes``).
+:class:`~.stats.CallStats` (``watch_events``, ``watch_bytes``). Consumers block on the queue
+(:meth:`Watch.get`) in their own threads.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import logging
 import queue
@@ -32,13 +32,14 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 from etcd3.etcdrpc import rpc_pb2
 
 from ..errors import EtcdCompactedError, EtcdError
 from .channels import Member
 from .kv import Event, KeyValue, show_key
 from .retry import Failure, stall_bound, stream_reconnects
-from .streams import Ended, ReconnectingStream
+from .streams import Ended, ReconnectingStream, settled
 from .transport import Transport
 
 log = logging.getLogger(__name__)
@@ -53,8 +54,8 @@ _CLOSED = object()
 class Watch:
     """A watch on a key or key range, with events delivered to a queue.
 
-    A reader thread owns the gRPC stream. When the stream breaks (member down,
-    etcd restarted), the thread reopens it on the next reachable endpoint from
+    A task on the stream loop owns the gRPC stream. When the stream breaks (member down,
+    etcd restarted), the task reopens it on the next reachable endpoint from
     the revision after the last event it delivered, so no event is lost or
     repeated. Errors that retrying cannot fix (compaction, permission denied)
     are raised from :meth:`get`.
@@ -74,19 +75,15 @@ class Watch:
         self._cancelled = threading.Event()
         self._created = threading.Event()
         self.created_revision = 0
-        self._call: Any = None
-        self._stream_ended = threading.Event()  # set when the current stream is over
+        self._task: asyncio.Task[None] | None = None  # on the stream loop
         self._heard = 0.0  # when the current stream last answered (time.monotonic())
         #: Streams ended because they did not answer in time (see the module docstring).
         self.streams_stalled = 0
         self._stalls_in_row = 0  # of those, since the last answer: the bound doubles (retry.stall_bound)
         #: Progress requests sent on quiet streams.
         self.progress_requests = 0
-        self._thread = threading.Thread(
-            target=contextvars.copy_context().run, args=(self._run,), name=f"etcd-watch-{show_key(key, 40)}",
-            daemon=True,
-        )  # fmt: skip
-        self._thread.start()
+        self._loop = client.reactor
+        self._loop.call_soon(self._start)
 
     # -------------------------------------------------------- consumer side
 
@@ -128,12 +125,10 @@ class Watch:
         return self._cancelled.is_set()
 
     def cancel(self) -> None:
-        """Stop the watch and its thread. Idempotent, never blocks long."""
-        self._cancelled.set()
-        self._stream_ended.set()
-        call = self._call
-        if call is not None:
-            call.cancel()
+        """Stop the watch (its task and stream end on the loop soon after). Idempotent, never blocks."""
+        if not self._cancelled.is_set():
+            self._cancelled.set()
+            self._loop.call_soon(self._stop)
         self._queue.put(_CLOSED)
 
     def __enter__(self) -> Watch:
@@ -142,79 +137,93 @@ class Watch:
     def __exit__(self, *exc: object) -> None:
         self.cancel()
 
-    # -------------------------------------------------------- reader thread
+    # -------------------------------------------------------- the task, on the stream loop
 
-    def _requests(self, ended: threading.Event, member: Member) -> Iterator[Any]:
-        """The requests of one stream: its create request, then a progress request whenever the
-        stream was quiet for ``stream_quiet`` seconds, until the stream ``ended`` (gRPC runs this
-        generator in a thread of its own, which ends with it). Cancels the stream when a request
-        stays unanswered for ``first_attempt`` seconds: the reader resumes on the next member."""
-        create = rpc_pb2.WatchCreateRequest(
-            key=self.key,
-            range_end=self.range_end,
-            start_revision=self._next_revision,
-            prev_kv=self._prev_kv,
-        )
+    def _start(self) -> None:
+        if not self._cancelled.is_set():
+            self._task = self._loop.spawn(self._run(), contextvars.copy_context())
+
+    def _stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _run(self) -> None:
+        """Streams until cancelled or a final failure (raised from :meth:`get`)."""
+        self._relogged = False  # logged in again for this watch since etcd last confirmed it
+        stream = ReconnectingStream(self._client, f"watch on {show_key(self.key)}", self._cancelled.is_set)
+        try:
+            fatal = await stream.run(self._stream)
+        except asyncio.CancelledError:
+            return
+        if fatal is not None:
+            self._fail(fatal)
+
+    def _create_request(self) -> Any:
+        return rpc_pb2.WatchRequest(create_request=rpc_pb2.WatchCreateRequest(
+            key=self.key, range_end=self.range_end, start_revision=self._next_revision, prev_kv=self._prev_kv,
+        ))  # fmt: skip
+
+    async def _stream(self, member: Member, metadata: tuple[tuple[str, str], ...]) -> Ended:
+        """One watch stream on ``member`` from the next undelivered revision; how it ended.
+        Sends a progress request when the stream was quiet for ``stream_quiet`` seconds, and
+        ends it (MOVE) when a request stays unanswered for ``first_attempt`` seconds (doubled
+        after each stall in a row)."""
+        call = member.stream_stub("Watch").Watch(metadata=metadata)
+        note = self._client.stream_opened("Watch/Watch")  # a test's interceptor, else None
         policy = self._client.retry_policy
-        asked: float | None = time.monotonic()  # when the request awaiting an answer was sent
-        yield rpc_pb2.WatchRequest(create_request=create)
-        while True:
-            now = time.monotonic()
-            if asked is not None and self._heard >= asked:
-                asked = None
-            if asked is None:
-                wait = self._heard + policy.stream_quiet - now
-                if wait <= 0:
-                    asked = now
+        read: asyncio.Future[Any] | None = None
+        try:
+            create = self._create_request()
+            if note is not None:
+                note(True, create)
+            await settled(call.write(create))
+            asked: float | None = time.monotonic()  # when the request awaiting an answer was sent
+            while True:
+                if read is None:
+                    read = asyncio.ensure_future(call.read())
+                now = time.monotonic()
+                if asked is None:
+                    wait = self._heard + policy.stream_quiet - now
+                else:
+                    wait = asked + stall_bound(policy.first_attempt, self._stalls_in_row) - now
+                if wait > 0:
+                    await asyncio.wait((read,), timeout=wait)
+                if not read.done():
+                    if asked is not None:
+                        return self._stalled(member, time.monotonic() - asked)
+                    asked = time.monotonic()
                     self.progress_requests += 1
-                    yield rpc_pb2.WatchRequest(progress_request=rpc_pb2.WatchProgressRequest())
+                    progress = rpc_pb2.WatchRequest(progress_request=rpc_pb2.WatchProgressRequest())
+                    if note is not None:
+                        note(True, progress)
+                    await settled(call.write(progress))
                     continue
-            else:
-                wait = asked + stall_bound(policy.first_attempt, self._stalls_in_row) - now
-                if wait <= 0 and self._stalled(member, now - asked):
-                    ended.wait()
-                    return
-            if ended.wait(max(wait, 0.05)):
-                return
+                resp = await settled(read)
+                read = None
+                if resp is grpc.aio.EOF:  # etcd ended the stream
+                    return Ended.STOP if self._cancelled.is_set() else Ended.MOVE
+                if note is not None:
+                    note(False, resp)
+                self._heard = time.monotonic()
+                self._stalls_in_row = 0
+                if asked is not None and self._heard >= asked:
+                    asked = None
+                outcome = self._answer(member, resp)
+                if outcome is not None:
+                    return outcome
+        finally:
+            if read is not None and not read.done():
+                read.cancel()
+            call.cancel()
 
-    def _stalled(self, member: Member, silent: float) -> bool:
-        """Cancel the current stream, which answered nothing for ``silent`` seconds (True)."""
-        call = self._call
-        if call is None:
-            return False
+    def _stalled(self, member: Member, silent: float) -> Ended:
+        """The current stream answered nothing for ``silent`` seconds: end it (the caller cancels
+        the call) and resume on the next member."""
         self.streams_stalled += 1
         self._stalls_in_row += 1
         log.warning("watch on %s: %s answered nothing for %.1f s; moving on",
                     show_key(self.key), member.endpoint, silent)  # fmt: skip
-        call.cancel()  # the reader sees CANCELLED: the loop resumes on the next member
-        return True
-
-    def _run(self) -> None:
-        """The reader thread: streams until cancelled or a final failure (raised from :meth:`get`)."""
-        self._relogged = False  # logged in again for this watch since etcd last confirmed it
-        stream = ReconnectingStream(self._client, f"watch on {show_key(self.key)}", self._cancelled.is_set)
-        fatal = stream.run(self._stream)
-        if fatal is not None:
-            self._fail(fatal)
-
-    def _stream(self, member: Member, metadata: tuple[tuple[str, str], ...]) -> Ended:
-        """One watch stream on ``member`` from the next undelivered revision; how it ended."""
-        ended = self._stream_ended = threading.Event()
-        try:
-            self._call = call = member.stub("Watch").Watch(self._requests(ended, member), metadata=metadata)
-            if self._cancelled.is_set():
-                call.cancel()
-            for resp in call:
-                self._heard = time.monotonic()
-                self._stalls_in_row = 0
-                outcome = self._answer(member, resp)
-                if outcome is not None:
-                    call.cancel()
-                    return outcome
-            return Ended.STOP if self._cancelled.is_set() else Ended.MOVE  # etcd ended the stream
-        finally:
-            self._call = None
-            ended.set()  # the stream's request generator (and its gRPC thread) ends
+        return Ended.MOVE
 
     def _answer(self, member: Member, resp: Any) -> Ended | None:
         """Deliver one response; None to read on, else how the stream ends."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 from etcd_store.client.testing import RpcCounter
 
@@ -16,7 +15,7 @@ class WatchOpened(RpcCounter):
         super().__init__()
         self.opened = threading.Event()
 
-    def intercept_stream_stream(self, continuation: Any, details: Any, it: Any) -> Any:
-        if "Watch" in str(details.method):
+    def stream_opened(self, method: str) -> None:
+        super().stream_opened(method)
+        if method == "Watch/Watch":
             self.opened.set()
-        return super().intercept_stream_stream(continuation, details, it)

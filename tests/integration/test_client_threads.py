@@ -1,9 +1,11 @@
-"""Threads of the client's streams: none left behind by a reconnect or by ``close()`` (issue 21, item 7).
+"""Threads of the client's streams: none per stream, none left behind by a reconnect or by ``close()``
+(issue 21, item 7; issue 24: a client's fixed cost).
 
 A watch's stream runs over a forwarder whose connections the test cuts (tests/helpers/cut_proxy.py);
-each cut makes the watch reconnect and resume. Before the fix every reconnect left one gRPC thread
-behind (the request generator of the old stream waited for ``cancel()``), and those threads
-outlived ``client.close()``.
+each cut makes the watch reconnect and resume. Before issue 21's fix every reconnect left one gRPC
+thread behind, and those threads outlived ``client.close()``. Since issue 24 every stream of the
+process runs on one event loop (etcd_store/client/reactor.py): the loop's thread and gRPC's poller
+exist once per process, and a client's watch and keep-alive streams add no thread at all.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ def test_stream_reconnects_and_close_leave_no_threads(etcd_endpoint: str) -> Non
     prefix = f"/test-threads/{time.monotonic_ns()}/".encode()
     with CutProxy((host, int(port))) as proxy, EtcdClient(etcd_endpoint, timeout=10) as writer:
         writer.put(prefix + b"warm", b"")  # the writer's channel exists before counting
+        with writer.watch(prefix + b"warm") as warm:  # the process's stream loop exists before counting
+            assert warm.wait_created(10)
         before = _threads()
         client = EtcdClient(proxy.endpoint, timeout=10)
         try:
@@ -49,6 +53,10 @@ def test_stream_reconnects_and_close_leave_no_threads(etcd_endpoint: str) -> Non
             assert [e.kv.key for e in watch.get(timeout=10)] == [prefix + b"0"]
             _settles(lambda: session._mux.streams_opened >= 1, 2.0)
             one_stream = _threads()
+            assert one_stream == before, (
+                f"a watch and a keep-alive stream hold {one_stream - before} threads: "
+                f"{[t.name for t in threading.enumerate() if not t.name.startswith(THREAD_PREFIX)]}"
+            )
             counts = []
             for i in range(1, RECONNECTS + 1):
                 assert proxy.cut() > 0

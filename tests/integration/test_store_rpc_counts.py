@@ -177,50 +177,23 @@ class _WriteAfterFirstRange(RpcCounter):
         return response
 
 
-class _Responses:
-    """A streaming call whose responses pass through ``seen`` (everything else is the call's)."""
-
-    def __init__(self, call: Any, seen: Callable[[Any], None]) -> None:
-        self._call = call
-        self._seen = seen
-
-    def __iter__(self) -> _Responses:
-        return self
-
-    def __next__(self) -> Any:
-        resp = next(self._call)
-        self._seen(resp)
-        return resp
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._call, name)
-
-
 class _WatchStarts(_WriteAfterFirstRange):
     """Also records the ``start_revision`` of every watch the client creates, and
-    sets ``created`` when etcd confirms one."""
+    sets ``created`` when etcd confirms one (the client shows its streams' messages to an
+    interceptor with ``stream_message``: see ``Transport.stream_opened``)."""
 
     def __init__(self, hook: Callable[[], None]) -> None:
         super().__init__(hook)
         self.starts: list[int] = []
         self.created = threading.Event()
 
-    def intercept_stream_stream(self, continuation: Any, details: Any, it: Any) -> Any:
-        method = details.method.decode() if isinstance(details.method, bytes) else details.method
+    def stream_message(self, method: str, sent: bool, message: Any) -> None:
         if not method.endswith("Watch/Watch"):  # lease keep-alives
-            return super().intercept_stream_stream(continuation, details, it)
-
-        def recorded() -> Iterator[Any]:
-            for req in it:
-                if req.HasField("create_request"):
-                    self.starts.append(req.create_request.start_revision)
-                yield req
-
-        def confirmed(resp: Any) -> None:
-            if resp.created:
-                self.created.set()
-
-        return _Responses(super().intercept_stream_stream(continuation, details, recorded()), confirmed)
+            return
+        if sent and message.HasField("create_request"):
+            self.starts.append(message.create_request.start_revision)
+        if not sent and message.created:
+            self.created.set()
 
 
 WAITS = ["get", "wait", "multi_get", "queue_pop", "barrier"]

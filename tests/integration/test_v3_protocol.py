@@ -1032,14 +1032,15 @@ def test_a_round_sealed_over_is_not_resolved_as_ours(nodes: Nodes, monkeypatch: 
     assert res[0].rank == 0  # x joined round 3 first
 
 
-def _broken_watch(kind: str) -> type[Watch]:
+def _broken_watch(kind: str, revision: int) -> type[Watch]:
     """A :class:`Watch` whose stream fails: before etcd confirms it, or in the answer that
-    confirms it (etcd's way of refusing a watch, for instance without read permission)."""
+    confirms it (etcd's way of refusing a watch, for instance without read permission) at
+    ``revision``."""
 
     class Broken(Watch):
-        def _run(self) -> None:
+        async def _run(self) -> None:
             if kind == "after_confirm":
-                self.created_revision = self._client.range(b"/", count_only=True).revision
+                self.created_revision = revision
                 self._created.set()
                 self._fail(EtcdPermissionDenied("injected: etcdserver: permission denied"))
             else:
@@ -1058,11 +1059,11 @@ def test_a_watch_that_fails_leaves_no_join_key_behind(
     of the join counter) before the error is raised. A live key would make a seal name a
     node that no longer waits."""
     (a,) = nodes.many(1, 2, 2)
-    broken = _broken_watch(kind)
     real_watch = nodes.client.watch
 
     def watch(key: bytes, range_end: bytes | None = None, **kwargs: Any) -> Watch:
-        return broken(nodes.client, key, range_end or b"", 0, False)
+        broken = _broken_watch(kind, nodes.client.range(b"/", count_only=True).revision)
+        return broken(nodes.client.transport, key, range_end or b"", 0, False)
 
     monkeypatch.setattr(nodes.client, "watch", watch)
     with pytest.raises(RendezvousConnectionError, match="injected"):

@@ -1,0 +1,86 @@
+"""The one event loop of a process on which every client's streams run.
+
+A watch or a keep-alive stream spends its life waiting for etcd's next answer. With gRPC's
+synchronous API each such wait holds a thread of its own, which gRPC wakes ten times a
+second, and each stream adds a request-sending thread: about five threads and 1.6 ms of CPU
+per second per idle client (issue 24, ``benchmarks/client_cost.py``). Here every stream of
+every client in the process is a coroutine on one asyncio loop (gRPC's ``grpc.aio`` API), run
+by one daemon thread that starts with the first stream; gRPC adds one poller thread of its own.
+An idle client then costs no thread. Unary calls stay on the synchronous channels (their
+caller's thread blocks, as before).
+
+:func:`reactor` returns the process's :class:`Reactor` (a new one after a ``fork``: a child
+does not inherit the parent's loop thread). Everything else in the client reaches the loop
+through :meth:`Reactor.call_soon` (from any thread, never blocks) and code that already runs
+on it. Code on the loop must not block: a blocking call there (a unary RPC, a lock held long)
+stalls every stream of the process; :meth:`Reactor.blocking` runs one in a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import os
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Reactor", "reactor", "started"]
+
+_T = TypeVar("_T")
+
+
+class Reactor:
+    """One asyncio loop in one daemon thread (``etcd-streams``), started by the constructor."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._serve, name="etcd-streams", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def in_loop(self) -> bool:
+        """Whether the calling thread is the loop's."""
+        return threading.current_thread() is self._thread
+
+    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the loop, in the caller's ``contextvars`` context (any thread; never blocks)."""
+        self.loop.call_soon_threadsafe(fn, *args, context=contextvars.copy_context())
+
+    def spawn(self, coro: Coroutine[Any, Any, _T], context: contextvars.Context) -> asyncio.Task[_T]:
+        """A task for ``coro`` running in ``context``; call on the loop only."""
+        return self.loop.create_task(coro, context=context)
+
+    async def blocking(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)`` in a worker thread, awaited (for the rare blocking step of a stream: a login)."""
+        return await self.loop.run_in_executor(None, fn, *args)
+
+
+_lock = threading.Lock()
+_current: tuple[int, Reactor] | None = None
+
+
+def reactor() -> Reactor:
+    """The process's reactor, started on first use (and anew in a forked child)."""
+    global _current
+    pid = os.getpid()
+    current = _current
+    if current is not None and current[0] == pid:
+        return current[1]
+    with _lock:
+        if _current is None or _current[0] != pid:
+            _current = (pid, Reactor())
+            log.debug("stream loop started in process %d", pid)
+        return _current[1]
+
+
+def started() -> Reactor | None:
+    """The process's reactor if one was started (no stream ever ran otherwise); starts none."""
+    current = _current
+    return current[1] if current is not None and current[0] == os.getpid() else None
