@@ -1,15 +1,11 @@
 """The fixed cost of idle ``EtcdClient`` objects in one process (B2 with a client per node).
 
-``python -m benchmarks.client_cost K [--interval S] [--watches W] [--window S] [--no-grpc-poll]``
+``python -m benchmarks.client_cost K [--interval S] [--watches W] [--window S]``
 starts one etcd (``etcd_server``), makes ``K`` clients in this process, each connected (one
 Range) with one lease kept alive every ``--interval`` seconds and ``--watches`` idle watches,
 then prints the CPU this process and etcd spent per second of ``--window`` while nothing else
-happens, and the threads (Python threads and the OS threads of the process).
-
-``--no-grpc-poll`` is a diagnosis, not a setting: it raises grpc's
-``_common.MAXIMUM_WAIT_TIMEOUT`` (0.1 s: every thread blocked on a stream's next message
-wakes ten times a second to let signal handlers run) for this process only, to show what
-that poll costs. Nothing here asserts; it prints one line.
+happens, the threads (Python threads and the OS threads of the process) and the TCP
+connections this process holds to etcd. Nothing here asserts; it prints one line.
 """
 
 from __future__ import annotations
@@ -40,6 +36,30 @@ def _os_threads() -> int:
         return int(next(line for line in f if line.startswith("Threads:")).split()[1])
 
 
+def _connections(port: int) -> int:
+    """Established TCP connections of this process to ``port`` (from /proc: socket inodes)."""
+    inodes = set()
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(name) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if cols[3] == "01" and int(cols[2].rsplit(":", 1)[1], 16) == port:
+                inodes.add(cols[9])
+    mine = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:[") and target[8:-1] in inodes:
+            mine += 1
+    return mine
+
+
 def measure(k: int, interval: float, watches: int, window: float) -> dict[str, float]:
     """CPU per second (this process, etcd) and threads of ``k`` idle clients; see the module docstring."""
     from etcd_server import EtcdServer
@@ -62,7 +82,8 @@ def measure(k: int, interval: float, watches: int, window: float) -> dict[str, f
             dt = time.monotonic() - t0
             out = {"clients": k, "interval_s": interval, "watches_per_client": watches, "connect_s": connect_s,
                    "process_cores": (_cpu_self() - mine) / dt, "etcd_cores": (_cpu_pid(pid) - etcd) / dt,
-                   "python_threads": threading.active_count(), "os_threads": _os_threads()}
+                   "python_threads": threading.active_count(), "os_threads": _os_threads(),
+                   "connections": _connections(int(server.get_endpoint().rsplit(":", 1)[1]))}
             for w in open_watches:
                 w.cancel()
             for s in sessions:
@@ -80,18 +101,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--interval", type=float, default=1.0, help="seconds between keep-alives (default 1)")
     p.add_argument("--watches", type=int, default=1, help="idle watches per client (default 1)")
     p.add_argument("--window", type=float, default=6.0, help="seconds measured (default 6)")
-    p.add_argument("--no-grpc-poll", action="store_true", help="diagnosis: no 10 Hz poll of blocked stream readers")
     args = p.parse_args(argv)
-    if args.no_grpc_poll:
-        import grpc._common
-
-        grpc._common.MAXIMUM_WAIT_TIMEOUT = 3600.0
     r = measure(args.clients, args.interval, args.watches, args.window)
     per = 1000.0 / max(r["clients"], 1)
     print(f"{r['clients']} clients, keep-alive every {r['interval_s']:g} s, {r['watches_per_client']} watch(es) each"
-          f"{', no grpc poll' if args.no_grpc_poll else ''}: this process {r['process_cores']:.3f} cores "
+          f": this process {r['process_cores']:.3f} cores "
           f"({r['process_cores'] * per:.2f} ms CPU per client per s), etcd {r['etcd_cores']:.3f} cores; "
-          f"{r['python_threads']} Python threads, {r['os_threads']} OS threads; connect {r['connect_s']:.2f} s")
+          f"{r['python_threads']} Python threads, {r['os_threads']} OS threads; {r['connections']} TCP connection(s) "
+          f"to etcd; connect {r['connect_s']:.2f} s")
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Awaitable
 from typing import Any, Protocol
 
 import grpc
@@ -56,7 +57,7 @@ from etcd3.etcdrpc import rpc_pb2
 from ..errors import EtcdError, EtcdLeaseNotFound, EtcdRequestError
 from .channels import Member
 from .retry import stall_bound
-from .streams import Ended, ReconnectingStream, settled
+from .streams import CallCancelled, Ended, ReconnectingStream, settled
 from .transport import Transport
 
 log = logging.getLogger(__name__)
@@ -120,13 +121,14 @@ class KeepAlives:
 
     def __init__(self, transport: Transport) -> None:
         self._transport = transport
-        self._cond = threading.Lock()  # the state below; never held across an await
+        self._lock = threading.Lock()  # the state below; never held across an await
         self._leases: dict[int, _Kept] = {}
         self._heap: list[tuple[float, int, int]] = []  # (due, tie-breaker, lease id); stale items skipped
         self._ties = itertools.count()
         self._running = False  # a task runs (or is about to) on the stream loop
         self._task: asyncio.Task[None] | None = None  # that task, once started (on the loop)
-        self._wake: asyncio.Event | None = None  # set (on the loop) when the state changed
+        self._poked = False  # on the loop: the state changed since the task last looked
+        self._napping: asyncio.Future[None] | None = None  # on the loop: what the task's nap awaits
         self._halted = False
         self.streams_opened = 0
         self._reserved = 0  # sessions given this multiplexer that have not called keep() yet
@@ -141,7 +143,7 @@ class KeepAlives:
              interval: float | None = None) -> None:
         """Refresh ``lease_id`` for ``keeper`` from ``first_in`` seconds on (sooner if already kept),
         every ``interval`` seconds (at least :data:`MIN_INTERVAL`) if given, else every third of its TTL."""
-        with self._cond:
+        with self._lock:
             self._reserved = max(self._reserved - 1, 0)
             closed = self._halted or self._transport.closed
             if not closed:
@@ -153,7 +155,7 @@ class KeepAlives:
 
     def keep_with(self, keeper: Keeper, own: int, lease_id: int) -> None:
         """Refresh ``lease_id`` for ``keeper`` too, first together with its lease ``own``."""
-        with self._cond:
+        with self._lock:
             kept = self._leases.get(own)
             if kept is None or keeper not in kept.keepers or lease_id == own:
                 return  # the keeper's own lease is gone or dropped: nothing is refreshed for it
@@ -161,13 +163,13 @@ class KeepAlives:
 
     def drop(self, keeper: Keeper) -> None:
         """Stop refreshing every lease for ``keeper`` (a lease others keep goes on)."""
-        with self._cond:
+        with self._lock:
             self._drop_locked(keeper)
             self._poke_locked()
 
     def stop(self) -> None:
         """Stop for good (the client closes): end the stream; every keeper is told it stopped."""
-        with self._cond:
+        with self._lock:
             self._halted = True
             running = self._running
         if running:
@@ -185,12 +187,12 @@ class KeepAlives:
 
     def kept(self) -> int:
         """How many leases are being refreshed."""
-        with self._cond:
+        with self._lock:
             return len(self._leases)
 
     def reserve(self, limit: int) -> bool:
         """Take one more session if fewer than ``limit`` leases are kept or promised."""
-        with self._cond:
+        with self._lock:
             if self._halted or len(self._leases) + self._reserved >= limit:
                 return False
             self._reserved += 1
@@ -232,12 +234,12 @@ class KeepAlives:
     # ------------------------------------------------------------------ the task, on the stream loop
 
     def _start(self) -> None:
-        self._wake = asyncio.Event()
+        self._poked = False
         self._task = self._transport.reactor.spawn(self._run(), contextvars.Context())
 
     def _set_wake(self) -> None:
-        if self._wake is not None:
-            self._wake.set()
+        self._poked = True
+        _resolve(self._napping)
 
     def _cancel_task(self) -> None:
         if self._task is not None:
@@ -263,7 +265,8 @@ class KeepAlives:
         )  # fmt: skip
         try:
             while True:
-                with self._cond:
+                self._poked = False
+                with self._lock:
                     if self._halted or transport.closed or not self._leases:
                         self._running = False  # stopped, or idle: the next keep() starts a new task
                         return
@@ -275,28 +278,35 @@ class KeepAlives:
                 if fatal is not None:
                     log.warning("keep-alive stream of %s stopped: %s", transport.describe(), fatal)
                     self._stop_all(fatal)
-                    with self._cond:
+                    with self._lock:
                         self._running = False
                     return
         except asyncio.CancelledError:
-            with self._cond:
+            with self._lock:
                 self._running = False
 
-    async def _sleep(self, seconds: float, *others: asyncio.Future[Any]) -> None:
-        """Wait ``seconds`` at most, until woken (:meth:`_poke_locked`) or one of ``others`` is done."""
-        assert self._wake is not None
-        woken = asyncio.ensure_future(self._wake.wait())
+    async def _sleep(self, seconds: float, reader: asyncio.Future[Any] | None = None) -> None:
+        """Wait ``seconds`` at most, until poked (:meth:`_poke_locked`) or ``reader`` is done.
+        One future and one timer, no task (this runs once or twice per renewal)."""
+        if self._poked or (reader is not None and reader.done()):
+            return
+        loop = asyncio.get_running_loop()
+        nap = self._napping = loop.create_future()
+        timer = loop.call_later(min(seconds, 3600.0), _resolve, nap)
+        if reader is not None:
+            reader.add_done_callback(lambda _: _resolve(nap))
         try:
-            await asyncio.wait((woken, *others), timeout=min(seconds, 3600.0), return_when=asyncio.FIRST_COMPLETED)
+            await nap
         finally:
-            woken.cancel()
-        self._wake.clear()
+            timer.cancel()
+            self._napping = None
 
     def _take_due(self) -> tuple[list[int] | None, float]:
         """The leases due now (counted as owed) and the seconds until the next thing to do.
         ``(None, 0)``: half-close (stopped, nothing to keep); ``([], 0)``: the stream stalled (owes
         answers and heard none for :meth:`answer_bound` seconds)."""
-        with self._cond:
+        self._poked = False
+        with self._lock:
             if self._halted or not self._leases:
                 return None, 0.0
             now = time.monotonic()
@@ -319,50 +329,53 @@ class KeepAlives:
             return due, min(self._next_due(), deadline) - now
 
     async def _stream(self, member: Member, metadata: tuple[tuple[str, str], ...]) -> Ended:
-        """One keep-alive stream on ``member``: sends each refresh when due, reads the answers;
-        MOVE when it stalls or etcd ends it, STOP once idle or halted (half-closed by us)."""
-        with self._cond:
+        """One keep-alive stream on ``member``: sends each refresh when due while a reader task takes
+        the answers; MOVE when it stalls or etcd ends it, STOP once idle or halted (half-closed by us)."""
+        with self._lock:
             self._owed = 0
             self.streams_opened += 1
         call = member.stream_stub("Lease").LeaseKeepAlive(metadata=metadata)
         self._transport.stream_opened("Lease/LeaseKeepAlive")
-        read: asyncio.Future[Any] | None = None
+        reader = asyncio.ensure_future(self._read_answers(call))
         try:
             while True:
                 due, wait = self._take_due()
-                if due is None:
-                    return await self._half_close(call, read)
+                if due is None:  # nothing left to keep (or halted): half-close, take the answers owed
+                    await self._step(call.done_writing())
+                    await settled(reader)
+                    return Ended.STOP
                 if not due and wait <= 0:
                     return self._stalled(member)
                 for lease_id in due:
-                    await settled(call.write(rpc_pb2.LeaseKeepAliveRequest(ID=lease_id)))
-                if read is None:
-                    read = asyncio.ensure_future(call.read())
-                if wait > 0 and not read.done():
-                    await self._sleep(wait, read)
-                if read.done():
-                    resp = await settled(read)
-                    read = None
-                    if resp is grpc.aio.EOF:
-                        return Ended.MOVE  # etcd ended the stream
-                    self._answer(resp)
+                    await self._step(call.write(rpc_pb2.LeaseKeepAliveRequest(ID=lease_id)))
+                if reader.done():
+                    await settled(reader)  # etcd's error, or the call cancelled
+                    return Ended.MOVE  # etcd ended the stream
+                await self._sleep(wait, reader)
         finally:
-            if read is not None and not read.done():
-                read.cancel()
+            reader.cancel()
             call.cancel()
 
-    async def _half_close(self, call: Any, read: asyncio.Future[Any] | None) -> Ended:
-        """Nothing left to keep (or halted): half-close, read the answers still owed, STOP."""
-        await settled(call.done_writing())
+    async def _read_answers(self, call: Any) -> None:
+        """The answers of one stream until etcd ends it (returns) or it fails (raises)."""
         while True:
-            resp = await settled(read if read is not None else call.read())
-            read = None
+            resp = await call.read()
             if resp is grpc.aio.EOF:
-                return Ended.STOP
+                return
             self._answer(resp)
 
+    async def _step(self, step: Awaitable[Any]) -> None:
+        """Await a write (or the half-close) of the current stream: a call cancelled under it is
+        :class:`~.streams.CallCancelled` unless this multiplexer is being stopped."""
+        try:
+            await step
+        except asyncio.CancelledError:
+            if self._halted:
+                raise
+            raise CallCancelled() from None
+
     def _stalled(self, member: Member) -> Ended:
-        with self._cond:
+        with self._lock:
             self.streams_stalled += 1
             self._stalls_in_row += 1
             silent = time.monotonic() - self._owed_since
@@ -371,7 +384,7 @@ class KeepAlives:
 
     def _refresh_all_now(self) -> None:
         """After a reconnect: the old stream may have dropped refreshes, so every lease is due now."""
-        with self._cond:
+        with self._lock:
             now = time.monotonic()
             for kept in self._leases.values():
                 kept.due = now
@@ -381,7 +394,7 @@ class KeepAlives:
         lost: list[tuple[Keeper, bool]] = []
         learnt: list[Keeper] = []
         ttl = int(resp.TTL)
-        with self._cond:
+        with self._lock:
             if self._owed:
                 self._owed -= 1
                 self._owed_since = time.monotonic()
@@ -402,6 +415,7 @@ class KeepAlives:
                     kept.due += interval - kept.interval
                     kept.interval = interval
                     self._push(kept)
+                    self._set_wake()  # (on the loop) the sender looks at the dues again
                 learnt = [k for k, primary in kept.keepers.items() if primary]
         if ttl <= 0:
             log.info("lease %x is gone (expired or revoked)", resp.ID)
@@ -411,12 +425,17 @@ class KeepAlives:
             keeper._learn_ttl(ttl)
 
     def _stop_all(self, reason: BaseException) -> None:
-        with self._cond:
+        with self._lock:
             keepers = {k for kept in self._leases.values() for k in kept.keepers}
             self._leases.clear()
             self._heap.clear()
         for keeper in keepers:
             keeper._stopped(reason)
+
+
+def _resolve(future: asyncio.Future[None] | None) -> None:
+    if future is not None and not future.done():
+        future.set_result(None)
 
 
 class LeaseSource(Protocol):

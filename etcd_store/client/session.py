@@ -13,8 +13,8 @@ Contract:
   many nodes in one process renew in parallel. A broken
   stream is reopened on the next reachable endpoint; nothing blocks the caller.
 * When etcd reports the lease gone (expired, or revoked by anyone), :attr:`lost`
-  is set and ``on_lost`` runs once, in the client's keep-alive thread (it must
-  not block: it holds up every lease of the client). :meth:`done` is set when the
+  is set and ``on_lost`` runs once, on the process's stream loop (:mod:`.reactor`;
+  it must not block: it holds up every stream of the process). :meth:`done` is set when the
   session stops refreshing for any reason (lost, closed, or its client closed).
   A session never declares its lease lost on its own while etcd cannot be reached.
 * :meth:`renewed_at` says when etcd answered its recent keep-alives (the grant counts as
@@ -54,7 +54,7 @@ class Session:
             :class:`~etcd_store.client.EtcdClient`, or any :class:`~.leases.LeaseSource`).
         ttl: seconds; the lease's TTL (at least 1).
         lease_id: the id to ask etcd for (0: etcd picks one).
-        on_lost: called once, from the client's keep-alive thread, when etcd reports the lease gone.
+        on_lost: called once, on the stream loop (must not block), when etcd reports the lease gone.
         interval: seconds between two keep-alives (at least 0.2); None: a third of the TTL.
 
     Attributes: ``id`` (also :attr:`lease_id`), ``ttl`` (as etcd last reported it),

@@ -11,8 +11,8 @@ things here, and nothing else does:
 The client's watches (:mod:`.watch`) report a third: a **delivery**, a batch of watch
 events and the serialized size of the response that carried it (watch traffic,
 read by benchmarks through :meth:`CallStats.subscribe_deliveries`). A delivery
-listener runs in the watch's reader thread, which runs in a copy of the
-``contextvars`` context of the thread that created the watch.
+listener runs in the watch's task on the stream loop (:mod:`.reactor`), which runs in a
+copy of the ``contextvars`` context of the thread that created the watch.
 
 Contract: counting never blocks (one short lock) and never raises into the
 call it counts; listeners are called synchronously, in the thread of that call,

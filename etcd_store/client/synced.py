@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 __all__ = ["SyncedWatch", "WatchNotConfirmed", "confirmed"]
 
 #: How long to wait for the queued error of a watch that failed before etcd confirmed it
-#: (the reader thread queues it right after it signals the end of the wait).
+#: (the watch's task queues it right after it signals the end of the wait).
 _ERROR_WAIT = 1.0
 
 

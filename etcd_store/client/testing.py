@@ -8,7 +8,7 @@ block deliver (several simulated nodes sharing one client), for every client tha
 one client in the code under test and records (or drops, for a "deaf" node) the events its
 watches hand to their consumer.
 
-How: a watch's reader thread runs in a copy of its creator's ``contextvars`` context, and
+How: a watch's task (on the stream loop) runs in a copy of its creator's ``contextvars`` context, and
 reports each delivery to its client's :class:`~.stats.CallStats`; the listener
 :func:`count_watches` subscribes adds it to the :class:`WatchStats` of that context.
 """
