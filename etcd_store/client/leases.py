@@ -284,6 +284,11 @@ class KeepAlives:
         except asyncio.CancelledError:
             with self._lock:
                 self._running = False
+        except Exception as e:  # a defect: the sessions hear of it rather than expiring unrenewed
+            log.exception("keep-alive stream of %s failed", transport.describe())
+            self._stop_all(EtcdError(f"keep-alive stream of {transport.describe()} failed: {e!r}"))
+            with self._lock:
+                self._running = False
 
     async def _sleep(self, seconds: float, reader: asyncio.Future[Any] | None = None) -> None:
         """Wait ``seconds`` at most, until poked (:meth:`_poke_locked`) or ``reader`` is done.

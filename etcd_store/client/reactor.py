@@ -9,8 +9,12 @@ by one daemon thread that starts with the first stream; gRPC adds one poller thr
 An idle client then costs no thread. Unary calls stay on the synchronous channels (their
 caller's thread blocks, as before).
 
-:func:`reactor` returns the process's :class:`Reactor` (a new one after a ``fork``: a child
-does not inherit the parent's loop thread). Everything else in the client reaches the loop
+:func:`reactor` returns the process's :class:`Reactor`, started on first use. A process
+``fork``-ed from one whose streams ran cannot run streams (gRPC's asyncio API does not survive
+a fork: its poller thread stays in the parent; a watch there would never be confirmed), so
+:func:`reactor` raises :class:`~etcd_store.errors.EtcdError` there, at once, saying so; start
+such processes with ``spawn`` or ``forkserver``, or before the parent's first stream. A forked
+child that makes no stream (a DataLoader worker) is not affected; nor is the parent. Everything else in the client reaches the loop
 through :meth:`Reactor.call_soon` (from any thread, never blocks) and code that already runs
 on it. Code on the loop must not block: a blocking call there (a unary RPC, a lock held long)
 stalls every stream of the process; :meth:`Reactor.blocking` runs one in a worker thread.
@@ -25,6 +29,8 @@ import os
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
+
+from ..errors import EtcdError
 
 log = logging.getLogger(__name__)
 
@@ -67,14 +73,21 @@ _current: tuple[int, Reactor] | None = None
 
 
 def reactor() -> Reactor:
-    """The process's reactor, started on first use (and anew in a forked child)."""
+    """The process's reactor, started on first use. Raises :class:`EtcdError` in a process forked
+    from one whose streams ran (see the module docstring)."""
     global _current
     pid = os.getpid()
     current = _current
     if current is not None and current[0] == pid:
         return current[1]
     with _lock:
-        if _current is None or _current[0] != pid:
+        if _current is not None and _current[0] != pid:
+            raise EtcdError(
+                f"etcd streams (watches, lease keep-alives) cannot run in process {pid}: it was forked from "
+                f"process {_current[0]}, whose etcd streams ran, and gRPC's asyncio API does not survive a fork. "
+                "Start this process with the 'spawn' or 'forkserver' method, or fork before the first stream."
+            )
+        if _current is None:
             _current = (pid, Reactor())
             log.debug("stream loop started in process %d", pid)
         return _current[1]

@@ -155,6 +155,9 @@ class Watch:
             fatal = await stream.run(self._stream)
         except asyncio.CancelledError:
             return
+        except Exception as e:  # a defect: the consumer hears of it rather than waiting forever
+            log.exception("watch on %s failed", show_key(self.key))
+            fatal = EtcdError(f"watch on {show_key(self.key)} failed: {e!r}")
         if fatal is not None:
             self._fail(fatal)
 
