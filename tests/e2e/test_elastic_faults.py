@@ -187,7 +187,6 @@ def test_scale_down_after_node_sigkill(
             "setup": "3 agents x 2 workers, --nnodes=2:3, keep_alive 1 s x 3, last_call 1 s, monitor 0.3 s",
         },
     )
-    assert recovery < 120, f"recovery took {recovery:.1f}s"
 
 
 # ---------------------------------------------------------------------- 2 scale-up
@@ -226,7 +225,6 @@ def test_scale_up_fourth_node_joins(
             "resumed_from": first.step - 1,
         },
     )
-    assert first.t - joined_at < 120
 
 
 # ---------------------------------------------------------------------- 3 exclusivity
