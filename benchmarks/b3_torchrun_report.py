@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .common import OURS_ETCD_V3, Series
-from .targets import fig
+from .figures import fig
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ def plot(b3t: dict[str, Any], outdir: str, title_suffix: str = "") -> str | None
     except ImportError:
         log.warning("matplotlib missing: no B3-torchrun plot")
         return None
-    from .report import COLORS
+    from .figures import COLORS
 
     cs, scs = b3t["contenders"], b3t["scenarios"]
     by = {(r["contender"], r["scenario"]): r for r in b3t["rows"]}

@@ -391,7 +391,7 @@ def _row(j: int, series: dict[int, Series], errors: dict[int, list[str]],
 
 def markdown_lines(b6: dict[str, Any]) -> list[str]:
     """The B6 section of results.md (tables of the three phases)."""
-    from .targets import fig, fmt, ratio
+    from .figures import fig, fmt, ratio
 
     rows = [[str(r["jobs"]), fig(r["ms"]), fmt(r["ms"]["p99"]), str(r["ms"]["n"]), str(r["failed_jobs"]),
              fmt(r["revisions_per_job"], 1), fmt(r["raft_entries_per_job"], 1),

@@ -24,18 +24,14 @@ from .common import (
     TORCH_ETCD_V2,
     TORCH_V2_STORE,
 )
-from .targets import PRODUCTION_RERDZV_S, targets
-from .targets import fig as _fig
-from .targets import fmt as _fmt
-from .targets import ratio as _ratio
+from .figures import COLORS, PRODUCTION_RERDZV_S
+from .figures import fig as _fig
+from .figures import fmt as _fmt
+from .figures import ratio as _ratio
+from .targets import targets
 
 log = logging.getLogger(__name__)
 
-COLORS = {
-    OURS_STORE: "tab:blue", OURS_ETCD_V2: "tab:blue", OURS_ETCD_V3: "tab:green",
-    TORCH_V2_STORE: "tab:orange", TORCH_ETCD_V2: "tab:orange",
-    TCP_STORE: "tab:gray", C10D: "tab:gray", FLOOR: "black", FLOOR_BARRIER: "tab:purple",
-}
 
 
 # --------------------------------------------------------------------------- formatting

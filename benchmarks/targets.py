@@ -20,8 +20,10 @@ from .common import (
     TORCH_ETCD_V2,
     TORCH_V2_STORE,
 )
+from .figures import PRODUCTION_RERDZV_S, fig, fmt, ratio
 
-PRODUCTION_RERDZV_S = 14.5
+__all__ = ["PRODUCTION_RERDZV_S", "fig", "fmt", "ratio", "targets"]
+
 # B1 waits (issue 12): a blocked get wakes within 5 ms of the write (median) while another rank
 # keeps writing; torch's store_util.barrier of 4 ranks under 15 ms.
 B1_WAKE_MS = 5.0
@@ -41,32 +43,6 @@ B5_WORLD, B5_RATIO = 16, 3.0
 B6_RATIO = 2.0
 B6_CLI_TIMEOUT_S = 10.0
 
-
-# --------------------------------------------------------------------------- formatting
-
-
-def fmt(x: float | None, digits: int = 0) -> str:
-    if x is None:
-        return "—"
-    if abs(x) >= 100 or digits == 0:
-        return f"{x:,.0f}"
-    return f"{x:.{digits}f}"
-
-
-def fig(s: dict[str, Any] | None, unit: str = "", digits: int = 0) -> str:
-    """``median (lo–hi)``."""
-    if not s or s.get("median") is None:
-        return "—"
-    med, lo, hi = s["median"], s.get("lo"), s.get("hi")
-    spread = f" ({fmt(lo, digits)}–{fmt(hi, digits)})" if s.get("runs", 0) > 1 else ""
-    return f"{fmt(med, digits)}{unit}{spread}"
-
-
-def ratio(r: dict[str, Any] | None) -> str:
-    if not r:
-        return "—"
-    spread = f" ({r['lo']:.2f}–{r['hi']:.2f})" if r.get("runs", 0) > 1 else ""
-    return f"{r['ratio']:.2f}×{spread}"
 
 # --------------------------------------------------------------------------- targets
 

@@ -38,9 +38,10 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from .plugin_errors import EtcdRdzvPluginError, torch_version
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
@@ -66,28 +67,10 @@ DISABLE_OVERRIDE_ENV = "ETCD_RDZV_DISABLE_OVERRIDE"
 Creator = Callable[["RendezvousParameters"], "RendezvousHandler"]
 
 
-class EtcdRdzvPluginError(ImportError):
-    """The plugin cannot work with this install: its dependencies could not be imported when a
-    handler was created, or torch's handler registry does not have the shape the plugin expects."""
-
-
 REGISTRY_EXPECTED = (
     "torch.distributed.elastic.rendezvous.api.rendezvous_handler_registry: a RendezvousHandlerRegistry "
     "with register(backend, creator) and its backend -> creator dict _registry (as in torch 2.6 to 2.13)"
 )
-
-
-def _torch_version() -> str:
-    torch = sys.modules.get("torch")
-    found = getattr(torch, "__version__", None)
-    if found:
-        return str(found)
-    try:
-        from importlib.metadata import version
-
-        return version("torch")
-    except Exception:
-        return "(version unknown)"
 
 
 def _override_disabled() -> bool:
@@ -105,7 +88,7 @@ def _registry_table(name: str, *, need_table: bool) -> dict[str, Any]:
     except Exception as e:
         raise EtcdRdzvPluginError(
             f"etcd-rdzv cannot register its {name!r} rendezvous handler: importing "
-            f"torch.distributed.elastic.rendezvous.api failed under torch {_torch_version()} "
+            f"torch.distributed.elastic.rendezvous.api failed under torch {torch_version()} "
             f"({type(e).__name__}: {e}); expected {REGISTRY_EXPECTED}."
         ) from e
     registry = getattr(api, "rendezvous_handler_registry", None)
@@ -119,7 +102,7 @@ def _registry_table(name: str, *, need_table: bool) -> dict[str, Any]:
     else:
         return table if need_table else {}  # type: ignore[return-value]
     raise EtcdRdzvPluginError(
-        f"etcd-rdzv cannot register its {name!r} rendezvous handler: in torch {_torch_version()}, "
+        f"etcd-rdzv cannot register its {name!r} rendezvous handler: in torch {torch_version()}, "
         f"torch.distributed.elastic.rendezvous.api {problem}; expected {REGISTRY_EXPECTED}. "
         "Install a torch version the plugin supports, or a newer etcd-rdzv."
     )

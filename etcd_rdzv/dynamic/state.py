@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as _dr
 
-from ..plugin import EtcdRdzvPluginError, _torch_version
+from ..plugin_errors import EtcdRdzvPluginError, torch_version
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
@@ -113,7 +113,7 @@ def check_torch_internals() -> None:
     found = _problems()
     if found:
         raise EtcdRdzvPluginError(
-            f"etcd-rdzv's etcd-v2 handler cannot run on torch {_torch_version()}: its dynamic "
+            f"etcd-rdzv's etcd-v2 handler cannot run on torch {torch_version()}: its dynamic "
             f"rendezvous changed ({'; '.join(found)}); the handler subclasses torch's state holder "
             "as in torch 2.4 to 2.13. Install a supported torch, a newer etcd-rdzv, or use etcd-v3."
         )
