@@ -28,7 +28,7 @@ only etcd's answer (TTL 0) says a lease is lost. Nothing here blocks a
 caller: :meth:`KeepAlives.keep` and :meth:`KeepAlives.drop` only take a lock and
 wake the task. Callbacks into the sessions (lease lost, TTL learnt) run on the
 stream loop, outside the lock; they must not block (they would stall every stream
-of the process). ``stopped`` runs in the thread that closes the client.
+of the process). ``stopped`` runs in the thread that closes the client (or on the loop, when a stream fails for good).
 
 etcd answers the requests of one stream in order, and its leader holds each
 renewal until it has applied every committed entry (up to 1 s), so under a burst
