@@ -48,7 +48,6 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Awaitable
 from typing import Any, Protocol
 
 import grpc
@@ -57,7 +56,7 @@ from etcd3.etcdrpc import rpc_pb2
 from ..errors import EtcdError, EtcdLeaseNotFound, EtcdRequestError
 from .channels import Member
 from .retry import stall_bound
-from .streams import CallCancelled, Ended, ReconnectingStream, settled
+from .streams import Ended, ReconnectingStream, step
 from .transport import Transport
 
 log = logging.getLogger(__name__)
@@ -298,13 +297,18 @@ class KeepAlives:
         loop = asyncio.get_running_loop()
         nap = self._napping = loop.create_future()
         timer = loop.call_later(min(seconds, 3600.0), _resolve, nap)
+        def woken(_: object) -> None:
+            _resolve(nap)
+
         if reader is not None:
-            reader.add_done_callback(lambda _: _resolve(nap))
+            reader.add_done_callback(woken)
         try:
             await nap
         finally:
             timer.cancel()
             self._napping = None
+            if reader is not None:  # else a stream's reader gathers one callback per renewal
+                reader.remove_done_callback(woken)
 
     def _take_due(self) -> tuple[list[int] | None, float]:
         """The leases due now (counted as owed) and the seconds until the next thing to do.
@@ -346,15 +350,15 @@ class KeepAlives:
             while True:
                 due, wait = self._take_due()
                 if due is None:  # nothing left to keep (or halted): half-close, take the answers owed
-                    await self._step(call.done_writing())
-                    await settled(reader)
+                    await step(call.done_writing(), self._stopping)
+                    await step(reader, self._stopping)
                     return Ended.STOP
                 if not due and wait <= 0:
                     return self._stalled(member)
                 for lease_id in due:
-                    await self._step(call.write(rpc_pb2.LeaseKeepAliveRequest(ID=lease_id)))
+                    await step(call.write(rpc_pb2.LeaseKeepAliveRequest(ID=lease_id)), self._stopping)
                 if reader.done():
-                    await settled(reader)  # etcd's error, or the call cancelled
+                    await step(reader, self._stopping)  # etcd's error, or the call cancelled
                     return Ended.MOVE  # etcd ended the stream
                 await self._sleep(wait, reader)
         finally:
@@ -369,15 +373,9 @@ class KeepAlives:
                 return
             self._answer(resp)
 
-    async def _step(self, step: Awaitable[Any]) -> None:
-        """Await a write (or the half-close) of the current stream: a call cancelled under it is
-        :class:`~.streams.CallCancelled` unless this multiplexer is being stopped."""
-        try:
-            await step
-        except asyncio.CancelledError:
-            if self._halted:
-                raise
-            raise CallCancelled() from None
+    def _stopping(self) -> bool:
+        """Whether :meth:`stop` ran (it sets this before it cancels the task)."""
+        return self._halted
 
     def _stalled(self, member: Member) -> Ended:
         with self._lock:

@@ -51,10 +51,6 @@ class Reactor:
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 
-    def in_loop(self) -> bool:
-        """Whether the calling thread is the loop's."""
-        return threading.current_thread() is self._thread
-
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on the loop, in the caller's ``contextvars`` context (any thread; never blocks)."""
         self.loop.call_soon_threadsafe(fn, *args, context=contextvars.copy_context())

@@ -13,8 +13,8 @@ closed client ends the loop with an error.
 Everything here runs on the process's stream loop (:mod:`.reactor`): :meth:`ReconnectingStream.run`
 is a coroutine that ends with the stream's owner; between streams it waits for a member's
 channel in steps of one second, checking ``stopped()``; a login (a unary RPC) runs in a worker
-thread. :func:`settled` awaits one gRPC step (a read, a write) as a task of its own, so a call
-cancelled under it (the client closing) is told apart from the owner's task being cancelled.
+thread. :func:`step` awaits one step of a call (a read, a write) and tells a call cancelled
+under it (the client closing) from the owner's task being cancelled (its owner is stopping).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CallCancelled", "Ended", "ReconnectingStream", "settled"]
+__all__ = ["CallCancelled", "Ended", "ReconnectingStream", "step"]
 
 _T = TypeVar("_T")
 
@@ -53,23 +53,22 @@ Body = Callable[["Member", tuple[tuple[str, str], ...]], Coroutine[Any, Any, End
 
 
 class CallCancelled(Exception):
-    """A gRPC call was cancelled under a step of it (the client closed its channel, or the
-    stream's own watchdog cancelled it): the stream is over, the owner's task is not."""
+    """A gRPC call was cancelled under a step of it (the client closed its channel): the stream
+    is over, the owner's task is not."""
 
 
-async def settled(step: Awaitable[_T]) -> _T:
-    """Await ``step`` (one read or write of a call) as a task of its own: its result, its
-    error (``grpc.RpcError``), or :class:`CallCancelled` when the call was cancelled under it.
-    Cancelling the caller's task cancels the step too."""
-    task = asyncio.ensure_future(step)
+async def step(awaited: Awaitable[_T], stopping: Callable[[], bool]) -> _T:
+    """Await one step of a call (a read, a write, a reader task): its result or its error
+    (``grpc.RpcError``). A cancellation is :class:`CallCancelled` (the call was cancelled under
+    the step: the client closed its channel) unless ``stopping()`` says the owner is being
+    stopped, whose task's cancellation then goes on as it is (owners set that flag before they
+    cancel their task). No task is made: this runs for every message of a stream."""
     try:
-        await asyncio.wait((task,))
-    finally:
-        if not task.done():
-            task.cancel()
-    if task.cancelled():
-        raise CallCancelled()
-    return task.result()
+        return await awaited
+    except asyncio.CancelledError:
+        if stopping():
+            raise
+        raise CallCancelled() from None
 
 
 class ReconnectingStream:

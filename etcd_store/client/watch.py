@@ -39,7 +39,7 @@ from ..errors import EtcdCompactedError, EtcdError
 from .channels import Member
 from .kv import Event, KeyValue, show_key
 from .retry import Failure, stall_bound, stream_reconnects
-from .streams import Ended, ReconnectingStream, settled
+from .streams import Ended, ReconnectingStream, step
 from .transport import Transport
 
 log = logging.getLogger(__name__)
@@ -174,12 +174,13 @@ class Watch:
         call = member.stream_stub("Watch").Watch(metadata=metadata)
         note = self._client.stream_opened("Watch/Watch")  # a test's interceptor, else None
         policy = self._client.retry_policy
+        stopping = self._cancelled.is_set
         read: asyncio.Future[Any] | None = None
         try:
             create = self._create_request()
             if note is not None:
                 note(True, create)
-            await settled(call.write(create))
+            await step(call.write(create), stopping)
             asked: float | None = time.monotonic()  # when the request awaiting an answer was sent
             while True:
                 if read is None:
@@ -199,9 +200,9 @@ class Watch:
                     progress = rpc_pb2.WatchRequest(progress_request=rpc_pb2.WatchProgressRequest())
                     if note is not None:
                         note(True, progress)
-                    await settled(call.write(progress))
+                    await step(call.write(progress), stopping)
                     continue
-                resp = await settled(read)
+                resp = await step(read, stopping)
                 read = None
                 if resp is grpc.aio.EOF:  # etcd ended the stream
                     return Ended.STOP if self._cancelled.is_set() else Ended.MOVE

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import re
 import threading
@@ -28,6 +29,7 @@ from etcd_store.client import (
     prefix_range_end,
     renewing_lease,
 )
+from etcd_store.client.reactor import reactor
 from etcd_store.client.testing import RpcCounter
 from etcd_store.errors import (
     EtcdConnectionError,
@@ -516,3 +518,21 @@ def test_etcd_errors_are_recognised_by_text_only_in_the_client_translation() -> 
     partial = re.compile(r"""["'][^"'\n]*["']\s+(not\s+)?in\s+(text|reason|details|desc)\b|\.startswith\(|re\.search""")
     found = [line.strip() for line in text.splitlines() if partial.search(line)]
     assert not found, "error text matched by substring in the translation:\n" + "\n".join(found)
+
+
+def test_a_keep_alive_stream_holds_no_more_for_each_renewal(etcd_endpoint: str) -> None:
+    """A keep-alive stream's sender naps between renewals on a future that its reader task also
+    wakes (a done-callback); each nap takes its callback off again, or a stream that lives for
+    hours would gather one callback per renewal on its reader (found in review: it did)."""
+
+    def reader_callbacks() -> list[int]:
+        return [len(t._callbacks or ()) for t in asyncio.all_tasks(reactor().loop)  # type: ignore[attr-defined]
+                if t.get_coro().__name__ == "_read_answers"]  # fmt: skip
+
+    with EtcdClient(etcd_endpoint, timeout=5) as c, Session(c, 15, interval=0.2) as s:
+        deadline = time.monotonic() + 10
+        while len(s.renewed_at()) < 12:  # the grant and about ten renewals, a nap before each
+            assert time.monotonic() < deadline and not s.done().is_set()
+            time.sleep(0.05)
+        counts = asyncio.run_coroutine_threadsafe(asyncio.sleep(0, reader_callbacks()), reactor().loop).result(5)
+    assert counts and max(counts) <= 2, counts
