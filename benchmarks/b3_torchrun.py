@@ -50,6 +50,7 @@ from typing import Any
 
 from etcd_rdzv.testing.agents import LocalAgent, log_line_times, summarize, torchrun_command
 from etcd_rdzv.testing.train import Record, read_records
+from etcd_server.process import free_ports
 
 from .b3_torchrun_report import summaries
 from .common import C10D, OURS_ETCD_V2, OURS_ETCD_V3, TORCH_ETCD_V2, say
@@ -260,12 +261,6 @@ def _wait_listening(endpoint: str, timeout: float) -> None:
     raise TimeoutError(f"nothing listens on {endpoint} after {timeout:.0f} s")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 # --------------------------------------------------------------------------- faults
 
 
@@ -390,7 +385,7 @@ def _start_servers(contenders: Sequence[str], binaries: Mapping[str, str], serve
     endpoints = {}
     for c in contenders:
         if c == C10D:
-            endpoints[c] = f"127.0.0.1:{_free_port()}"
+            endpoints[c] = f"127.0.0.1:{free_ports(1)[0]}"
             continue
         server = EtcdServer(binary=binaries[c], enable_v2=(c == TORCH_ETCD_V2))
         servers[c] = server

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import io
 import os
-import socket
 import subprocess
 import tarfile
 import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
+
+from etcd_server.process import free_ports
 
 from . import REPO_ROOT
 
@@ -149,20 +150,6 @@ def _shared_libraries(binary: str) -> list[tuple[str, str]]:
         if path.startswith("/"):
             libs.append((path.lstrip("/"), path))
     return libs
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct loopback ports that were free a moment ago."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind((HOST, 0))
-            socks.append(s)
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 class EtcdContainer:

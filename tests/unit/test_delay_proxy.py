@@ -13,14 +13,9 @@ from collections.abc import Iterator
 
 import pytest
 from helpers import delay_proxy
+from helpers.ports import closed_port
 
 DELAY_MS = 150
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
@@ -43,7 +38,7 @@ def echo_port() -> Iterator[int]:
 
 @pytest.fixture
 def proxy(echo_port: int) -> Iterator[int]:
-    port = _free_port()
+    port = closed_port()
     proc = subprocess.Popen(
         [sys.executable, delay_proxy.__file__, f"127.0.0.1:{port}", f"127.0.0.1:{echo_port}", str(DELAY_MS)],
         stdout=subprocess.PIPE, text=True,
