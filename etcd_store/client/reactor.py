@@ -56,8 +56,11 @@ class Reactor:
         self.loop.call_soon_threadsafe(fn, *args, context=contextvars.copy_context())
 
     def spawn(self, coro: Coroutine[Any, Any, _T], context: contextvars.Context) -> asyncio.Task[_T]:
-        """A task for ``coro`` running in ``context``; call on the loop only."""
-        return self.loop.create_task(coro, context=context)
+        """A task for ``coro`` running in ``context``; call on the loop only.
+
+        A task copies the context current when it is made, so making it inside ``context.run``
+        runs it there (``create_task(context=...)`` is Python 3.11+ only; the package claims 3.10)."""
+        return context.run(self.loop.create_task, coro)
 
     async def blocking(self, fn: Callable[..., _T], *args: Any) -> _T:
         """``fn(*args)`` in a worker thread, awaited (for the rare blocking step of a stream: a login)."""
