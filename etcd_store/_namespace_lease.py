@@ -71,10 +71,14 @@ class NamespaceLease(StoreLease):
         self._closed = False
 
     def current(self, timeout: float) -> int:
-        """The lease id to attach writes to, finding or creating it if needed."""
-        lease_id = self._id
-        if lease_id:
+        """The lease id to attach writes to, finding or creating it if needed. A lease whose session
+        ended (lost, or its keep-alive stream failed for good) is forgotten first: nobody would
+        refresh it, and keys attached to it would vanish."""
+        lease_id, session = self._id, self._session
+        if lease_id and (session is None or not session.done().is_set()):
             return lease_id
+        if lease_id and not self._closed:
+            self.forget(lease_id)
         with self._lock:
             if not self._id:
                 lease_id, adopted = self._find_or_create(timeout)

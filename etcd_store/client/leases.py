@@ -55,8 +55,9 @@ from etcd3.etcdrpc import rpc_pb2
 
 from ..errors import EtcdError, EtcdLeaseNotFound, EtcdRequestError
 from .channels import Member
+from .reactor import started
 from .retry import stall_bound
-from .streams import Ended, ReconnectingStream, step
+from .streams import Ended, ReconnectingStream, send, step
 from .transport import Transport
 
 log = logging.getLogger(__name__)
@@ -101,13 +102,16 @@ class _Kept:
     """One lease on the stream: its refresh pace and the sessions that keep it
     (``True``: the session's own lease, ``False``: kept for others, see ``Session.keep_also``)."""
 
-    __slots__ = ("due", "fixed", "id", "interval", "keepers", "ttl_pace")
+    __slots__ = ("deadline", "due", "fixed", "id", "interval", "keepers", "ttl_pace")
 
     def __init__(self, lease_id: int, interval: float, due: float, fixed: bool = False,
-                 ttl_pace: float | None = None) -> None:
+                 ttl_pace: float | None = None, deadline: float = float("inf")) -> None:
         self.id = lease_id
         self.interval = interval
         self.due = due
+        # when the lease is surely expired if etcd answered none of its keep-alives meanwhile: the
+        # last answer (or the keep) + the TTL; inf for an extra lease whose TTL no answer told yet
+        self.deadline = deadline
         self.fixed = fixed  # a pace asked for by a session: the TTL etcd reports does not change it
         # a third of the TTL (etcd's last word): what the stream's answer bound is taken from,
         # also for a lease refreshed faster at its session's request
@@ -135,6 +139,10 @@ class KeepAlives:
         self._owed_since = 0.0  # when the stream last progressed while owing (a request, an answer)
         self.streams_stalled = 0  # streams ended because they answered nothing in time
         self._stalls_in_row = 0  # of those, since the last answer (the answer bound doubles: retry.stall_bound)
+        self._deadline_timer: asyncio.TimerHandle | None = None  # on the loop: the next lease deadline
+        self._reconnecting: ReconnectingStream | None = None  # the task's stream loop (told of answers)
+        #: Leases given up as lost because etcd answered none of their keep-alives for their TTL.
+        self.deadlines_passed = 0
 
     # ------------------------------------------------------------------ callers' side
 
@@ -147,8 +155,9 @@ class KeepAlives:
             closed = self._halted or self._transport.closed
             if not closed:
                 pace = refresh_interval(ttl) if interval is None else max(interval, MIN_INTERVAL)
-                self._add_locked(keeper, lease_id, pace, time.monotonic() + max(first_in, 0.0), primary,
-                                 fixed=interval is not None, ttl_pace=refresh_interval(ttl))
+                now = time.monotonic()
+                self._add_locked(keeper, lease_id, pace, now + max(first_in, 0.0), primary,
+                                 fixed=interval is not None, ttl_pace=refresh_interval(ttl), deadline=now + ttl)
         if closed:
             keeper._stopped(EtcdError(f"The etcd client for {self._transport.describe()} is closed."))
 
@@ -171,8 +180,9 @@ class KeepAlives:
         with self._lock:
             self._halted = True
             running = self._running
-        if running:
-            self._transport.reactor.call_soon(self._cancel_task)
+        loop = started()  # None in a process forked from the one whose task this is: nothing to end here
+        if running and loop is not None:
+            loop.call_soon(self._cancel_task)
         self._stop_all(EtcdError(f"The etcd client for {self._transport.describe()} was closed."))
 
     def answer_bound(self) -> float:
@@ -198,11 +208,13 @@ class KeepAlives:
             return True
 
     def _add_locked(self, keeper: Keeper, lease_id: int, interval: float, due: float, primary: bool,
-                    *, fixed: bool = False, ttl_pace: float | None = None) -> None:
+                    *, fixed: bool = False, ttl_pace: float | None = None, deadline: float = float("inf")) -> None:
         kept = self._leases.get(lease_id)
         if kept is None:
-            kept = self._leases[lease_id] = _Kept(lease_id, interval, due, fixed, ttl_pace)
+            kept = self._leases[lease_id] = _Kept(lease_id, interval, due, fixed, ttl_pace, deadline)
             self._push(kept)
+            if deadline != float("inf"):
+                self._transport.reactor.call_soon(self._arm_deadline)
         elif due < kept.due or interval < kept.interval:
             kept.fixed = kept.fixed or fixed
             kept.interval = min(kept.interval, interval)
@@ -216,9 +228,11 @@ class KeepAlives:
             self._poke_locked()
 
     def _poke_locked(self) -> None:
-        """Wake the task: the leases or their dues changed (no-op when none runs)."""
-        if self._running:
-            self._transport.reactor.call_soon(self._set_wake)
+        """Wake the task: the leases or their dues changed (no-op when none runs, or in a process
+        forked from the task's)."""
+        loop = started()
+        if self._running and loop is not None:
+            loop.call_soon(self._set_wake)
 
     def _drop_locked(self, keeper: Keeper) -> None:
         for lease_id in [i for i, k in self._leases.items() if keeper in k.keepers]:
@@ -258,7 +272,7 @@ class KeepAlives:
         """Waits for the next refresh due, then streams (reconnecting) until idle; ends when
         nothing is kept, the client closes, or a failure is final."""
         transport = self._transport
-        stream = ReconnectingStream(
+        stream = self._reconnecting = ReconnectingStream(
             transport, "keep-alive stream", lambda: self._halted or transport.closed,
             recoverable=lambda e: isinstance(e, EtcdLeaseNotFound), on_reconnect=self._refresh_all_now,
         )  # fmt: skip
@@ -339,7 +353,8 @@ class KeepAlives:
 
     async def _stream(self, member: Member, metadata: tuple[tuple[str, str], ...]) -> Ended:
         """One keep-alive stream on ``member``: sends each refresh when due while a reader task takes
-        the answers; MOVE when it stalls or etcd ends it, STOP once idle or halted (half-closed by us)."""
+        the answers; MOVE when it stalls or etcd ends it, STOP once idle or halted (half-closed by us,
+        the answers owed awaited for at most the answer bound, or until a new lease wants a stream)."""
         with self._lock:
             self._owed = 0
             self.streams_opened += 1
@@ -350,19 +365,23 @@ class KeepAlives:
             while True:
                 due, wait = self._take_due()
                 if due is None:  # nothing left to keep (or halted): half-close, take the answers owed
-                    await step(call.done_writing(), self._stopping)
-                    await step(reader, self._stopping)
+                    await send(call, None, self._stopping, reader)
+                    await self._sleep(self.answer_bound(), reader)  # bounded: a hung member holds no one
                     return Ended.STOP
                 if not due and wait <= 0:
                     return self._stalled(member)
                 for lease_id in due:
-                    await step(call.write(rpc_pb2.LeaseKeepAliveRequest(ID=lease_id)), self._stopping)
+                    await send(call, rpc_pb2.LeaseKeepAliveRequest(ID=lease_id), self._stopping, reader)
                 if reader.done():
                     await step(reader, self._stopping)  # etcd's error, or the call cancelled
                     return Ended.MOVE  # etcd ended the stream
                 await self._sleep(wait, reader)
         finally:
-            reader.cancel()
+            if reader.done():
+                if not reader.cancelled():
+                    reader.exception()  # retrieved: the fate was decided (it is never left unretrieved)
+            else:
+                reader.cancel()
             call.cancel()
 
     async def _read_answers(self, call: Any) -> None:
@@ -371,6 +390,8 @@ class KeepAlives:
             resp = await call.read()
             if resp is grpc.aio.EOF:
                 return
+            if self._reconnecting is not None:
+                self._reconnecting.heard()
             self._answer(resp)
 
     def _stopping(self) -> bool:
@@ -412,6 +433,7 @@ class KeepAlives:
                     if primary:  # a lost session refreshes nothing more (its extra leases neither)
                         self._drop_locked(keeper)
             else:
+                kept.deadline = time.monotonic() + ttl
                 kept.ttl_pace = refresh_interval(ttl)
                 interval = kept.interval if kept.fixed else kept.ttl_pace
                 if interval != kept.interval:
@@ -426,6 +448,45 @@ class KeepAlives:
             keeper._lease_lost(int(resp.ID), primary)
         for keeper in learnt:
             keeper._learn_ttl(ttl)
+
+    def _arm_deadline(self) -> None:
+        """(On the loop.) Have :meth:`_check_deadlines` run at the earliest lease deadline. The
+        timer is the loop's, not the stream task's: a task that died or hangs cannot leave a
+        session unrenewed and untold."""
+        with self._lock:
+            earliest = min((kept.deadline for kept in self._leases.values()), default=float("inf"))
+        timer = self._deadline_timer
+        if timer is not None:
+            if timer.when() <= earliest:
+                return
+            timer.cancel()
+            self._deadline_timer = None
+        if earliest != float("inf") and not self._halted:
+            loop = asyncio.get_running_loop()
+            self._deadline_timer = loop.call_at(earliest, self._check_deadlines)
+
+    def _check_deadlines(self) -> None:
+        """(On the loop.) A lease etcd answered no keep-alive of for its whole TTL is surely gone
+        (etcd Go's lessor: the same rule), unless etcd had no leader all that time: it is given up
+        as lost, its sessions told so, as if etcd had answered TTL 0."""
+        self._deadline_timer = None
+        now = time.monotonic()
+        lost: list[tuple[int, Keeper, bool]] = []
+        with self._lock:
+            for kept in [k for k in self._leases.values() if k.deadline <= now]:
+                if kept.id not in self._leases:
+                    continue  # dropped with a lost keeper above
+                del self._leases[kept.id]
+                lost.extend((kept.id, keeper, primary) for keeper, primary in kept.keepers.items())
+                for keeper, primary in kept.keepers.items():
+                    if primary:
+                        self._drop_locked(keeper)
+                self.deadlines_passed += 1
+        for lease_id in sorted({i for i, _, _ in lost}):
+            log.warning("lease %x: etcd answered none of its keep-alives for its TTL; given up as lost", lease_id)
+        for lease_id, keeper, primary in lost:
+            keeper._lease_lost(lease_id, primary)
+        self._arm_deadline()
 
     def _stop_all(self, reason: BaseException) -> None:
         with self._lock:

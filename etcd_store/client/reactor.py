@@ -17,7 +17,9 @@ such processes with ``spawn`` or ``forkserver``, or before the parent's first st
 child that makes no stream (a DataLoader worker) is not affected; nor is the parent. Everything else in the client reaches the loop
 through :meth:`Reactor.call_soon` (from any thread, never blocks) and code that already runs
 on it. Code on the loop must not block: a blocking call there (a unary RPC, a lock held long)
-stalls every stream of the process; :meth:`Reactor.blocking` runs one in a worker thread.
+stalls every stream of the process; :meth:`Reactor.blocking` runs one (a login) in a daemon
+thread, :meth:`Reactor.offload` runs callbacks into user code in another, and a watchdog logs
+any pass of the loop that held it over :data:`LAG_WARNING` (0.1 s).
 """
 
 from __future__ import annotations
@@ -26,7 +28,10 @@ import asyncio
 import contextvars
 import logging
 import os
+import queue
+import selectors
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -39,11 +44,53 @@ __all__ = ["Reactor", "reactor", "started"]
 _T = TypeVar("_T")
 
 
+#: A loop step longer than this is logged by the watchdog (:class:`_StepTimer`).
+LAG_WARNING = 0.1
+
+
+class _StepTimer(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
+    """The loop's selector, timing each pass of the loop between two waits for I/O: the steps it
+    ran (callbacks, task steps). A pass over :data:`LAG_WARNING` seconds (a blocking call on the
+    loop: a lock, an RPC) is logged at WARNING; time spent waiting for I/O or for the CPU between
+    passes is not counted, so a busy machine alone does not trigger it. Costs two clock reads a pass."""
+
+    def __init__(self, reactor: Reactor) -> None:
+        super().__init__()
+        self._reactor = reactor
+        self._left = time.monotonic()
+
+    def select(self, timeout: float | None = None) -> Any:
+        held = time.monotonic() - self._left
+        if held > self._reactor.max_lag:
+            self._reactor.max_lag = held
+        if held > LAG_WARNING:
+            self._reactor.lags += 1
+            log.warning("a step of the etcd stream loop took %.0f ms (something blocked on it): every "
+                        "watch and keep-alive of the process waited", held * 1000)
+        try:
+            return super().select(timeout)
+        finally:
+            self._left = time.monotonic()
+
+
 class Reactor:
-    """One asyncio loop in one daemon thread (``etcd-streams``), started by the constructor."""
+    """One asyncio loop in one daemon thread (``etcd-streams``), started by the constructor.
+
+    Nothing that can block runs on the loop: :meth:`blocking` runs a login in a daemon thread of
+    its own (exit never waits for one: an executor's threads would be joined before ``atexit``),
+    :meth:`offload` hands callbacks into user code (a lost lease's ``on_lost``) to the
+    ``etcd-callbacks`` daemon thread. A watchdog in the loop's selector times each pass of the
+    loop: one over :data:`LAG_WARNING` seconds is logged at WARNING and counted in :attr:`lags`,
+    the longest kept in :attr:`max_lag` (the tests assert it stays quiet).
+    """
 
     def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
+        self.lags = 0
+        self.max_lag = 0.0
+        self.loop = asyncio.SelectorEventLoop(_StepTimer(self))
+        self._callbacks: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]]] = queue.SimpleQueue()
+        self._callback_thread: threading.Thread | None = None
+        self._callback_lock = threading.Lock()
         self._thread = threading.Thread(target=self._serve, name="etcd-streams", daemon=True)
         self._thread.start()
 
@@ -63,8 +110,49 @@ class Reactor:
         return context.run(self.loop.create_task, coro)
 
     async def blocking(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """``fn(*args)`` in a worker thread, awaited (for the rare blocking step of a stream: a login)."""
-        return await self.loop.run_in_executor(None, fn, *args)
+        """``fn(*args)`` in a daemon thread of its own, awaited (the rare blocking step of a stream:
+        a login). The process's exit does not wait for it."""
+        loop = self.loop
+        done: asyncio.Future[_T] = loop.create_future()
+
+        def settle(result: Any, error: BaseException | None) -> None:
+            if done.done():
+                return
+            if error is not None:
+                done.set_exception(error)
+            else:
+                done.set_result(result)
+
+        def work() -> None:
+            try:
+                result = fn(*args)
+            except BaseException as e:  # handed to the awaiting stream, which classifies it
+                loop.call_soon_threadsafe(settle, None, e)
+            else:
+                loop.call_soon_threadsafe(settle, result, None)
+
+        threading.Thread(target=work, name="etcd-login", daemon=True).start()
+        return await done
+
+    def offload(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` in the ``etcd-callbacks`` daemon thread, in order with other offloaded
+        calls (never blocks; call from the loop: callbacks into user code must not stall it). An
+        error is logged with its traceback."""
+        self._callbacks.put((fn, args))
+        if self._callback_thread is None:
+            with self._callback_lock:
+                if self._callback_thread is None:
+                    self._callback_thread = threading.Thread(target=self._run_callbacks, name="etcd-callbacks",
+                                                             daemon=True)
+                    self._callback_thread.start()
+
+    def _run_callbacks(self) -> None:
+        while True:
+            fn, args = self._callbacks.get()
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("an etcd client callback (%r) failed", fn)
 
 
 _lock = threading.Lock()

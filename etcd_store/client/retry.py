@@ -26,10 +26,14 @@ failure                   safe to resend (``idempotent``)   not safe to resend
 from __future__ import annotations
 
 import enum
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Action", "Attempts", "Call", "Failure", "RetryPolicy", "decide", "stall_bound", "stream_reconnects"]
+__all__ = [
+    "Action", "Attempts", "Backoff", "Call", "Cause", "Failure", "Fate", "RetryPolicy", "StreamStep", "decide",
+    "stall_bound", "stream_fate", "stream_reconnects",
+]
 
 
 class Failure(enum.Enum):
@@ -95,6 +99,101 @@ def stream_reconnects(failure: Failure) -> bool:
     return failure in _MEMBER_FAILURES or failure is Failure.STALE_TOKEN
 
 
+# --------------------------------------------------------------------------- a stream's fate
+
+
+class StreamStep(enum.Enum):
+    """Where in a stream's life an error came from."""
+
+    OPEN = "open"  #: logging in, building the metadata, opening the call
+    SEND = "send"  #: writing a request or half-closing
+    RECEIVE = "receive"  #: reading an answer, or the call's final status as its reader saw it
+
+
+class Cause(enum.Enum):
+    """What an error of a stream is, as :mod:`.streams` classifies it (gRPC's types, etcd's codes)."""
+
+    #: etcd's or gRPC's status that another stream can get past: a member failure, a refused token
+    #: (dropped, so the next stream logs in), gRPC's INTERNAL, a call gRPC cancelled, or a recoverable
+    #: error of the owner's (a keep-alive's "lease not found").
+    RETRYABLE = "retryable status"
+    #: etcd's answer that no other stream changes (denied, compacted, bad request).
+    FINAL = "final status"
+    #: gRPC's own complaint about the call, not etcd's word: INTERNAL "Internal error from Core" or
+    #: ``InvalidStateError`` from a write on a call etcd had already ended; or a receive side that said
+    #: nothing when asked.
+    LOCAL = "local"
+    #: The call was cancelled under a step, or its channel closed (the client closing, or gone away).
+    CANCELLED_UNDER = "cancelled under"
+    #: etcd rejected the credentials while the stream logged in.
+    LOGIN_REFUSED = "login refused"
+    #: The login found no member to answer (unreachable, timed out).
+    LOGIN_FAILED = "login failed"
+    #: etcd ended the stream cleanly (end of stream, no status error).
+    ENDED = "ended"
+
+
+class Fate(enum.Enum):
+    """What a stream does after an error: the one decision, :func:`stream_fate`."""
+
+    RECONNECT = "reconnect"  #: broken: a new stream on the next member (after a backoff if it never answered)
+    ASK_RECEIVE = "ask the receive side"  #: a send's error decides nothing: the call's receive side does
+    FINAL = "final"  #: the owner gets the error and stops
+    STOP = "stop"  #: the owner is stopping: end quietly
+    CLOSED = "closed"  #: the client closed: the owner gets the client's "closed" error
+
+
+def stream_fate(step: StreamStep, cause: Cause, *, stopping: bool, closed: bool) -> Fate:
+    """The fate of a stream after an error (as etcd's Go client: a stream's fate comes from its
+    receive side; a send's error decides nothing).
+
+    ============  ==================================================  ==================
+    step          cause                                                fate
+    ============  ==================================================  ==================
+    any           (the owner is stopping)                              STOP
+    any           (the client closed)                                  CLOSED
+    SEND          RETRYABLE, FINAL, LOCAL, ENDED                       ASK_RECEIVE
+    SEND          CANCELLED_UNDER                                      RECONNECT
+    OPEN/RECEIVE  FINAL, LOGIN_REFUSED                                 FINAL
+    OPEN/RECEIVE  RETRYABLE, LOCAL, CANCELLED_UNDER, LOGIN_FAILED,     RECONNECT
+                  ENDED
+    ============  ==================================================  ==================
+    """
+    if stopping:
+        return Fate.STOP
+    if closed:
+        return Fate.CLOSED
+    if step is StreamStep.SEND:
+        return Fate.RECONNECT if cause is Cause.CANCELLED_UNDER else Fate.ASK_RECEIVE
+    if cause in (Cause.FINAL, Cause.LOGIN_REFUSED):
+        return Fate.FINAL
+    return Fate.RECONNECT
+
+
+class Backoff:
+    """The pause before a stream's next attempt when the last one ended before any answer
+    (a member that refuses every stream, a single endpoint with nowhere else to go): from
+    ``first`` doubling up to ``cap``, each pause drawn between half and all of it (jitter, so
+    many clients do not come back in step); :meth:`reset` on an answer. No pause after a
+    stream that answered: a member that served and then failed is left at once."""
+
+    def __init__(self, first: float, cap: float, rand: random.Random | None = None) -> None:
+        self.first = first
+        self.cap = cap
+        self._next = first
+        self._rand = rand or random.Random()
+
+    def pause(self) -> float:
+        """The next pause, in seconds; the one after it is twice as long (up to ``cap``)."""
+        bound = self._next
+        self._next = min(self._next * 2, self.cap)
+        return bound * (0.5 + 0.5 * self._rand.random())
+
+    def reset(self) -> None:
+        """The stream answered: the next pause starts again at ``first``."""
+        self._next = self.first
+
+
 #: A stream's answer bound doubles after each stall in a row, at most this many times.
 MAX_STALL_DOUBLINGS = 3
 
@@ -132,13 +231,21 @@ class RetryPolicy:
     first_pause: float = 0.025
     max_pause: float = 0.5
     stream_quiet: float = 5.0
+    #: A stream that ended before any answer waits this long before the next attempt (about: with
+    #: jitter), doubling up to ``stream_backoff_max`` (:class:`Backoff`).
+    stream_backoff: float = 0.1
+    stream_backoff_max: float = 2.0
 
     def __post_init__(self) -> None:
-        for name in ("first_attempt", "first_pause", "max_pause", "stream_quiet"):
+        for name in ("first_attempt", "first_pause", "max_pause", "stream_quiet", "stream_backoff",
+                     "stream_backoff_max"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"RetryPolicy.{name} must be positive, got {getattr(self, name)!r}")
         if self.max_pause < self.first_pause:
             raise ValueError(f"RetryPolicy.max_pause ({self.max_pause}) is below first_pause ({self.first_pause})")
+        if self.stream_backoff_max < self.stream_backoff:
+            raise ValueError(f"RetryPolicy.stream_backoff_max ({self.stream_backoff_max}) is below "
+                             f"stream_backoff ({self.stream_backoff})")
 
 
 @dataclass

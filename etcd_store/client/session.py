@@ -12,11 +12,13 @@ Contract:
   one more stream (same channel) per ``LEASES_PER_STREAM`` (32) sessions, so
   many nodes in one process renew in parallel. A broken
   stream is reopened on the next reachable endpoint; nothing blocks the caller.
-* When etcd reports the lease gone (expired, or revoked by anyone), :attr:`lost`
-  is set and ``on_lost`` runs once, on the process's stream loop (:mod:`.reactor`;
-  it must not block: it holds up every stream of the process). :meth:`done` is set when the
-  session stops refreshing for any reason (lost, closed, or its client closed).
-  A session never declares its lease lost on its own while etcd cannot be reached.
+* When etcd reports the lease gone (expired, or revoked by anyone), or answers none of its
+  keep-alives for a whole TTL (etcd Go's lessor: the lease is then surely expired, unless etcd had
+  no leader all that time), :attr:`lost` is set and ``on_lost`` runs once, in the client's
+  callback thread (:meth:`~.reactor.Reactor.offload`: never on the stream loop, so it may take
+  locks and make RPCs). :meth:`done` is set when the session stops refreshing for any reason
+  (lost, closed, its client closed, or its keep-alive stream failed for good): a holder of a
+  session checks :meth:`done` before it relies on the lease.
 * :meth:`renewed_at` says when etcd answered its recent keep-alives (the grant counts as
   the first): how fresh this client's own view of etcd is.
 * :meth:`close` stops refreshing and revokes the lease (deleting its keys),
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +41,7 @@ from typing import TypeVar
 
 from ..errors import EtcdError, EtcdLeaseNotFound
 from .leases import LeaseSource, refresh_interval
+from .reactor import started
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +58,7 @@ class Session:
             :class:`~etcd_store.client.EtcdClient`, or any :class:`~.leases.LeaseSource`).
         ttl: seconds; the lease's TTL (at least 1).
         lease_id: the id to ask etcd for (0: etcd picks one).
-        on_lost: called once, on the stream loop (must not block), when etcd reports the lease gone.
+        on_lost: called once, in the client's callback thread, when the lease is lost (see above).
         interval: seconds between two keep-alives (at least 0.2); None: a third of the TTL.
 
     Attributes: ``id`` (also :attr:`lease_id`), ``ttl`` (as etcd last reported it),
@@ -133,6 +137,7 @@ class Session:
         self._on_lost = on_lost
         self._revoke_on_close = revoke_on_close
         self._closed = False
+        self._pid = os.getpid()
         self._also: frozenset[int] = frozenset()
         self._mux = client.keep_alives()
         self._mux.keep(self, lease_id, ttl, first_in=0.0 if refresh_now else self.interval, interval=interval)
@@ -172,12 +177,15 @@ class Session:
 
         ``revoke=None`` follows the session's default (``True`` for a granted lease).
         Idempotent; never raises for a revoke that fails (it is logged: the lease
-        then expires by itself).
+        then expires by itself). In a process forked from the session's, closing stops nothing
+        and revokes nothing: the lease and its keep-alives are the parent's.
         """
         first = not self._closed
         self._closed = True
-        self._mux.drop(self)
         self._done.set()
+        if os.getpid() != self._pid:
+            return
+        self._mux.drop(self)
         if revoke is None:
             revoke = self._revoke_on_close
         if first and revoke and not self.lost.is_set():
@@ -212,7 +220,11 @@ class Session:
             self._done.set()
             log.warning("lease %x is gone (expired or revoked)", self.id)
             if self._on_lost is not None:
-                self._on_lost()
+                started_loop = started()
+                if started_loop is not None:
+                    started_loop.offload(self._on_lost)
+                else:  # (not told by a stream: no loop in this process)
+                    self._on_lost()
 
     def _stopped(self, reason: BaseException) -> None:
         # The stream logged why (once for all its sessions); a closed client is no news.

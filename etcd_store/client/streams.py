@@ -4,17 +4,29 @@
 until its owner stops it or a failure is final. The owner gives a *body*: a coroutine that
 opens the call on the member it is handed (with the metadata it is handed: the auth token and
 ``hasleader``), before its first ``await``, and consumes the answers, then says how the stream
-ended (:class:`Ended`). The loop does the rest,
-once for both kinds of stream: a broken stream (member gone, etcd restarted, "no leader") is
-recognised by the transport (:meth:`~.transport.Transport.stream_error`) and reopened on the
-next member whose channel is ready; a refused token is dropped so the next stream logs in; a
-closed client ends the loop with an error.
+ended (:class:`Ended`). The loop does the rest, once for both kinds of stream.
+
+**Where a stream's fate is decided.** Every error of a stream, wherever it surfaces (logging
+in, a write, a read, a call cancelled under a step, gRPC's ``InvalidStateError``), is
+classified once here (:func:`cause_of`: gRPC's types; etcd's codes through the transport, the
+one place that knows them) and judged by one pure table, :func:`~.retry.stream_fate` (step x
+cause -> reconnect, final, stop, closed). As in etcd's Go client, a send's error decides
+nothing: :func:`send` then asks the call's receive side (the owner's pending read or reader
+task, at most :data:`SETTLE` seconds) and raises what it says. So a stream that etcd ends as it
+opens (no leader during a quorum loss: gRPC's write then fails with INTERNAL "Internal error
+from Core") reconnects, and only etcd's own final answer (denied, compacted, bad request) ends
+an owner.
+
+**Backoff.** A stream that ended before any answer waits before the next attempt
+(:class:`~.retry.Backoff`: 0.1 s doubling to 2 s, jittered; reset by an answer), so a member
+that refuses every stream costs a few attempts a second at first and one every 1-2 s after;
+the "reconnecting" line is logged once per :data:`LOG_EVERY` seconds with a count of the rest.
 
 Everything here runs on the process's stream loop (:mod:`.reactor`): :meth:`ReconnectingStream.run`
 is a coroutine that ends with the stream's owner; between streams it waits for a member's
-channel in steps of one second, checking ``stopped()``; a login (a unary RPC) runs in a worker
-thread. :func:`step` awaits one step of a call (a read, a write) and tells a call cancelled
-under it (the client closing) from the owner's task being cancelled (its owner is stopping).
+channel in steps of one second, checking ``stopped()``; a login (a unary RPC) runs in a daemon
+thread (never on the loop). :func:`step` awaits one step of a call (a read, a write) and tells a
+call cancelled under it (the client closing) from the owner's task being cancelled.
 """
 
 from __future__ import annotations
@@ -28,7 +40,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
-from ..errors import EtcdError
+from ..errors import EtcdAuthError, EtcdError, EtcdPermissionDenied
+from .retry import Backoff, Cause, Fate, StreamStep, stream_fate
 
 if TYPE_CHECKING:
     from .channels import Member
@@ -36,9 +49,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CallCancelled", "Ended", "ReconnectingStream", "step"]
+__all__ = ["SETTLE", "CallCancelled", "Ended", "ReconnectingStream", "SendFailed", "StreamEnded", "cause_of",
+           "send", "step"]  # fmt: skip
 
 _T = TypeVar("_T")
+
+#: The longest :func:`send` waits for a call's receive side after a failed write.
+SETTLE = 1.0
+#: The "reconnecting" line of one stream is logged at most once per this many seconds.
+LOG_EVERY = 30.0
 
 
 class Ended(enum.Enum):
@@ -57,6 +76,14 @@ class CallCancelled(Exception):
     is over, the owner's task is not."""
 
 
+class StreamEnded(Exception):
+    """etcd ended the stream cleanly (end of stream) while a request was being sent."""
+
+
+class SendFailed(Exception):
+    """A write failed and the call's receive side said nothing within :data:`SETTLE` seconds."""
+
+
 async def step(awaited: Awaitable[_T], stopping: Callable[[], bool]) -> _T:
     """Await one step of a call (a read, a write, a reader task): its result or its error
     (``grpc.RpcError``). A cancellation is :class:`CallCancelled` (the call was cancelled under
@@ -71,6 +98,60 @@ async def step(awaited: Awaitable[_T], stopping: Callable[[], bool]) -> _T:
         raise CallCancelled() from None
 
 
+async def send(call: Any, message: Any, stopping: Callable[[], bool],
+               receiving: asyncio.Future[Any] | None = None) -> None:
+    """Write ``message`` on ``call`` (None: half-close it). A failed write decides nothing
+    (:func:`~.retry.stream_fate`, step SEND): this waits up to :data:`SETTLE` seconds for the
+    call's receive side (``receiving``, the owner's pending read or reader task; else one read
+    made here) and raises what it says: etcd's status (``grpc.RpcError``), :class:`StreamEnded`,
+    :class:`CallCancelled`, or :class:`SendFailed` when it says nothing in time."""
+    try:
+        await step(call.write(message) if message is not None else call.done_writing(), stopping)
+    except (grpc.RpcError, asyncio.InvalidStateError) as e:
+        raise await _receive_side(call, receiving, e) from None
+
+
+async def _receive_side(call: Any, receiving: asyncio.Future[Any] | None, error: BaseException) -> BaseException:
+    """What the receive side of ``call`` says after a failed write (see :func:`send`)."""
+    own = receiving is None
+    pending = asyncio.ensure_future(call.read()) if receiving is None else receiving
+    try:
+        done, _ = await asyncio.wait((pending,), timeout=SETTLE)
+    finally:
+        if own and not pending.done():
+            pending.cancel()
+    if not done:
+        return SendFailed(f"a write failed ({error!r}) and the call's receive side said nothing in {SETTLE:g} s")
+    if pending.cancelled():
+        return CallCancelled()
+    found = pending.exception()
+    if found is not None:
+        return found
+    return StreamEnded()
+
+
+def cause_of(error: BaseException, transport: Transport, member: Member, what: str,
+             recoverable: Callable[[EtcdError], bool]) -> tuple[Cause, EtcdError | None] | None:
+    """Classify a stream's error: its :class:`~.retry.Cause` and, for etcd's status, the translated
+    error (a final one is the owner's). None for an error that is no stream failure (a defect)."""
+    if isinstance(error, grpc.aio.UsageError | ValueError | CallCancelled):
+        return Cause.CANCELLED_UNDER, None  # (ValueError: gRPC's "closed channel")
+    if isinstance(error, grpc.RpcError):
+        fatal = transport.stream_error(member, error, what)  # drops a refused token
+        if fatal is None or recoverable(fatal):
+            return Cause.RETRYABLE, fatal
+        return Cause.FINAL, fatal
+    if isinstance(error, asyncio.InvalidStateError | SendFailed):
+        return Cause.LOCAL, None
+    if isinstance(error, StreamEnded):
+        return Cause.ENDED, None
+    if isinstance(error, EtcdAuthError | EtcdPermissionDenied):
+        return Cause.LOGIN_REFUSED, error
+    if isinstance(error, EtcdError):
+        return Cause.LOGIN_FAILED, error
+    return None
+
+
 class ReconnectingStream:
     """One stream after another on ``transport``'s members (see the module docstring).
 
@@ -78,6 +159,7 @@ class ReconnectingStream:
     before each stream and while waiting for a member). ``recoverable(error)``: a fatal-looking
     stream error that should reconnect all the same (a keep-alive's "lease not found").
     ``on_reconnect()`` runs after the loop moved to the next member, before its next stream.
+    The body calls :meth:`heard` on each answer (an answered stream reconnects without a pause).
     """
 
     def __init__(
@@ -94,6 +176,18 @@ class ReconnectingStream:
         self._stopped = stopped
         self._recoverable = recoverable
         self._on_reconnect = on_reconnect
+        policy = transport.retry_policy
+        self._backoff = Backoff(policy.stream_backoff, policy.stream_backoff_max)
+        self._answered = False
+        #: Streams opened (attempts), and the pauses taken before them, in seconds.
+        self.attempts = 0
+        self.paused = 0.0
+        self._logged_at = float("-inf")
+        self._unlogged = 0
+
+    def heard(self) -> None:
+        """The current stream answered (called by the body on each answer; costs a store)."""
+        self._answered = True
 
     async def run(self, body: Body) -> EtcdError | None:
         """Run streams until ``body`` says :attr:`Ended.STOP` or ``stopped()`` (None), or a failure
@@ -101,39 +195,63 @@ class ReconnectingStream:
         transport = self._transport
         while not self._stopped():
             index, member = transport.stream_target()
+            where = StreamStep.OPEN
+            self._answered = False
+            self.attempts += 1
             try:
-                deadline = time.monotonic() + transport.timeout
-                if transport.login_pending(member):
+                metadata = transport.stream_metadata_now(member)
+                if metadata is None:  # a login first: a unary RPC, never on the loop
+                    deadline = time.monotonic() + transport.timeout
                     metadata = await transport.reactor.blocking(transport.stream_metadata, member, deadline)
-                else:
-                    metadata = transport.stream_metadata(member, deadline)
                 if transport.closed:  # checked with no await before the body opens its call
                     return self._closed()
+                where = StreamStep.RECEIVE  # a send's failure reaches here as its receive side's word
                 ended = await body(member, metadata)
-            except grpc.RpcError as e:
-                if self._stopped():
+            except Exception as e:
+                classified = cause_of(e, transport, member, self.what, self._recoverable)
+                if classified is None:
+                    raise  # a defect: the owner tells its consumers
+                cause, error = classified
+                fate = stream_fate(where, cause, stopping=self._stopped(), closed=transport.closed)
+                if fate is Fate.STOP:
                     return None
-                fatal = transport.stream_error(member, e, self.what)
-                if fatal is not None and not self._recoverable(fatal):
-                    return fatal
-                ended = Ended.MOVE
-            except EtcdError as e:  # auth refused while logging in
-                return e
-            except (CallCancelled, ValueError, grpc.aio.UsageError):  # cancelled, or the channel closed
-                if self._stopped():
-                    return None
-                if transport.closed:
+                if fate is Fate.CLOSED:
                     return self._closed()
+                if fate is Fate.FINAL:
+                    assert error is not None
+                    return error
                 ended = Ended.MOVE
+            if self._answered:
+                self._backoff.reset()
             if ended is Ended.STOP:
                 return None
+            if not self._answered:
+                await self._pause()
+                if self._stopped():
+                    return None
             if ended is Ended.AGAIN:
                 continue
-            log.info("%s lost %s; reconnecting", self.what, member.endpoint)
+            self._log_reconnect(member)
             if not await self._next_member(index):
                 return self._closed() if transport.closed else None
             self._on_reconnect()
         return None
+
+    async def _pause(self) -> None:
+        """The backoff before the next attempt of a stream that never answered."""
+        pause = self._backoff.pause()
+        self.paused += pause
+        await asyncio.sleep(pause)
+
+    def _log_reconnect(self, member: Member) -> None:
+        now = time.monotonic()
+        if now - self._logged_at < LOG_EVERY:
+            self._unlogged += 1
+            return
+        more = f" ({self._unlogged} more reconnects in the last {now - self._logged_at:.0f} s)" if self._unlogged else ""
+        log.info("%s lost %s; reconnecting%s", self.what, member.endpoint, more)
+        self._logged_at = now
+        self._unlogged = 0
 
     async def _next_member(self, index: int) -> bool:
         """Move on from member ``index`` to the next whose channel is ready; False when the
@@ -149,4 +267,3 @@ class ReconnectingStream:
 
     def _closed(self) -> EtcdError:
         return EtcdError(f"The etcd client for {self._transport.describe()} was closed.")
-

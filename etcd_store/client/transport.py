@@ -20,6 +20,7 @@ the call's deadline; the deadline bounds the whole call, retries included.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -218,6 +219,7 @@ class Transport:
         self._current = 0
         self._lock = threading.Lock()
         self._closed = False
+        self._pid = os.getpid()
         #: Retries and errors of this client (:mod:`.stats`), read by the layers above.
         self.stats = CallStats()
         #: The numbers of the retry policy (:mod:`.retry`).
@@ -249,6 +251,16 @@ class Transport:
         if member.token is None:
             self._authenticate(member, deadline)
         return (("token", member.token),) if member.token else None
+
+    def stream_metadata_now(self, member: Member) -> tuple[tuple[str, str], ...] | None:
+        """The metadata of a stream on ``member`` if no login is needed (the token is read once),
+        else None: then :meth:`stream_metadata` logs in, off the stream loop. Never blocks."""
+        if self._user is None:
+            return (REQUIRE_LEADER,)
+        token = member.token
+        if token is None:
+            return None
+        return (("token", token), REQUIRE_LEADER) if token else (REQUIRE_LEADER,)
 
     def stream_metadata(self, member: Member, deadline: float) -> tuple[tuple[str, str], ...]:
         """The metadata of a stream on ``member``: the auth token (logging in first when
@@ -463,18 +475,33 @@ class Transport:
         """One attempt of a unary RPC on member ``index`` only (no retry, no failover, no auth
         token: for the calls etcd answers without one, such as ``Maintenance.Status``), bounded by
         ``timeout`` (default: the client's); raises :class:`EtcdError` subclasses only."""
+        if self._closed:
+            raise EtcdError(f"The etcd client for {self.describe()} is closed.")
         member = self._members[index]
         budget = self.timeout if timeout is None else timeout
         try:
             return getattr(member.stub(service), method)(request, timeout=budget)
         except grpc.RpcError as e:
             raise self._translate(e, what or f"{method} of {member.endpoint}") from None
+        except ValueError:  # gRPC's "Cannot invoke RPC on closed channel!": closed during the call
+            if not self._closed:
+                raise
+            raise EtcdError(f"The etcd client for {self.describe()} was closed during {method}.") from None
 
     def close(self) -> None:
-        """Close every channel. Open streams end (their loops see :attr:`closed`)."""
+        """Close every channel. Open streams end (their loops see :attr:`closed`). In a process
+        forked from the one that made this transport, only marks it closed: its channels and
+        streams are the parent's (gRPC's objects do not survive a fork), and stay the parent's."""
         self._closed = True
+        if os.getpid() != self._pid:
+            return
         for member in self._members:
             member.close()
+
+    @property
+    def inherited(self) -> bool:
+        """Whether this process was forked from the one that made this transport."""
+        return os.getpid() != self._pid
 
     # ---------------------------------------------------------------- for the client's streams (.streams, .watch)
 
@@ -482,10 +509,6 @@ class Transport:
     def reactor(self) -> Reactor:
         """The process's stream loop (:mod:`.reactor`), started on first use."""
         return reactor()
-
-    def login_pending(self, member: Member) -> bool:
-        """Whether a stream on ``member`` must log in first (a unary RPC: not on the stream loop)."""
-        return self._user is not None and member.token is None
 
     def stream_opened(self, method: str) -> Callable[[bool, Any], None] | None:
         """Tell the client's interceptors that a stream (``"Watch/Watch"``) opened. Streams run on
@@ -540,17 +563,20 @@ class Transport:
         return self._user is not None and status in (_INVALID_TOKEN, _PERMISSION_DENIED)
 
     def stream_error(self, member: Member, err: grpc.RpcError, what: str) -> EtcdError | None:
-        """What a broken stream (watch, keep-alive) should do: None to reconnect, or its fatal error.
+        """What a broken stream's status says (:mod:`.streams` judges it): None for one another
+        stream can get past, or its error.
 
         A refused token is dropped, so the next stream logs in again. A stream that gRPC
-        cancelled (the client closing) reconnects too: the reconnect loop sees the close.
+        cancelled (the client closing: the stream loop sees the close) and gRPC's INTERNAL (its
+        own failure of the call, such as "Internal error from Core" for a write on a stream etcd
+        ended as it opened, for want of a leader) reconnect too, as in etcd's Go client.
         """
         failure = failure_of(_status(err))
         if failure is Failure.STALE_TOKEN:
             if self._user is None:
                 return self._translate(err, what)
             member.token = None
-        if stream_reconnects(failure) or err.code() == _C.CANCELLED:
+        if stream_reconnects(failure) or err.code() in (_C.CANCELLED, _C.INTERNAL):
             return None
         return self._translate(err, what)
 

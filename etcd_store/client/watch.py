@@ -39,7 +39,7 @@ from ..errors import EtcdCompactedError, EtcdError
 from .channels import Member
 from .kv import Event, KeyValue, show_key
 from .retry import Failure, stall_bound, stream_reconnects
-from .streams import Ended, ReconnectingStream, step
+from .streams import Ended, ReconnectingStream, send, step
 from .transport import Transport
 
 log = logging.getLogger(__name__)
@@ -150,7 +150,8 @@ class Watch:
     async def _run(self) -> None:
         """Streams until cancelled or a final failure (raised from :meth:`get`)."""
         self._relogged = False  # logged in again for this watch since etcd last confirmed it
-        stream = ReconnectingStream(self._client, f"watch on {show_key(self.key)}", self._cancelled.is_set)
+        stream = self._reconnecting = ReconnectingStream(
+            self._client, f"watch on {show_key(self.key)}", self._cancelled.is_set)
         try:
             fatal = await stream.run(self._stream)
         except asyncio.CancelledError:
@@ -180,7 +181,7 @@ class Watch:
             create = self._create_request()
             if note is not None:
                 note(True, create)
-            await step(call.write(create), stopping)
+            await send(call, create, stopping)
             asked: float | None = time.monotonic()  # when the request awaiting an answer was sent
             while True:
                 if read is None:
@@ -200,7 +201,7 @@ class Watch:
                     progress = rpc_pb2.WatchRequest(progress_request=rpc_pb2.WatchProgressRequest())
                     if note is not None:
                         note(True, progress)
-                    await step(call.write(progress), stopping)
+                    await send(call, progress, stopping, read)
                     continue
                 resp = await step(read, stopping)
                 read = None
@@ -208,6 +209,7 @@ class Watch:
                     return Ended.STOP if self._cancelled.is_set() else Ended.MOVE
                 if note is not None:
                     note(False, resp)
+                self._reconnecting.heard()
                 self._heard = time.monotonic()
                 self._stalls_in_row = 0
                 if asked is not None and self._heard >= asked:
