@@ -12,12 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.v2_pickles import no_build
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from etcd_rdzv import EtcdRendezvousBackend, EtcdRendezvousHandler
+from etcd_rdzv.cli import main as cli
 from etcd_store.client import EtcdClient
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.etcd_matrix("3.6")]  # issue 23: each finding on etcd 3.7 and 3.6
@@ -100,3 +102,17 @@ def test_torchs_own_state_still_goes_through(client: EtcdClient, handler: EtcdRe
     kv = client.get(_backend(handler).key.encode())
     assert kv is not None and isinstance(pickle.loads(base64.b64decode(kv.value)), _RendezvousState)
     assert handler.num_nodes_waiting() == 0
+
+
+@pytest.mark.parametrize("of", [_RendezvousState, _NodeDesc], ids=["state", "node"])
+def test_the_cli_reports_an_object_pickled_without_its_fields_in_one_line(
+    client: EtcdClient, etcd_endpoint: str, of: type, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_id = f"sec-cli-{next(_ids)}"
+    key = f"{PREFIX}/{run_id}"
+    client.put(key.encode(), base64.b64encode(no_build(of)))
+    capsys.readouterr()
+    rc = cli(["--endpoints", etcd_endpoint, "--key-prefix", PREFIX, "--timeout", "10", "show", run_id])
+    err = capsys.readouterr().err
+    assert rc == 2, err  # a refused state (exit 2), not an internal error (exit 1: AttributeError before)
+    assert key in err and f"{of.__name__} pickled without its fields" in err and err.count("\n") == 1, err
