@@ -1,10 +1,12 @@
 """torch's pickled ``etcd-v2`` rendezvous state, read without running what a key holds.
 
 torch's ``DynamicRendezvousHandler`` keeps its ``_RendezvousState`` as a pickle, which our
-``etcd-v2``/``etcd`` backend stores as base64 under ``<key_prefix>/<run_id>``, and torch
-``pickle.loads`` whatever the backend returns. Anyone who can write that key could run code
-on every agent, so both the backend (:func:`state_bytes`, before torch sees a value) and the
-``etcd-rdzv`` CLI (:func:`decode_state`) pass a value through this module, which
+``etcd-v2``/``etcd`` backend stores (opaque bytes) as base64 under ``<key_prefix>/<run_id>``,
+and torch's state holder ``pickle.loads`` whatever the backend returns. Anyone who can write
+that key could run code on every agent, so both our state holder
+(:class:`etcd_rdzv.dynamic.state.CheckedStates`: :func:`load_state`, then torch gets a state
+built from the checked values, never the stored bytes) and the ``etcd-rdzv`` CLI
+(:func:`decode_state`) pass a value through this module, which
 
 1. bounds it: at most :data:`MAX_STATE_BYTES` of pickle (a state of 10,000 nodes is 1.1 MB);
 2. scans its opcodes without building objects (:func:`_scan`): no persistent ids,
@@ -20,8 +22,10 @@ on every agent, so both the backend (:func:`state_bytes`, before torch sees a va
 4. checks the stand-ins field by field (:func:`_check_state`; a stand-in built by no BUILD or
    by two is refused, times must carry a time zone) and returns plain data (:class:`V2State`).
 
-With these globals the only callables a pickle can reach are those constructors, so torch's
-own ``pickle.loads`` of a value that passed cannot run other code. Every refusal raises
+With these globals the only callables a pickle can reach are those constructors, so even a
+``pickle.loads`` of a value that passed could run no other code; still, what a pickle can do
+to torch's real classes (a ``__setstate__`` in the instance dict) differs from what it does
+to the stand-ins, so the state holder does not unpickle the value itself. Every refusal raises
 :class:`StateDecodeError` naming the key; its message is short (at most
 :data:`MAX_MESSAGE` characters of escaped text, never the ``repr`` of what the pickle built).
 Nothing here does I/O or imports torch.
@@ -42,15 +46,16 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "MAX_STATE_BYTES", "NodeDesc", "StateDecodeError", "V2State", "TORCH_MODULE", "decode_state",
+    "MAX_STATE_BYTES", "NodeDesc", "STATE_FIELDS", "StateDecodeError", "V2State", "TORCH_MODULE", "decode_state",
     "load_state", "state_bytes",
 ]
 
 TORCH_MODULE = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
-_STATE_FIELDS = frozenset(
+STATE_FIELDS = frozenset(
     {"round", "complete", "deadline", "closed", "participants", "wait_list", "redundancy_list",
      "last_heartbeats"}
 )
+"""The attributes of torch's ``_RendezvousState`` (torch 2.4 to 2.13), each checked and carried by :class:`V2State`."""
 
 
 class StateDecodeError(ValueError):
@@ -204,8 +209,7 @@ def _brief(obj: Any) -> str:
 def state_bytes(value: bytes, key: str = "the state key") -> bytes:
     """The pickle of torch's state that ``value`` (its base64, as stored) holds, once checked.
 
-    Returns the decoded bytes unchanged, after :func:`load_state` accepted them (so torch
-    may ``pickle.loads`` them). Raises :class:`StateDecodeError` naming ``key`` when the
+    Returns the decoded bytes unchanged, after :func:`load_state` accepted them. Raises :class:`StateDecodeError` naming ``key`` when the
     value is not base64, too large, or not torch's rendezvous state.
     """
     if len(value) > (MAX_STATE_BYTES // 3 + 1) * 4:
@@ -332,7 +336,7 @@ def _check_state(f: dict[str, Any], key: str) -> V2State:
     def bad(what: str) -> StateDecodeError:
         return StateDecodeError(f"{key} holds a rendezvous state with {what}")
 
-    missing = sorted(_STATE_FIELDS - set(f))
+    missing = sorted(STATE_FIELDS - set(f))
     if missing:
         raise bad(f"no {', '.join(missing)}")
     round_, complete, closed, deadline = f["round"], f["complete"], f["closed"], f["deadline"]
@@ -375,7 +379,7 @@ def _check_state(f: dict[str, Any], key: str) -> V2State:
         if not isinstance(items, (set, frozenset)):
             raise bad(f"{name} of type {type(items).__name__}")
         lists.append(frozenset(node(n) for n in items))
-    extra = tuple(sorted(set(f) - _STATE_FIELDS))
+    extra = tuple(sorted(set(f) - STATE_FIELDS))
     if extra:
         log.debug("%s: unknown state attributes %s", key, extra)
     return V2State(round_, complete, closed, deadline, ranks, lists[0], lists[1], times, extra)
