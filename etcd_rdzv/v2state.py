@@ -1,10 +1,12 @@
 """torch's pickled ``etcd-v2`` rendezvous state, read without running what a key holds.
 
 torch's ``DynamicRendezvousHandler`` keeps its ``_RendezvousState`` as a pickle, which our
-``etcd-v2``/``etcd`` backend stores as base64 under ``<key_prefix>/<run_id>``, and torch
-``pickle.loads`` whatever the backend returns. Anyone who can write that key could run code
-on every agent, so both the backend (:func:`state_bytes`, before torch sees a value) and the
-``etcd-rdzv`` CLI (:func:`decode_state`) pass a value through this module, which
+``etcd-v2``/``etcd`` backend stores (opaque bytes) as base64 under ``<key_prefix>/<run_id>``,
+and torch's state holder ``pickle.loads`` whatever the backend returns. Anyone who can write
+that key could run code on every agent, so both our state holder
+(:class:`etcd_rdzv.dynamic.state.CheckedStates`: :func:`load_state`, then torch gets a state
+built from the checked values, never the stored bytes) and the ``etcd-rdzv`` CLI
+(:func:`decode_state`) pass a value through this module, which
 
 1. bounds it: at most :data:`MAX_STATE_BYTES` of pickle (a state of 10,000 nodes is 1.1 MB);
 2. scans its opcodes without building objects (:func:`_scan`): no persistent ids,
@@ -17,11 +19,13 @@ on every agent, so both the backend (:func:`state_bytes`, before torch sees a va
    inert stand-ins that merely record the attributes the pickle sets; torch is not
    imported), ``datetime.datetime``/``timezone``/``timedelta`` (the heartbeat times and the
    deadline) and ``builtins.set``/``frozenset``, and refuses every other global;
-4. checks the stand-ins field by field (:func:`_check_state`) and returns plain data
-   (:class:`V2State`).
+4. checks the stand-ins field by field (:func:`_check_state`; a stand-in built by no BUILD or
+   by two is refused, times must carry a time zone) and returns plain data (:class:`V2State`).
 
-With these globals the only callables a pickle can reach are those constructors, so torch's
-own ``pickle.loads`` of a value that passed cannot run other code. Every refusal raises
+With these globals the only callables a pickle can reach are those constructors, so even a
+``pickle.loads`` of a value that passed could run no other code; still, what a pickle can do
+to torch's real classes (a ``__setstate__`` in the instance dict) differs from what it does
+to the stand-ins, so the state holder does not unpickle the value itself. Every refusal raises
 :class:`StateDecodeError` naming the key; its message is short (at most
 :data:`MAX_MESSAGE` characters of escaped text, never the ``repr`` of what the pickle built).
 Nothing here does I/O or imports torch.
@@ -42,15 +46,16 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "MAX_STATE_BYTES", "NodeDesc", "StateDecodeError", "V2State", "TORCH_MODULE", "decode_state",
+    "MAX_STATE_BYTES", "NodeDesc", "STATE_FIELDS", "StateDecodeError", "V2State", "TORCH_MODULE", "decode_state",
     "load_state", "state_bytes",
 ]
 
 TORCH_MODULE = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
-_STATE_FIELDS = frozenset(
+STATE_FIELDS = frozenset(
     {"round", "complete", "deadline", "closed", "participants", "wait_list", "redundancy_list",
      "last_heartbeats"}
 )
+"""The attributes of torch's ``_RendezvousState`` (torch 2.4 to 2.13), each checked and carried by :class:`V2State`."""
 
 
 class StateDecodeError(ValueError):
@@ -58,12 +63,21 @@ class StateDecodeError(ValueError):
 
 
 class _StandIn:
-    """An inert object that records what the pickle's BUILD sets, and nothing else."""
+    """An inert object that records what the pickle's BUILD sets, and nothing else.
 
-    def __init__(self) -> None:
-        self.fields: dict[str, Any] = {}
+    ``fields`` is ``None`` until a BUILD ran (unpickling creates the object without calling
+    ``__init__``; a pickle without BUILD leaves it ``None``, which the checks refuse). A second
+    BUILD of the same object is refused: torch's pickles build each object once, while torch's
+    classes would run, at the second, a ``__setstate__`` that the first put in the instance dict,
+    keeping the first BUILD's fields where this stand-in would record the second's.
+    """
+
+    what = "object"
+    fields: dict[str, Any] | None = None
 
     def __setstate__(self, state: Any) -> None:
+        if self.fields is not None:
+            raise pickle.UnpicklingError(f"a {self.what} built twice (torch's pickles build each object once)")
         if isinstance(state, tuple) and len(state) == 2 and state[0] is None:
             state = state[1]  # (None, slots) of a class with __slots__ only
         if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
@@ -72,11 +86,11 @@ class _StandIn:
 
 
 class _StateStandIn(_StandIn):
-    pass
+    what = "_RendezvousState"
 
 
 class _NodeStandIn(_StandIn):
-    pass
+    what = "_NodeDesc"
 
 
 _ALLOWED: dict[tuple[str, str], Any] = {
@@ -195,8 +209,7 @@ def _brief(obj: Any) -> str:
 def state_bytes(value: bytes, key: str = "the state key") -> bytes:
     """The pickle of torch's state that ``value`` (its base64, as stored) holds, once checked.
 
-    Returns the decoded bytes unchanged, after :func:`load_state` accepted them (so torch
-    may ``pickle.loads`` them). Raises :class:`StateDecodeError` naming ``key`` when the
+    Returns the decoded bytes unchanged, after :func:`load_state` accepted them. Raises :class:`StateDecodeError` naming ``key`` when the
     value is not base64, too large, or not torch's rendezvous state.
     """
     if len(value) > (MAX_STATE_BYTES // 3 + 1) * 4:
@@ -237,6 +250,8 @@ def load_state(raw: bytes, key: str = "the state key") -> V2State:
         ) from None
     if not isinstance(obj, _StateStandIn):
         raise StateDecodeError(f"{key} holds a pickled {type(obj).__name__}, not a _RendezvousState")
+    if obj.fields is None:
+        raise StateDecodeError(f"{key} holds a _RendezvousState pickled without its fields (no BUILD)")
     return _check_state(obj.fields, key)
 
 
@@ -307,11 +322,21 @@ def _apply(kind: str, below: int, pushed: int, stack: list[int], bad: Any, pos: 
         stack.extend(items * 2 if kind == "dup" else [0] * pushed)
 
 
+def _aware(when: Any) -> bool:
+    """Whether ``when`` is a datetime with a UTC offset (torch compares its times with
+    ``datetime.now(timezone.utc)``: a naive one raises ``TypeError`` there)."""
+    return isinstance(when, datetime) and when.utcoffset() is not None
+
+
+def _brief_time(when: Any) -> str:
+    return "without a time zone" if isinstance(when, datetime) else f"of type {type(when).__name__}"
+
+
 def _check_state(f: dict[str, Any], key: str) -> V2State:
     def bad(what: str) -> StateDecodeError:
         return StateDecodeError(f"{key} holds a rendezvous state with {what}")
 
-    missing = sorted(_STATE_FIELDS - set(f))
+    missing = sorted(STATE_FIELDS - set(f))
     if missing:
         raise bad(f"no {', '.join(missing)}")
     round_, complete, closed, deadline = f["round"], f["complete"], f["closed"], f["deadline"]
@@ -319,12 +344,14 @@ def _check_state(f: dict[str, Any], key: str) -> V2State:
         raise bad(f"round {_brief(round_)}")
     if not isinstance(complete, bool) or not isinstance(closed, bool):
         raise bad("a non-boolean 'complete' or 'closed'")
-    if deadline is not None and not isinstance(deadline, datetime):
-        raise bad(f"deadline {type(deadline).__name__}")
+    if deadline is not None and not _aware(deadline):
+        raise bad(f"deadline {_brief_time(deadline)}")
 
     def node(obj: Any) -> NodeDesc:
         if not isinstance(obj, _NodeStandIn):
             raise bad(f"a node of type {type(obj).__name__}")
+        if obj.fields is None:
+            raise bad("a _NodeDesc pickled without its fields (no BUILD)")
         addr, pid, local_id = (obj.fields.get(n) for n in ("addr", "pid", "local_id"))
         if not isinstance(addr, str) or not all(
             isinstance(v, int) and not isinstance(v, bool) for v in (pid, local_id)
@@ -343,8 +370,8 @@ def _check_state(f: dict[str, Any], key: str) -> V2State:
         ranks[node(n)] = rank
     times: dict[NodeDesc, datetime] = {}
     for n, when in heartbeats.items():
-        if not isinstance(when, datetime):
-            raise bad(f"a heartbeat time of type {type(when).__name__}")
+        if not _aware(when):
+            raise bad(f"a heartbeat time {_brief_time(when)}")
         times[node(n)] = when
     lists = []
     for name in ("wait_list", "redundancy_list"):
@@ -352,7 +379,7 @@ def _check_state(f: dict[str, Any], key: str) -> V2State:
         if not isinstance(items, (set, frozenset)):
             raise bad(f"{name} of type {type(items).__name__}")
         lists.append(frozenset(node(n) for n in items))
-    extra = tuple(sorted(set(f) - _STATE_FIELDS))
+    extra = tuple(sorted(set(f) - STATE_FIELDS))
     if extra:
         log.debug("%s: unknown state attributes %s", key, extra)
     return V2State(round_, complete, closed, deadline, ranks, lists[0], lists[1], times, extra)

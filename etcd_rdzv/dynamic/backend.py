@@ -2,11 +2,18 @@
 
 The rendezvous state is one key, ``<key_prefix>/<run_id>``, whose value is the
 base64 of the state bytes (as torch's ``etcd-v2`` and ``c10d`` backends store it).
-torch ``pickle.loads`` what :meth:`get_state` and :meth:`set_state` return, so every
-value read from etcd first passes :func:`etcd_rdzv.v2state.state_bytes` (bounded size,
-a restricted unpickler admitting only torch's state types): a value that is not torch's
-rendezvous state raises ``RendezvousStateError`` naming the key and is never unpickled
-by torch. The fencing token is the key's ``mod_revision``, an opaque ``int``.
+The bytes are opaque, as torch's ``RendezvousBackend`` contract has them: what
+:meth:`set_state` stores, :meth:`get_state` returns unchanged, whatever it is. The
+fencing token is the key's ``mod_revision``, an opaque ``int``.
+
+The backend does not interpret the state, so it does not guard torch's ``pickle.loads``
+of it either: :class:`etcd_rdzv.dynamic.state.SealedRoundStateHolder`, the state holder of
+our handler, reads every state through the restricted reader :mod:`etcd_rdzv.v2state`
+and hands torch a state built from the checked values. A torch
+``DynamicRendezvousHandler`` built directly on this backend (torch's own holder)
+unpickles whatever the key holds: use the registered ``etcd-v2``/``etcd`` handler
+(:func:`etcd_rdzv.dynamic.handler.create_handler`) where the writers of the key are not
+all trusted (docs/security.md).
 
 Round trips (healthy etcd): :meth:`get_state` is one Range; :meth:`set_state` is
 one Txn, ``if mod_revision(key) == token (version == 0 without a token) then put
@@ -28,10 +35,11 @@ delete the state if we were the last writer); they run out on their own.
 
 from __future__ import annotations
 
+import binascii
 import logging
 import threading
 import time
-from base64 import b64encode
+from base64 import b64decode, b64encode
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -56,7 +64,6 @@ from etcd_store.errors import EtcdError
 
 from .. import metrics
 from ..conf import DEFAULT_KEY_PREFIX, DEFAULT_STATE_TTL, RdzvConfig, check_run_id, parse_rdzv_config
-from ..v2state import StateDecodeError, state_bytes
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -84,9 +91,9 @@ class EtcdRendezvousBackend(RendezvousBackend):
 
     Every method raises ``RendezvousConnectionError`` when etcd cannot be reached
     (or refuses the credentials) within the client's timeout, and
-    ``RendezvousStateError`` when the stored value is not torch's rendezvous state
-    (not base64, too large, or a pickle naming anything but torch's state types);
-    ``set_state`` writes ``state`` as given (it comes from torch's own handler).
+    ``RendezvousStateError`` naming the key when the stored value is not base64 (not
+    written by a backend); ``set_state`` writes ``state`` as given and the state read
+    back is those bytes (opaque: the module docstring says who checks them).
     """
 
     def __init__(
@@ -134,7 +141,8 @@ class EtcdRendezvousBackend(RendezvousBackend):
         """See base class. One Txn RPC (plus a LeaseGrant every ``ttl / 2`` seconds).
 
         ``token`` None (or 0) writes only if no state exists. A token that is not
-        an integer writes nothing and returns the current state (one Range RPC).
+        an integer, or one no etcd revision can be (below 1, over 64 bits), writes
+        nothing and returns the current state (one Range RPC).
         """
         if token is None or token == 0 or token == "":
             compare = compare_version(self._key, "==", 0)
@@ -142,6 +150,8 @@ class EtcdRendezvousBackend(RendezvousBackend):
             try:
                 revision = int(token)
             except (TypeError, ValueError):
+                revision = 0
+            if not 0 < revision < 2**63:
                 current = self.get_state()
                 return None if current is None else (*current, False)
             compare = compare_mod(self._key, "==", revision)
@@ -175,12 +185,12 @@ class EtcdRendezvousBackend(RendezvousBackend):
     # ------------------------------------------------------------ helpers
 
     def _decode(self, kv: KeyValue) -> tuple[bytes, Token]:
-        """The checked state bytes of ``kv`` and its token; raises ``RendezvousStateError``."""
+        """The state bytes stored in ``kv`` and its token; raises ``RendezvousStateError``."""
         try:
-            state = state_bytes(kv.value, repr(self.key))
-        except StateDecodeError as e:
+            state = b64decode(kv.value, validate=True)
+        except (binascii.Error, ValueError):
             raise RendezvousStateError(
-                f"The rendezvous state stored in etcd is corrupt or not torch's, refusing it: {e}"
+                f"The rendezvous state stored in etcd is corrupt: {self.key!r} does not hold base64"
             ) from None
         return state, kv.mod_revision
 

@@ -27,32 +27,48 @@ member that died have left it and wait for the next round). That a member is
 dead is the handler's business: :meth:`SealedRoundStateHolder.dead_members`
 tells it, and it reports a waiting node so that the survivors re-rendezvous.
 
+The holder is also where the stored state is checked (issues 23, 29, 32). torch's ``sync``
+``pickle.loads`` what the backend returns, and the backend returns the stored bytes as torch's
+``RendezvousBackend`` contract says (opaque). So torch's holder reads through
+:class:`CheckedStates`: every state read (``get_state``, a lost ``set_state``) is read by
+:func:`etcd_rdzv.v2state.load_state`, the restricted reader that runs nothing, and torch gets the
+pickle of a fresh ``_RendezvousState`` built from the checked values (:func:`torch_state`), never
+the stored bytes. A value that is not torch's state raises ``RendezvousStateError`` naming the key
+before anything unpickles it. Only a write that succeeded hands torch back its own pickle unread.
+
 torch private names this module relies on (checked by :func:`check_torch_internals`,
 which raises :class:`~etcd_rdzv.plugin.EtcdRdzvPluginError` when one is missing):
 ``_BackendRendezvousStateHolder`` (``__init__(backend, settings, cache_duration)``,
 ``_backend``, ``_settings``, ``_cache_duration``, ``_state``, ``_dead_nodes``, and
-``sync`` calling ``_sanitize``), the fields of ``_RendezvousState`` and, in :mod:`etcd_rdzv.dynamic.handler`,
+``sync`` calling ``_sanitize``), the fields of ``_RendezvousState`` (exactly those
+:mod:`etcd_rdzv.v2state` checks, so that a state built from them lacks none) and of ``_NodeDesc``, and,
+in :mod:`etcd_rdzv.dynamic.handler`,
 ``DynamicRendezvousHandler.__init__``'s parameters, ``_state_holder``,
 ``_this_node``, ``_heartbeat_lock``, ``_keep_alive`` and ``_start_heartbeats``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
+import pickle
 import time
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as _dr
+from torch.distributed.elastic.rendezvous.api import RendezvousStateError
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
 from ..plugin_errors import EtcdRdzvPluginError, torch_version
+from ..v2state import STATE_FIELDS, NodeDesc, StateDecodeError, V2State, load_state
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-        RendezvousBackend,
         RendezvousSettings,
         _NodeDesc,
+        _RendezvousState,
     )
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
         _BackendRendezvousStateHolder as _Holder,
@@ -62,9 +78,9 @@ else:  # a torch without it gets check_torch_internals' clear error, not an Impo
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SealedRoundStateHolder", "check_torch_internals"]
+__all__ = ["CheckedStates", "SealedRoundStateHolder", "check_torch_internals", "torch_state"]
 
-_STATE_FIELDS = ("round", "complete", "closed", "participants", "wait_list", "redundancy_list", "last_heartbeats")
+_NODE_FIELDS = ["addr", "pid", "local_id"]
 _HANDLER_ATTRS = ("_keep_alive", "_start_heartbeats", "_stop_heartbeats")
 _HANDLER_INIT = ["node", "settings", "backend_name", "store", "state_holder"]
 _HOLDER_INIT = ["backend", "settings", "cache_duration"]
@@ -85,9 +101,15 @@ def _problems() -> list[str]:
         ):
             found.append("_BackendRendezvousStateHolder.sync no longer calls _sanitize")
     state = getattr(_dr, "_RendezvousState", None)
-    missing = [f for f in _STATE_FIELDS if state is None or not hasattr(state(), f)]
+    fields = set(getattr(state(), "__dict__", ())) if state is not None else set()
+    missing, extra = sorted(STATE_FIELDS - fields), sorted(fields - STATE_FIELDS)
     if missing:
         found.append(f"_RendezvousState lacks {', '.join(missing)}")
+    if extra:
+        found.append(f"_RendezvousState has new fields {', '.join(extra)}")
+    node = getattr(_dr, "_NodeDesc", None)
+    if not dataclasses.is_dataclass(node) or [f.name for f in dataclasses.fields(node)] != _NODE_FIELDS:
+        found.append("_NodeDesc is no longer a dataclass of addr, pid, local_id")
     handler = _dr.DynamicRendezvousHandler
     if _params(handler.__init__) != _HANDLER_INIT:
         found.append(f"DynamicRendezvousHandler.__init__ takes {_params(handler.__init__)}")
@@ -119,6 +141,78 @@ def check_torch_internals() -> None:
         )
 
 
+def torch_state(checked: V2State) -> _RendezvousState:
+    """torch's ``_RendezvousState`` holding the values of ``checked``, made of fresh torch objects.
+
+    Unknown attributes of the stored state (``checked.unknown``) are left out; the wait and
+    redundancy lists are torch's mutable sets whatever set type the pickle held. No I/O.
+    """
+    nodes: dict[NodeDesc, _NodeDesc] = {}
+
+    def node(n: NodeDesc) -> _NodeDesc:
+        made = nodes.get(n)
+        if made is None:
+            made = nodes[n] = _dr._NodeDesc(n.addr, n.pid, n.local_id)
+        return made
+
+    state = _dr._RendezvousState()
+    state.round = checked.round
+    state.complete = checked.complete
+    state.deadline = checked.deadline
+    state.closed = checked.closed
+    state.participants = {node(n): rank for n, rank in checked.participants.items()}
+    state.wait_list = {node(n) for n in checked.wait_list}
+    state.redundancy_list = {node(n) for n in checked.redundancy_list}
+    state.last_heartbeats = {node(n): when for n, when in checked.last_heartbeats.items()}
+    return state
+
+
+class CheckedStates(RendezvousBackend):
+    """What :class:`SealedRoundStateHolder` hands torch's ``sync`` as its backend: ``backend``'s
+    states, each read by the restricted reader and pickled anew from the checked values.
+
+    ``get_state`` and a ``set_state`` that lost return the pickle of :func:`torch_state` of the
+    stored value; a ``set_state`` that succeeded returns what torch wrote (the very object it
+    passed, so not stored bytes: torch's own pickle of a state built from checked values). A
+    stored value that is not torch's rendezvous state raises ``RendezvousStateError`` naming
+    the key (``backend.key`` when it has one) before anything unpickles it. Tokens and the
+    backend's errors pass unchanged; no RPC of its own.
+    """
+
+    def __init__(self, backend: RendezvousBackend) -> None:
+        self.backend = backend
+        key = getattr(backend, "key", None)
+        self._where = repr(key) if isinstance(key, str) else f"the {backend.name} backend's state"
+
+    @property
+    def name(self) -> str:
+        """See base class."""
+        return self.backend.name
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        """See base class."""
+        got = self.backend.get_state()
+        return None if got is None else (self._checked(got[0]), got[1])
+
+    def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
+        """See base class."""
+        got = self.backend.set_state(state, token)
+        if got is None:
+            return None
+        bits, token, has_set = got
+        return (state if has_set and bits is state else self._checked(bits)), token, has_set
+
+    def _checked(self, bits: bytes) -> bytes:
+        """The pickle of torch's state built from ``bits`` once checked; ``RendezvousStateError`` else."""
+        try:
+            checked = load_state(bits, self._where)
+        except StateDecodeError as e:
+            raise RendezvousStateError(
+                f"The rendezvous state stored in etcd is corrupt or not torch's, refusing it: {e}"
+            ) from None
+        return pickle.dumps(torch_state(checked), protocol=pickle.HIGHEST_PROTOCOL)
+
+
 #: The distant past: a node that never failed a sync has been in contact with etcd forever.
 _NEVER = datetime.min.replace(tzinfo=timezone.utc)
 
@@ -127,14 +221,20 @@ class SealedRoundStateHolder(_Holder):
     """torch's backend state holder whose ``_sanitize`` leaves a live completed round alone.
 
     Args are torch's plus ``node``, the descriptor of the handler this holder serves.
-    The state format, the CAS writes and the read cache are torch's; only what
-    ``_sanitize`` removes differs (module docstring).
+    The state format, the CAS writes and the read cache are torch's; what ``_sanitize``
+    removes differs, and torch's ``sync`` reads ``backend`` through :class:`CheckedStates`
+    (module docstring): ``sync`` raises ``RendezvousStateError`` naming the key for a stored
+    value that is not torch's rendezvous state, and never unpickles the stored bytes.
     """
 
     def __init__(
         self, backend: RendezvousBackend, settings: RendezvousSettings, node: _NodeDesc, cache_duration: int = 1
     ) -> None:
-        super().__init__(backend, settings, cache_duration)
+        if isinstance(backend, CheckedStates):
+            backend = backend.backend
+        super().__init__(CheckedStates(backend), settings, cache_duration)
+        self.backend = backend
+        """The backend the states are read from (torch's ``_backend`` is its :class:`CheckedStates`)."""
         self._node = node
         interval = settings.keep_alive_interval
         window = interval * settings.keep_alive_max_attempt

@@ -1,4 +1,5 @@
-"""EtcdRendezvousBackend: torch's RendezvousBackend contract, against real etcd 3.4 and 3.5."""
+"""EtcdRendezvousBackend: torch's RendezvousBackend contract, against every etcd of the matrix (3.7, 3.6,
+3.5, 3.4): opaque state bytes, fencing tokens, one RPC per call, expiry, an unreachable etcd."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ _ids = itertools.count()
 
 
 def st(tag: str) -> bytes:
-    """A state as torch's handler pickles it, told apart by ``tag`` (the backend refuses other bytes)."""
+    """A state as torch's handler pickles it, told apart by ``tag``."""
     state = _RendezvousState()
     state.participants = {_NodeDesc(tag, 1, 0): 0}
     return pickle.dumps(state)
@@ -61,6 +62,67 @@ def backend(client: EtcdClient, run_id: str) -> EtcdRendezvousBackend:
     return EtcdRendezvousBackend(client, run_id, key_prefix="/test/rdzv")
 
 
+
+
+# ------------------------------------------------------------------ torch's documented contract
+# torch's RendezvousBackend docstrings: the state is opaque bytes ("the encoded rendezvous state");
+# set_state writes when the token matches, or when it is None and no state exists, and otherwise
+# returns the existing state with its token and False. Checked here with bytes that are no pickle.
+
+OPAQUE = {
+    "x": b"x",
+    "empty": b"",
+    "every byte": bytes(range(256)),
+    "a pickle that is no state": pickle.dumps({"round": 1}),
+    "a broken pickle": b"\x80\x04junk",
+}
+
+
+@pytest.mark.parametrize("state", list(OPAQUE.values()), ids=list(OPAQUE))
+def test_contract_get_state_returns_the_bytes_set(backend: EtcdRendezvousBackend, state: bytes) -> None:
+    created = backend.set_state(state)
+    assert created is not None
+    assert created == (state, created[1], True)
+    assert backend.get_state() == (state, created[1])
+
+
+def test_contract_set_state_with_token_none_returns_the_current_state(backend: EtcdRendezvousBackend) -> None:
+    first = backend.set_state(b"x")
+    assert first is not None
+    assert backend.set_state(b"y") == (b"x", first[1], False)
+    assert backend.set_state(b"y", None) == (b"x", first[1], False)
+    assert backend.get_state() == (b"x", first[1])
+
+
+def test_contract_set_state_with_an_old_token_returns_the_current_state(backend: EtcdRendezvousBackend) -> None:
+    first = backend.set_state(b"x")
+    assert first is not None
+    second = backend.set_state(b"y", first[1])
+    assert second is not None and second[:1] == (b"y",) and second[2] is True and second[1] != first[1]
+    assert backend.set_state(b"z", first[1]) == (b"y", second[1], False)
+    assert backend.get_state() == (b"y", second[1])
+
+
+def test_contract_set_state_with_a_foreign_token_returns_the_current_state(
+    client: EtcdClient, backend: EtcdRendezvousBackend, run_id: str
+) -> None:
+    other = EtcdRendezvousBackend(client, f"{run_id}-other", key_prefix="/test/rdzv")
+    mine = backend.set_state(b"x")
+    theirs = other.set_state(b"other")
+    assert mine is not None and theirs is not None
+    assert backend.set_state(b"z", theirs[1]) == (b"x", mine[1], False)  # another key's token
+    assert backend.get_state() == (b"x", mine[1])
+    assert other.get_state() == (b"other", theirs[1])
+
+
+@pytest.mark.parametrize("token", ["invalid", object(), 3.5j, -1, 2**70], ids=["text", "object", "complex", "-1", "2**70"])
+def test_contract_set_state_with_an_invalid_token_returns_the_current_state(
+    backend: EtcdRendezvousBackend, token: object
+) -> None:
+    first = backend.set_state(b"x")
+    assert first is not None
+    assert backend.set_state(b"y", token) == (b"x", first[1], False)
+    assert backend.get_state() == (b"x", first[1])
 
 
 # ------------------------------------------------------------------ basics

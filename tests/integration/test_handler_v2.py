@@ -78,7 +78,7 @@ def _eventually(predicate: Callable[[], bool], what: str, timeout: float = WAIT)
 
 
 def _backend(handler: EtcdRendezvousHandler) -> EtcdRendezvousBackend:
-    backend = handler._state_holder._backend  # type: ignore[attr-defined]
+    backend = handler._state_holder.backend  # type: ignore[attr-defined]  # the SealedRoundStateHolder's
     assert isinstance(backend, EtcdRendezvousBackend)
     return backend
 

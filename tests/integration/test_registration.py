@@ -170,7 +170,7 @@ def test_legacy_handler_reads_legacy_keys(etcd_endpoint: str) -> None:
     )
     assert handler.settings.timeout.join.total_seconds() == 77
     assert handler.settings.timeout.last_call.total_seconds() == 3
-    backend = handler._state_holder._backend  # type: ignore[attr-defined]
+    backend = handler._state_holder.backend  # type: ignore[attr-defined]  # the SealedRoundStateHolder's
     assert isinstance(backend, EtcdRendezvousBackend)
     assert backend.key == f"/legacy/p2p/{handler.get_run_id()}"
     assert backend.name == "etcd"

@@ -1,6 +1,8 @@
-"""A hostile value at an etcd-v2 run's state key (``<key_prefix>/<run_id>``), against a real etcd:
-torch's own handler, created as torchrun creates it, refuses it with ``RendezvousStateError``
-naming the key, and what the pickle names never runs (issue 23, item 1)."""
+"""A hostile or malformed value at an etcd-v2 run's state key (``<key_prefix>/<run_id>``), against a
+real etcd: the handler, created as torchrun creates it, refuses it with ``RendezvousStateError`` naming
+the key, and what the pickle names never runs (issue 23, item 1). The backend returns the stored bytes
+as they are (torch's contract, issue 29); the refusal comes from the handler's state holder, which
+hands torch a state built from the checked values, never the stored bytes (issue 32)."""
 
 from __future__ import annotations
 
@@ -8,16 +10,19 @@ import base64
 import itertools
 import pickle
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.v2_pickles import no_build, torch_state, two_builds
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from etcd_rdzv import EtcdRendezvousBackend, EtcdRendezvousHandler
+from etcd_rdzv.cli import main as cli
 from etcd_store.client import EtcdClient
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.etcd_matrix("3.6")]  # issue 23: each finding on etcd 3.7 and 3.6
@@ -58,7 +63,7 @@ def handler(etcd_endpoint: str) -> Iterator[EtcdRendezvousHandler]:
 
 
 def _backend(handler: EtcdRendezvousHandler) -> EtcdRendezvousBackend:
-    backend = handler._state_holder._backend  # type: ignore[attr-defined]
+    backend = handler._state_holder.backend  # type: ignore[attr-defined]  # the SealedRoundStateHolder's
     assert isinstance(backend, EtcdRendezvousBackend)
     return backend
 
@@ -88,10 +93,67 @@ def test_a_state_hiding_a_callable_in_a_field_is_refused(
     client.put(key.encode(), base64.b64encode(pickle.dumps(state)))
     with pytest.raises(RendezvousStateError, match="refusing"):
         handler.num_nodes_waiting()
-    # A lost race reads the stored value through the same check.
+    # A lost race (torch's holder writing over a state it did not read) reads it through the same check.
+    holder = handler._state_holder  # type: ignore[attr-defined]
+    holder.mark_dirty()
     with pytest.raises(RendezvousStateError, match="refusing"):
-        _backend(handler).set_state(pickle.dumps(_RendezvousState()))
+        holder.sync()
     assert not target.exists()
+
+
+def test_the_backend_returns_the_stored_bytes_the_holder_refuses_them(
+    client: EtcdClient, handler: EtcdRendezvousHandler, tmp_path: Path
+) -> None:
+    target = tmp_path / "pwned"
+    hostile = pickle.dumps(_Reduce(str(target)))
+    key = _backend(handler).key
+    client.put(key.encode(), base64.b64encode(hostile))
+    got = _backend(handler).get_state()  # torch's contract: opaque bytes, nothing unpickled
+    assert got is not None and got[0] == hostile
+    with pytest.raises(RendezvousStateError, match=rf"'{key}'.*refusing to load io\.open"):
+        handler._state_holder.sync()  # type: ignore[attr-defined]
+    assert not target.exists()
+
+
+def _malformed(kind: str) -> bytes:
+    if kind in ("no BUILD: state", "no BUILD: node"):
+        return no_build(_RendezvousState if kind.endswith("state") else _NodeDesc)
+    if kind == "built twice":  # issue 32: torch's class would keep the first BUILD's fields
+        bad = torch_state()
+        bad.participants = {"not a node": "not a rank"}  # type: ignore[dict-item]
+        return two_builds(dict(vars(bad), __setstate__=frozenset), torch_state())
+    state = torch_state()
+    state.last_heartbeats = dict.fromkeys(state.participants, datetime.now())  # naive: TypeError in torch
+    return pickle.dumps(state)
+
+
+@pytest.mark.parametrize("kind", ["no BUILD: state", "no BUILD: node", "built twice", "naive heartbeat"])
+def test_a_malformed_state_is_a_state_error_naming_the_key(
+    client: EtcdClient, handler: EtcdRendezvousHandler, kind: str
+) -> None:
+    key = _backend(handler).key
+    client.put(key.encode(), base64.b64encode(_malformed(kind)))
+    with pytest.raises(RendezvousStateError, match=rf"'{key}'"):
+        handler.num_nodes_waiting()
+    with pytest.raises(RendezvousStateError, match=rf"'{key}'"):
+        handler.next_rendezvous()
+
+
+def test_torch_gets_a_state_built_from_the_checked_values(
+    client: EtcdClient, handler: EtcdRendezvousHandler
+) -> None:
+    stored = torch_state(round_=7)
+    stored.wait_list = frozenset({_NodeDesc("waiting", 9, 0)})  # type: ignore[assignment]
+    stored.extra = "an attribute torch's state lacks"  # type: ignore[attr-defined]
+    client.put(_backend(handler).key.encode(), base64.b64encode(pickle.dumps(stored)))
+    holder = handler._state_holder  # type: ignore[attr-defined]
+    holder.sync()
+    state = holder.state
+    assert type(state) is _RendezvousState and state.round == 7 and state.complete
+    assert set(vars(state)) == set(vars(_RendezvousState()))  # not the stored pickle's attributes
+    assert type(state.wait_list) is set and state.wait_list == {_NodeDesc("waiting", 9, 0)}  # torch adds to it
+    assert {type(n) for n in state.participants} == {_NodeDesc}
+    assert state.participants == stored.participants and state.last_heartbeats == stored.last_heartbeats
 
 
 def test_torchs_own_state_still_goes_through(client: EtcdClient, handler: EtcdRendezvousHandler) -> None:
@@ -100,3 +162,17 @@ def test_torchs_own_state_still_goes_through(client: EtcdClient, handler: EtcdRe
     kv = client.get(_backend(handler).key.encode())
     assert kv is not None and isinstance(pickle.loads(base64.b64decode(kv.value)), _RendezvousState)
     assert handler.num_nodes_waiting() == 0
+
+
+@pytest.mark.parametrize("of", [_RendezvousState, _NodeDesc], ids=["state", "node"])
+def test_the_cli_reports_an_object_pickled_without_its_fields_in_one_line(
+    client: EtcdClient, etcd_endpoint: str, of: type, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_id = f"sec-cli-{next(_ids)}"
+    key = f"{PREFIX}/{run_id}"
+    client.put(key.encode(), base64.b64encode(no_build(of)))
+    capsys.readouterr()
+    rc = cli(["--endpoints", etcd_endpoint, "--key-prefix", PREFIX, "--timeout", "10", "show", run_id])
+    err = capsys.readouterr().err
+    assert rc == 2, err  # a refused state (exit 2), not an internal error (exit 1: AttributeError before)
+    assert key in err and f"{of.__name__} pickled without its fields" in err and err.count("\n") == 1, err

@@ -9,6 +9,7 @@ run against a real etcd in ``tests/integration/test_v2_sealed_round_etcd.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 from collections.abc import Callable
 from datetime import timedelta
@@ -166,6 +167,23 @@ def test_a_sealed_round_is_pruned_only_by_a_reader_outside_it_once_every_member_
     assert pruned.wait_list == {n["w"]}
 
 
+class _WithEpoch(dr._RendezvousState):
+    """A torch whose state has a field the holder would not carry (it builds torch's state from
+    the checked fields only)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.epoch = 0
+
+
+@dataclasses.dataclass(eq=True, order=True, frozen=True)
+class _NodeWithRole:
+    addr: str
+    pid: int
+    local_id: int
+    role: str = ""
+
+
 def test_the_torch_internals_the_fix_relies_on_are_present() -> None:
     """Fails on a torch whose dynamic rendezvous changed the private names we use."""
     check_torch_internals()
@@ -174,13 +192,15 @@ def test_the_torch_internals_the_fix_relies_on_are_present() -> None:
 @pytest.mark.parametrize(
     ("change", "named"),
     [
-        (lambda mp: mp.setattr(dr, "_RendezvousState", object), "_RendezvousState lacks round"),
+        (lambda mp: mp.setattr(dr, "_RendezvousState", object), "_RendezvousState lacks closed, complete"),
+        (lambda mp: mp.setattr(dr, "_RendezvousState", _WithEpoch), "_RendezvousState has new fields epoch"),
+        (lambda mp: mp.setattr(dr, "_NodeDesc", _NodeWithRole), "_NodeDesc is no longer a dataclass"),
         (lambda mp: mp.delattr(dr._BackendRendezvousStateHolder, "_sanitize"), "no longer calls _sanitize"),
         (lambda mp: mp.setattr(dr._BackendRendezvousStateHolder, "sync", lambda self: None), "no longer calls"),
         (lambda mp: mp.delattr(dr.DynamicRendezvousHandler, "_keep_alive"), "lacks _keep_alive"),
         (lambda mp: mp.delattr(dr, "_BackendRendezvousStateHolder"), "no _BackendRendezvousStateHolder"),
     ],
-    ids=["state", "sanitize", "sync", "keep_alive", "holder"],
+    ids=["state", "new state field", "node", "sanitize", "sync", "keep_alive", "holder"],
 )
 def test_a_torch_without_them_gets_a_plugin_error_naming_the_change(
     monkeypatch: pytest.MonkeyPatch, change: Callable[[pytest.MonkeyPatch], None], named: str

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import base64
 import pickle
+import pickletools
+import random
 import subprocess
 import sys
 import time
@@ -14,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.v2_pickles import no_build, two_builds
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
 from etcd_rdzv.v2state import MAX_MESSAGE, MAX_STATE_BYTES, StateDecodeError, load_state, state_bytes
@@ -146,3 +149,57 @@ def test_deeply_nested_tuples_are_refused_before_anything_hashes_them() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
     assert "refused: k does not hold torch's rendezvous state: tuples nested more than" in out.stdout
+
+
+@pytest.mark.parametrize("of", [_RendezvousState, _NodeDesc], ids=["state", "node"])
+def test_an_object_pickled_without_its_fields_is_refused(of: type) -> None:
+    # Unpickling never calls __init__: without a BUILD the stand-in has recorded nothing (issue 29).
+    _refused(no_build(of), rf"{of.__name__} pickled without its fields")
+
+
+def test_a_state_built_twice_is_refused() -> None:
+    # Issue 32: a first BUILD puts __setstate__ in torch's instance dict, which torch then calls at the
+    # second BUILD instead of replacing the fields: torch keeps the first BUILD's, a reader recording
+    # the last BUILD saw only the second's.
+    bad = dict(vars(torch_state()), round="not a round", __setstate__=frozenset)
+    raw = two_builds(bad, torch_state())
+    assert pickle.loads(raw).round == "not a round"  # what torch's own loads keeps
+    _refused(raw, "built twice")
+
+
+@pytest.mark.parametrize("field", ["deadline", "last_heartbeats"])
+def test_times_without_a_time_zone_are_refused(field: str) -> None:
+    # torch compares them with datetime.now(timezone.utc): a naive one raises TypeError there.
+    state = torch_state()
+    naive = datetime.now()
+    if field == "deadline":
+        state.deadline = naive
+    else:
+        state.last_heartbeats = dict.fromkeys(state.participants, naive)
+    _refused(pickle.dumps(state), "without a time zone")
+
+
+def test_mutated_states_are_refused_with_state_decode_error_only() -> None:
+    # Seeded byte flips, insertions and cuts of torch's states and of the malformed ones above:
+    # whatever they hold, the reader returns a state or raises StateDecodeError, nothing else.
+    rng = random.Random(29)
+    seeds = [pickle.dumps(torch_state(), protocol=p) for p in (3, 4, 5)]
+    seeds += [no_build(_RendezvousState), no_build(_NodeDesc), two_builds(vars(torch_state()), torch_state())]
+    opcodes = [bytes([op.code.encode("latin-1")[0]]) for op in pickletools.opcodes]
+    for i in range(3000):
+        raw = bytearray(rng.choice(seeds))
+        for _ in range(rng.randint(1, 3)):
+            at = rng.randrange(len(raw))
+            kind = rng.randrange(3)
+            if kind == 0:
+                raw[at] = rng.randrange(256)
+            elif kind == 1:
+                raw[at:at] = rng.choice(opcodes)
+            else:
+                del raw[at : at + rng.randint(1, 8)]
+        try:
+            load_state(bytes(raw), "k")
+        except StateDecodeError:
+            pass
+        except Exception as e:  # pragma: no cover - the failure report
+            pytest.fail(f"mutation {i}: {type(e).__name__}: {e} for {bytes(raw)!r}")
