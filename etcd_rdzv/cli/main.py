@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--password-file", metavar="FILE", default=None,
                    help="the user's password (one line; - reads stdin); needed to create the user, "
                         "replaces an existing user's password")
+    p.add_argument("--allow-shared-user", action="store_true",
+                   help="change the password of, or add the run's role to, an existing user that holds "
+                        "other roles (another run's: its agents then share the user)")
     p = command("revoke", "delete the run's role, and its user unless it holds other roles")
     _user_role_args(p)
     p.add_argument("--keep-user", action="store_true", help="delete the role only")
@@ -284,7 +287,7 @@ def _grant(client: EtcdClient, opts: ConnectOptions, ns: argparse.Namespace) -> 
     password = _password(ns.password_file)
     lines = grant(client, opts.key_prefix, ns.run_id, Deadline(opts.timeout),
                   user=ns.user or default_name(ns.run_id), role=ns.role or default_name(ns.run_id),
-                  password=password)
+                  password=password, shared=ns.allow_shared_user)
     _out("\n".join(lines))
     return 0
 
