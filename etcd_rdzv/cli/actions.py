@@ -142,7 +142,11 @@ def _gc_v3(client: EtcdClient, prefix: str, run_id: str, deadline: Deadline, dry
         timeout=deadline.left(), idempotent=True,
     )
     joins, closed, run, total = (r.count for r in res.responses if isinstance(r, RangeResult))
-    if joins or total == 0 or not (closed or not run):
+    if total == 0:
+        return None
+    if joins or not (closed or not run):
+        log.info("gc keeps etcd-v3 run %s: %s", run_id, f"{joins} join key(s) of live nodes" if joins
+                 else "open, its run lease is alive")
         return None
     reason = "closed, no live node" if closed else "run lease gone, no live node"
     if dry_run:
@@ -177,6 +181,9 @@ def _gc_v2(client: EtcdClient, prefix: str, run_id: str, deadline: Deadline, gra
     if newest is not None and newest.tzinfo is None:
         newest = newest.replace(tzinfo=timezone.utc)
     if not state.closed or (newest is not None and (now - newest).total_seconds() < grace):
+        log.info("gc keeps etcd-v2 run %s: %s", run_id, "open" if not state.closed else
+                 f"closed, a heartbeat {(now - newest).total_seconds():.0f} s ago (--grace {grace:g})"
+                 if newest is not None else "closed")
         return None
     reason = f"closed, no heartbeat for {(now - newest).total_seconds():.0f} s" if newest else "closed"
     store = f"{key}/store".encode()

@@ -15,11 +15,19 @@ nothing of ``job10`` is in ``job1``'s role.
 
 :func:`grant` is idempotent: an existing role with exactly these permissions, an existing user
 (its password changed only when one is given) and a role already held are left as they are.
-It refuses a role that holds anything else, and the names ``root``. :func:`revoke` takes the
-role from the user, deletes it, and deletes the user when it holds no other role. Both read
-the users and roles first (no error text is interpreted) and raise :class:`CliError` before
-changing anything when the request cannot be carried out. Neither is atomic against another
-administrator changing the same user or role at the same time.
+It refuses a role that holds anything else, and the names ``root``. It does not take over a
+user made for something else: an existing user holding etcd's ``root`` role is refused, and one
+holding any role but the run's (another run's role above all: the run is named in the message,
+see :func:`_describe_role`) is refused when the call would change it (a new password, the run's
+role added) unless ``shared`` (``--allow-shared-user``). Otherwise the new password would lock
+out the other run's agents and the run's password would read the other run's keys.
+
+:func:`revoke` takes the role from the user, deletes it, and deletes the user when it holds no
+other role: a user shared with another run keeps that run's role and its password (nothing of
+the other run changes, so no flag is needed). Both read the users and roles first (no error text
+is interpreted) and raise :class:`CliError` before changing anything when the request cannot be
+carried out. Neither is atomic against another administrator changing the same user or role at
+the same time.
 """
 
 from __future__ import annotations
@@ -47,6 +55,11 @@ from .connect import CliError, Deadline
 from .render import esc
 from .runs import state_key
 
+#: etcd's role that may do everything; a user holding it is never used for a run.
+ROOT_ROLE = "root"
+#: The prefix of the user and role names ``grant`` makes (:func:`default_name`).
+NAME_PREFIX = "rdzv-"
+
 log = logging.getLogger(__name__)
 
 __all__ = ["default_name", "grant", "revoke", "run_permissions"]
@@ -64,7 +77,7 @@ def run_permissions(prefix: str, run_id: str) -> list[Permission]:
 
 def default_name(run_id: str) -> str:
     """The user and role name ``grant`` uses for a run unless told otherwise: ``rdzv-<run_id>``."""
-    return f"rdzv-{run_id}"
+    return f"{NAME_PREFIX}{run_id}"
 
 
 def _check_names(user: str, role: str) -> None:
@@ -79,12 +92,40 @@ def _foreign(perms: list[Permission], wanted: list[Permission]) -> list[Permissi
     return [p for p in perms if p not in wanted]
 
 
+def _run_key(perms: list[Permission]) -> bytes | None:
+    """The state key ``K`` when ``perms`` are one run's two ranges (the key ``K``, the prefix ``K/``:
+    what :func:`grant` gives a role, of any kind), else None."""
+    if len(perms) != 2:
+        return None
+    key, sub = sorted(perms, key=lambda p: bool(p.range_end))
+    if key.range_end or sub.key != key.key + b"/" or sub.range_end != prefix_range_end(sub.key):
+        return None
+    return key.key
+
+
+def _describe_role(client: EtcdClient, prefix: str, run_id: str, role: str, deadline: Deadline) -> str:
+    """``'rdzv-jobA' (run 'jobA')`` for a role of another run (its permissions are a run's two
+    ranges, or, lacking those, its name is :func:`default_name` of another run id), else ``'name'``."""
+    key = _run_key(role_permissions(client, role, timeout=deadline.left()))
+    base = state_key(prefix, "").encode()  # "<prefix>/"
+    if key is not None and key.startswith(base) and b"/" not in key[len(base):]:
+        return f"{role!r} (run {key[len(base):].decode(errors='backslashreplace')!r})"
+    if key is not None:
+        return f"{role!r} (the run of key {key!r})"
+    other = role[len(NAME_PREFIX):] if role.startswith(NAME_PREFIX) else ""
+    if other and other != run_id:
+        return f"{role!r} (run {other!r}, by its name)"
+    return repr(role)
+
+
 def grant(client: EtcdClient, prefix: str, run_id: str, deadline: Deadline, *, user: str, role: str,
-          password: str | None) -> list[str]:
+          password: str | None, shared: bool = False) -> list[str]:
     """Create (or complete) ``role`` with the run's permissions and give it to ``user``, created
     with ``password`` if missing; a given ``password`` also replaces an existing user's. Returns
     one line per thing done or found. Raises CliError (nothing changed) for a role holding
-    other permissions or a missing user without ``password``; EtcdError for etcd's refusals."""
+    other permissions, a missing user without ``password``, a user holding etcd's ``root`` role,
+    and, unless ``shared``, an existing user holding another role that this call would change
+    (a new password or ``role`` added); EtcdError for etcd's refusals."""
     wanted = run_permissions(prefix, run_id)
     _check_names(user, role)
     roles = role_names(client, timeout=deadline.left())
@@ -96,6 +137,23 @@ def grant(client: EtcdClient, prefix: str, run_id: str, deadline: Deadline, *, u
                        f"({', '.join(p.describe() for p in foreign)}); choose another --role")
     if user not in users and password is None:
         raise CliError(f"user {user!r} does not exist; give its password with --password-file FILE (- reads stdin)")
+    held = user_roles(client, user, timeout=deadline.left()) if user in users else []
+    if ROOT_ROLE in held:
+        raise CliError(f"user {user!r} holds etcd's role 'root'; refusing to use it for run {run_id!r}; "
+                       "choose another --user")
+    others = [r for r in held if r != role]
+    if others and not shared and (password is not None or role not in held):
+        described = ", ".join(_describe_role(client, prefix, run_id, r, deadline) for r in others)
+        change, effects = [], []
+        if password is not None:
+            change.append("change its password")
+            effects.append("the new password locks out whoever logs in as it now")
+        if role not in held:
+            change.append(f"give it role {role!r}")
+            effects.append(f"whoever logs in as it reaches run {run_id!r}'s keys")
+        raise CliError(f"user {user!r} holds {'roles' if len(others) > 1 else 'role'} {described}: refusing to {' and '.join(change)} for run "
+                       f"{run_id!r} ({'; '.join(effects)}); choose another --user, or pass "
+                       "--allow-shared-user to share it")
     done: list[str] = []
     if role not in roles:
         role_add(client, role, timeout=deadline.left())
@@ -113,11 +171,13 @@ def grant(client: EtcdClient, prefix: str, run_id: str, deadline: Deadline, *, u
     elif password is not None:
         user_change_password(client, user, password, timeout=deadline.left())
         done.append(f"user {esc(user)}: password changed")
-    if role in user_roles(client, user, timeout=deadline.left()):
+    if role in held:
         done.append(f"user {esc(user)}: has role {esc(role)}")
     else:
         user_grant_role(client, user, role, timeout=deadline.left())
         done.append(f"user {esc(user)}: granted role {esc(role)}")
+    if others:
+        done.append(f"user {esc(user)}: shared, it also holds {esc(', '.join(others))}")
     log.info("run %r of %r: user %r, role %r", run_id, prefix, user, role)
     return done
 

@@ -27,13 +27,13 @@ from ..v2state import StateDecodeError
 from .actions import DEFAULT_STATE_TTL, close_v2, close_v3, gc
 from .connect import CliError, ConnectOptions, Deadline, add_connect_arguments, connect_options
 from .grants import default_name, grant, revoke
-from .render import esc, render_list, render_show
+from .render import LINE_LIMIT, EscapingFormatter, esc, esc_lines, render_list, render_show
 from .runs import V2, V3, RunInfo, RunReadError, backends_of, find_runs, read_run
 from .watching import format_change, watch_run
 
 log = logging.getLogger(__name__)
 
-ERROR_LIMIT = 2000
+ERROR_LIMIT = LINE_LIMIT
 """The most characters of an error line (values from etcd in it are escaped, see :func:`.render.esc`)."""
 
 __all__ = ["build_parser", "main"]
@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--password-file", metavar="FILE", default=None,
                    help="the user's password (one line; - reads stdin); needed to create the user, "
                         "replaces an existing user's password")
+    p.add_argument("--allow-shared-user", action="store_true",
+                   help="change the password of, or add the run's role to, an existing user that holds "
+                        "other roles (another run's: its agents then share the user)")
     p = command("revoke", "delete the run's role, and its user unless it holds other roles")
     _user_role_args(p)
     p.add_argument("--keep-user", action="store_true", help="delete the role only")
@@ -108,9 +111,11 @@ def _user_role_args(p: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     verbosity = getattr(ns, "verbose", 0)
+    handler = logging.StreamHandler()  # sys.stderr; every record escaped (etcd's data is in many)
+    handler.setFormatter(EscapingFormatter(f"{PROG}: %(levelname)s: %(message)s"))
     logging.basicConfig(
         level=logging.WARNING if verbosity == 0 else logging.INFO if verbosity == 1 else logging.DEBUG,
-        format=f"{PROG}: %(levelname)s: %(message)s",
+        handlers=[handler],
     )
     try:
         opts = connect_options(ns)
@@ -128,11 +133,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _fail(message: str) -> None:
-    print(f"{PROG}: error: {esc(' '.join(message.split()), ERROR_LIMIT)}", file=sys.stderr)
+    """The error line: the message's words on one line, escaped and cut (it may quote etcd's data)."""
+    _err(f"{PROG}: error: {esc(' '.join(message.split()), ERROR_LIMIT)}")
 
 
 def _out(text: str) -> None:
-    print(text, flush=True)
+    """Every stdout line of the command: escaped again (:func:`.render.esc_lines`) whatever built it."""
+    print(esc_lines(text), flush=True)
+
+
+def _err(text: str) -> None:
+    """Every stderr line the command prints itself (log records: :class:`.render.EscapingFormatter`)."""
+    print(esc_lines(text), file=sys.stderr, flush=True)
 
 
 def resolve_backend(client: EtcdClient, prefix: str, run_id: str, wanted: str | None, deadline: Deadline) -> str:
@@ -216,8 +228,7 @@ def _watch(client: EtcdClient, opts: ConnectOptions, ns: argparse.Namespace) -> 
              else format_change(change, time.time()))
 
     def started(revision: int) -> None:
-        print(f"{PROG}: watching {backend} run {esc(ns.run_id)} after revision {revision} (Ctrl-C ends)",
-              file=sys.stderr, flush=True)
+        _err(f"{PROG}: watching {backend} run {esc(ns.run_id)} after revision {revision} (Ctrl-C ends)")
 
     try:
         watch_run(client, opts.key_prefix, ns.run_id, backend, deadline, emit,
@@ -284,7 +295,7 @@ def _grant(client: EtcdClient, opts: ConnectOptions, ns: argparse.Namespace) -> 
     password = _password(ns.password_file)
     lines = grant(client, opts.key_prefix, ns.run_id, Deadline(opts.timeout),
                   user=ns.user or default_name(ns.run_id), role=ns.role or default_name(ns.run_id),
-                  password=password)
+                  password=password, shared=ns.allow_shared_user)
     _out("\n".join(lines))
     return 0
 

@@ -1,30 +1,109 @@
-"""Text output of ``list`` and ``show`` (the JSON output is the documents of :mod:`.runs`).
+"""Text output of ``list`` and ``show`` (the JSON output is the documents of :mod:`.runs`), and the
+one escaping rule of everything the command writes to a terminal.
 
-Everything shown comes from etcd, which any writer of the prefix controls, so every value
-passes :func:`esc` on its way to a terminal: control and other non-printable characters
-(escape sequences, OSC 52 clipboard writes, newlines that would forge rows, bidi overrides)
-are shown as ``\\xNN``/``\\uNNNN`` and a value is cut at :data:`CELL_LIMIT` characters. The
-JSON output (``--json``) is exact: ``json.dumps`` escapes control characters itself.
+Run ids, node ids, hosts, keys, role names and error texts come from etcd, which any writer of the
+prefix controls. :func:`esc` is the one helper that makes them safe: control and other
+non-printable characters (escape sequences, OSC 52 clipboard writes, BEL, CR, newlines that would
+forge rows or log lines, C1 controls, bidi overrides) are shown as ``\\xNN``/``\\uNNNN`` and a value
+is cut at :data:`CELL_LIMIT` characters. It is applied twice:
+
+* to each value where it is put in a table cell, a ``watch`` line or a message line (so that a
+  newline of the value cannot start a row, and cells line up);
+* at the three ways out of :mod:`.main`: every stdout line (``_out``, :func:`esc_lines`), every
+  stderr line it prints (``_err``; an error line is escaped whole, one line), and every log record
+  of the command's handler (:class:`EscapingFormatter`: warnings, ``-v``/``-vv``, tracebacks, from
+  this package, the client, or anything else that logs), so that nothing reaches the terminal
+  unescaped whatever its code path.
+
+The JSON output (``--json``) is exact: ``json.dumps`` escapes control and non-ASCII characters
+itself, so the last pass changes nothing in it.
 """
 
 from __future__ import annotations
 
+import logging
+import traceback
 from collections.abc import Sequence
+from typing import Any
 
 from .runs import NodeInfo, RunInfo
 
-__all__ = ["CELL_LIMIT", "esc", "format_seconds", "render_list", "render_show", "table"]
+__all__ = [
+    "CELL_LIMIT",
+    "LINE_LIMIT",
+    "EscapingFormatter",
+    "esc",
+    "esc_lines",
+    "format_seconds",
+    "render_list",
+    "render_show",
+    "table",
+]
 
 CELL_LIMIT = 200
 """The most characters of one value in text output (then ``...``)."""
 
+LINE_LIMIT = 2000
+"""The most characters of an error line or a log message (values in it are escaped)."""
 
-def esc(value: object, limit: int = CELL_LIMIT) -> str:
-    """``str(value)`` safe for a terminal: non-printable characters escaped, cut at ``limit``."""
+
+def esc(value: object, limit: int | None = CELL_LIMIT) -> str:
+    """``str(value)`` safe for a terminal: non-printable characters escaped (a newline too), cut at
+    ``limit`` characters (None: never)."""
     text = str(value)
-    cut = len(text) > limit
-    out = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text[:limit])
-    return out + "..." if cut else out
+    cut = limit is not None and len(text) > limit
+    if cut:
+        text = text[:limit]
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+    return text + "..." if cut else text
+
+
+def esc_lines(text: str) -> str:
+    """``text`` safe for a terminal, line by line: each line as :func:`esc` shows it (uncut), the
+    newlines between lines kept. Printable text (tables, JSON) comes back unchanged."""
+    if text.isprintable():
+        return text
+    return "\n".join(esc(line, None) for line in text.split("\n"))
+
+
+class EscapingFormatter(logging.Formatter):
+    """A formatter whose every line is escaped (:func:`esc`): the message is one line cut at
+    :data:`LINE_LIMIT` characters (its arguments may hold anything etcd holds), and so is each
+    exception's message in a traceback (its frames are code). The record itself is left as it
+    is for other handlers."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        copy = logging.makeLogRecord(record.__dict__)
+        copy.msg, copy.args, copy.exc_text = esc(record.getMessage(), LINE_LIMIT), None, None
+        return esc_lines(super().format(copy))
+
+    def formatException(self, ei: Any) -> str:
+        """The traceback as Python prints it (chained exceptions too), each exception's
+        ``Type: message`` line escaped whole."""
+        chain: list[BaseException] = []
+        exc = ei[1]
+        while exc is not None and not any(exc is c for c in chain) and len(chain) < 16:
+            chain.append(exc)
+            exc = exc.__cause__ if exc.__cause__ is not None else None if exc.__suppress_context__ else exc.__context__
+        lines: list[str] = []
+        oldest_first = chain[::-1]
+        for older, e in zip([None, *oldest_first[:-1]], oldest_first, strict=True):
+            if older is not None:
+                lines += ["", "The above exception was the direct cause of the following exception:"
+                          if e.__cause__ is older else
+                          "During handling of the above exception, another exception occurred:", ""]
+            lines.append("Traceback (most recent call last):")
+            lines += [frame.rstrip("\n") for frame in traceback.format_tb(e.__traceback__)]
+            kind = type(e).__qualname__
+            if type(e).__module__ not in ("builtins", "__main__"):
+                kind = f"{type(e).__module__}.{kind}"
+            try:
+                text = str(e)
+            except Exception:  # an exception's __str__ may fail; Python prints this then
+                text = "<exception str() failed>"
+            lines.append(f"{kind}: {esc(text, LINE_LIMIT)}" if text else kind)
+        return esc_lines("\n".join(lines))
 
 
 def format_seconds(value: float | None) -> str:

@@ -7,7 +7,8 @@ root credentials in the environment, as an operator runs it) creates the users o
 ``etcd-v3`` and ``etcd-v2`` in threads), the ``EtcdStore`` (every kind of operation, chunked values, a nested
 namespace, its lease), and every CLI command on the run (``list``, ``show``, ``watch``, ``close``, ``gc``).
 ``job10``'s user can neither read nor write ``job1``'s keys, nor ``job1``'s its (``EtcdPermissionDenied``,
-the CLI's exit 2). Then ``revoke`` removes the user and role.
+the CLI's exit 2). Then ``revoke`` removes the user and role. ``grant`` does not take over another run's
+user (issue 32), and ``revoke`` of a shared user leaves the other run alone.
 
 Plain ``http`` on loopback with ``--allow-insecure-auth``: TLS is not what is checked here
 (test_store_security.py, test_client_security.py do TLS with auth).
@@ -315,3 +316,83 @@ def test_grant_refuses_what_it_cannot_do_cleanly(etcd: Etcd) -> None:
     etcd.ok("root", "grant", "job1", "--password-file", pw)
     rc, _, err = etcd.cli("rdzv-job1", "grant", "job10", "--password-file", pw)
     assert rc == 2 and "permission denied" in err and "j0b1-pw" not in err
+
+
+def auth_state(root: EtcdClient) -> dict[str, object]:
+    """Every user with its roles and every role with its permissions."""
+    from etcd_store.client.auth_admin import role_names, role_permissions, user_names, user_roles
+
+    return {"users": {u: sorted(user_roles(root, u)) for u in user_names(root)},
+            "roles": {r: sorted(role_permissions(root, r)) for r in role_names(root)}}
+
+
+def can_read(etcd: Etcd, user: str, password: str, key: str) -> bool:
+    """Whether ``user`` logs in with ``password`` and may read ``key`` (False: the password or the key is refused)."""
+    with EtcdClient(etcd.endpoint, user=user, password=password, timeout=10, allow_insecure_auth=True) as c:
+        try:
+            c.get(key.encode())
+        except (EtcdAuthError, EtcdPermissionDenied):
+            return False
+        return True
+
+
+@pytest.mark.etcd_matrix("3.6")
+def test_grant_does_not_take_over_another_runs_user(etcd: Etcd) -> None:
+    """Issue 32, item 4: ``grant jobB --user rdzv-jobA`` changed job A's password (its agents were then
+    refused) and gave job A's user job B's role, without a word. It is refused (one line naming the user and
+    job A's role, exit 2, nothing changed) unless ``--allow-shared-user``; a user holding ``root`` is refused
+    always; a user holding only the run's role is re-granted (password rotation). ``revoke`` of a shared user
+    takes the run's role only: the other run keeps its role, user and password."""
+    etcd.passwords |= {"rdzv-jobA": "j0bA-pw", "jobB": "j0bB-pw", "admin": "adm1n-pw"}
+    a_key, b_key = f"{PREFIX}/jobA/v3/run", f"{PREFIX}/jobB/v3/run"
+    etcd.ok("root", "grant", "jobA", "--password-file", etcd.password_file("rdzv-jobA"))
+    b_pw = etcd.password_file("jobB")
+    with etcd.client("root") as root:
+        from etcd_store.client.auth_admin import user_add, user_grant_role
+
+        user_add(root, "admin", etcd.passwords["admin"])
+        user_grant_role(root, "admin", "root")
+        before = auth_state(root)
+        for args, expected in (
+            (["grant", "jobB", "--user", "rdzv-jobA", "--password-file", b_pw],
+             "user 'rdzv-jobA' holds role 'rdzv-jobA' (run 'jobA'): refusing to change its password and give "
+             "it role 'rdzv-jobB' for run 'jobB'"),
+            (["grant", "jobB", "--user", "rdzv-jobA"], "refusing to give it role 'rdzv-jobB' for run 'jobB'"),
+            (["grant", "jobB", "--user", "rdzv-jobA", "--role", "custom"], "holds role 'rdzv-jobA' (run 'jobA')"),
+            (["grant", "jobA", "--user", "rdzv-jobA", "--role", "second", "--password-file", b_pw],
+             "holds role 'rdzv-jobA' (run 'jobA')"),
+            (["grant", "jobB", "--user", "admin", "--allow-shared-user"], "user 'admin' holds etcd's role 'root'"),
+        ):
+            rc, out, err = etcd.cli("root", *args)
+            assert (rc, out) == (2, "") and err.count("\n") == 1 and expected in err, (args, err)
+            assert ("--allow-shared-user" in err) != ("admin" in args), err
+            assert auth_state(root) == before, args  # nothing changed: no role, no password, no grant
+        assert can_read(etcd, "rdzv-jobA", "j0bA-pw", a_key)  # job A's agents still log in
+        assert not can_read(etcd, "rdzv-jobA", "j0bB-pw", a_key)  # job B's password reads nothing of A
+
+        # Only the run's role: re-granted, the password replaced (rotation), nothing else.
+        etcd.passwords["rdzv-jobA"] = "j0bA-pw2"
+        out = etcd.ok("root", "grant", "jobA", "--password-file", etcd.password_file("rdzv-jobA"))
+        assert [line.split(": ")[1] for line in out.splitlines()] == [
+            f"has READWRITE b'{PREFIX}/jobA'", f"has READWRITE [b'{PREFIX}/jobA/', b'{PREFIX}/jobA0')",
+            "password changed", "has role rdzv-jobA"]
+        assert can_read(etcd, "rdzv-jobA", "j0bA-pw2", a_key)
+
+        # Shared on purpose: the role is added, the password kept (none given).
+        out = etcd.ok("root", "grant", "jobB", "--user", "rdzv-jobA", "--allow-shared-user")
+        assert out.splitlines()[-2:] == ["user rdzv-jobA: granted role rdzv-jobB",
+                                         "user rdzv-jobA: shared, it also holds rdzv-jobA"]
+        assert can_read(etcd, "rdzv-jobA", "j0bA-pw2", a_key) and can_read(etcd, "rdzv-jobA", "j0bA-pw2", b_key)
+        # Re-running it changes nothing, so needs no flag; a new password does.
+        assert "has role rdzv-jobB" in etcd.ok("root", "grant", "jobB", "--user", "rdzv-jobA")
+        rc, _, err = etcd.cli("root", "grant", "jobB", "--user", "rdzv-jobA", "--password-file", b_pw)
+        assert rc == 2 and "refusing to change its password for run 'jobB'" in err, err
+
+        # revoke of the shared user: job B's role goes, job A keeps its role, user and password.
+        rc, out, err = etcd.cli("root", "revoke", "jobB", "--role", "rdzv-jobA")  # job A's permissions
+        assert (rc, out) == (2, "") and "role 'rdzv-jobA' holds permissions outside run 'jobB'" in err, err
+        out = etcd.ok("root", "revoke", "jobB", "--user", "rdzv-jobA")
+        assert out.splitlines() == ["user rdzv-jobA: role rdzv-jobB taken", "role rdzv-jobB: deleted",
+                                    "user rdzv-jobA: kept, it holds other roles (rdzv-jobA)"]
+        assert auth_state(root) == before
+        assert can_read(etcd, "rdzv-jobA", "j0bA-pw2", a_key) and not can_read(etcd, "rdzv-jobA", "j0bA-pw2", b_key)
