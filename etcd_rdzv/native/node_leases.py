@@ -137,8 +137,8 @@ class NodeLeases:
         ended already. Never raises for etcd failures."""
         session.close(revoke=False)  # stop refreshing; the revoke below says whether it worked
         remaining = deadline - time.monotonic()
-        if remaining <= 0 or session.lost.is_set():
-            return session.lost.is_set()
+        if remaining <= 0 or session.gone_at_etcd:  # (a lost presumed from silence is revoked all the same)
+            return session.gone_at_etcd
         try:
             self._client.lease_revoke(session.id, timeout=remaining)
         except EtcdError as e:

@@ -91,7 +91,7 @@ class Keeper(Protocol):
     """What :class:`KeepAlives` tells a session (``_lease_lost``, ``_learn_ttl``: on the stream loop;
     must not block)."""
 
-    def _lease_lost(self, lease_id: int, primary: bool) -> None: ...
+    def _lease_lost(self, lease_id: int, primary: bool, confirmed: bool = True) -> None: ...
 
     def _learn_ttl(self, ttl: int) -> None: ...
 
@@ -484,9 +484,11 @@ class KeepAlives:
                 self.deadlines_passed += 1
         for lease_id in sorted({i for i, _, _ in lost}):
             log.warning("lease %x: etcd answered none of its keep-alives for its TTL; given up as lost", lease_id)
-        for lease_id, keeper, primary in lost:
-            keeper._lease_lost(lease_id, primary)
-        self._arm_deadline()
+        try:
+            for lease_id, keeper, primary in lost:
+                keeper._lease_lost(lease_id, primary, False)  # presumed: etcd said nothing
+        finally:
+            self._arm_deadline()
 
     def _stop_all(self, reason: BaseException) -> None:
         with self._lock:

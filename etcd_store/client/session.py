@@ -137,6 +137,10 @@ class Session:
         self._on_lost = on_lost
         self._revoke_on_close = revoke_on_close
         self._closed = False
+        #: Whether etcd itself said the lease is gone (TTL 0, not found); False while it is alive or
+        #: when :attr:`lost` was presumed from a TTL without any answer (the lease may then outlive
+        #: the silence at etcd: a leaderless etcd expires nothing, and a restarted one extends leases).
+        self.gone_at_etcd = False
         self._pid = os.getpid()
         self._also: frozenset[int] = frozenset()
         self._mux = client.keep_alives()
@@ -188,7 +192,7 @@ class Session:
         self._mux.drop(self)
         if revoke is None:
             revoke = self._revoke_on_close
-        if first and revoke and not self.lost.is_set():
+        if first and revoke and not self.gone_at_etcd:
             try:
                 self._client.lease_revoke(self.id, timeout=timeout)
             except EtcdError as e:
@@ -210,12 +214,13 @@ class Session:
         self.ttl = ttl
         self._renewed.append(time.monotonic())
 
-    def _lease_lost(self, lease_id: int, primary: bool) -> None:
+    def _lease_lost(self, lease_id: int, primary: bool, confirmed: bool = True) -> None:
         if not primary:
             log.info("extra lease %x kept by lease %x is gone", lease_id, self.id)
             self._also = self._also - {lease_id}
             return
         if not self.lost.is_set():
+            self.gone_at_etcd = confirmed
             self.lost.set()
             self._done.set()
             log.warning("lease %x is gone (expired or revoked)", self.id)

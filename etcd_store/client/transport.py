@@ -151,6 +151,8 @@ def failure_of(status: _Status) -> Failure:
         return Failure.STALE_TOKEN
     if code == _C.DEADLINE_EXCEEDED:
         return Failure.TIMED_OUT
+    if code == _C.CANCELLED:  # the client cancels no unary call: the member's connection was torn down
+        return Failure.MAYBE_APPLIED  # mid-call (RST_STREAM as it was killed); the request may have landed
     if code == _C.UNAVAILABLE and status not in _NAMED:
         return Failure.UNREACHED
     return Failure.FINAL

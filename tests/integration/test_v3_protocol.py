@@ -934,7 +934,13 @@ def test_a_node_that_lost_etcd_does_not_close_the_run_once_etcd_is_back(fresh_et
         assert time.monotonic() - started < 5  # LEAVE_TIMEOUT, not close_timeout
         assert not b.is_closed()
         assert nodes.client.lease_time_to_live(lease) == -1
-        assert b.num_nodes_waiting() >= 1  # its group lost a member: re-form
+        # its group lost a member: re-form. b's own session ended too when etcd answered none of its
+        # keep-alives for a TTL (the client's lease deadline), so b re-attaches and gives missing members
+        # its outage grace (read_timeout + heartbeat) before it counts them lost
+        deadline = time.monotonic() + 2 + 30 + 10
+        while b.num_nodes_waiting() < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert b.num_nodes_waiting() >= 1
         res = results(nodes.start(b))
         assert [(r.round, r.world_size) for r in res] == [(2, 1)]
     finally:
