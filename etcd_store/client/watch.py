@@ -19,6 +19,12 @@ The task runs in a copy of the creating thread's ``contextvars`` context (as any
 would) and counts each batch it delivers into the client's
 :class:`~.stats.CallStats` (``watch_events``, ``watch_bytes``). Consumers block on the queue
 (:meth:`Watch.get`) in their own threads.
+
+Memory: the queue is not bounded. A watch holds every event its consumer has not taken yet
+(about the size of the keys and values plus 0.5 KiB per event: 30,000 undrained events of 4 KiB
+measured +133 MiB of RSS with etcd 3.7, all written in 300 transactions before any was taken). The
+client's own consumers (the store's waits, ``SyncedWatch``, ``etcd-v3``'s rounds) drain or cancel
+their watches; a caller of :meth:`~etcd_store.client.EtcdClient.watch` must do the same.
 """
 
 from __future__ import annotations
