@@ -57,7 +57,7 @@ from ..errors import EtcdError, EtcdLeaseNotFound, EtcdRequestError
 from .channels import Member
 from .reactor import started
 from .retry import stall_bound
-from .streams import Ended, ReconnectingStream, send, step
+from .streams import CallCancelled, Ended, ReconnectingStream, SendFailed, StreamEnded, send, step
 from .transport import Transport
 
 log = logging.getLogger(__name__)
@@ -365,8 +365,11 @@ class KeepAlives:
             while True:
                 due, wait = self._take_due()
                 if due is None:  # nothing left to keep (or halted): half-close, take the answers owed
-                    await send(call, None, self._stopping, reader)
-                    await self._sleep(self.answer_bound(), reader)  # bounded: a hung member holds no one
+                    try:
+                        await send(call, None, self._stopping, reader)
+                        await self._sleep(self.answer_bound(), reader)  # bounded: a hung member holds no one
+                    except (grpc.RpcError, StreamEnded, SendFailed, CallCancelled):
+                        pass  # nothing is kept on this stream any more: how it ended changes nothing
                     return Ended.STOP
                 if not due and wait <= 0:
                     return self._stalled(member)

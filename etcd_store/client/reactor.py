@@ -88,7 +88,8 @@ class Reactor:
         self.lags = 0
         self.max_lag = 0.0
         self.loop = asyncio.SelectorEventLoop(_StepTimer(self))
-        self._callbacks: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]]] = queue.SimpleQueue()
+        self._callbacks: queue.SimpleQueue[tuple[contextvars.Context, Callable[..., Any], tuple[Any, ...]]] = (
+            queue.SimpleQueue())
         self._callback_thread: threading.Thread | None = None
         self._callback_lock = threading.Lock()
         self._thread = threading.Thread(target=self._serve, name="etcd-streams", daemon=True)
@@ -134,11 +135,15 @@ class Reactor:
         threading.Thread(target=work, name="etcd-login", daemon=True).start()
         return await done
 
+    def on_loop(self) -> bool:
+        """Whether the caller runs on the loop's thread."""
+        return threading.current_thread() is self._thread
+
     def offload(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` in the ``etcd-callbacks`` daemon thread, in order with other offloaded
-        calls (never blocks; call from the loop: callbacks into user code must not stall it). An
-        error is logged with its traceback."""
-        self._callbacks.put((fn, args))
+        calls, in the caller's ``contextvars`` context (never blocks; call from the loop: callbacks
+        into user code must not stall it). An error is logged with its traceback."""
+        self._callbacks.put((contextvars.copy_context(), fn, args))
         if self._callback_thread is None:
             with self._callback_lock:
                 if self._callback_thread is None:
@@ -148,9 +153,9 @@ class Reactor:
 
     def _run_callbacks(self) -> None:
         while True:
-            fn, args = self._callbacks.get()
+            context, fn, args = self._callbacks.get()
             try:
-                fn(*args)
+                context.run(fn, *args)
             except Exception:
                 log.exception("an etcd client callback (%r) failed", fn)
 

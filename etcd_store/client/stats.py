@@ -15,9 +15,12 @@ listener runs in the watch's task on the stream loop (:mod:`.reactor`), which ru
 copy of the ``contextvars`` context of the thread that created the watch.
 
 Contract: counting never blocks (one short lock) and never raises into the
-call it counts; listeners are called synchronously, in the thread of that call,
-after the counter moved, and must be quick: a listener that raises is logged at
-DEBUG and otherwise ignored. Dependencies point one way: this module knows
+call it counts; retry and error listeners are called synchronously, in the thread of
+that call, after the counter moved, except on the stream loop (a stream's error), where
+they run in the client's callback thread instead (:meth:`~.reactor.Reactor.offload`, in
+the same ``contextvars`` context), so user code (torch's metric handlers) never stalls a
+stream. Delivery listeners run on the loop and must be counters: quick, no lock held
+long, no I/O. A listener that raises is logged at DEBUG and otherwise ignored. Dependencies point one way: this module knows
 nothing of torch or of the rendezvous layer, which subscribes here.
 """
 
@@ -30,6 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import wraps
 from typing import Any, TypeVar
+
+from .reactor import started
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +127,16 @@ class CallStats:
 
     @staticmethod
     def _notify(listeners: tuple[StatsListener, ...], kind: str, detail: str) -> None:
+        if not listeners:
+            return
+        loop = started()
+        if loop is not None and loop.on_loop():  # a stream's error: user code runs off the stream loop
+            loop.offload(CallStats._call_each, listeners, kind, detail)
+        else:
+            CallStats._call_each(listeners, kind, detail)
+
+    @staticmethod
+    def _call_each(listeners: tuple[StatsListener, ...], kind: str, detail: str) -> None:
         for listener in listeners:
             try:
                 listener(kind, detail)

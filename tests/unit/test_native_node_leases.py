@@ -23,6 +23,7 @@ class FakeSession:
         self.id = lease
         self.on_lost = on_lost
         self.lost = threading.Event()
+        self.gone_at_etcd = False
         self._done = threading.Event()
         self.kept: list[int] = []
         self.closed_with: bool | None = None
@@ -38,6 +39,7 @@ class FakeSession:
         self._done.set()
 
     def expire(self) -> None:  # what the keep-alive does when etcd reports the lease gone
+        self.gone_at_etcd = True
         self.lost.set()
         self._done.set()
         self.on_lost()
