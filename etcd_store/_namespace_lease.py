@@ -20,14 +20,13 @@ next write creates (or adopts) a new namespace lease and is retried
 from __future__ import annotations
 
 import logging
-import secrets
 import threading
 import time
 from collections.abc import Callable
 from typing import TypeVar
 
 from .client import EtcdClient, Session, TxnResult, compare_create, op_get, op_put, renewing_lease
-from .errors import EtcdError, EtcdLeaseNotFound, EtcdRequestError
+from .errors import EtcdError, EtcdLeaseNotFound
 
 log = logging.getLogger(__name__)
 
@@ -143,17 +142,9 @@ class NamespaceLease(StoreLease):
             # It vanished again (expired in between): try once more.
 
     def _grant(self, timeout: float) -> int:
-        """A new lease whose id the store chooses, so a grant resent after a lost reply
-        cannot leave a second lease behind: the resend is refused (the id exists) and a
-        lease with our id alive is ours. Raises the refusal if no such lease exists."""
-        wanted = secrets.randbits(62) + 1  # a positive int64, unique with overwhelming odds
-        try:
-            return self._client.lease_grant(self.ttl, lease_id=wanted, timeout=timeout)
-        except EtcdRequestError:
-            if self._client.lease_time_to_live(wanted, timeout=max(timeout, 0.001)) > 0:
-                log.debug("lease %x: our grant was applied by an earlier send", wanted)
-                return wanted
-            raise
+        """A new lease (its id drawn at random by the client, so a grant resent after a lost reply
+        cannot leave a second lease behind)."""
+        return self._client.lease_grant(self.ttl, timeout=timeout)
 
     def _record(self, granted: int, timeout: float) -> TxnResult:
         """One Txn: record ``granted`` as the namespace lease if none is; else read the record."""

@@ -45,3 +45,7 @@ class EtcdLeaseNotFound(EtcdError):
 
 class EtcdRequestError(EtcdError, ValueError):
     """etcd rejected the request itself (too large, invalid argument, ...)."""
+
+
+class EtcdLeaseExists(EtcdRequestError):
+    """etcd already holds a lease with the id a grant asked for."""

@@ -46,6 +46,7 @@ import contextvars
 import heapq
 import itertools
 import logging
+import secrets
 import threading
 import time
 from typing import Any, Protocol
@@ -53,7 +54,7 @@ from typing import Any, Protocol
 import grpc
 from etcd3.etcdrpc import rpc_pb2
 
-from ..errors import EtcdError, EtcdLeaseNotFound, EtcdRequestError
+from ..errors import EtcdError, EtcdLeaseExists, EtcdLeaseNotFound, EtcdRequestError
 from .channels import Member
 from .reactor import started
 from .retry import stall_bound
@@ -71,6 +72,11 @@ MIN_INTERVAL = 0.2
 MIN_ANSWER_BOUND = 1.0
 #: Leases one keep-alive stream refreshes (or has promised to new sessions) before a client opens another.
 LEASES_PER_STREAM = 32
+
+
+def random_lease_id() -> int:
+    """A lease id no one can guess: a positive int64 with 62 random bits."""
+    return secrets.randbits(62) + 1
 
 
 def refresh_interval(ttl: float) -> float:
@@ -531,9 +537,25 @@ class LeaseCalls:
         self._keep_alive_muxes: tuple[KeepAlives, ...] = ()
 
     def lease_grant(self, ttl: int, *, lease_id: int = 0, timeout: float | None = None) -> int:
-        """Grant a lease of ``ttl`` seconds and return its id. One LeaseGrant RPC."""
-        req = rpc_pb2.LeaseGrantRequest(TTL=int(ttl), ID=lease_id)
-        resp = self._transport.call("Lease", "LeaseGrant", req, timeout=timeout, what=f"grant lease ttl={ttl}")
+        """Grant a lease of ``ttl`` seconds and return its id. One LeaseGrant RPC (two after a lost reply).
+
+        Without ``lease_id`` the id is drawn at random (62 bits), not left to etcd, whose ids are
+        sequential: another etcd user can then neither guess a job's lease ids from its own nor
+        attach a key to one (which would make every leased write of the owner fail with a
+        permission error), and a grant the retry policy resent after a lost reply cannot leave a
+        second lease behind: etcd refuses the resend (the id exists) and a lease with our id that
+        is alive is ours. Raises :class:`~etcd_store.errors.EtcdLeaseExists` for a given
+        ``lease_id`` that etcd already holds."""
+        chosen = lease_id or random_lease_id()
+        req = rpc_pb2.LeaseGrantRequest(TTL=int(ttl), ID=chosen)
+        deadline = time.monotonic() + (self._transport.timeout if timeout is None else timeout)
+        try:
+            resp = self._transport.call("Lease", "LeaseGrant", req, timeout=timeout, what=f"grant lease ttl={ttl}")
+        except EtcdLeaseExists:
+            if lease_id or self.lease_time_to_live(chosen, timeout=max(deadline - time.monotonic(), 0.001)) <= 0:
+                raise
+            log.debug("lease %x: our grant was applied by an earlier send", chosen)
+            return chosen
         if resp.error:
             raise EtcdRequestError(f"etcd at {self._transport.describe()} refused a lease: {resp.error}")
         return int(resp.ID)

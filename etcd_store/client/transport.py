@@ -35,6 +35,7 @@ from ..errors import (
     EtcdCompactedError,
     EtcdConnectionError,
     EtcdError,
+    EtcdLeaseExists,
     EtcdLeaseNotFound,
     EtcdPermissionDenied,
     EtcdRequestError,
@@ -72,6 +73,7 @@ _C = grpc.StatusCode
 
 # etcd's named errors (its rpctypes): a status code and an exact description.
 _LEASE_NOT_FOUND: _Status = (_C.NOT_FOUND, "etcdserver: requested lease not found")
+_LEASE_EXISTS: _Status = (_C.FAILED_PRECONDITION, "etcdserver: lease already exists")
 _COMPACTED: _Status = (_C.OUT_OF_RANGE, "etcdserver: mvcc: required revision has been compacted")
 _TOO_LARGE: _Status = (_C.INVALID_ARGUMENT, "etcdserver: request is too large")
 _NO_SPACE: _Status = (_C.RESOURCE_EXHAUSTED, "etcdserver: mvcc: database space exceeded")
@@ -112,7 +114,7 @@ _FAILURES: dict[_Status, Failure] = {
     (_C.INVALID_ARGUMENT, "etcdserver: revision of auth store is old"): Failure.STALE_TOKEN,
 }
 _NAMED: frozenset[_Status] = frozenset(
-    {*_FAILURES, _LEASE_NOT_FOUND, _COMPACTED, _TOO_LARGE, _NO_SPACE, _AUTH_NOT_ENABLED, *_AUTH_FAILED,
+    {*_FAILURES, _LEASE_NOT_FOUND, _LEASE_EXISTS, _COMPACTED, _TOO_LARGE, _NO_SPACE, _AUTH_NOT_ENABLED, *_AUTH_FAILED,
      _PERMISSION_DENIED}
 )  # fmt: skip
 
@@ -451,6 +453,8 @@ class Transport:
             return EtcdRequestError(f"{where} is out of space{op} (etcd's --quota-backend-bytes): {shown}")
         if status == _LEASE_NOT_FOUND:
             return EtcdLeaseNotFound(f"{where}: {shown}{op}")
+        if status == _LEASE_EXISTS:
+            return EtcdLeaseExists(f"{where}: {shown}{op}")
         if status == _COMPACTED:
             return EtcdCompactedError(f"{where}: {shown}{op}")
         if code in (_C.INVALID_ARGUMENT, _C.FAILED_PRECONDITION, _C.OUT_OF_RANGE):
