@@ -23,12 +23,14 @@ answers and has heard none for :meth:`KeepAlives.answer_bound` seconds (from a
 third of the shortest TTL, whatever pace its sessions asked for, doubled after
 each stall in a row; a member that answers nothing: a hung host, a SIGSTOPped
 etcd; HTTP/2 keepalive takes 15 s or more to notice, if at all): it is cancelled, so the lease is refreshed through
-another member well before it expires. The lease is not given up meanwhile:
-only etcd's answer (TTL 0) says a lease is lost. Nothing here blocks a
-caller: :meth:`KeepAlives.keep` and :meth:`KeepAlives.drop` only take a lock and
-wake the task. Callbacks into the sessions (lease lost, TTL learnt) run on the
-stream loop, outside the lock; they must not block (they would stall every stream
-of the process). ``stopped`` runs in the thread that closes the client (or on the loop, when a stream fails for good).
+another member well before it expires. A lease is given up when etcd answers TTL 0 (lost,
+``gone_at_etcd``), or when none of its keep-alives was answered for a whole TTL (lost, presumed:
+etcd Go's lessor rule, :meth:`KeepAlives._check_deadlines`, a timer of the loop that no stream
+task can fail to run). Nothing here blocks a caller: :meth:`KeepAlives.keep` and
+:meth:`KeepAlives.drop` only take a lock and wake the task. Callbacks into the sessions (lease
+lost, TTL learnt) run on the stream loop, outside the lock, and do not block (a session hands
+its ``on_lost`` to the client's callback thread). ``stopped`` runs in the thread that closes the
+client (or on the loop, when a stream fails for good).
 
 etcd answers the requests of one stream in order, and its leader holds each
 renewal until it has applied every committed entry (up to 1 s), so under a burst
