@@ -24,7 +24,10 @@ never removes a member of a live completed round on one reader's clock; a heartb
 aged while the round sealed is refreshed as soon as the join ends; and
 :meth:`EtcdRendezvousHandler.num_nodes_waiting` reports a waiting node when a member
 of this node's round is dead or this node's own entry was removed, so the agents
-re-rendezvous (and admit a replacement) instead of training on without it.
+re-rendezvous (and admit a replacement) instead of training on without it; a member
+that left the round counts the same. And ``shutdown()`` closes the rendezvous only on a
+normal end: called while an exception propagates (torchrun's agent failed) it removes
+this node instead (issue 30, :mod:`etcd_rdzv.ending`).
 Everything else is torch's handler unchanged.
 """
 
@@ -37,7 +40,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as _dr
-from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousInfo, RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousTimeoutError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousBackend,
@@ -180,7 +183,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         out, a store barrier timed out, any error of the agent) it does NOT close it (torch's
         handler does: pytorch/pytorch#67616): it stops the heartbeats and removes this node
         from the state (participants, wait list, redundancy list: :class:`_RendezvousLeaveOp`,
-        one compare-and-swap, within ``close_timeout``), so the other members re-form without
+        compare-and-swap writes of the state, within ``close_timeout``), so the other members re-form without
         it (:meth:`num_nodes_waiting` reports the departure) and a restarted node can join.
         Returns False if that removal failed (then the node's heartbeat ages out). A no-op
         (True) after it left.
@@ -202,7 +205,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         run_id = self._settings.run_id
         try:
             self._op_executor.run(_RendezvousLeaveOp(), self._get_deadline(self._settings.timeout.close))
-        except RendezvousError as e:
+        except Exception as e:  # never mask the failure in flight (torch's launcher re-raises it)
             log.warning("node %s ends on %s and could not leave the rendezvous %r (%s: %s): its heartbeat "
                         "will age out", self._this_node, type(in_flight).__name__, run_id, type(e).__name__, e)
             return False
