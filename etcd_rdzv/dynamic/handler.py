@@ -24,7 +24,10 @@ never removes a member of a live completed round on one reader's clock; a heartb
 aged while the round sealed is refreshed as soon as the join ends; and
 :meth:`EtcdRendezvousHandler.num_nodes_waiting` reports a waiting node when a member
 of this node's round is dead or this node's own entry was removed, so the agents
-re-rendezvous (and admit a replacement) instead of training on without it.
+re-rendezvous (and admit a replacement) instead of training on without it; a member
+that left the round counts the same. And ``shutdown()`` closes the rendezvous only on a
+normal end: called while an exception propagates (torchrun's agent failed) it removes
+this node instead (issue 30, :mod:`etcd_rdzv.ending`).
 Everything else is torch's handler unchanged.
 """
 
@@ -48,6 +51,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from .. import metrics
 from ..conf import DynamicSettings, parse_dynamic_settings
+from ..ending import Ending, decide, exception_in_flight
 from .backend import open_backend
 from .state import SealedRoundStateHolder, check_torch_internals
 
@@ -86,7 +90,9 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             state_holder = SealedRoundStateHolder.adopt(state_holder, node)
         super().__init__(node, settings, backend_name, store, state_holder)
         self._round_joined: int | None = None
+        self._round_members: frozenset[_NodeDesc] = frozenset()
         self._restart_reported = ""
+        self._left = False  # shutdown() left (a failed node): a later shutdown() does nothing
 
     def next_rendezvous(self) -> RendezvousInfo:
         """See base class. Blocks until this node is in a complete round (or raises).
@@ -145,6 +151,9 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             return ""
         if state.round != joined or self._this_node not in state.participants:
             return f"this node is no longer a participant of round {joined} (its entry was removed)"
+        gone = sorted(self._round_members.difference(state.participants))
+        if gone:  # a completed round admits no one: only a departure changes its participants
+            return f"member(s) {', '.join(map(str, gone))} left round {joined}"
         holder = self._state_holder
         if not isinstance(holder, SealedRoundStateHolder):
             return ""
@@ -159,15 +168,50 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         refreshes this node's heartbeat at once if it aged while the round sealed
         (one write then; none when it is fresh)."""
         super()._start_heartbeats()
-        self._round_joined = self._state_holder.state.round
+        state = self._state_holder.state
+        self._round_joined = state.round
+        self._round_members = frozenset(state.participants)
         self._keep_alive()
 
     def shutdown(self) -> bool:
-        """See base class; also closes the shared TCPStore server this node hosted."""
+        """End this node: close the rendezvous on a normal end, else only leave it
+        (:mod:`etcd_rdzv.ending`); also closes the shared TCPStore server this node hosted.
+
+        torchrun's launcher calls it in a ``finally`` after its agent ran, also when the agent
+        failed. With no exception in flight (the workers all succeeded) it closes the
+        rendezvous, as torch's handler does. While an exception propagates (the restarts ran
+        out, a store barrier timed out, any error of the agent) it does NOT close it (torch's
+        handler does: pytorch/pytorch#67616): it stops the heartbeats and removes this node
+        from the state (participants, wait list, redundancy list: :class:`_RendezvousLeaveOp`,
+        compare-and-swap writes of the state, within ``close_timeout``), so the other members re-form without
+        it (:meth:`num_nodes_waiting` reports the departure) and a restarted node can join.
+        Returns False if that removal failed (then the node's heartbeat ages out). A no-op
+        (True) after it left.
+        """
+        if self._left:
+            return True
         try:
+            in_flight = exception_in_flight()
+            if decide(in_flight) is Ending.LEAVE:
+                return self._leave(in_flight)
             return super().shutdown()
         finally:
             self._drop_shared_store()
+
+    def _leave(self, in_flight: BaseException | None) -> bool:
+        """:meth:`shutdown`'s ending for a failed node: remove this node from the state, never close."""
+        self._stop_heartbeats()
+        self._left = True
+        run_id = self._settings.run_id
+        try:
+            self._op_executor.run(_RendezvousLeaveOp(), self._get_deadline(self._settings.timeout.close))
+        except Exception as e:  # never mask the failure in flight (torch's launcher re-raises it)
+            log.warning("node %s ends on %s and could not leave the rendezvous %r (%s: %s): its heartbeat "
+                        "will age out", self._this_node, type(in_flight).__name__, run_id, type(e).__name__, e)
+            return False
+        log.warning("node %s ends on %s: left the rendezvous %r without closing it", self._this_node,
+                    type(in_flight).__name__, run_id)
+        return True
 
     def _drop_shared_store(self) -> None:
         server = getattr(self, "_shared_tcp_store_server", None)
@@ -176,6 +220,26 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         if server is not None:
             log.debug("closing the shared TCPStore server on port %s", getattr(server, "port", "?"))
         del server  # the last reference: the server stops
+
+
+class _RendezvousLeaveOp:
+    """torch's ``_RendezvousExitOp`` for a node that leaves for good: removes it from the
+    participants, and also from the wait list and the redundancy list (torch's exit op runs
+    before a re-join, which puts the node on those lists again, so it leaves them alone)."""
+
+    def __call__(self, ctx: _dr._RendezvousContext, deadline: float) -> _dr._Action:
+        state = ctx.state
+        if ctx.node in state.participants:
+            action = _dr._Action.REMOVE_FROM_PARTICIPANTS
+        elif ctx.node in state.wait_list:
+            action = _dr._Action.REMOVE_FROM_WAIT_LIST
+        elif ctx.node in state.redundancy_list:
+            action = _dr._Action.REMOVE_FROM_REDUNDANCY_LIST
+        else:
+            return _dr._Action.FINISH
+        if time.monotonic() > deadline:
+            return _dr._Action.ERROR_TIMEOUT
+        return action
 
 
 def create_handler_from_params(

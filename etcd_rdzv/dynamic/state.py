@@ -81,7 +81,9 @@ log = logging.getLogger(__name__)
 __all__ = ["CheckedStates", "SealedRoundStateHolder", "check_torch_internals", "torch_state"]
 
 _NODE_FIELDS = ["addr", "pid", "local_id"]
-_HANDLER_ATTRS = ("_keep_alive", "_start_heartbeats", "_stop_heartbeats")
+_HANDLER_ATTRS = ("_keep_alive", "_start_heartbeats", "_stop_heartbeats", "_get_deadline")
+_ACTIONS = ("REMOVE_FROM_PARTICIPANTS", "REMOVE_FROM_WAIT_LIST", "REMOVE_FROM_REDUNDANCY_LIST", "FINISH",
+            "ERROR_TIMEOUT")  # the leave op of the etcd-v2 handler's shutdown()
 _HANDLER_INIT = ["node", "settings", "backend_name", "store", "state_holder"]
 _HOLDER_INIT = ["backend", "settings", "cache_duration"]
 
@@ -116,6 +118,10 @@ def _problems() -> list[str]:
     missing = [a for a in _HANDLER_ATTRS if not callable(getattr(handler, a, None))]
     if missing:
         found.append(f"DynamicRendezvousHandler lacks {', '.join(missing)}")
+    action = getattr(_dr, "_Action", None)
+    missing = [a for a in _ACTIONS if not hasattr(action, a)]
+    if missing:
+        found.append(f"_Action lacks {', '.join(missing)}")
     return found
 
 

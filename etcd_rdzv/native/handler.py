@@ -54,6 +54,7 @@ from etcd_store.client import EtcdClient
 from etcd_store.errors import EtcdConnectionError, EtcdError, EtcdTimeoutError
 
 from .. import metrics
+from ..ending import Ending, decide, exception_in_flight
 from . import protocol, queries
 from .barrier import JoinClock
 from .bootstrap import bootstrap_info
@@ -336,9 +337,20 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         return waiting
 
     def shutdown(self) -> bool:
-        """Close the run (as torch's handlers do), revoke this node's lease, release resources.
+        """End this node: close the run on a normal end, else only leave it (:mod:`etcd_rdzv.ending`).
 
-        torchrun calls it when the agent's job ended: the other members that still run
+        torchrun's launcher calls it in a ``finally`` after its agent ran, also when the
+        agent failed. Called with no exception in flight (the agent's workers all
+        succeeded), it closes the run, revokes this node's lease and releases resources,
+        as torch's handlers do. Called while an exception propagates (``ChildFailedError``
+        after the restarts ran out, a store barrier timeout, any error of the agent), it
+        does NOT close the run: one node's failure must not end the job of the others, nor
+        keep a restarted node out (torch's handlers close it; pytorch/pytorch#67616). It
+        leaves instead (:meth:`leave`, within ``close_timeout``), as an agent ended by
+        SIGTERM does: its join keys vanish at once, the other members re-form without it,
+        and the run stays open. Returns whether the lease was revoked then.
+
+        On a normal end: the other members that still run
         keep running (a closed run answers 0 in :meth:`num_nodes_waiting`) and end on
         their own. Revoking the lease deletes this node's join keys at once. The last node to
         leave also deletes the rounds' stores. Returns False if closing failed
@@ -357,11 +369,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """
         if self._node.shut_down:
             return True
-        if self._etcd_lost:
-            log.warning("node %s lost etcd: leaving the rendezvous %r without closing it",
-                        self._node_id, self._settings.run_id)
-            self.leave(OUTAGE_CLOSE_TIMEOUT)
-            return False
+        in_flight = exception_in_flight()
+        if decide(in_flight, etcd_lost=self._etcd_lost) is Ending.LEAVE:
+            return self._leave_on_failure(in_flight)
         atexit.unregister(self._at_exit)
         deadline = time.monotonic() + self._settings.close_timeout
         ok = True
@@ -390,6 +400,17 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if self._owns_client:
             self._client.close()
         return ok
+
+    def _leave_on_failure(self, in_flight: BaseException | None) -> bool:
+        """:meth:`shutdown`'s ending for a failed node (:data:`Ending.LEAVE`): leave, never close."""
+        if self._etcd_lost:
+            log.warning("node %s lost etcd: leaving the rendezvous %r without closing it",
+                        self._node_id, self._settings.run_id)
+            self.leave(OUTAGE_CLOSE_TIMEOUT)
+            return False
+        log.warning("node %s ends on %s: leaving the rendezvous %r without closing it", self._node_id,
+                    type(in_flight).__name__, self._settings.run_id)
+        return self.leave(self._settings.close_timeout)
 
     def leave(self, timeout: float = LEAVE_TIMEOUT) -> bool:
         """Leave the rendezvous for good WITHOUT closing the run; the handler is done after.

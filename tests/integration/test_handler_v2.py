@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
+from helpers.handlers import shutdown_failing
 from helpers.nodes import ETCD_V2, results
 from helpers.nodes import Nodes as HarnessNodes
 from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -266,3 +267,23 @@ def test_without_store_sharing_workers_get_a_free_port(
     client = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=10))
     client.set("k", b"v")
     assert master.get("k") == b"v"
+
+
+def test_shutdown_of_a_failed_agent_leaves_without_closing(nodes: Nodes) -> None:
+    """A ``shutdown()`` with an exception in flight (torchrun's agent failed; issue 30) removes
+    the node from the state instead of closing the rendezvous: the survivor reports the
+    departure and re-forms a round with a restarted node (a fresh handler)."""
+    failed, survivor = nodes.new(2, 2), nodes.new(2, 2)
+    results(nodes.join(failed, survivor))
+    assert shutdown_failing(failed) is True
+    state = _stored_state(survivor)
+    assert state.closed is False
+    assert _node(failed) not in state.participants and _node(survivor) in state.participants
+    assert not survivor.is_closed()
+    _eventually(lambda: survivor.num_nodes_waiting() >= 1, "the survivor reports the departure")
+    restarted = nodes.new(2, 2)
+    infos = results(nodes.join(survivor, restarted))
+    assert sorted(i.rank for i in infos) == [0, 1] and {i.world_size for i in infos} == {2}
+    assert _stored_state(survivor).closed is False
+    assert failed.shutdown() is True  # a no-op after it left: it does not close the run now
+    assert _stored_state(survivor).closed is False

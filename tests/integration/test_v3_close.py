@@ -21,7 +21,8 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from helpers.nodes import Nodes
+from helpers.handlers import shutdown_failing
+from helpers.nodes import Nodes, results
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
 from etcd_rdzv.cli import main
@@ -176,3 +177,39 @@ def test_abort_is_one_transaction_that_also_closes(etcd_endpoint: str) -> None:
         assert closed is not None and aborted is not None
         assert closed.mod_revision == aborted.mod_revision and aborted.lease == lease
         assert protocol.abort(client, keys, lease) == protocol.AbortOutcome(False, False)
+
+
+# ------------------------------------------------------------------ a failed agent (issue 30)
+
+
+def test_torchs_c10d_closes_the_run_when_one_agent_fails(make_run: Callable[[str], Nodes]) -> None:
+    """torch's behaviour, for contrast (pytorch/pytorch#67616, #123678): one agent's failure
+    closes the run, so a restarted node cannot join any more."""
+    run = make_run("c10d")
+    failed, survivor = run.group(2)
+    shutdown_failing(failed)
+    deadline = time.monotonic() + WAIT
+    while not survivor.is_closed():
+        assert time.monotonic() < deadline, "torch's c10d handler no longer closes the run on a failure"
+        time.sleep(0.2)
+    with pytest.raises(RendezvousClosedError):
+        survivor.next_rendezvous()
+
+
+def test_an_agent_that_fails_leaves_without_closing_the_run(make_run: Callable[[str], Nodes]) -> None:
+    """etcd-v3: a ``shutdown()`` with an exception in flight only leaves: no ``ctl/closed``, its
+    join key is gone at once (the survivor's ``num_nodes_waiting()`` turns positive), and the
+    survivor re-forms a round with a restarted node (a fresh handler)."""
+    run = make_run("etcd-v3")
+    failed, survivor = run.group(2)
+    assert shutdown_failing(failed) is True  # left: its lease revoked
+    assert run.client.get(run.keys.closed) is None
+    assert not survivor.is_closed()
+    assert survivor.num_nodes_waiting() >= 1  # a lost member: its agent re-rendezvous now
+    restarted = run.new(2, 2)
+    infos = results(run.join(survivor, restarted))
+    assert sorted(i.rank for i in infos) == [0, 1] and {i.world_size for i in infos} == {2}
+    assert run.client.get(run.keys.closed) is None
+    # A normal end still closes it.
+    assert restarted.shutdown() is True
+    assert run.client.get(run.keys.closed) is not None

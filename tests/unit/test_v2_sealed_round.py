@@ -102,7 +102,9 @@ def test_case_c_survivors_that_left_at_once_get_a_new_round_once_the_member_is_d
 
 def test_a_member_whose_entry_another_node_removed_reports_a_waiting_node(clock: Clock) -> None:
     assert cases.case_removed(TORCH, clock, memory_run) == {"n0": 0, "n1": 0}
-    assert cases.case_removed(OURS, clock, memory_run) == {"n0": 0, "n1": 1}
+    # n0 reports one too: a member left its completed round (as a failed agent's shutdown() does,
+    # issue 30), so both re-form at once instead of n0's workers waiting for their collective timeout.
+    assert cases.case_removed(OURS, clock, memory_run) == {"n0": 1, "n1": 1}
 
 
 def _sealed(clock: Clock, *members: str, waiting: tuple[str, ...] = (), spare: tuple[str, ...] = ()) -> Any:
