@@ -157,10 +157,16 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
     def _start_heartbeats(self) -> None:
         """See base class (called when a join succeeded); also records the round joined and
         refreshes this node's heartbeat at once if it aged while the round sealed
-        (one write then; none when it is fresh)."""
-        super()._start_heartbeats()
+        (one write then; none when it is fresh).
+
+        The refresh comes *before* torch's keep-alive timer starts: the timer waits one
+        interval from its start, so its first tick finds a heartbeat at least one interval
+        old and sends it. (Refreshing after the start left a heartbeat a little younger than
+        the interval at the first tick, which torch's keep-alive then skipped: a live node's
+        stored heartbeat reached two intervals.)"""
         self._round_joined = self._state_holder.state.round
         self._keep_alive()
+        super()._start_heartbeats()
 
     def shutdown(self) -> bool:
         """See base class; also closes the shared TCPStore server this node hosted."""

@@ -21,7 +21,7 @@ keeps its members while one of them is alive: the reader itself when it is a
 member (a member that can read is proof that the round is alive, whatever its
 clock says about the others), else any member whose heartbeat is younger than
 :attr:`SealedRoundStateHolder.member_expiry` (the heartbeat window plus one
-heartbeat interval plus one read-cache period). Only a round whose members all look dead to a reader outside
+read-cache period). Only a round whose members all look dead to a reader outside
 it is pruned, by torch's rule, so that the round advances (the survivors of a
 member that died have left it and wait for the next round). That a member is
 dead is the handler's business: :meth:`SealedRoundStateHolder.dead_members`
@@ -236,14 +236,13 @@ class SealedRoundStateHolder(_Holder):
         self.backend = backend
         """The backend the states are read from (torch's ``_backend`` is its :class:`CheckedStates`)."""
         self._node = node
-        interval = settings.keep_alive_interval
-        window = interval * settings.keep_alive_max_attempt
-        self.member_expiry: timedelta = window + interval + timedelta(seconds=max(cache_duration, 0))
+        window = settings.keep_alive_interval * settings.keep_alive_max_attempt
+        self.member_expiry: timedelta = window + timedelta(seconds=max(cache_duration, 0))
         """A completed round's member is dead once its heartbeat is older than this: torch's
-        heartbeat window, plus one interval (torch's keep-alive timer skips a beat when the
-        heartbeat is a little younger than the interval, so a live node's stored heartbeat
-        reaches two intervals and more under load), plus one read-cache period (our copy
-        may be that much older). Defaults: 15 + 5 + 1 = 21 s."""
+        heartbeat window plus one read-cache period (our copy may be that much older).
+        Defaults: 15 + 1 = 16 s. (A live node's stored heartbeat is at most one interval plus
+        one keep-alive call old: the handler refreshes it before torch's timer starts, so no
+        tick is skipped; the window leaves two more intervals for a slow call.)"""
         #: When this node's contact with etcd last resumed after a failed sync (never: the distant past).
         self._reachable_since = _NEVER
         self._unreachable = False

@@ -4,7 +4,7 @@ Each case runs one run of one handler kind (torch's ``DynamicRendezvousHandler``
 our ``EtcdRendezvousHandler``) from a fresh backend and returns an :class:`Outcome`:
 what every node's join returned, the stored round, and what ``num_nodes_waiting()``
 said afterwards. Times are seconds on the test's clock; torch's defaults apply
-(heartbeat every 5 s, a node dead after 15 s; ours: a member dead after 21 s).
+(heartbeat every 5 s, a node dead after 15 s; ours: a member dead after 16 s, :data:`EXPIRY`).
 :func:`problems` names what is wrong with an outcome: nodes that disagree on
 their round or world, or a node that trains in a round that no longer holds it
 while nobody reports a waiting node (it is stuck for good).
@@ -18,7 +18,11 @@ from dataclasses import dataclass, field
 
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
 
-from helpers.sealed_rounds import Clock, Run, stored_state
+from helpers.sealed_rounds import ATTEMPTS, KEEP_ALIVE_S, Clock, Run, stored_state
+
+EXPIRY = KEEP_ALIVE_S * ATTEMPTS + 1
+"""Seconds after its last heartbeat when our handler calls a sealed round's member dead
+(``SealedRoundStateHolder.member_expiry``: torch's window plus the 1 s read cache)."""
 
 Backends = Callable[[], Callable[[], RendezvousBackend]]
 """Returns the backend factory of a new run (each call: a new run)."""
@@ -104,8 +108,9 @@ def case_b(kind: type, clock: Clock, backends: Backends) -> Outcome:
     return outcome
 
 
-def _seal_three_then_lose_n2(run: Run, clock: Clock) -> None:
-    """n0, n1, n2 seal a round at t=1; n0 and n1 heartbeat at 5, 10, 15, 20; n2 is dead (since t=1)."""
+def _seal_three_then_lose_n2(run: Run, clock: Clock, until: float = 20) -> None:
+    """n0, n1, n2 seal a round at t=1; n0 and n1 heartbeat every 5 s up to ``until``; n2 is dead
+    (since t=1, its last heartbeat)."""
     n0, n1, n2 = run.node("n0"), run.node("n1"), run.node("n2")
     n0.join()
     n1.join()
@@ -114,7 +119,7 @@ def _seal_three_then_lose_n2(run: Run, clock: Clock) -> None:
     clock.at(2)
     n0.step()
     n1.step()
-    for t in (5, 10, 15, 20):
+    for t in range(5, int(until) + 1, 5):
         clock.at(t)
         run.heartbeat("n0", "n1")
 
@@ -129,8 +134,8 @@ def _rejoin(run: Run, clock: Clock, t: float, *names: str) -> None:
 
 @dataclass
 class CaseC:
-    within_grace: dict[str, int]  # num_nodes_waiting() with n2 silent 20.5 s
-    dead: dict[str, int]  # ... silent 21.6 s
+    within_grace: dict[str, int]  # num_nodes_waiting() with n2 silent EXPIRY - 0.5 s
+    dead: dict[str, int]  # ... silent EXPIRY + 0.6 s
     after: Outcome | None  # after the survivors re-rendezvoused (None: nobody reported a waiting node)
 
 
@@ -139,14 +144,14 @@ def case_c(kind: type, clock: Clock, backends: Backends) -> CaseC:
     survivors re-rendezvous if (and when) their ``num_nodes_waiting()`` turns positive."""
     clock.reset()
     run = Run(kind, clock, backends(), (2, 3))
-    _seal_three_then_lose_n2(run, clock)
-    clock.at(21.5)
+    _seal_three_then_lose_n2(run, clock, until=EXPIRY)
+    clock.at(1 + EXPIRY - 0.5)
     grace = run.waiting("n0", "n1")
-    clock.at(22.6)
+    clock.at(1 + EXPIRY + 0.6)
     dead = run.waiting("n0", "n1")
     if not any(dead.values()):
         return CaseC(grace, dead, None)
-    _rejoin(run, clock, 23.7, "n0", "n1")
+    _rejoin(run, clock, 1 + EXPIRY + 1.7, "n0", "n1")
     return CaseC(grace, dead, Outcome.of(run, "n0", "n1"))
 
 
