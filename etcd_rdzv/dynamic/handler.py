@@ -49,7 +49,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from .. import metrics
 from ..conf import DynamicSettings, parse_dynamic_settings
 from .backend import open_backend
-from .state import SealedRoundStateHolder, check_torch_internals
+from .state import SealedRoundExecutor, SealedRoundStateHolder, check_torch_internals
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -85,6 +85,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         if type(state_holder) is _dr._BackendRendezvousStateHolder:
             state_holder = SealedRoundStateHolder.adopt(state_holder, node)
         super().__init__(node, settings, backend_name, store, state_holder)
+        self._op_executor = SealedRoundExecutor(self._this_node, self._state_holder, self._settings)
         self._round_joined: int | None = None
         self._restart_reported = ""
 
@@ -143,7 +144,9 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         joined = self._round_joined
         if joined is None:
             return ""
-        if state.round != joined or self._this_node not in state.participants:
+        if state.round != joined:
+            return f"round {joined} ended (a member left it); this node joins round {state.round}"
+        if self._this_node not in state.participants:
             return f"this node is no longer a participant of round {joined} (its entry was removed)"
         holder = self._state_holder
         if not isinstance(holder, SealedRoundStateHolder):

@@ -208,3 +208,82 @@ def case_removed(kind: type, clock: Clock, backends: Backends) -> dict[str, int]
     assert backend.set_state(pickle.dumps(state), found[1]) is not None
     clock.at(2.2)
     return run.waiting("n0", "n1")
+
+
+@dataclass
+class FirstExit:
+    round_after_exit: int  # the stored round right after the first survivor's exit
+    waiting: dict[str, int]  # num_nodes_waiting() of the members still training then
+    formed_at: float  # the clock when every join of the next round had returned
+    after: Outcome
+
+
+def case_first_exit(kind: type, clock: Clock, backends: Backends) -> FirstExit:
+    """``--nnodes=2:3``: n2 of the sealed round dies at t=1; n0's workers fail and its agent
+    re-rendezvouses at t=3; n1 (workers still training) re-rendezvouses once its
+    ``num_nodes_waiting()`` is positive (else when n0 is in the wait list). Ours: n0's exit ends
+    round 0, the next round forms after the last call; torch: only once n2's heartbeat expired."""
+    clock.reset()
+    run = Run(kind, clock, backends(), (2, 3))
+    n0, n1, n2 = run.node("n0"), run.node("n1"), run.node("n2")
+    n0.join()
+    n1.join()
+    clock.at(1)
+    n2.join()
+    clock.at(2)
+    n0.step()
+    n1.step()
+    clock.at(3)
+    n0.join()
+    round_after = stored_state(run.backend_factory()).round
+    clock.advance(1.1)
+    waiting = run.waiting("n1")
+    n1.join()
+    run.drive()
+    return FirstExit(round_after, waiting, clock.t, Outcome.of(run, "n0", "n1"))
+
+
+def case_hot_spare(kind: type, clock: Clock, backends: Backends) -> FirstExit:
+    """``--nnodes=2:2`` and a spare ``r`` in the redundancy list: n1 dies at t=2, n0's agent
+    re-rendezvouses at t=3. Ours: n0's exit ends round 0, n0 and r fill round 1 (max_nodes, no
+    last call) at once; torch: once n1's heartbeat expired."""
+    clock.reset()
+    run = Run(kind, clock, backends(), (2, 2))
+    n0, n1 = run.node("n0"), run.node("n1")
+    n0.join()
+    n1.join()  # seals (max_nodes)
+    clock.at(1.1)
+    n0.step()
+    clock.at(2)
+    run.node("r").join()  # parks in the redundancy list
+    clock.at(3)
+    n0.join()
+    round_after = stored_state(run.backend_factory()).round
+    run.drive()
+    outcome = Outcome.of(run, "n0", "r")
+    return FirstExit(round_after, {}, clock.t, outcome)
+
+
+def case_exit_before_a_member_read(kind: type, clock: Clock, backends: Backends) -> Outcome:
+    """``--nnodes=2:3``: n2 seals round 0 at t=1 and n0 reads it at t=2; n1 has not read it yet
+    when n0 re-rendezvouses at t=3. n1 must never train in round 0 once it ended: every node ends
+    in one round of one world (n2 re-rendezvouses once its ``num_nodes_waiting()`` says so)."""
+    clock.reset()
+    run = Run(kind, clock, backends(), (2, 3))
+    n0, n1, n2 = run.node("n0"), run.node("n1"), run.node("n2")
+    n0.join()
+    n1.join()
+    clock.at(1)
+    n2.join()
+    clock.at(2)
+    n0.step()
+    clock.at(3)
+    n0.join()  # its exit
+    clock.advance(1.1)
+    waiting = run.waiting("n2")
+    if any(waiting.values()):
+        n2.join()
+    run.drive()
+    outcome = Outcome.of(run, "n0", "n1", "n2", waiting=waiting)
+    run.close()
+    return outcome

@@ -268,3 +268,41 @@ def test_the_keep_alive_timers_first_tick_sends_a_heartbeat(
     timer.tick()
     beat = stored_state(run.backend_factory()).last_heartbeats
     assert {n.addr: b for n, b in beat.items()}["n0"] == clock.now()
+
+
+def test_the_first_exit_ends_a_sealed_round(clock: Clock) -> None:
+    """n2 of a sealed world-3 round dies; the survivors re-form round 1 (world 2) after the last
+    call (2 s here), not after n2's heartbeat expired (t > 17): fails before (round 0 stayed)."""
+    torch = cases.case_first_exit(TORCH, clock, memory_run)
+    ours = cases.case_first_exit(OURS, clock, memory_run)
+    assert torch.round_after_exit == 0
+    assert torch.formed_at > 1 + 15
+    assert ours.round_after_exit == 1
+    assert ours.waiting == {"n1": 1}  # n1 still trains in round 0: it sees the round move on
+    assert ours.formed_at < 10
+    for o in (torch, ours):
+        assert o.after.worlds == {"n0": (0, 2), "n1": (1, 2)}
+        assert (o.after.stored_round, o.after.stored) == (1, ["n0", "n1"])
+        assert cases.problems(o.after) == []
+
+
+def test_the_first_exit_admits_a_hot_spare_at_once(clock: Clock) -> None:
+    torch = cases.case_hot_spare(TORCH, clock, memory_run)
+    ours = cases.case_hot_spare(OURS, clock, memory_run)
+    assert torch.formed_at > 15  # n1 sent its last heartbeat at t=0
+    assert ours.round_after_exit == 1
+    assert ours.formed_at < 3 + 3 * 1.1  # r's polls (1.1 s each here), no last call
+    for o in (torch, ours):
+        assert o.after.worlds == {"n0": (0, 2), "r": (1, 2)}
+        assert (o.after.stored_round, o.after.stored) == (1, ["n0", "r"])
+
+
+def test_a_member_that_had_not_read_the_sealed_round_joins_the_next_one(clock: Clock) -> None:
+    """The first exit lands before n1 read round 0: n1 gets no world from round 0; all three
+    form round 1 (world 3), none stranded."""
+    ours = cases.case_exit_before_a_member_read(OURS, clock, memory_run)
+    assert ours.waiting == {"n2": 1}
+    assert ours.worlds == {"n0": (0, 3), "n1": (1, 3), "n2": (2, 3)}
+    assert ours.rounds == {"n0": 1, "n1": 1, "n2": 1}
+    assert (ours.stored_round, ours.stored) == (1, ["n0", "n1", "n2"])
+    assert cases.problems(ours) == []
