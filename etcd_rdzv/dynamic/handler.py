@@ -24,7 +24,10 @@ never removes a member of a live completed round on one reader's clock; a heartb
 aged while the round sealed is refreshed as soon as the join ends; and
 :meth:`EtcdRendezvousHandler.num_nodes_waiting` reports a waiting node when a member
 of this node's round is dead or this node's own entry was removed, so the agents
-re-rendezvous (and admit a replacement) instead of training on without it.
+re-rendezvous (and admit a replacement) instead of training on without it. Its op
+executor (:class:`~etcd_rdzv.dynamic.state.SealedRoundExecutor`) ends a completed round at
+the first member's exit, in the same fenced write (issue 29), so the survivors of a dead
+member re-form at once instead of waiting for its heartbeat to expire.
 Everything else is torch's handler unchanged.
 """
 
