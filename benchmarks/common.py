@@ -39,6 +39,9 @@ C10D = "c10d"
 TORCH_ETCD_V2 = "torch etcd-v2"
 OURS_ETCD_V2 = "etcd-v2"
 OURS_ETCD_V3 = "etcd-v3"
+#: This package's etcd-v2 with issue 29's rules undone (B3's before/after; only when --contenders names it).
+OURS_ETCD_V2_BEFORE = "etcd-v2-before"
+EXTRA_CONTENDERS = (OURS_ETCD_V2_BEFORE,)
 
 RDZV_CONTENDERS = (C10D, TORCH_ETCD_V2, OURS_ETCD_V2, OURS_ETCD_V3, FLOOR, FLOOR_BARRIER)
 # The B2-only contenders that are no rendezvous handler (B3 and B4 leave them out).
@@ -58,6 +61,8 @@ DESCRIPTIONS = {
     TORCH_ETCD_V2: "torch's built-in etcd-v2 (DynamicRendezvousHandler + EtcdRendezvousBackend, v2 API)",
     OURS_ETCD_V2: "this package's etcd-v2 (DynamicRendezvousHandler over the etcd v3 API)",
     OURS_ETCD_V3: "this package's etcd-native etcd-v3 handler",
+    OURS_ETCD_V2_BEFORE: "this package's etcd-v2 as before issue 29 (the last member's exit ends a sealed round; "
+                         "heartbeat refresh after the keep-alive timer starts; member expiry padded by one interval)",
 }
 
 

@@ -39,6 +39,7 @@ from .common import (
     FLOOR,
     FLOOR_BARRIER,
     OURS_ETCD_V2,
+    OURS_ETCD_V2_BEFORE,
     OURS_ETCD_V3,
     OURS_STORE,
     TCP_STORE,
@@ -48,9 +49,29 @@ from .common import (
 
 log = logging.getLogger(__name__)
 
-_OURS_BACKEND = {OURS_ETCD_V2: "etcd-v2", OURS_ETCD_V3: "etcd-v3"}
+_OURS_BACKEND = {OURS_ETCD_V2: "etcd-v2", OURS_ETCD_V2_BEFORE: "etcd-v2", OURS_ETCD_V3: "etcd-v3"}
 #: A key no benchmark writes: the Range that connects a client before the timed phase.
 _CONNECT_KEY = b"/bench/connect"
+
+
+def _undo_issue_29(handler: Any) -> None:
+    """Our etcd-v2 handler with issue 29's rules undone, to measure before and after in one run:
+    torch's op executor (only the last member's exit ends a sealed round), the heartbeat refreshed
+    after torch's keep-alive timer starts (its first tick skipped), member expiry padded by one
+    interval (21 s by default)."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    handler._op_executor = dr._DistributedRendezvousOpExecutor(
+        handler._this_node, handler._state_holder, handler._settings
+    )
+    handler._state_holder.member_expiry += handler._settings.keep_alive_interval
+
+    def start_heartbeats() -> None:
+        dr.DynamicRendezvousHandler._start_heartbeats(handler)
+        handler._round_joined = handler._state_holder.state.round
+        handler._keep_alive()
+
+    handler._start_heartbeats = start_heartbeats
 
 
 class SharedClients:
@@ -155,6 +176,8 @@ class HandlerNode:
         else:
             creator, _how = ours_creator(backend)
             self.handler = creator(params)
+            if contender == OURS_ETCD_V2_BEFORE:
+                _undo_issue_29(self.handler)
         self.node_id = node_id
 
     def rendezvous(self) -> tuple[int, int]:

@@ -33,6 +33,7 @@ from typing import Any
 
 from . import report
 from .common import (
+    EXTRA_CONTENDERS,
     FLOOR,
     FLOORS,
     OURS_ETCD_V2,
@@ -105,9 +106,10 @@ def _parse_ints(text: str) -> list[int]:
 
 def _parse_contenders(text: str) -> list[str]:
     names = [x.strip() for x in text.split(",") if x.strip()]
-    unknown = [x for x in names if x not in RDZV_CONTENDERS]
+    unknown = [x for x in names if x not in RDZV_CONTENDERS + EXTRA_CONTENDERS]
     if not names or unknown:
-        raise argparse.ArgumentTypeError(f"unknown contender(s) {unknown or text!r}; use {','.join(RDZV_CONTENDERS)}")
+        known = ",".join(RDZV_CONTENDERS + EXTRA_CONTENDERS)
+        raise argparse.ArgumentTypeError(f"unknown contender(s) {unknown or text!r}; use {known}")
     return names
 
 
@@ -312,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     stores, rdzv = available(results)
     if args.contenders:
         rdzv = [c for c in rdzv if c in args.contenders]
+        if OURS_ETCD_V2 in rdzv:  # B3's before/after: only when named
+            rdzv += [c for c in EXTRA_CONTENDERS if c in args.contenders]
     say(f"{mode} mode, sections {cfg['sections']}, output {outdir}")
     for c, why in results["skipped"].items():
         say(f"not measured: {c}: {why}")

@@ -25,9 +25,12 @@ aged while the round sealed is refreshed as soon as the join ends; and
 :meth:`EtcdRendezvousHandler.num_nodes_waiting` reports a waiting node when a member
 of this node's round is dead or this node's own entry was removed, so the agents
 re-rendezvous (and admit a replacement) instead of training on without it; a member
-that left the round counts the same. And ``shutdown()`` closes the rendezvous only on a
-normal end: called while an exception propagates (torchrun's agent failed) it removes
-this node instead (issue 30, :mod:`etcd_rdzv.ending`).
+that left the round counts the same. Its op executor
+(:class:`~etcd_rdzv.dynamic.state.SealedRoundExecutor`) ends a completed round at the first
+member's exit, in the same fenced write (issue 29), so the survivors of a dead member re-form
+at once instead of waiting for its heartbeat to expire. And ``shutdown()`` closes the
+rendezvous only on a normal end: called while an exception propagates (torchrun's agent
+failed) it removes this node instead (issue 30, :mod:`etcd_rdzv.ending`).
 Everything else is torch's handler unchanged.
 """
 
@@ -53,7 +56,7 @@ from .. import metrics
 from ..conf import DynamicSettings, parse_dynamic_settings
 from ..ending import Ending, decide, exception_in_flight
 from .backend import open_backend
-from .state import SealedRoundStateHolder, check_torch_internals
+from .state import SealedRoundExecutor, SealedRoundStateHolder, check_torch_internals
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -89,6 +92,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         if type(state_holder) is _dr._BackendRendezvousStateHolder:
             state_holder = SealedRoundStateHolder.adopt(state_holder, node)
         super().__init__(node, settings, backend_name, store, state_holder)
+        self._op_executor = SealedRoundExecutor(self._this_node, self._state_holder, self._settings)
         self._round_joined: int | None = None
         self._round_members: frozenset[_NodeDesc] = frozenset()
         self._restart_reported = ""
@@ -149,7 +153,9 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         joined = self._round_joined
         if joined is None:
             return ""
-        if state.round != joined or self._this_node not in state.participants:
+        if state.round != joined:
+            return f"round {joined} ended (a member left it); this node joins round {state.round}"
+        if self._this_node not in state.participants:
             return f"this node is no longer a participant of round {joined} (its entry was removed)"
         gone = sorted(self._round_members.difference(state.participants))
         if gone:  # a completed round admits no one: only a departure changes its participants
@@ -166,12 +172,18 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
     def _start_heartbeats(self) -> None:
         """See base class (called when a join succeeded); also records the round joined and
         refreshes this node's heartbeat at once if it aged while the round sealed
-        (one write then; none when it is fresh)."""
-        super()._start_heartbeats()
+        (one write then; none when it is fresh).
+
+        The refresh comes *before* torch's keep-alive timer starts: the timer waits one
+        interval from its start, so its first tick finds a heartbeat at least one interval
+        old and sends it. (Refreshing after the start left a heartbeat a little younger than
+        the interval at the first tick, which torch's keep-alive then skipped: a live node's
+        stored heartbeat reached two intervals.)"""
         state = self._state_holder.state
         self._round_joined = state.round
         self._round_members = frozenset(state.participants)
         self._keep_alive()
+        super()._start_heartbeats()
 
     def shutdown(self) -> bool:
         """End this node: close the rendezvous on a normal end, else only leave it

@@ -21,7 +21,7 @@ keeps its members while one of them is alive: the reader itself when it is a
 member (a member that can read is proof that the round is alive, whatever its
 clock says about the others), else any member whose heartbeat is younger than
 :attr:`SealedRoundStateHolder.member_expiry` (the heartbeat window plus one
-heartbeat interval plus one read-cache period). Only a round whose members all look dead to a reader outside
+read-cache period). Only a round whose members all look dead to a reader outside
 it is pruned, by torch's rule, so that the round advances (the survivors of a
 member that died have left it and wait for the next round). That a member is
 dead is the handler's business: :meth:`SealedRoundStateHolder.dead_members`
@@ -43,8 +43,10 @@ which raises :class:`~etcd_rdzv.plugin.EtcdRdzvPluginError` when one is missing)
 ``sync`` calling ``_sanitize``), the fields of ``_RendezvousState`` (exactly those
 :mod:`etcd_rdzv.v2state` checks, so that a state built from them lacks none) and of ``_NodeDesc``, and,
 in :mod:`etcd_rdzv.dynamic.handler`,
-``DynamicRendezvousHandler.__init__``'s parameters, ``_state_holder``,
-``_this_node``, ``_heartbeat_lock``, ``_keep_alive`` and ``_start_heartbeats``.
+``DynamicRendezvousHandler.__init__``'s parameters, ``_state_holder``, ``_op_executor``,
+``_this_node``, ``_heartbeat_lock``, ``_keep_alive`` and ``_start_heartbeats``, and
+``_DistributedRendezvousOpExecutor`` (``__init__(node, state_holder, settings)``, ``_node``,
+``_state``, ``_settings`` and ``_remove_from_participants``) for :class:`SealedRoundExecutor`.
 """
 
 from __future__ import annotations
@@ -73,12 +75,16 @@ if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
         _BackendRendezvousStateHolder as _Holder,
     )
-else:  # a torch without it gets check_torch_internals' clear error, not an ImportError
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        _DistributedRendezvousOpExecutor as _Executor,
+    )
+else:  # a torch without them gets check_torch_internals' clear error, not an ImportError
     _Holder = getattr(_dr, "_BackendRendezvousStateHolder", object)
+    _Executor = getattr(_dr, "_DistributedRendezvousOpExecutor", object)
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CheckedStates", "SealedRoundStateHolder", "check_torch_internals", "torch_state"]
+__all__ = ["CheckedStates", "SealedRoundExecutor", "SealedRoundStateHolder", "check_torch_internals", "torch_state"]
 
 _NODE_FIELDS = ["addr", "pid", "local_id"]
 _HANDLER_ATTRS = ("_keep_alive", "_start_heartbeats", "_stop_heartbeats", "_get_deadline")
@@ -86,6 +92,7 @@ _ACTIONS = ("REMOVE_FROM_PARTICIPANTS", "REMOVE_FROM_WAIT_LIST", "REMOVE_FROM_RE
             "ERROR_TIMEOUT")  # the leave op of the etcd-v2 handler's shutdown()
 _HANDLER_INIT = ["node", "settings", "backend_name", "store", "state_holder"]
 _HOLDER_INIT = ["backend", "settings", "cache_duration"]
+_EXECUTOR_INIT = ["node", "state_holder", "settings"]
 
 
 def _problems() -> list[str]:
@@ -122,6 +129,14 @@ def _problems() -> list[str]:
     missing = [a for a in _ACTIONS if not hasattr(action, a)]
     if missing:
         found.append(f"_Action lacks {', '.join(missing)}")
+    executor = getattr(_dr, "_DistributedRendezvousOpExecutor", None)
+    if executor is None:
+        found.append("no _DistributedRendezvousOpExecutor")
+    else:
+        if _params(executor.__init__) != _EXECUTOR_INIT:
+            found.append(f"_DistributedRendezvousOpExecutor.__init__ takes {_params(executor.__init__)}")
+        if not callable(getattr(executor, "_remove_from_participants", None)):
+            found.append("_DistributedRendezvousOpExecutor lacks _remove_from_participants")
     return found
 
 
@@ -242,14 +257,13 @@ class SealedRoundStateHolder(_Holder):
         self.backend = backend
         """The backend the states are read from (torch's ``_backend`` is its :class:`CheckedStates`)."""
         self._node = node
-        interval = settings.keep_alive_interval
-        window = interval * settings.keep_alive_max_attempt
-        self.member_expiry: timedelta = window + interval + timedelta(seconds=max(cache_duration, 0))
+        window = settings.keep_alive_interval * settings.keep_alive_max_attempt
+        self.member_expiry: timedelta = window + timedelta(seconds=max(cache_duration, 0))
         """A completed round's member is dead once its heartbeat is older than this: torch's
-        heartbeat window, plus one interval (torch's keep-alive timer skips a beat when the
-        heartbeat is a little younger than the interval, so a live node's stored heartbeat
-        reaches two intervals and more under load), plus one read-cache period (our copy
-        may be that much older). Defaults: 15 + 5 + 1 = 21 s."""
+        heartbeat window plus one read-cache period (our copy may be that much older).
+        Defaults: 15 + 1 = 16 s. (A live node's stored heartbeat is at most one interval plus
+        one keep-alive call old: the handler refreshes it before torch's timer starts, so no
+        tick is skipped; the window leaves two more intervals for a slow call.)"""
         #: When this node's contact with etcd last resumed after a failed sync (never: the distant past).
         self._reachable_since = _NEVER
         self._unreachable = False
@@ -334,3 +348,37 @@ class SealedRoundStateHolder(_Holder):
         if dead and state.participants:
             log.debug("round %s: every member looks dead, pruning it", state.round)
         return dead
+
+
+class SealedRoundExecutor(_Executor):
+    """torch's op executor whose exit from a completed round ends that round (issue 29).
+
+    torch's ``_remove_from_participants`` removes only the exiting node from a completed round
+    and moves to the next round once the last member has left (``_remove_participant_epilogue``),
+    so the survivors of a dead member wait in the wait list until its heartbeat is old enough to
+    prune. Here the first member that leaves a completed round ends it in the same fenced write:
+    ``participants={}``, ``complete=False``, ``round+1``, ``deadline=None`` (torch's epilogue,
+    applied at the first exit instead of the last); the exiting node's heartbeat is removed as
+    torch does; the other nodes' heartbeats, the wait list and the redundancy list are kept, so
+    the next round admits them at once. A member still training in the ended round sees the round
+    move on in its ``num_nodes_waiting()`` (:class:`~etcd_rdzv.dynamic.handler.EtcdRendezvousHandler`
+    reports a waiting node) and joins the next one; one that had not yet read the sealed round
+    never gets a world from it. A round that is still forming is left as torch leaves it. No RPC.
+    """
+
+    def _remove_from_participants(self) -> None:
+        state = self._state
+        if not state.complete:
+            super()._remove_from_participants()
+            return
+        ended = state.round
+        others = sorted(n for n in state.participants if n != self._node)
+        state.participants = {}
+        state.last_heartbeats.pop(self._node, None)
+        state.complete = False
+        state.deadline = None
+        state.round = ended + 1
+        log.info(
+            "node %s leaves completed round %d and ends it (members %s re-join round %d)",
+            self._node, ended, ", ".join(map(str, others)) or "none", ended + 1,
+        )  # fmt: skip

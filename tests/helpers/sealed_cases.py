@@ -4,7 +4,7 @@ Each case runs one run of one handler kind (torch's ``DynamicRendezvousHandler``
 our ``EtcdRendezvousHandler``) from a fresh backend and returns an :class:`Outcome`:
 what every node's join returned, the stored round, and what ``num_nodes_waiting()``
 said afterwards. Times are seconds on the test's clock; torch's defaults apply
-(heartbeat every 5 s, a node dead after 15 s; ours: a member dead after 21 s).
+(heartbeat every 5 s, a node dead after 15 s; ours: a member dead after 16 s, :data:`EXPIRY`).
 :func:`problems` names what is wrong with an outcome: nodes that disagree on
 their round or world, or a node that trains in a round that no longer holds it
 while nobody reports a waiting node (it is stuck for good).
@@ -18,7 +18,11 @@ from dataclasses import dataclass, field
 
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
 
-from helpers.sealed_rounds import Clock, Run, stored_state
+from helpers.sealed_rounds import ATTEMPTS, KEEP_ALIVE_S, Clock, Run, stored_state
+
+EXPIRY = KEEP_ALIVE_S * ATTEMPTS + 1
+"""Seconds after its last heartbeat when our handler calls a sealed round's member dead
+(``SealedRoundStateHolder.member_expiry``: torch's window plus the 1 s read cache)."""
 
 Backends = Callable[[], Callable[[], RendezvousBackend]]
 """Returns the backend factory of a new run (each call: a new run)."""
@@ -104,8 +108,9 @@ def case_b(kind: type, clock: Clock, backends: Backends) -> Outcome:
     return outcome
 
 
-def _seal_three_then_lose_n2(run: Run, clock: Clock) -> None:
-    """n0, n1, n2 seal a round at t=1; n0 and n1 heartbeat at 5, 10, 15, 20; n2 is dead (since t=1)."""
+def _seal_three_then_lose_n2(run: Run, clock: Clock, until: float = 20) -> None:
+    """n0, n1, n2 seal a round at t=1; n0 and n1 heartbeat every 5 s up to ``until``; n2 is dead
+    (since t=1, its last heartbeat)."""
     n0, n1, n2 = run.node("n0"), run.node("n1"), run.node("n2")
     n0.join()
     n1.join()
@@ -114,7 +119,7 @@ def _seal_three_then_lose_n2(run: Run, clock: Clock) -> None:
     clock.at(2)
     n0.step()
     n1.step()
-    for t in (5, 10, 15, 20):
+    for t in range(5, int(until) + 1, 5):
         clock.at(t)
         run.heartbeat("n0", "n1")
 
@@ -129,8 +134,8 @@ def _rejoin(run: Run, clock: Clock, t: float, *names: str) -> None:
 
 @dataclass
 class CaseC:
-    within_grace: dict[str, int]  # num_nodes_waiting() with n2 silent 20.5 s
-    dead: dict[str, int]  # ... silent 21.6 s
+    within_grace: dict[str, int]  # num_nodes_waiting() with n2 silent EXPIRY - 0.5 s
+    dead: dict[str, int]  # ... silent EXPIRY + 0.6 s
     after: Outcome | None  # after the survivors re-rendezvoused (None: nobody reported a waiting node)
 
 
@@ -139,14 +144,14 @@ def case_c(kind: type, clock: Clock, backends: Backends) -> CaseC:
     survivors re-rendezvous if (and when) their ``num_nodes_waiting()`` turns positive."""
     clock.reset()
     run = Run(kind, clock, backends(), (2, 3))
-    _seal_three_then_lose_n2(run, clock)
-    clock.at(21.5)
+    _seal_three_then_lose_n2(run, clock, until=EXPIRY)
+    clock.at(1 + EXPIRY - 0.5)
     grace = run.waiting("n0", "n1")
-    clock.at(22.6)
+    clock.at(1 + EXPIRY + 0.6)
     dead = run.waiting("n0", "n1")
     if not any(dead.values()):
         return CaseC(grace, dead, None)
-    _rejoin(run, clock, 23.7, "n0", "n1")
+    _rejoin(run, clock, 1 + EXPIRY + 1.7, "n0", "n1")
     return CaseC(grace, dead, Outcome.of(run, "n0", "n1"))
 
 
@@ -203,3 +208,82 @@ def case_removed(kind: type, clock: Clock, backends: Backends) -> dict[str, int]
     assert backend.set_state(pickle.dumps(state), found[1]) is not None
     clock.at(2.2)
     return run.waiting("n0", "n1")
+
+
+@dataclass
+class FirstExit:
+    round_after_exit: int  # the stored round right after the first survivor's exit
+    waiting: dict[str, int]  # num_nodes_waiting() of the members still training then
+    formed_at: float  # the clock when every join of the next round had returned
+    after: Outcome
+
+
+def case_first_exit(kind: type, clock: Clock, backends: Backends) -> FirstExit:
+    """``--nnodes=2:3``: n2 of the sealed round dies at t=1; n0's workers fail and its agent
+    re-rendezvouses at t=3; n1 (workers still training) re-rendezvouses once its
+    ``num_nodes_waiting()`` is positive (else when n0 is in the wait list). Ours: n0's exit ends
+    round 0, the next round forms after the last call; torch: only once n2's heartbeat expired."""
+    clock.reset()
+    run = Run(kind, clock, backends(), (2, 3))
+    n0, n1, n2 = run.node("n0"), run.node("n1"), run.node("n2")
+    n0.join()
+    n1.join()
+    clock.at(1)
+    n2.join()
+    clock.at(2)
+    n0.step()
+    n1.step()
+    clock.at(3)
+    n0.join()
+    round_after = stored_state(run.backend_factory()).round
+    clock.advance(1.1)
+    waiting = run.waiting("n1")
+    n1.join()
+    run.drive()
+    return FirstExit(round_after, waiting, clock.t, Outcome.of(run, "n0", "n1"))
+
+
+def case_hot_spare(kind: type, clock: Clock, backends: Backends) -> FirstExit:
+    """``--nnodes=2:2`` and a spare ``r`` in the redundancy list: n1 dies at t=2, n0's agent
+    re-rendezvouses at t=3. Ours: n0's exit ends round 0, n0 and r fill round 1 (max_nodes, no
+    last call) at once; torch: once n1's heartbeat expired."""
+    clock.reset()
+    run = Run(kind, clock, backends(), (2, 2))
+    n0, n1 = run.node("n0"), run.node("n1")
+    n0.join()
+    n1.join()  # seals (max_nodes)
+    clock.at(1.1)
+    n0.step()
+    clock.at(2)
+    run.node("r").join()  # parks in the redundancy list
+    clock.at(3)
+    n0.join()
+    round_after = stored_state(run.backend_factory()).round
+    run.drive()
+    outcome = Outcome.of(run, "n0", "r")
+    return FirstExit(round_after, {}, clock.t, outcome)
+
+
+def case_exit_before_a_member_read(kind: type, clock: Clock, backends: Backends) -> Outcome:
+    """``--nnodes=2:3``: n2 seals round 0 at t=1 and n0 reads it at t=2; n1 has not read it yet
+    when n0 re-rendezvouses at t=3. n1 must never train in round 0 once it ended: every node ends
+    in one round of one world (n2 re-rendezvouses once its ``num_nodes_waiting()`` says so)."""
+    clock.reset()
+    run = Run(kind, clock, backends(), (2, 3))
+    n0, n1, n2 = run.node("n0"), run.node("n1"), run.node("n2")
+    n0.join()
+    n1.join()
+    clock.at(1)
+    n2.join()
+    clock.at(2)
+    n0.step()
+    clock.at(3)
+    n0.join()  # its exit
+    clock.advance(1.1)
+    waiting = run.waiting("n2")
+    if any(waiting.values()):
+        n2.join()
+    run.drive()
+    outcome = Outcome.of(run, "n0", "n1", "n2", waiting=waiting)
+    run.close()
+    return outcome

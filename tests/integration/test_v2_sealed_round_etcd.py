@@ -82,3 +82,16 @@ def test_case_c_replacement_on_etcd(clock: Clock, etcd_run: cases.Backends) -> N
         outcome = cases.case_c_replacement(kind, clock, etcd_run)
         assert outcome.worlds == {"n0": (0, 3), "n1": (1, 3), "r": (2, 3)}, kind.__name__
         assert (outcome.stored_round, outcome.stored) == (1, ["n0", "n1", "r"]), kind.__name__
+
+
+def test_the_first_exit_ends_a_sealed_round_on_etcd(clock: Clock, etcd_run: cases.Backends) -> None:
+    ours = cases.case_first_exit(OURS, clock, etcd_run)
+    assert (ours.round_after_exit, ours.waiting) == (1, {"n1": 1})
+    assert ours.formed_at < 10
+    assert ours.after.worlds == {"n0": (0, 2), "n1": (1, 2)}
+    spare = cases.case_hot_spare(OURS, clock, etcd_run)
+    assert spare.round_after_exit == 1
+    assert spare.after.worlds == {"n0": (0, 2), "r": (1, 2)}
+    late = cases.case_exit_before_a_member_read(OURS, clock, etcd_run)
+    assert late.worlds == {"n0": (0, 3), "n1": (1, 3), "n2": (2, 3)}
+    assert cases.problems(late) == []

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from helpers import sealed_cases as cases
-from helpers.sealed_rounds import OURS, TORCH, Clock, MemoryBackend, MemoryCell, install
+from helpers.sealed_rounds import OURS, TORCH, Clock, MemoryBackend, MemoryCell, Run, install, stored_state
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
 
@@ -71,7 +71,7 @@ def test_case_c_a_dead_member_makes_the_survivors_re_rendezvous(clock: Clock) ->
     # torch (pytorch#111646): nobody ever reports a waiting node
     assert torch.within_grace == torch.dead == {"n0": 0, "n1": 0}
     assert torch.after is None
-    # ours: not within the heartbeat window + one interval + 1 s read cache (21 s), then on both
+    # ours: not within the heartbeat window + 1 s read cache (16 s), then on both
     assert ours.within_grace == {"n0": 0, "n1": 0}
     assert ours.dead == {"n0": 1, "n1": 1}
     assert ours.after is not None
@@ -134,7 +134,7 @@ SETTINGS = dr.RendezvousSettings("r", 2, 3, dr.RendezvousTimeout(), timedelta(se
 
 def test_dead_waiters_and_redundant_nodes_are_still_pruned_from_a_sealed_round(clock: Clock) -> None:
     state, n = _sealed(clock, "me", "member", waiting=("waiter", "fresh"), spare=("spare",))
-    clock.at(21.5)  # every heartbeat dead by torch's window (15 s) and by ours (21 s)...
+    clock.at(16.5)  # every heartbeat dead by torch's window (15 s) and by ours (16 s)...
     state.last_heartbeats[n["fresh"]] = clock.now()  # ...but this one
     state.last_heartbeats[n["me"]] = clock.now()  # and the reader's own (a stale reader judges nobody)
     holder = _read_as(n["me"], state)
@@ -149,7 +149,7 @@ def test_a_reader_whose_own_heartbeat_is_stale_calls_no_member_dead(clock: Clock
     """Every heartbeat old, the reader's own too: the problem is the reader or etcd (an outage, a stall),
     not the members, so nobody is reported dead (partition scenario e: a 10 s etcd outage)."""
     state, n = _sealed(clock, "me", "member")
-    clock.at(21.5)
+    clock.at(21.5)  # the reader's own heartbeat older than 4 intervals: a stale reader
     assert _read_as(n["me"], state).dead_members() == []
     state.last_heartbeats[n["me"]] = clock.now()
     assert _read_as(n["me"], state).dead_members() == [n["member"]]
@@ -157,9 +157,9 @@ def test_a_reader_whose_own_heartbeat_is_stale_calls_no_member_dead(clock: Clock
 
 def test_a_sealed_round_is_pruned_only_by_a_reader_outside_it_once_every_member_is_dead(clock: Clock) -> None:
     state, n = _sealed(clock, "a", "b", waiting=("w",))
-    clock.at(20.5)  # dead by torch's window, not by ours
+    clock.at(15.5)  # dead by torch's window, not by ours
     assert _read_as(n["w"], state).state.participants == state.participants
-    clock.at(21.5)
+    clock.at(16.5)
     assert _read_as(n["a"], state).state.participants == state.participants  # a member: alive
     state.last_heartbeats[n["w"]] = state.last_heartbeats[n["b"]] = clock.now()
     assert _read_as(n["w"], state).state.participants == state.participants  # b is alive
@@ -214,3 +214,97 @@ def test_a_torch_without_them_gets_a_plugin_error_naming_the_change(
     if hasattr(dr, "_BackendRendezvousStateHolder"):  # else torch's own from_backend fails first
         with pytest.raises(EtcdRdzvPluginError):
             OURS.from_backend("r", None, MemoryBackend(MemoryCell()), 1, 1)
+
+
+class _TickTimer:
+    """torch's ``_PeriodicTimer`` as the test's: it waits ``interval`` from :meth:`start` (when
+    the clock moves on by 1 ms: starting a thread takes time) and ticks when the test says."""
+
+    made: list[_TickTimer] = []
+
+    def __init__(self, interval: timedelta, function: Callable[..., None], *args: Any) -> None:
+        self.interval, self.function, self.args = interval.total_seconds(), function, args
+        self.started: float | None = None
+        _TickTimer.made.append(self)
+
+    def set_name(self, name: str) -> None:
+        pass
+
+    def start(self) -> None:
+        self.started = _clock.t
+        _clock.advance(0.001)
+
+    def cancel(self) -> None:
+        pass
+
+    def tick(self) -> None:
+        """The first tick: one interval after the start."""
+        assert self.started is not None
+        _clock.at(self.started + self.interval)
+        self.function(*self.args)
+
+
+_clock = Clock()
+
+
+@pytest.mark.parametrize("kind", [TORCH, OURS], ids=["torch", "ours"])
+def test_the_keep_alive_timers_first_tick_sends_a_heartbeat(
+    monkeypatch: pytest.MonkeyPatch, clock: Clock, kind: type
+) -> None:
+    """--nnodes=2:2: n0's heartbeat ages 6 s while the round seals; after its join, the keep-alive
+    timer's first tick (one interval after it started) stores a heartbeat: a live member's
+    stored heartbeat is never two intervals old (ours refreshed it after starting the timer,
+    so the tick found it younger than the interval and skipped it: fails before)."""
+    global _clock
+    _clock = clock
+    _TickTimer.made = []
+    monkeypatch.setattr(dr, "_PeriodicTimer", _TickTimer)
+    run = Run(kind, clock, memory_run(), (2, 2))
+    n0, n1 = run.node("n0"), run.node("n1")
+    n0.join()  # t=0: n0's heartbeat
+    clock.at(6)
+    n1.join()  # the round seals (max_nodes); n1's join ends, its timer starts
+    n0.step()  # n0 reads the sealed round at t=6 and starts its timer
+    assert n0.world == (0, 2)
+    timer = _TickTimer.made[-1]
+    timer.tick()
+    beat = stored_state(run.backend_factory()).last_heartbeats
+    assert {n.addr: b for n, b in beat.items()}["n0"] == clock.now()
+
+
+def test_the_first_exit_ends_a_sealed_round(clock: Clock) -> None:
+    """n2 of a sealed world-3 round dies; the survivors re-form round 1 (world 2) after the last
+    call (2 s here), not after n2's heartbeat expired (t > 17): fails before (round 0 stayed)."""
+    torch = cases.case_first_exit(TORCH, clock, memory_run)
+    ours = cases.case_first_exit(OURS, clock, memory_run)
+    assert torch.round_after_exit == 0
+    assert torch.formed_at > 1 + 15
+    assert ours.round_after_exit == 1
+    assert ours.waiting == {"n1": 1}  # n1 still trains in round 0: it sees the round move on
+    assert ours.formed_at < 10
+    for o in (torch, ours):
+        assert o.after.worlds == {"n0": (0, 2), "n1": (1, 2)}
+        assert (o.after.stored_round, o.after.stored) == (1, ["n0", "n1"])
+        assert cases.problems(o.after) == []
+
+
+def test_the_first_exit_admits_a_hot_spare_at_once(clock: Clock) -> None:
+    torch = cases.case_hot_spare(TORCH, clock, memory_run)
+    ours = cases.case_hot_spare(OURS, clock, memory_run)
+    assert torch.formed_at > 15  # n1 sent its last heartbeat at t=0
+    assert ours.round_after_exit == 1
+    assert ours.formed_at < 3 + 3 * 1.1  # r's polls (1.1 s each here), no last call
+    for o in (torch, ours):
+        assert o.after.worlds == {"n0": (0, 2), "r": (1, 2)}
+        assert (o.after.stored_round, o.after.stored) == (1, ["n0", "r"])
+
+
+def test_a_member_that_had_not_read_the_sealed_round_joins_the_next_one(clock: Clock) -> None:
+    """The first exit lands before n1 read round 0: n1 gets no world from round 0; all three
+    form round 1 (world 3), none stranded."""
+    ours = cases.case_exit_before_a_member_read(OURS, clock, memory_run)
+    assert ours.waiting == {"n2": 1}
+    assert ours.worlds == {"n0": (0, 3), "n1": (1, 3), "n2": (2, 3)}
+    assert ours.rounds == {"n0": 1, "n1": 1, "n2": 1}
+    assert (ours.stored_round, ours.stored) == (1, ["n0", "n1", "n2"])
+    assert cases.problems(ours) == []
