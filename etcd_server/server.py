@@ -208,7 +208,8 @@ class EtcdServer:
         (one more start and stop of etcd).
 
         Args:
-            timeout: seconds to wait for readiness, per attempt.
+            timeout: seconds to wait for readiness, per attempt (and, for the
+                private auth set-up start, once more for that start).
             num_retries: attempts in all when a port collision happens.
             stderr: where etcd's stdout/stderr go; default a log file (whose
                 tail goes into errors). When given, any exit during the first

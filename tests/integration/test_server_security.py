@@ -216,6 +216,12 @@ def test_with_tls_the_peer_port_needs_a_peer_certificate(etcd_binary: str, certs
             assert kv is not None and kv.value == b"v"
 
 
+def test_without_tls_the_peer_port_is_open_to_local_users(etcd_binary: str) -> None:
+    """What docs/server.md says is open without TLS: the peer port answers anyone on this host."""
+    with EtcdServer(binary=etcd_binary, auth=AuthConfig(ROOT_PW)) as server:
+        assert _members_listed(server.get_peer_port())
+
+
 def test_peer_allowed_cn_refuses_a_client_certificate_of_the_same_ca(etcd_binary: str, certs: CertPaths) -> None:
     with EtcdServer(binary=etcd_binary, tls=_tls(certs, peer_allowed_cn="server")) as server:
         port = server.get_peer_port()
