@@ -7,7 +7,8 @@ for at most its ``timeout``. Gateway errors become
 HTTP status only); no answer at all is an ``OSError``.
 
 :func:`setup_auth` creates the root user and role, the optional prefix-limited
-user, and enables auth; it is idempotent and works on etcd 3.4 to 3.7.
+user, and enables auth; it is idempotent and works on etcd 3.4 to 3.7. A
+:class:`Gateway` can also talk over a unix socket (the private set-up listener).
 Passwords travel in request bodies only, never in URLs, argv or logs.
 Standard library only.
 """
@@ -219,6 +220,10 @@ def auth_enabled(gateway: Gateway, auth: AuthConfig, *, timeout: float = 10.0) -
 def setup_auth(gateway: Gateway, auth: AuthConfig, *, timeout: float = 10.0) -> None:
     """Create the root user/role (and the limited user) and enable auth, then check that etcd
     holds exactly those users and roles.
+
+    :class:`~etcd_server.EtcdServer` and ``EtcdCluster`` call it over a private unix socket,
+    before the client port exists. The keyspace revision is read first and again after
+    ``auth enable``: a revision that moved (someone wrote meanwhile) raises.
 
     Idempotent: if auth is already enabled (the root password authenticates),
     nothing is changed; users and roles left by an interrupted earlier set-up
