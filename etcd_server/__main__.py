@@ -12,8 +12,11 @@ TLS: ``--tls-cert``/``--tls-key``/``--tls-ca`` serve the client API over https
 ``--root-password-file`` turns it on (root user), ``--user`` with
 ``--password-file`` and ``--user-prefix`` adds a user limited to a prefix.
 Passwords are read from files, never from the command line (visible in ``ps``).
-Auth is enabled on the first start, after which the users, roles and grants are
-read back: an entry someone else added meanwhile stops the server.
+With TLS the peer port serves TLS too and requires a certificate of ``--tls-ca``.
+Auth is set up on the first start over a unix socket in a private directory,
+before the client port is bound; the users, roles and grants are read back and
+the keyspace revision compared: an entry someone else added, or a write, stops
+the server.
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ from . import process
 from .binary import check_v2_support, etcd_version, find_etcd_binary
 from .client import make_client
 from .config import AuthConfig, TLSConfig
-from .errors import EtcdStartError
-from .gateway import setup_auth
+from .errors import EtcdStartError, EtcdStartTimeoutError
+from .gateway import auth_enabled, setup_auth
 from .member import EtcdMember
 
 __all__ = ["EtcdCluster"]
@@ -45,7 +45,8 @@ class EtcdCluster:
             ``stop()``, when None. A caller-given directory is kept.
         enable_v2, extra_args, tls, auth, die_with_parent, stop_grace: as for
             :class:`~etcd_server.server.EtcdServer` (``extra_args`` go to
-            every member; auth is set up once through member 0).
+            every member; auth is set up once through member 0, before any
+            member's client port opens: see :meth:`_set_up_auth_privately`).
         heartbeat_ms, election_timeout_ms: raft timing; None (default) keeps
             etcd's 100 / 1000 ms, which tolerate a loaded machine.
 
@@ -112,6 +113,11 @@ class EtcdCluster:
         return [m.client_url for m in self._members]
 
     @property
+    def peer_urls(self) -> list[str]:
+        """``http(s)://127.0.0.1:PORT`` of all members' peer ports (https with TLS)."""
+        return [m.peer_url for m in self._members]
+
+    @property
     def pids(self) -> list[int | None]:
         """PID per member, None for a stopped one."""
         return [m.pid for m in self._members]
@@ -155,6 +161,8 @@ class EtcdCluster:
                     m.work_dir = self._work_dir
                 fresh = [not os.path.isdir(os.path.join(m.data_dir, "member")) for m in self._members]
                 try:
+                    if self.auth is not None and not self._auth_done:
+                        self._set_up_auth_privately(timeout)
                     for m in self._members:
                         m.launch()
                     deadline = time.monotonic() + timeout
@@ -180,13 +188,39 @@ class EtcdCluster:
                     raise
                 break
             logger.info("etcd %s cluster ready at %s", self.version, self.endpoint_string)
-            if self.auth is not None and not self._auth_done:
-                try:
-                    setup_auth(self._members[0].gateway, self.auth)
-                except BaseException:
-                    self.stop()
-                    raise
+            if self.auth is not None:
                 self._auth_done = True
+
+    def _set_up_auth_privately(self, timeout: float) -> None:
+        """Start every member listening for clients only on a unix socket in a private
+        directory, set up auth through member 0 (:func:`~etcd_server.gateway.setup_auth`),
+        wait until every member has applied ``auth enable``, and stop them all: the real
+        client ports open later, on data dirs whose auth is on. Blocks for one start and
+        one stop of the cluster.
+        """
+        assert self.auth is not None
+        private = process.make_private_dir(self._work_dir)
+        try:
+            for m in self._members:
+                m.private_dir = private
+                m.launch()
+            deadline = time.monotonic() + timeout
+            for m in self._members:
+                m.wait_ready(deadline)
+            setup_auth(self._members[0].gateway, self.auth)
+            for m in self._members[1:]:  # a member restarts with what it applied: auth on in each
+                while not auth_enabled(m.gateway, self.auth, timeout=max(0.1, deadline - time.monotonic())):
+                    if time.monotonic() >= deadline:
+                        raise EtcdStartTimeoutError(
+                            f"etcd {m.name} did not apply 'auth enable' before the start-up deadline",
+                            returncode=None, log_tail=m.log_tail(), cmd=m.cmd,
+                        )  # fmt: skip
+                    time.sleep(0.02)
+        finally:
+            self._terminate_all(graceful=True)
+            for m in self._members:
+                m.private_dir = None
+            process.remove_temp_dir(private)
 
     def _new_members(self) -> list[EtcdMember]:
         assert self._work_dir is not None

@@ -32,6 +32,18 @@ class TLSConfig:
         client_cert_file, client_key_file: the certificate our readiness
             probes and :meth:`EtcdServer.get_client` present; default to the
             server certificate and key.
+        peer_cert_file, peer_key_file, peer_ca_file: the peer port's
+            certificate, key and trusted CA (``--peer-cert-file``,
+            ``--peer-key-file``, ``--peer-trusted-ca-file``); default to
+            ``cert_file``, ``key_file`` and ``ca_file``. With TLS configured
+            the peer port always serves https and requires a peer certificate
+            signed by that CA (``--peer-client-cert-auth``); members dial each
+            other with the peer certificate, so in a cluster it must allow
+            both serverAuth and clientAuth and name ``IP:127.0.0.1``.
+        peer_allowed_cn: accept only peer certificates with this CommonName
+            (``--peer-cert-allowed-cn``). Without it (and without a separate
+            ``peer_ca_file``) every certificate the client CA signed, a
+            client's included, is a valid peer certificate.
     """
 
     cert_file: str
@@ -40,6 +52,31 @@ class TLSConfig:
     client_cert_auth: bool = True
     client_cert_file: str | None = None
     client_key_file: str | None = None
+    peer_cert_file: str | None = None
+    peer_key_file: str | None = None
+    peer_ca_file: str | None = None
+    peer_allowed_cn: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.peer_cert_file is None) != (self.peer_key_file is None):
+            raise ValueError("TLSConfig.peer_cert_file and peer_key_file go together")
+        if self.peer_allowed_cn is not None and not self.peer_allowed_cn:
+            raise ValueError("TLSConfig.peer_allowed_cn must not be empty")
+
+    @property
+    def peer_cert(self) -> str:
+        """Certificate of the peer port (served and presented to other members)."""
+        return self.peer_cert_file or self.cert_file
+
+    @property
+    def peer_key(self) -> str:
+        """Key of :attr:`peer_cert`."""
+        return self.peer_key_file or self.key_file
+
+    @property
+    def peer_ca(self) -> str:
+        """CA a peer's certificate must be signed by."""
+        return self.peer_ca_file or self.ca_file
 
     @property
     def client_cert(self) -> str:
@@ -60,9 +97,11 @@ class TLSConfig:
 
 @dataclasses.dataclass(frozen=True)
 class AuthConfig:
-    """Turn on etcd authentication once the server is first ready.
+    """Turn on etcd authentication before the server first serves its client port.
 
-    A ``root`` user with ``root_password`` and the ``root`` role is created and
+    The set-up runs on a first start of etcd that listens for clients only on a
+    unix socket in a private directory; etcd then restarts on its real client
+    URL with auth on (see :mod:`etcd_server.server`). A ``root`` user with ``root_password`` and the ``root`` role is created and
     ``auth enable`` is issued. When ``user`` is set, that user is created with
     ``password`` and a role (``role``, default ``"<user>-rw"``) granting
     READWRITE on the keys starting with ``prefix`` only (all keys when

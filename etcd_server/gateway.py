@@ -7,7 +7,8 @@ for at most its ``timeout``. Gateway errors become
 HTTP status only); no answer at all is an ``OSError``.
 
 :func:`setup_auth` creates the root user and role, the optional prefix-limited
-user, and enables auth; it is idempotent and works on etcd 3.4 to 3.7.
+user, and enables auth; it is idempotent and works on etcd 3.4 to 3.7. A
+:class:`Gateway` can also talk over a unix socket (the private set-up listener).
 Passwords travel in request bodies only, never in URLs, argv or logs.
 Standard library only.
 """
@@ -15,8 +16,11 @@ Standard library only.
 from __future__ import annotations
 
 import base64
+import functools
+import http.client
 import json
 import logging
+import socket
 import ssl
 import urllib.error
 import urllib.request
@@ -25,7 +29,7 @@ from typing import Any
 from .config import AuthConfig
 from .errors import GRPC_FAILED_PRECONDITION, NO_CODE, EtcdGatewayError
 
-__all__ = ["Gateway", "setup_auth"]
+__all__ = ["Gateway", "auth_enabled", "keyspace_revision", "setup_auth"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,12 +53,50 @@ def _prefix_end(prefix: bytes) -> bytes:
     return b"\0"
 
 
-class Gateway:
-    """Minimal client for etcd's v3 JSON gateway (POST + JSON, no proxies)."""
+class _UnixConnection(http.client.HTTPConnection):
+    """Plain HTTP over a unix socket (the private set-up listener of :mod:`etcd_server.server`)."""
 
-    def __init__(self, base_url: str, ssl_context: ssl.SSLContext | None = None):
+    def __init__(self, socket_path: str, host: str, timeout: float | None = None, **_: Any) -> None:
+        super().__init__(host, timeout=timeout)
+        self._socket_path = socket_path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self.timeout)
+            sock.connect(self._socket_path)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+class _UnixHandler(urllib.request.HTTPHandler):
+    """``http://`` requests sent over one unix socket instead of TCP."""
+
+    def __init__(self, socket_path: str) -> None:
+        super().__init__()
+        self._socket_path = socket_path
+
+    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(functools.partial(_UnixConnection, self._socket_path), req)  # type: ignore[arg-type]
+
+
+class Gateway:
+    """Minimal client for etcd's v3 JSON gateway (POST + JSON, no proxies).
+
+    ``unix_socket``: send every request over that unix socket (``base_url``
+    then only names the ``Host`` header, e.g. ``http://localhost``).
+    """
+
+    def __init__(
+        self, base_url: str, ssl_context: ssl.SSLContext | None = None, *, unix_socket: str | None = None
+    ):
         self.base_url = base_url.rstrip("/")
+        self.unix_socket = unix_socket
         handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]
+        if unix_socket is not None:
+            handlers.append(_UnixHandler(unix_socket))
         if ssl_context is not None:
             handlers.append(urllib.request.HTTPSHandler(context=ssl_context))
         self._opener = urllib.request.build_opener(*handlers)
@@ -151,7 +193,7 @@ class Gateway:
         return False
 
 
-def _auth_enabled(gateway: Gateway, auth: AuthConfig, timeout: float) -> bool:
+def auth_enabled(gateway: Gateway, auth: AuthConfig, *, timeout: float = 10.0) -> bool:
     """Whether auth is on, asked with ``Authenticate`` as root (one round trip).
 
     Told apart by gRPC code, which is the same in etcd 3.4 to 3.7: success
@@ -179,6 +221,10 @@ def setup_auth(gateway: Gateway, auth: AuthConfig, *, timeout: float = 10.0) -> 
     """Create the root user/role (and the limited user) and enable auth, then check that etcd
     holds exactly those users and roles.
 
+    :class:`~etcd_server.EtcdServer` and ``EtcdCluster`` call it over a private unix socket,
+    before the client port exists. The keyspace revision is read first and again after
+    ``auth enable``: a revision that moved (someone wrote meanwhile) raises.
+
     Idempotent: if auth is already enabled (the root password authenticates),
     nothing is changed; users and roles left by an interrupted earlier set-up
     are kept (existing ones are listed first, never re-added, so no error text
@@ -194,13 +240,14 @@ def setup_auth(gateway: Gateway, auth: AuthConfig, *, timeout: float = 10.0) -> 
             roles or permissions this set-up did not create.
         OSError: the gateway did not answer.
     """
-    if _auth_enabled(gateway, auth, timeout):
+    if auth_enabled(gateway, auth, timeout=timeout):
         logger.info("etcd auth is already enabled; leaving users and roles as they are")
         return
 
     def call(path: str, body: dict[str, Any]) -> dict[str, Any]:
         return gateway.call(path, body, timeout=timeout)
 
+    revision = keyspace_revision(gateway, timeout=timeout)
     users = set(call("/v3/auth/user/list", {}).get("users") or ())
     roles = set(call("/v3/auth/role/list", {}).get("roles") or ())
     wanted = [("root", auth.root_password)] + ([(auth.user, auth.password)] if auth.user else [])
@@ -217,18 +264,42 @@ def setup_auth(gateway: Gateway, auth: AuthConfig, *, timeout: float = 10.0) -> 
         call("/v3/auth/user/grant", {"user": auth.user, "role": auth.role_name})
     _verify_auth(gateway, auth, timeout, token=None)  # before: nothing of anyone else's gets enabled
     call("/v3/auth/enable", {})
-    try:  # after: nothing added between that check and the enable
+    try:  # after: nothing added between that check and the enable, nothing written meanwhile
         token = call("/v3/auth/authenticate", {"name": "root", "password": auth.root_password}).get("token")
         _verify_auth(gateway, auth, timeout, token=str(token))
+        after = keyspace_revision(gateway, timeout=timeout, token=str(token))
+        if after != revision:
+            raise EtcdGatewayError(
+                "/v3/kv/range", 0, NO_CODE,
+                f"the keyspace revision moved from {revision} to {after} while auth was being set up "
+                "(a client wrote before auth was enabled?); refusing to serve it",
+            )
     except EtcdGatewayError as e:
         if not e.refused_by_gateway:
             raise
-        # With auth on, etcd's gateway refuses a client certificate that names a user (its CN).
+        # (Not on the private set-up socket, which has no TLS.) With auth on, etcd's gateway refuses a client certificate that names a user (its CN).
         logger.info("etcd auth enabled; the gateway refuses the re-check with this client certificate")
     logger.info(
         "etcd auth enabled (root%s)",
         f", user {auth.user!r} limited to prefix {auth.prefix_bytes!r}" if auth.user else "",
     )
+
+
+def keyspace_revision(gateway: Gateway, *, timeout: float = 10.0, token: str | None = None) -> int:
+    """The keyspace's current revision (the header of a linearizable one-key range; etcd 3.4 to 3.7).
+
+    Raises:
+        EtcdGatewayError: refused (e.g. auth on and no ``token``), or no revision in the answer.
+        OSError: the gateway did not answer.
+    """
+    header = gateway.call(
+        "/v3/kv/range", {"key": _b64(b"\0"), "range_end": _b64(b"\0"), "limit": 1, "keys_only": True},
+        timeout=timeout, token=token,
+    ).get("header") or {}
+    try:
+        return int(header.get("revision") or 0)
+    except (TypeError, ValueError):
+        raise EtcdGatewayError("/v3/kv/range", 0, NO_CODE, f"no revision in {header!r}") from None
 
 
 def _perm(prefix: bytes) -> dict[str, str]:

@@ -11,6 +11,20 @@ Every flag on the command line exists, undeprecated, in etcd 3.4 to 3.7
 (``--enable-v2`` only when asked, which callers allow on 3.4/3.5 only); the
 command line never holds a secret.
 
+Ports
+-----
+Clients: ``http(s)://127.0.0.1:<client>``. Peers: ``http://127.0.0.1:<peer>``
+without TLS (open to every local user: trusted single-user machines only); with
+a :class:`~etcd_server.config.TLSConfig`, ``https://`` with
+``--peer-client-cert-auth`` (a peer must present a certificate of the peer CA,
+by default the client CA; ``peer_allowed_cn`` narrows that to one CommonName).
+
+A *private set-up start* (``private_dir`` set) listens for clients only on the
+unix socket ``<private_dir>/localhost:<client>`` (etcd's unix URLs need a
+``host:port``, taken as a file name relative to etcd's working directory, which
+is then ``private_dir``), in plain text; the peer port is as above. The server
+and the cluster use it to set up auth before the real client port exists.
+
 Readiness
 ---------
 etcd is ready when ``GET /health`` on its client URL answers
@@ -105,6 +119,9 @@ class EtcdMember:
         self.log_path: str | None = None
         self._log_offset = 0
         self._gateway: Gateway | None = None
+        #: When set, the next launch is a private set-up start: clients are served only on a unix
+        #: socket in this directory (etcd runs with it as its working directory), without TLS.
+        self.private_dir: str | None = None
 
     # -- addresses --------------------------------------------------------
 
@@ -118,18 +135,33 @@ class EtcdMember:
 
     @property
     def client_url(self) -> str:
+        if self.private_dir is not None:
+            # etcd 3.4-3.7 want "host:port" in every client URL and take a unix URL's host:port
+            # as the socket's file name, relative to etcd's working directory (private_dir).
+            return f"unix://{self.private_socket_name}"
         return f"{self.scheme}://{HOST}:{self.client_port}"
 
     @property
+    def private_socket_name(self) -> str:
+        return f"localhost:{self.client_port}"
+
+    @property
     def peer_url(self) -> str:
-        return f"http://{HOST}:{self.peer_port}"
+        return f"{self.scheme}://{HOST}:{self.peer_port}"
 
     @property
     def gateway(self) -> Gateway:
-        if self._gateway is None or self._gateway.base_url != self.client_url:
-            ctx = self.tls.ssl_context() if self.tls else None
-            self._gateway = Gateway(self.client_url, ctx)
-        return self._gateway
+        socket_path = (
+            os.path.join(self.private_dir, self.private_socket_name) if self.private_dir is not None else None
+        )
+        gw = self._gateway
+        if gw is None or gw.base_url != self.client_url or gw.unix_socket != socket_path:
+            if socket_path is not None:
+                gw = Gateway("http://localhost", unix_socket=socket_path)
+            else:
+                gw = Gateway(self.client_url, self.tls.ssl_context() if self.tls else None)
+            self._gateway = gw
+        return gw
 
     # -- process ----------------------------------------------------------
 
@@ -160,14 +192,23 @@ class EtcdMember:
             cmd.append(f"--election-timeout={self.election_timeout_ms}")
         if self.enable_v2:
             cmd.append("--enable-v2=true")
-        if self.tls:
+        if self.tls and self.private_dir is None:
             cmd += [
-                "--cert-file", self.tls.cert_file,
-                "--key-file", self.tls.key_file,
-                "--trusted-ca-file", self.tls.ca_file,
+                "--cert-file", os.path.abspath(self.tls.cert_file),
+                "--key-file", os.path.abspath(self.tls.key_file),
+                "--trusted-ca-file", os.path.abspath(self.tls.ca_file),
             ]  # fmt: skip
             if self.tls.client_cert_auth:
                 cmd.append("--client-cert-auth=true")
+        if self.tls:  # the peer port: https, and only members with a certificate of the peer CA
+            cmd += [
+                "--peer-cert-file", os.path.abspath(self.tls.peer_cert),
+                "--peer-key-file", os.path.abspath(self.tls.peer_key),
+                "--peer-trusted-ca-file", os.path.abspath(self.tls.peer_ca),
+                "--peer-client-cert-auth=true",
+            ]  # fmt: skip
+            if self.tls.peer_allowed_cn:
+                cmd.append(f"--peer-cert-allowed-cn={self.tls.peer_allowed_cn}")
         cmd += self.extra_args
         return cmd
 
@@ -213,6 +254,7 @@ class EtcdMember:
                     stderr=out,
                     close_fds=True,
                     start_new_session=True,
+                    cwd=self.private_dir,
                     preexec_fn=preexec,
                 )
 

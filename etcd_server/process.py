@@ -51,6 +51,7 @@ __all__ = [
     "free_ports",
     "in_spawner_thread",
     "make_preexec",
+    "make_private_dir",
     "make_temp_dir",
     "register_live",
     "remove_temp_dir",
@@ -178,6 +179,30 @@ def _ensure_atexit() -> None:
 def make_temp_dir(prefix: str) -> str:
     """``mkdtemp`` that the atexit hook removes if the owner never does."""
     path = tempfile.mkdtemp(prefix=prefix)
+    with _live_lock:
+        _temp_dirs.add(path)
+        _ensure_atexit()
+    return path
+
+
+#: Longest directory path for a private set-up socket (``<dir>/localhost:<port>``): AF_UNIX
+#: addresses hold at most 107 bytes on Linux (103 on macOS).
+_MAX_SOCKET_DIR = 80
+
+
+def make_private_dir(parent: str | None) -> str:
+    """A new directory only this user can enter (0700), for a private unix socket.
+
+    Inside ``parent`` when the socket's path stays short enough, else a new temporary
+    directory (``/tmp`` when the default one's path is long); the atexit hook removes it.
+    """
+    if parent is not None and len(os.path.abspath(parent)) + len("/private-xxxxxxxx") <= _MAX_SOCKET_DIR:
+        path = tempfile.mkdtemp(prefix="private-", dir=parent)  # mkdtemp: mode 0700, a new name
+    else:
+        base = tempfile.gettempdir()
+        if len(base) + len("/etcd-auth-xxxxxxxx") > _MAX_SOCKET_DIR and os.path.isdir("/tmp"):
+            base = "/tmp"
+        path = tempfile.mkdtemp(prefix="etcd-auth-", dir=base)
     with _live_lock:
         _temp_dirs.add(path)
         _ensure_atexit()

@@ -21,9 +21,15 @@ methods) with these differences:
   then SIGKILL, an ``atexit`` hook stops whatever is still running, and on
   Linux the child is started with ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` so the
   kernel kills it even when Python itself is SIGKILLed;
-* optional TLS serving (:class:`~etcd_server.config.TLSConfig`) and auth
+* optional TLS serving (:class:`~etcd_server.config.TLSConfig`; the peer port
+  then serves TLS and requires a peer certificate) and auth
   (:class:`~etcd_server.config.AuthConfig`, set up through the JSON gateway;
-  passwords travel in request bodies only).
+  passwords travel in request bodies only). Auth is set up before the client
+  port exists: the first start listens for clients only on a unix socket in a
+  private (0700) directory, sets up users, roles and ``auth enable`` over it,
+  checks that the keyspace revision did not move, stops, and starts again on
+  the real client URL with the same data dir (auth state lives there). That
+  costs one more start and stop of etcd (measured in docs/server.md).
 
 The process handling (spawner thread, ``atexit`` hook, death signal) is in
 :mod:`etcd_server.process`.
@@ -73,7 +79,8 @@ class EtcdServer:
             etcd 3.4 and 3.5 only (3.6 removed the v2 API).
         extra_args: extra etcd command-line flags, appended last.
         tls: serve https with these certificates (see :class:`TLSConfig`).
-        auth: enable authentication after the first start (:class:`AuthConfig`).
+        auth: enable authentication before the client port first opens
+            (:class:`AuthConfig`; see the module docstring).
         port, peer_port: fixed client/peer ports; free ports when None.
         die_with_parent: (Linux) have the kernel SIGKILL etcd when this
             Python process dies, even by SIGKILL (see the module docstring).
@@ -196,11 +203,13 @@ class EtcdServer:
         On the first start, ports not fixed by the caller are chosen free; if
         etcd then reports "address already in use" the start is retried (up to
         ``num_retries`` attempts in all) on new ports. Later starts (after
-        ``stop()``) reuse the same ports. When ``auth`` is set it is set up
-        after the first readiness.
+        ``stop()``) reuse the same ports. When ``auth`` is set, the first start
+        sets it up over a private unix socket before the client port opens
+        (one more start and stop of etcd).
 
         Args:
-            timeout: seconds to wait for readiness, per attempt.
+            timeout: seconds to wait for readiness, per attempt (and, for the
+                private auth set-up start, once more for that start).
             num_retries: attempts in all when a port collision happens.
             stderr: where etcd's stdout/stderr go; default a log file (whose
                 tail goes into errors). When given, any exit during the first
@@ -230,12 +239,7 @@ class EtcdServer:
                 "etcd %s ready at %s (pid %d, data dir %s)",
                 self.version, member.client_url, member.proc.pid if member.proc else -1, data_dir,
             )  # fmt: skip
-            if self.auth is not None and not self._auth_done:
-                try:
-                    setup_auth(member.gateway, self.auth)
-                except BaseException:
-                    self.stop()
-                    raise
+            if self.auth is not None:
                 self._auth_done = True
 
     def _launch(self, data_dir: str, timeout: float, attempts: int, stderr: int | TextIO | None) -> EtcdMember:
@@ -248,6 +252,8 @@ class EtcdServer:
                 self._ports = self._pick_ports()
             member = self._new_member(data_dir)
             try:
+                if self.auth is not None and not self._auth_done:
+                    self._set_up_auth_privately(member, timeout, stderr)
                 member.launch(stderr)
                 member.wait_ready(time.monotonic() + timeout)
             except EtcdStartError as e:
@@ -270,6 +276,27 @@ class EtcdServer:
                 raise
             return member
         raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _set_up_auth_privately(self, member: EtcdMember, timeout: float, stderr: int | TextIO | None) -> None:
+        """Start ``member`` listening for clients only on a private unix socket, set up auth
+        through it (:func:`~etcd_server.gateway.setup_auth`, which also checks that the
+        keyspace revision did not move), and stop it: the real client port opens later, on
+        a data dir whose auth is on. The peer port is the real one throughout (TLS when
+        configured). Blocks for one start and one stop of etcd.
+
+        Raises what :meth:`EtcdMember.wait_ready` and ``setup_auth`` raise; etcd is stopped.
+        """
+        assert self.auth is not None
+        private = process.make_private_dir(self._work_dir)
+        member.private_dir = private
+        try:
+            member.launch(stderr)
+            member.wait_ready(time.monotonic() + timeout)
+            setup_auth(member.gateway, self.auth)
+        finally:
+            member.terminate(grace=self.stop_grace)
+            member.private_dir = None
+            process.remove_temp_dir(private)
 
     def _pick_ports(self) -> tuple[int, int]:
         need = [p is None for p in (self._given_port, self._given_peer_port)]
