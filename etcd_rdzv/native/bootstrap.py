@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
@@ -44,12 +45,14 @@ well within a minute before the seal (a re-rendezvous), but may have waited for 
 (a full group kept it out)."""
 
 
-def join_value(node_addr: str) -> bytes:
+def join_value(node_addr: str, pace: Mapping[str, float] | None = None) -> bytes:
     """What this node's join key holds: its address, pid, a free port of its host probed
-    now and when (``probed``, wall-clock seconds). If it becomes rank 0 of a round sealed
-    soon enough, that port is the round's ``MASTER_PORT`` (:func:`master_of`)."""
+    now and when (``probed``, wall-clock seconds), and ``pace``'s fields (how it renews its
+    lease, which eviction reads: :meth:`~etcd_rdzv.native.eviction.Pace.fields`). If it becomes
+    rank 0 of a round sealed soon enough, that port is the round's ``MASTER_PORT`` (:func:`master_of`)."""
     return json.dumps(
-        {"addr": node_addr, "pid": os.getpid(), "port": get_free_port(), "probed": round(time.time(), 3)}
+        {"addr": node_addr, "pid": os.getpid(), "port": get_free_port(), "probed": round(time.time(), 3),
+         **(pace or {})}
     ).encode()
 
 

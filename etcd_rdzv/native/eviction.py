@@ -5,17 +5,29 @@ A member of round ``T`` that calls ``next_rendezvous`` (its group failed: a work
 A member that died without leaving still holds its join key in ``T`` until its lease expires
 (``lease_ttl``, 15 s by default), and until then ``T + 1`` waits for it. While a survivor waits
 in ``T + 1`` it looks at the leases of the keys left in ``T`` (one Range, one LeaseTimeToLive
-each, every half keep-alive interval, until ``T`` is empty) and deletes the join key of a member
+each, every half keep-alive interval; every interval while ``T`` is empty, since a member that
+re-attaches refills it) and deletes the join key of a member
 whose lease is **suspect** (one Txn fenced on that key's revision and lease). The rule, its
 false-positive bound and why it is safe are in docs/etcd-v3-design.md ("Eviction").
 
-**The rule** (:func:`to_evict`, pure): with ``i`` the keep-alive interval and ``k`` the misses
-(``evict_misses``), a member is evicted when etcd's leader counts at least ``k * i`` seconds
-since it last renewed the member's lease (``granted - remaining - 1``: ``remaining`` is in
-whole seconds), *and* the observer's own lease has been renewed without a gap over ``k * i``
-for at least that long, up to a renewal less than ``k * i`` ago. If etcd, not the member, is
-slow, the observer's own renewals are late too and nobody is evicted; after an etcd outage
-the observer evicts nobody who went silent before it could renew again.
+**The rule** (:func:`to_evict`, pure): each member says in its join value how often it renews
+(``renew``: ``i_m``) and how long its client's keep-alive stream may hear nothing before it
+moves to another etcd member (``failover``: ``a_m``, :func:`~etcd_store.client.leases.answer_bound`);
+a value without them (an older version) is taken to carry the observer's own. With ``k`` the
+misses (``evict_misses``), :data:`MARGIN` ``M`` and the observer's own pace ``i_o``, a member is
+evicted when etcd's leader counts at least (:func:`condemned_after`)::
+
+    L_m = max(k * i_m,  i_m + a_m + M,  g + i_m + M),   g = i_o + M
+
+seconds since it last renewed the member's lease (``granted - remaining - 1``: ``remaining`` is
+in whole seconds), *and* the observer's own renewals were answered with no gap over ``g`` (the
+silence it tolerates in itself, :func:`tolerated`) for at least that long, the last one at most
+``g`` ago. A live member whose stream sits on an etcd member that stopped answering is silent
+for up to ``i_m + a_m`` (its last renewal, the next one unanswered, the move) plus the
+reconnect: the second term. If etcd, not the member, is slow by ``D``, the member is silent at
+most ``D + i_m`` and the observer's own renewals see a gap of at least ``D``: the third term
+keeps ``M`` between the two, so nobody is evicted; after an etcd outage the observer evicts
+nobody who went silent before it could renew again.
 
 Only a member of ``T`` evicts (:class:`Evictor` is made for one that was): a node waiting
 outside a running group (a spare, a new node) never removes members of that group. So that a
@@ -36,20 +48,88 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from etcd_store.client import EtcdClient, Session, compare_lease, compare_mod, op_delete, prefix_range_end
+from etcd_store.client.leases import answer_bound
 from etcd_store.errors import EtcdError
 
 from .keys import RunKeys
+from .records import load_json
 from .settings import V3Settings
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MAX_LOOKED", "OBSERVERS", "Evictor", "MemberLease", "observes", "silent_for", "steady_for", "to_evict"]
+__all__ = ["MARGIN", "MAX_LOOKED", "OBSERVERS", "Evictor", "MemberLease", "Pace", "condemned_after", "observes",
+           "own_pace", "pace_in", "silent_for", "steady_for", "to_evict", "tolerated"]
 
 OBSERVERS = 4
 """The members of ranks ``0 .. OBSERVERS - 1`` of a failed group look for dead members."""
 
 MAX_LOOKED = 16
 """A look reads the leases of at most this many keys left in the previous round (else none)."""
+
+
+MARGIN = 1.0
+"""Seconds of slack on both sides of the rule (:func:`condemned_after`, :func:`tolerated`): what
+a healthy member's renewal may take beyond its own failover bound (the reconnect to a ready
+etcd member, milliseconds, but up to 1 s when the client waits for a member that is not ready;
+the renewal's forward to the leader; the leader's hold of a renewal until it has applied every
+committed entry, up to about 1 s under a burst of writes; the host's scheduling), and what a
+healthy observer's own renewal answers may come later than its interval."""
+
+
+@dataclass(frozen=True)
+class Pace:
+    """How a node renews its lease: every ``renew`` seconds, and its keep-alive stream moves to
+    another etcd member after hearing nothing for ``failover`` seconds (its answer bound)."""
+
+    renew: float
+    failover: float
+
+    def fields(self) -> dict[str, float]:
+        """What the join value carries (:func:`pace_in` reads it back)."""
+        return {"renew": round(self.renew, 3), "failover": round(self.failover, 3)}
+
+
+def own_pace(settings: V3Settings, first_attempt: float) -> Pace:
+    """This node's :class:`Pace`: ``renew_every``, and its client's answer bound for a lease of
+    ``lease_ttl`` (:func:`~etcd_store.client.leases.answer_bound` of a third of the TTL and the
+    client's ``first_attempt``: an upper bound, since a shorter lease on the stream only shortens it)."""
+    return Pace(settings.renew_every, answer_bound(settings.lease_ttl / 3.0, first_attempt))
+
+
+def pace_in(value: bytes, default: Pace) -> Pace:
+    """The :class:`Pace` a join value names; ``default`` (the observer's own) for a value without
+    one (written by an older version) or a malformed one."""
+    try:
+        doc = load_json(value)
+    except ValueError:
+        return default
+    if not isinstance(doc, dict):
+        return default
+    renew, failover = doc.get("renew"), doc.get("failover")
+    if not (_seconds(renew) and _seconds(failover)):
+        return default
+    assert isinstance(renew, (int, float)) and isinstance(failover, (int, float))
+    return Pace(float(renew), float(failover))
+
+
+def _seconds(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1e6
+
+
+def tolerated(own: Pace) -> float:
+    """The longest gap between two of its own renewal answers after which the observer still
+    counts itself steady: its interval plus :data:`MARGIN` (a healthy stream answers each renewal
+    within milliseconds; etcd's leader may hold one up to about a second)."""
+    return own.renew + MARGIN
+
+
+def condemned_after(member: Pace, own: Pace, misses: int) -> float:
+    """The silence (seconds since etcd last renewed the lease) that condemns a member of pace
+    ``member`` (see the module docstring): ``misses`` of its renewals, its client's failover
+    (``renew + failover``) plus :data:`MARGIN`, and the observer's own tolerance
+    (:func:`tolerated`) plus the member's interval plus :data:`MARGIN`, whichever is longest."""
+    return max(misses * member.renew, member.renew + member.failover + MARGIN,
+               tolerated(own) + member.renew + MARGIN)
 
 
 def observes(settings: V3Settings, rank: int) -> bool:
@@ -60,13 +140,15 @@ def observes(settings: V3Settings, rank: int) -> bool:
 @dataclass(frozen=True)
 class MemberLease:
     """A join key left in the previous round and its lease as etcd's leader reported it:
-    ``remaining`` whole seconds (-1: gone), ``granted`` its TTL."""
+    ``remaining`` whole seconds (-1: gone), ``granted`` its TTL, ``pace`` the one its join value
+    names (:func:`pace_in`)."""
 
     key: bytes
     mod_revision: int
     lease: int
     remaining: int
     granted: int
+    pace: Pace | None = None  # from its join value; None: the observer's own
 
 
 def silent_for(member: MemberLease) -> float:
@@ -89,20 +171,22 @@ def steady_for(renewed_at: Sequence[float], now: float, limit: float) -> float:
     return now - start
 
 
-def to_evict(members: Sequence[MemberLease], renewed_at: Sequence[float], now: float, interval: float,
+def to_evict(members: Sequence[MemberLease], renewed_at: Sequence[float], now: float, own: Pace,
              misses: int, read_for: float = 0.0) -> list[MemberLease]:
-    """The members to evict (see the module docstring): none when ``misses`` is 0 or the
-    observer's own renewals are late at ``now``; else those whose lease etcd has not renewed for
-    at least ``misses * interval`` seconds, while the observer's were renewed steadily for as long
-    (plus ``read_for``, the seconds the reads took that ended just before ``now``: the silence
-    was counted at some moment within them)."""
+    """The members to evict (see the module docstring): none when ``misses`` is 0; else those
+    whose lease etcd has not renewed for at least :func:`condemned_after` seconds (at their own
+    pace, the observer's ``own`` for a member whose value names none), while the observer's own
+    renewals were answered with no gap over :func:`tolerated` for as long (plus ``read_for``, the
+    seconds the reads took that ended just before ``now``: the silence was counted at some moment
+    within them)."""
     if misses <= 0:
         return []
-    limit = misses * interval
-    steady = steady_for(renewed_at, now, limit)
+    steady = steady_for(renewed_at, now, tolerated(own))
     if steady <= 0.0:
         return []
-    return [m for m in members if m.remaining >= 0 and limit <= silent_for(m) <= steady - read_for]
+    return [m for m in members
+            if m.remaining >= 0
+            and condemned_after(m.pace or own, own, misses) <= silent_for(m) <= steady - read_for]
 
 
 class Evictor:
@@ -112,6 +196,7 @@ class Evictor:
     def __init__(self, settings: V3Settings, client: EtcdClient, keys: RunKeys, round_: int,
                  session: Session) -> None:
         self._settings = settings
+        self._own = own_pace(settings, client.retry_policy.first_attempt)
         self._client = client
         self._keys = keys
         self._round = round_
@@ -122,14 +207,13 @@ class Evictor:
 
     def poll(self, timeout: float | None) -> float | None:
         """Look at the previous round's leases if a look is due, and evict; returns ``timeout``
-        (seconds, None: none) shortened to the next look (unchanged once the round was empty)."""
+        (seconds, None: none) shortened to the next look: in half an interval, or in one while
+        the round is empty (a member that re-attaches refills it, and may die after all)."""
         now = time.monotonic()
         if now >= self._next:
             empty = self._look()
             now = time.monotonic()
-            self._next = float("inf") if empty else now + self._period
-        if self._next == float("inf"):
-            return timeout
+            self._next = now + (self._settings.renew_every if empty else self._period)
         wait = self._next - now
         return wait if timeout is None else min(timeout, wait)
 
@@ -142,11 +226,12 @@ class Evictor:
             if not kvs or len(kvs) > MAX_LOOKED:
                 return not kvs
             started = time.monotonic()
-            members = [MemberLease(kv.key, kv.mod_revision, kv.lease, *client.lease_ttls(kv.lease))
+            members = [MemberLease(kv.key, kv.mod_revision, kv.lease, *client.lease_ttls(kv.lease),
+                                   pace=pace_in(kv.value, self._own))
                        for kv in kvs if kv.lease and kv.lease != self._session.id]
             now = time.monotonic()
             renewed = self._session.renewed_at()  # after the reads: etcd must still be answering us
-            for member in to_evict(members, renewed, now, s.renew_every, s.evict_misses, now - started):
+            for member in to_evict(members, renewed, now, self._own, s.evict_misses, now - started):
                 self._evict(member, renewed, now)
         except EtcdError as e:
             log.info("round %d: could not look at the leases of round %d: %s", self._round, self._round - 1, e)
@@ -160,8 +245,10 @@ class Evictor:
         )
         if res.succeeded:
             self.evicted.append(member.key)
-        limit = self._settings.evict_misses * self._settings.renew_every
-        log.warning("round %d: %s %s: etcd has not renewed its lease %x for %.0f s or more (ours: "
-                    "renewed steadily for %.1f s)", self._round, "evicted" if res.succeeded else "could not evict",
+        pace = member.pace or self._own
+        log.warning("round %d: %s %s: etcd has not renewed its lease %x for %.0f s or more (its bound: "
+                    "%.1f s at a renewal every %.1f s, failover %.1f s; ours: renewed steadily for %.1f s)",
+                    self._round, "evicted" if res.succeeded else "could not evict",
                     member.key.decode(errors="replace"), member.lease, silent_for(member),
-                    steady_for(renewed, now, limit))
+                    condemned_after(pace, self._own, self._settings.evict_misses), pace.renew, pace.failover,
+                    steady_for(renewed, now, tolerated(self._own)))

@@ -43,7 +43,7 @@ from .barrier import (
 )
 from .bootstrap import join_value
 from .errors import ClosedWhileKeptOut, NodeShutDown, RoundTimeout, RunClosed
-from .eviction import Evictor, observes
+from .eviction import Evictor, observes, own_pace
 from .keys import RunKeys
 from .node_leases import NodeLeases
 from .records import ProtocolStateError, Sealed
@@ -197,7 +197,8 @@ class Participant:
         :class:`~etcd_rdzv.native.errors.NodeShutDown`, ``ProtocolStateError`` and
         ``EtcdError`` subclasses.
         """
-        value = join_value(self._settings.node_addr)  # one free port per next_round call
+        # one free port per next_round call; our pace, which observers of our group read (eviction)
+        value = join_value(self._settings.node_addr, own_pace(self._settings, self._client.retry_policy.first_attempt).fields())
         prior = self.standing.begin(value, observes(self._settings, self.standing.member_rank))
         sealed: Sealed | None = self._sealed
         while True:

@@ -89,8 +89,10 @@ class V3Settings:
     * ``renew_interval`` (1): seconds between two keep-alives of a node's lease (at most a
       third of ``lease_ttl``: :attr:`renew_every`). Renewals are not raft writes.
     * ``evict_misses`` (2): after a group failed, a survivor evicts a member of it whose lease
-      missed this many renewals while its own were answered (:mod:`~etcd_rdzv.native.eviction`);
-      0 turns eviction off (a dead member then leaves when its lease expires).
+      missed this many renewals (at the member's own pace), and at least its client's failover plus
+      a margin (4 s of silence with the defaults), while its own were answered
+      (:mod:`~etcd_rdzv.native.eviction`); 0 turns eviction off (a dead member then leaves when its
+      lease expires).
     """
 
     run_id: str

@@ -10,6 +10,8 @@ the dead node's lease was still alive when its key went).
 from __future__ import annotations
 
 import itertools
+import os
+import signal
 import time
 from collections.abc import Iterator
 
@@ -17,11 +19,12 @@ import pytest
 from helpers.nodes import ETCD_V3, Nodes
 
 from etcd_rdzv.native.handler import EtcdV3RendezvousHandler, RoundResult
+from etcd_server import EtcdCluster
 
 pytestmark = pytest.mark.timeout(120)
 
 TTL = 30  # "heartbeat": far longer than an eviction takes
-EVICTED_WITHIN = 20.0  # generous: an eviction takes about 2-3 s, the lease 30 s
+EVICTED_WITHIN = 20.0  # generous: an eviction takes about 4-5 s, the lease 30 s
 _ids = itertools.count()
 
 
@@ -104,3 +107,50 @@ def test_eviction_off_waits_for_the_lease(run: Run) -> None:
     assert run.joined(1) == 1 and not any(f.done() for f in waiting)
     res = [f.result(timeout=30) for f in waiting]
     assert {(r.round, r.world_size) for r in res} == {(2, 2)}
+
+
+def test_a_member_renewing_at_a_slower_pace_is_judged_at_its_own(run: Run) -> None:
+    """Issue 30: a healthy member with ``renew_interval=5`` is silent up to 5 s between renewals; the
+    rule judged it at the observers' 1 s pace and evicted it about 2 s after they re-joined. Its join
+    value now names its pace: it is evicted only after 2 x 5 s of silence, so it is waited for."""
+    a, b = run.new(), run.new()
+    c = run.new(renew_interval="5")
+    form(run, a, b, c)
+    waiting = run.start(a, b)
+    time.sleep(8.0)  # c is slow to notice: more than one of its 5 s renewal gaps passes
+    assert run.joined(1) == 1 and not any(f.done() for f in waiting)
+    res = [f.result(timeout=30) for f in waiting + run.start(c)]
+    assert {(r.round, r.world_size) for r in res} == {(2, 3)}
+
+
+def test_a_member_whose_stream_sits_on_a_frozen_follower_is_not_evicted(etcd_binary: str) -> None:
+    """Issue 30: 3-member etcd; c's keep-alive stream is on a follower that is SIGSTOPped while a and b
+    (on the leader) re-join. c's client moves its stream after its answer bound (2 s) counted from its
+    first unanswered renewal: the leader hears c again about 3 s after its last renewal, while the old
+    rule evicted after 2 s. c must still be in round 1 when it re-joins, and round 2 has all three."""
+    with EtcdCluster(3, binary=etcd_binary) as cluster:
+        leader = cluster.leader()
+        frozen = (leader + 1) % 3
+        endpoints = cluster.endpoints
+        order = [endpoints[frozen]] + [e for i, e in enumerate(endpoints) if i != frozen]
+        run = Run(endpoints[leader])
+        try:
+            a, b = run.new(), run.new()
+            run.endpoint = ",".join(order)  # c prefers the follower: its streams open there
+            c = run.new()
+            run.endpoint = endpoints[leader]
+            form(run, a, b, c)
+            time.sleep(1.5)  # c's keep-alive stream is open on the follower
+            pid = cluster.pids[frozen]
+            assert pid is not None
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                waiting = run.start(a, b)
+                time.sleep(7.0)  # past c's failover (about 3 s) and the new bound (4 s) with a margin
+                assert run.joined(1) == 1, "c was evicted although its client failed over in time"
+                res = [f.result(timeout=30) for f in waiting + run.start(c)]
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            assert {(r.round, r.world_size) for r in res} == {(2, 3)}
+        finally:
+            run.close()
