@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import as_completed
 from typing import Any
 
@@ -206,7 +207,8 @@ def test_full_group_keeps_a_late_node_out_without_timing_it_out(nodes: Nodes) ->
     (pending,) = nodes.start(late)
     wait_count(nodes.client, nodes.join_prefix(2), 1)
     assert a.num_nodes_waiting() == 0  # the group is full: not worth a restart
-    with pytest.raises(TimeoutError):
+    # concurrent.futures.TimeoutError: the builtin TimeoutError only from Python 3.11 on.
+    with pytest.raises(FutureTimeout):
         pending.result(timeout=3.5)  # > join_timeout and > last call: still waiting
     # One member re-rendezvous (its workers failed): the group is no longer full,
     # so the other member's agent sees nodes waiting and re-rendezvous too.

@@ -66,10 +66,11 @@ def test_a_ten_thousand_node_state_is_accepted() -> None:
 
 def test_a_reduce_to_a_callable_is_refused_and_not_run(tmp_path: Path) -> None:
     target = tmp_path / "pwned"
-    _refused(pickle.dumps(_Reduce(str(target))), r"refusing to load io\.open")
+    # open pickles as io.open, as _io.open from Python 3.12 on
+    _refused(pickle.dumps(_Reduce(str(target))), r"refusing to load _?io\.open")
     state = torch_state()
     state.participants = {_NodeDesc("h", 1, 0): _Reduce(str(target))}  # type: ignore[dict-item]
-    _refused(pickle.dumps(state), r"refusing to load io\.open")
+    _refused(pickle.dumps(state), r"refusing to load _?io\.open")
     assert not target.exists()
 
 
