@@ -116,7 +116,10 @@ def test_streams_sessions_and_a_store_come_through_a_quorum_loss(etcd_binary: st
                 s.close()
             store.close()
             loop = started()
-            assert loop is not None and loop.lags == 0, f"the stream loop was held {loop and loop.max_lag:.3f} s"
+            # Nothing of the client blocks the loop (a login, an RPC, a lock held across one would hold it
+            # for seconds). A pass of the loop preempted on a loaded 2-core host can take a few hundred ms:
+            # the WARNING (0.1 s) says so in the log; the bound asserted is what no preemption reaches.
+            assert loop is not None and loop.max_lag < 1.0, f"the stream loop was held {loop and loop.max_lag:.3f} s"
         gc.collect()  # a task whose error nobody retrieved is reported when it is collected
         unretrieved = [r.getMessage() for r in caplog.records if "never retrieved" in r.getMessage()]
         assert not unretrieved, unretrieved
