@@ -82,7 +82,7 @@ def close_v2(client: EtcdClient, prefix: str, run_id: str, deadline: Deadline) -
     for _ in range(_CAS_ATTEMPTS):
         if kv is None:
             raise CliError(f"no etcd-v2 run {run_id!r} (no state key {key})")
-        state = decode_state(kv.value, key)
+        state = decode_state(kv.value, key, time_left=deadline.left())
         if state.closed:
             return False
         try:
@@ -173,8 +173,8 @@ def _gc_v2(client: EtcdClient, prefix: str, run_id: str, deadline: Deadline, gra
     if kv is None:
         return None
     try:
-        state = decode_state(kv.value, key)
-    except StateDecodeError as e:
+        state = decode_state(kv.value, key, time_left=deadline.left())
+    except StateDecodeError as e:  # one run's state: the others are still collected (issue 32)
         log.warning("gc skips %s: %s", key, e)
         return None
     newest = state.newest_heartbeat()

@@ -191,7 +191,9 @@ def read_v2(
     if kv is None:
         return None
     try:
-        state = decode_state(kv.value, key)
+        # Bounded by the decode's own budget and the command's deadline: one run's hostile state
+        # costs at most that, and is reported as that run's error (issue 32).
+        state = decode_state(kv.value, key, time_left=deadline.left())
     except StateDecodeError as e:
         raise RunReadError(str(e)) from None
     info = v2_info(run_id, state, now or datetime.now(timezone.utc))

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import base64
 import itertools
+import json
 import pickle
+import time
 from collections.abc import Iterator
-from datetime import datetime
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.v2_pickles import no_build, torch_state, two_builds
+from helpers.v2_pickles import colliding_nodes, no_build, torch_state, two_builds
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
@@ -144,7 +146,7 @@ def test_torch_gets_a_state_built_from_the_checked_values(
     client: EtcdClient, handler: EtcdRendezvousHandler
 ) -> None:
     stored = torch_state(round_=7)
-    stored.wait_list = frozenset({_NodeDesc("waiting", 9, 0)})  # type: ignore[assignment]
+    stored.wait_list = {_NodeDesc("waiting", 9, 0)}
     stored.extra = "an attribute torch's state lacks"  # type: ignore[attr-defined]
     client.put(_backend(handler).key.encode(), base64.b64encode(pickle.dumps(stored)))
     holder = handler._state_holder  # type: ignore[attr-defined]
@@ -177,3 +179,39 @@ def test_the_cli_reports_an_object_pickled_without_its_fields_in_one_line(
     err = capsys.readouterr().err
     assert rc == 2, err  # a refused state (exit 2), not an internal error (exit 1: AttributeError before)
     assert key in err and f"{of.__name__} pickled without its fields" in err and err.count("\n") == 1, err
+
+
+def test_one_hostile_run_does_not_stall_list_or_gc_of_the_others(
+    client: EtcdClient, etcd_endpoint: str, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    # Issue 32: a job's user writes, into its own run, a state that took the reader 12-30 s (8,000 nodes
+    # of one host whose pids differ by multiples of 2**61 - 1); root's `list` and `gc --dry-run --timeout 5`
+    # then ran 24-33 s, exited 2 and reported no other run. Now the run is reported as undecodable and the
+    # 99 others are listed and collected, within the timeout.
+    prefix = f"{PREFIX}-many-{next(_ids)}"
+    old = datetime.now(timezone.utc) - timedelta(hours=1)
+    for i in range(99):
+        state = torch_state(2)
+        state.closed = True
+        state.last_heartbeats = dict.fromkeys(state.participants, old)
+        client.put(f"{prefix}/run-{i:02d}".encode(), base64.b64encode(pickle.dumps(state)))
+    hostile = f"{prefix}/run-50x"
+    client.put(hostile.encode(), base64.b64encode(colliding_nodes()))
+    base = ["--endpoints", etcd_endpoint, "--key-prefix", prefix, "--timeout", "5"]
+    capsys.readouterr()
+    for argv in (["list", "--json"], ["gc", "--dry-run", "--json"]):
+        started = time.monotonic()
+        rc = cli([*base, *argv])
+        took = time.monotonic() - started
+        out, err = capsys.readouterr()
+        assert rc == 0 and took < 5, (argv, rc, took, err[-2000:])
+        doc = json.loads(out)
+        if argv[0] == "list":
+            good = {r["run_id"] for r in doc["runs"] if "error" not in r}
+            bad = [r for r in doc["runs"] if "error" in r]
+            assert len(good) == 99 and [r["run_id"] for r in bad] == ["run-50x"], doc
+            assert "out of range" in bad[0]["error"], bad
+        else:
+            assert len(doc["removed"]) == 99 and "run-50x" not in {r["run_id"] for r in doc["removed"]}, doc
+            logged = err + caplog.text  # in-process, the warning goes to pytest's handler
+            assert f"gc skips {hostile}" in logged and "out of range" in logged, logged[-2000:]
