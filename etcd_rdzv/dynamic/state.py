@@ -166,7 +166,7 @@ def torch_state(checked: V2State) -> _RendezvousState:
     """torch's ``_RendezvousState`` holding the values of ``checked``, made of fresh torch objects.
 
     Unknown attributes of the stored state (``checked.unknown``) are left out; the wait and
-    redundancy lists are torch's mutable sets whatever set type the pickle held. No I/O.
+    redundancy lists are torch's mutable sets (v2state admits only the set torch writes). No I/O.
     """
     nodes: dict[NodeDesc, _NodeDesc] = {}
 
