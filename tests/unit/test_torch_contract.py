@@ -202,6 +202,10 @@ def _dynamic_moves() -> list[str]:
                                    close=timedelta(seconds=1), heartbeat=timedelta(seconds=1))
     if timeout.close != timedelta(seconds=1):
         found.append("RendezvousTimeout.close changed")
+    read = _names(dr.DynamicRendezvousHandler.next_rendezvous)  # rebuilds what the handler drops each round
+    missing = [a for a in ("_bootstrap_store_info", "_shared_tcp_store_server") if a not in read]
+    if missing:
+        found.append(f"DynamicRendezvousHandler.next_rendezvous no longer reads {', '.join(missing)}")
     generator = getattr(dr.DynamicRendezvousHandler, "_node_desc_generator", None)
     if not callable(getattr(generator, "generate", None)):
         found.append("DynamicRendezvousHandler._node_desc_generator.generate is gone")
