@@ -13,7 +13,7 @@ Every backend of the package reads its ``--rdzv-endpoint``, ``--rdzv-id``,
 Nothing here contacts etcd or imports torch or gRPC at import time. Every
 invalid value raises ``ValueError`` naming the rdzv-conf key (or
 ``--rdzv-endpoint``) and the value that was wrong. One parser per kind of value:
-:func:`get_seconds_or`, :func:`get_positive_int`, :func:`get_bool`, and the
+:func:`get_seconds_or`, :func:`get_non_negative_seconds`, :func:`get_positive_int`, :func:`get_bool`, and the
 private text and readable-file readers.
 
 Connection keys (every backend; torch's ``etcd-v2`` keys keep their meaning):
@@ -101,6 +101,7 @@ __all__ = [
     "RdzvConfig",
     "RdzvParams",
     "get_bool",
+    "get_non_negative_seconds",
     "get_positive_int",
     "get_seconds_or",
     "parse_client_options",
@@ -201,7 +202,10 @@ class DynamicSettings:
     once ``min_nodes`` joined), ``close_timeout`` (30: deadline of ``set_closed``
     / ``shutdown``), ``heartbeat_timeout`` (5: deadline of one heartbeat write),
     ``keep_alive_interval`` (5: seconds between heartbeats) and
-    ``keep_alive_max_attempt`` (3: missed heartbeats after which a node is dropped).
+    ``keep_alive_max_attempt`` (3: missed heartbeats after which a node is dropped),
+    ``cas_backoff_max_seconds`` (0: no delay; torch 2.15 and later sleep a random 0 to that many
+    seconds after a lost compare-and-swap of the state; an older torch has no such setting and
+    ignores a non-zero value with a warning, :func:`etcd_rdzv.dynamic.handler.create_handler`).
     ``config`` holds the client options, ``key_prefix`` and ``state_ttl``.
     """
 
@@ -217,6 +221,7 @@ class DynamicSettings:
     heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT
     keep_alive_interval: float = DEFAULT_KEEP_ALIVE_INTERVAL
     keep_alive_max_attempt: int = DEFAULT_KEEP_ALIVE_MAX_ATTEMPT
+    cas_backoff_max_seconds: float = 0.0
 
 
 # --------------------------------------------------------------------------- value parsing
@@ -250,6 +255,26 @@ def get_seconds_or(params: RdzvParams, key: str, default: float) -> float:
         raise ValueError(
             f"The rendezvous configuration option {key!r} must be a positive number of "
             f"seconds, got {value!r}."
+        )
+    return seconds
+
+
+def get_non_negative_seconds(params: RdzvParams, key: str, default: float) -> float:
+    """The finite number of seconds of 0 or more ``key`` holds (``default`` when absent or blank).
+
+    Raises ``ValueError`` naming the key (also for booleans, NaN, infinities and negatives).
+    """
+    value = params.get(key)
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return default
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if isinstance(value, bool) or not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(
+            f"The rendezvous configuration option {key!r} must be a finite number of seconds "
+            f"of 0 or more, got {value!r}."
         )
     return seconds
 
@@ -513,6 +538,7 @@ def parse_dynamic_settings(params: HandlerParams, *, legacy: bool = False) -> Dy
         keep_alive_max_attempt=get_positive_int(
             params, "keep_alive_max_attempt", DEFAULT_KEEP_ALIVE_MAX_ATTEMPT
         ),
+        cas_backoff_max_seconds=get_non_negative_seconds(params, "cas_backoff_max_seconds", 0.0),
     )
 
 

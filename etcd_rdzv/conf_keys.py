@@ -44,9 +44,10 @@ etcd_rdzv/prometheus.py)."""
 
 DYNAMIC_KEYS = frozenset({
     "join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
-    "keep_alive_interval", "keep_alive_max_attempt",
+    "keep_alive_interval", "keep_alive_max_attempt", "cas_backoff_max_seconds",
 })  # fmt: skip
-"""``etcd-v2`` and ``etcd``: torch's ``DynamicRendezvousHandler`` keys."""
+"""``etcd-v2`` and ``etcd``: torch's ``DynamicRendezvousHandler`` keys (``cas_backoff_max_seconds``
+since torch 2.15)."""
 
 V3_KEYS = frozenset({
     "join_timeout", "last_call_timeout", "close_timeout", "heartbeat", "heartbeat_timeout",
@@ -66,7 +67,7 @@ TORCH_KEYS = frozenset({
     # torch's c10d / etcd-v2 / static backends and create_handler (dynamic_rendezvous.py)
     "is_host", "store_type", "read_timeout", "protocol", "ssl_cert", "ssl_cert_key", "ca_cert",
     "join_timeout", "last_call_timeout", "close_timeout", "heartbeat", "heartbeat_timeout",
-    "keep_alive_interval", "keep_alive_max_attempt",
+    "keep_alive_interval", "keep_alive_max_attempt", "cas_backoff_max_seconds",  # the last since torch 2.15
     # RendezvousParameters' own argument, sometimes passed as a key by hand
     "local_addr",
 })  # fmt: skip

@@ -69,7 +69,7 @@ Creator = Callable[["RendezvousParameters"], "RendezvousHandler"]
 
 REGISTRY_EXPECTED = (
     "torch.distributed.elastic.rendezvous.api.rendezvous_handler_registry: a RendezvousHandlerRegistry "
-    "with register(backend, creator) and its backend -> creator dict _registry (as in torch 2.6 to 2.13)"
+    "with register(backend, creator) and its backend -> creator dict _registry (as in torch 2.6 to 2.15)"
 )
 
 

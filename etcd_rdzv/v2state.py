@@ -56,7 +56,7 @@ STATE_FIELDS = frozenset(
     {"round", "complete", "deadline", "closed", "participants", "wait_list", "redundancy_list",
      "last_heartbeats"}
 )
-"""The attributes of torch's ``_RendezvousState`` (torch 2.4 to 2.13), each checked and carried by :class:`V2State`."""
+"""The attributes of torch's ``_RendezvousState`` (torch 2.4 to 2.15), each checked and carried by :class:`V2State`."""
 
 
 class StateDecodeError(ValueError):

@@ -40,7 +40,7 @@ import inspect
 import logging
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as _dr
 from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousTimeoutError
@@ -55,6 +55,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from .. import metrics
 from ..conf import DynamicSettings, parse_dynamic_settings
 from ..ending import Ending, decide, exception_in_flight
+from ..plugin_errors import torch_version
 from .backend import open_backend
 from .state import SealedRoundExecutor, SealedRoundStateHolder, check_torch_internals
 
@@ -295,15 +296,25 @@ def _from_backend(
     Newer torch takes ``keep_alive_interval`` (seconds)/``keep_alive_max_attempt``; torch 2.6 (the floor) fixes them
     at 5 s x 3 inside ``from_backend``, so there the handler is built the way its ``from_backend`` builds
     it, with our values in the frozen ``RendezvousSettings`` (its public fields) that the state holder and
-    the handler share.
+    the handler share. ``cas_backoff_max_seconds`` goes to a torch whose ``from_backend`` takes it
+    (2.15 and later); an older torch has no such setting: a non-zero value is logged and ignored there.
     """
     args = (settings.run_id, store, backend, settings.min_nodes, settings.max_nodes, settings.local_addr, timeout)
     interval = timedelta(seconds=settings.keep_alive_interval)
-    if "keep_alive_interval" in inspect.signature(DynamicRendezvousHandler.from_backend).parameters:
+    takes = inspect.signature(DynamicRendezvousHandler.from_backend).parameters
+    extra: dict[str, Any] = {}
+    if "cas_backoff_max_seconds" in takes:
+        extra["cas_backoff_max_seconds"] = settings.cas_backoff_max_seconds
+    elif settings.cas_backoff_max_seconds:
+        log.warning("etcd-rdzv: torch %s's dynamic rendezvous has no cas_backoff_max_seconds (torch 2.15 and "
+                    "later do): ignoring cas_backoff_max_seconds=%g", torch_version(),
+                    settings.cas_backoff_max_seconds)
+    if "keep_alive_interval" in takes:
         return EtcdRendezvousHandler.from_backend(
             *args,
             keep_alive_interval=settings.keep_alive_interval,  # type: ignore[arg-type]  # seconds
             keep_alive_max_attempt=settings.keep_alive_max_attempt,
+            **extra,
         )
     rdzv_settings = RendezvousSettings(
         settings.run_id, settings.min_nodes, settings.max_nodes, timeout,

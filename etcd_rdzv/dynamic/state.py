@@ -158,7 +158,7 @@ def check_torch_internals() -> None:
         raise EtcdRdzvPluginError(
             f"etcd-rdzv's etcd-v2 handler cannot run on torch {torch_version()}: its dynamic "
             f"rendezvous changed ({'; '.join(found)}); the handler subclasses torch's state holder "
-            "as in torch 2.4 to 2.13. Install a supported torch, a newer etcd-rdzv, or use etcd-v3."
+            "as in torch 2.4 to 2.15. Install a supported torch, a newer etcd-rdzv, or use etcd-v3."
         )
 
 

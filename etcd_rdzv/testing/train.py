@@ -293,6 +293,8 @@ def run(args: argparse.Namespace) -> int:
     # that a hung (not dead) peer is noticed quickly.
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.init_timeout))
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.pg_timeout))
+    if not isinstance(group, dist.ProcessGroup):  # torch 2.15 types it ProcessGroup | _NonGroupMember
+        raise RuntimeError(f"rank {dist.get_rank()} is not a member of the training group ({group!r})")
     writer = _LogWriter(args.log_file)
     base = _identity(group, args.ckpt_dir)
     rank = base["rank"]

@@ -152,6 +152,19 @@ def test_dynamic_settings_name_every_timeout() -> None:
     assert (legacy.join_timeout, legacy.config.key_prefix, legacy.backend) == (77, "/old", "etcd")
 
 
+def test_cas_backoff_max_seconds_is_read_as_torch_reads_it() -> None:
+    """torch 2.15's key (a random delay of up to that many seconds after a lost write of the state):
+    0 (no delay) by default, any finite number of 0 or more, refused naming the key otherwise."""
+    assert parse_dynamic_settings(_params()).cas_backoff_max_seconds == 0.0
+    assert parse_dynamic_settings(_params(cas_backoff_max_seconds="0.25")).cas_backoff_max_seconds == 0.25
+    assert parse_dynamic_settings(_params(cas_backoff_max_seconds="0")).cas_backoff_max_seconds == 0.0
+    legacy = parse_dynamic_settings(_params("etcd", cas_backoff_max_seconds="1"), legacy=True)
+    assert legacy.cas_backoff_max_seconds == 1.0
+    for bad in ("-1", "nan", "inf", "soon"):
+        with pytest.raises(ValueError, match=rf"'cas_backoff_max_seconds' must be a finite number .*{bad!r}"):
+            parse_dynamic_settings(_params(cas_backoff_max_seconds=bad))
+
+
 # ------------------------------------------------------------------ secrets from files
 
 
