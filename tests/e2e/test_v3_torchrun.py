@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 out_dir, kill_on_first = sys.argv[1], sys.argv[2] == "1"
+agent = os.getppid()  # read now: a sibling may kill the agent before this worker writes (then it is 1)
 env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
        "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
        "TORCHELASTIC_USE_AGENT_STORE")}
@@ -69,7 +70,7 @@ if int(total.item()) != expected:
     problems.append(f"all_reduce gave {int(total.item())}, expected {expected}")
 path = os.path.join(out_dir, f"world-{world}-rank-{rank}.json")
 with open(path + ".tmp", "w") as f:
-    json.dump({"env": env, "pid": os.getpid(), "agent": os.getppid(), "all_reduce": int(total.item()),
+    json.dump({"env": env, "pid": os.getpid(), "agent": agent, "all_reduce": int(total.item()),
                "expected": expected, "problems": problems}, f)
 os.replace(path + ".tmp", path)
 if kill_on_first and world == 3 * local_world and group_rank == 0:
