@@ -26,7 +26,8 @@ etcd; HTTP/2 keepalive takes 15 s or more to notice, if at all): it is cancelled
 another member well before it expires. A lease is given up when etcd answers TTL 0 (lost,
 ``gone_at_etcd``), or when none of its keep-alives was answered for a whole TTL (lost, presumed:
 etcd Go's lessor rule, :meth:`KeepAlives._check_deadlines`, a timer of the loop that no stream
-task can fail to run). Nothing here blocks a caller: :meth:`KeepAlives.keep` and
+task can fail to run; etcd is asked once first, so a process merely slow to read the answers keeps
+its lease). Nothing here blocks a caller: :meth:`KeepAlives.keep` and
 :meth:`KeepAlives.drop` only take a lock and wake the task. Callbacks into the sessions (lease
 lost, TTL learnt) run on the stream loop, outside the lock, and do not block (a session hands
 its ``on_lost`` to the client's callback thread). ``stopped`` runs in the thread that closes the
@@ -477,27 +478,63 @@ class KeepAlives:
             self._deadline_timer = loop.call_at(earliest, self._check_deadlines)
 
     def _check_deadlines(self) -> None:
-        """(On the loop.) A lease etcd answered no keep-alive of for its whole TTL is surely gone
-        (etcd Go's lessor: the same rule), unless etcd had no leader all that time: it is given up
-        as lost, its sessions told so, as if etcd had answered TTL 0."""
+        """(On the loop.) A lease none of whose keep-alives was answered for its whole TTL (etcd Go's
+        lessor rule) is asked about once, off the loop (:meth:`_ask_etcd`): alive (this process was
+        only slow to hear the answers: a starved host) -> kept, with the TTL etcd reports; gone ->
+        lost; no answer within min(TTL, client timeout) -> given up as lost, presumed (etcd expires
+        nothing while it has no leader, so the lease may live on). Its sessions are told either way."""
         self._deadline_timer = None
         now = time.monotonic()
-        lost: list[tuple[int, Keeper, bool]] = []
+        asked: list[tuple[int, float]] = []
         with self._lock:
-            for kept in [k for k in self._leases.values() if k.deadline <= now]:
-                if kept.id not in self._leases:
-                    continue  # dropped with a lost keeper above
-                del self._leases[kept.id]
-                lost.extend((kept.id, keeper, primary) for keeper, primary in kept.keepers.items())
-                for keeper, primary in kept.keepers.items():
+            for kept in self._leases.values():
+                if kept.deadline <= now:
+                    asked.append((kept.id, kept.ttl_pace * 3))
+                    kept.deadline = float("inf")  # being asked: no second question meanwhile
+        if asked:
+            self._transport.reactor.offload(self._ask_etcd, asked)
+        self._arm_deadline()
+
+    def _ask_etcd(self, asked: list[tuple[int, float]]) -> None:
+        """(In the callback thread.) One LeaseTimeToLive per lease whose deadline passed, bounded by
+        min(its TTL, the client's timeout); each answer settled on the loop."""
+        transport = self._transport
+        for lease_id, ttl in asked:
+            remaining: int | None
+            try:
+                resp = transport.call("Lease", "LeaseTimeToLive", rpc_pb2.LeaseTimeToLiveRequest(ID=lease_id),
+                                      timeout=max(min(ttl, transport.timeout), 1.0),
+                                      what=f"lease {lease_id:x} after its TTL without an answer")
+                remaining = int(resp.TTL)
+            except EtcdError:
+                remaining = None
+            if transport.closed:
+                return
+            transport.reactor.call_soon(self._settle_deadline, lease_id, remaining)
+
+    def _settle_deadline(self, lease_id: int, remaining: int | None) -> None:
+        """(On the loop.) What etcd said of a lease past its deadline (None: nothing in time)."""
+        lost: list[tuple[Keeper, bool]] = []
+        with self._lock:
+            kept = self._leases.get(lease_id)
+            if kept is None:
+                return
+            if remaining is not None and remaining > 0:
+                kept.deadline = min(kept.deadline, time.monotonic() + remaining)
+            else:
+                del self._leases[lease_id]
+                lost = list(kept.keepers.items())
+                for keeper, primary in lost:
                     if primary:
                         self._drop_locked(keeper)
                 self.deadlines_passed += 1
-        for lease_id in sorted({i for i, _, _ in lost}):
-            log.warning("lease %x: etcd answered none of its keep-alives for its TTL; given up as lost", lease_id)
         try:
-            for lease_id, keeper, primary in lost:
-                keeper._lease_lost(lease_id, primary, False)  # presumed: etcd said nothing
+            if lost:
+                if remaining is None:
+                    log.warning("lease %x: etcd answered none of its keep-alives for its TTL, nor a question "
+                                "about it; given up as lost", lease_id)
+                for keeper, primary in lost:
+                    keeper._lease_lost(lease_id, primary, remaining is not None)
         finally:
             self._arm_deadline()
 
