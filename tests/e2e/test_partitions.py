@@ -65,7 +65,7 @@ if _WHY_NOT is not None:
 VERSIONS = list(FULL_VERSIONS) or sorted(ETCD_BINARIES)
 #: Seconds for a fresh 3-node job to train (a deadline, not a sleep): start-up is seconds of CPU per agent
 #: and worker, and the suite's parallel lanes share two cores.
-START_BUDGET = 120
+START_BUDGET = 180  # a hang bound, not a speed target (loaded CI host: 3 agents' first round can take 120 s)
 
 
 def backends(scenario: int, xfail: dict[str, str] | None = None) -> list[Any]:
@@ -234,8 +234,10 @@ def test_a_node_cut_off_from_etcd_stops_and_rejoins(make_bed: Any, backend: str,
     victim.heal()
     healed = time.time()
     job.start("n2")  # the pod restart
+    # A hang bound, not a speed target: on a loaded CI host the etcd-v2 survivors saw the restarted node
+    # only ~40 s after it joined the wait list (open finding of issue 29's session note), then restarted.
     third = job.wait_for(
-        "n2 rejoined", lambda r: group_with(r, world_size=3, after=healed, min_steps_done=2), 90
+        "n2 rejoined", lambda r: group_with(r, world_size=3, after=healed, min_steps_done=2), 180
     )
     rejoined = _first_step_time(job.records(), third) - healed
     record_timing(
