@@ -239,11 +239,9 @@ def _text(params: RdzvParams, key: str) -> str | None:
     return value or None
 
 
-def get_seconds_or(params: RdzvParams, key: str, default: float) -> float:
-    """The positive number of seconds ``key`` holds (``default`` when absent or blank).
-
-    Raises ``ValueError`` naming the key (also for booleans, NaN and infinities).
-    """
+def _seconds(params: RdzvParams, key: str, default: float, *, zero: bool, wanted: str) -> float:
+    """The finite number of seconds ``key`` holds, positive (or 0 too with ``zero``); ``default``
+    when absent or blank. Raises ``ValueError`` naming the key and ``wanted``."""
     value = params.get(key)
     if value is None or (isinstance(value, str) and not value.strip()):
         return default
@@ -251,12 +249,17 @@ def get_seconds_or(params: RdzvParams, key: str, default: float) -> float:
         seconds = float(value)
     except (TypeError, ValueError):
         seconds = math.nan
-    if isinstance(value, bool) or not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(
-            f"The rendezvous configuration option {key!r} must be a positive number of "
-            f"seconds, got {value!r}."
-        )
+    if isinstance(value, bool) or not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not zero):
+        raise ValueError(f"The rendezvous configuration option {key!r} must be {wanted}, got {value!r}.")
     return seconds
+
+
+def get_seconds_or(params: RdzvParams, key: str, default: float) -> float:
+    """The positive number of seconds ``key`` holds (``default`` when absent or blank).
+
+    Raises ``ValueError`` naming the key (also for booleans, NaN and infinities).
+    """
+    return _seconds(params, key, default, zero=False, wanted="a positive number of seconds")
 
 
 def get_non_negative_seconds(params: RdzvParams, key: str, default: float) -> float:
@@ -264,19 +267,7 @@ def get_non_negative_seconds(params: RdzvParams, key: str, default: float) -> fl
 
     Raises ``ValueError`` naming the key (also for booleans, NaN, infinities and negatives).
     """
-    value = params.get(key)
-    if value is None or (isinstance(value, str) and not value.strip()):
-        return default
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        seconds = math.nan
-    if isinstance(value, bool) or not math.isfinite(seconds) or seconds < 0:
-        raise ValueError(
-            f"The rendezvous configuration option {key!r} must be a finite number of seconds "
-            f"of 0 or more, got {value!r}."
-        )
-    return seconds
+    return _seconds(params, key, default, zero=True, wanted="a finite number of seconds of 0 or more")
 
 
 def get_positive_int(params: RdzvParams, key: str, default: int, *, unit: str = "") -> int:
