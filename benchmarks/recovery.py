@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     args, pytest_args = parser.parse_known_args(argv)
     with tempfile.TemporaryDirectory(prefix="etcd-rdzv-timings-") as figures:
         env = {**os.environ, TIMINGS_DIR_ENV: figures}
-        cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-n", "0", *(pytest_args or DEFAULT_TESTS)]
+        # --full-matrix: every scenario on both backends (the gate runs some on one only)
+        cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-n", "0", "--full-matrix", *(pytest_args or DEFAULT_TESTS)]
         code = subprocess.call(cmd, cwd=ROOT, env=env)
         written = merge(figures, args.out)
     print(f"recovery: {len(written)} figure(s) merged into {args.out}: {', '.join(written) or 'none'}")

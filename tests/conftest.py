@@ -28,7 +28,7 @@ from collections.abc import Iterator
 
 import pytest
 from helpers import etcd_versions
-from helpers.matrix import ETCD_BINARIES, FULL_VERSIONS, SELECTED, version_param
+from helpers.matrix import ETCD_BINARIES, FULL_MATRIX_ENV, FULL_VERSIONS, SELECTED, version_param
 from helpers.processes import etcd_pids, pid_alive
 
 from etcd_server import EtcdServer
@@ -39,11 +39,26 @@ __all__ = ["ETCD_BINARIES", "FULL_VERSIONS", "SELECTED", "etcd_pids", "pid_alive
 _VERSION_PARAMS = [version_param(v) for v in SELECTED]
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--full-matrix", action="store_true", default=os.environ.get(FULL_MATRIX_ENV, "") not in ("", "0"),
+        help=(
+            "also run the items marked full_matrix: each end-to-end scenario on every backend and version"
+            f" it has (the gate runs each once; ${FULL_MATRIX_ENV}=1 does the same)"
+        ),
+    )
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "etcd_version(v): the etcd version a parametrized test runs on")
     subset = ", ".join(etcd_versions.SUBSET)
     config.addinivalue_line(
         "markers", f"etcd_matrix(*versions): also run on the subset versions ({subset}), or on those named")
+    config.addinivalue_line(
+        "markers",
+        "full_matrix(*versions): runs only in the full matrix (--full-matrix), on the etcd versions named or"
+        " on all; the gate runs the scenario another way (another backend, version or signal)",
+    )
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -60,12 +75,26 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     return [f"etcd matrix (${etcd_versions.ENV_VAR}, whole suite on {', '.join(FULL_VERSIONS)}): " + "; ".join(rows)]
 
 
+def _full_matrix_only(item: pytest.Item) -> bool:
+    """Whether ``item`` runs only under ``--full-matrix``: marked ``full_matrix`` without arguments,
+    or ``full_matrix(*versions)`` naming one of its etcd versions."""
+    mark = item.get_closest_marker("full_matrix")
+    if mark is None:
+        return False
+    versions = {m.args[0] for m in item.iter_markers("etcd_version")}
+    return not mark.args or bool(versions & set(mark.args))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Deselect subset-version items not marked ``etcd_matrix`` (or of versions its arguments do not
-    name); skip those of a missing binary."""
+    name), and items marked ``full_matrix`` unless ``--full-matrix``; skip those of a missing binary."""
     keep: list[pytest.Item] = []
     dropped: list[pytest.Item] = []
+    full = config.getoption("--full-matrix")
     for item in items:
+        if not full and _full_matrix_only(item):
+            dropped.append(item)
+            continue
         versions = {m.args[0] for m in item.iter_markers("etcd_version")}
         matrix = item.get_closest_marker("etcd_matrix")
         subset = versions & set(etcd_versions.SUBSET)

@@ -96,6 +96,7 @@ def _single(image: str, containers: list[EtcdContainer]) -> EtcdContainer:
 
 
 @pytest.mark.etcd_matrix("3.6")  # torchrun jobs: 3.7 and 3.6 (3.4/3.5: contract tests)
+@pytest.mark.full_matrix("3.6")  # the gate restarts a 3.7 container
 def test_complete_job_survives_etcd_container_restart(
     etcd_image: str, containers: list[EtcdContainer], jobs: Callable[..., Job]
 ) -> None:

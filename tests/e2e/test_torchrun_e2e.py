@@ -107,6 +107,7 @@ def test_three_agents_etcd_v2(etcd_server: EtcdServer, agents: Agents) -> None:
         assert client.get(f"/torch/elastic/rendezvous/{run_id}".encode()) is not None
 
 
+@pytest.mark.full_matrix  # the gate: tests/integration/test_registration.py maps the name to the same handler
 def test_three_agents_legacy_etcd_name(etcd_server: EtcdServer, agents: Agents) -> None:
     _only_on(etcd_server, "3.7")
     endpoint, run_id = etcd_server.get_endpoint(), _run_id("legacy")

@@ -133,6 +133,7 @@ def _check_group(results: list[dict[str, Any]], nodes: int, log: str) -> None:
 
 
 @pytest.mark.etcd_matrix("3.6")  # torchrun jobs: 3.7 and 3.6 (3.4/3.5: contract tests)
+@pytest.mark.full_matrix("3.6")  # the gate runs etcd-v2's three agents on 3.6 (test_torchrun_e2e.py)
 def test_three_agents_etcd_v3(etcd_server: EtcdServer, agents: Agents) -> None:
     endpoint, run_id = etcd_server.get_endpoint(), f"e2e-v3-{os.getpid()}-{next(_ids)}"
     prefix = f"/e2e-v3-{time.monotonic_ns() % 10**9}"
@@ -215,7 +216,11 @@ def _first_steps(agents: Agents, world: int, want: int, timeout: float) -> list[
     raise AssertionError(f"no group of {world} workers trained\n{agents.log_tails()}")
 
 
-@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+@pytest.mark.parametrize(
+    "how",
+    # SIGKILL of a whole etcd-v3 node: the gate runs it in test_elastic_faults.py (scale-down)
+    ["sigterm", pytest.param("sigkill", marks=pytest.mark.full_matrix)],
+)
 def test_a_node_that_ends_leaves_and_the_others_train_again(
     etcd_server: EtcdServer, agents: Agents, how: str
 ) -> None:

@@ -478,14 +478,17 @@ def test_auth_token_is_refreshed_after_it_expires(etcd_binary: str) -> None:
             user="alice", password="alice-secret-1", timeout=10, interceptors=[counter]
         ) as alice:
             alice.put(b"/alice/k", b"1")
-            assert counter.counts["Auth/Authenticate"] == 1
+            # 1, or 2 where the host was slow enough for the 1 s token to expire before the put
+            # (a loaded CI host did: the put then logged in again, which is the behaviour under test)
+            logins = counter.counts["Auth/Authenticate"]
+            assert logins in (1, 2)
             # Wait for the token to expire on the server (a deadline, not a fixed sleep:
             # the watch on an untouched key simply times out).
             with alice.watch(b"/alice/never") as w:
                 w.get(timeout=2.5)
             kv = alice.get(b"/alice/k")
             assert kv is not None and kv.value == b"1"
-            assert counter.counts["Auth/Authenticate"] >= 2
+            assert counter.counts["Auth/Authenticate"] >= logins + 1
 
 
 # ------------------------------------------------------------------ one error translation
