@@ -46,6 +46,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from etcd_store.client import EtcdClient, Session, compare_lease, compare_mod, op_delete, prefix_range_end
 from etcd_store.client.leases import answer_bound
@@ -57,14 +58,19 @@ from .settings import V3Settings
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MARGIN", "MAX_LOOKED", "OBSERVERS", "Evictor", "MemberLease", "Pace", "condemned_after", "observes",
-           "own_pace", "pace_in", "silent_for", "steady_for", "to_evict", "tolerated"]
+__all__ = ["MARGIN", "MAX_LOOKED", "OBSERVERS", "SEAL_LOOKED", "Evictor", "Keyed", "MemberLease", "Pace",
+           "condemned_after", "describe", "observes", "own_pace", "pace_in", "silent_for", "steady_for",
+           "suspects", "to_evict", "tolerated"]
 
 OBSERVERS = 4
 """The members of ranks ``0 .. OBSERVERS - 1`` of a failed group look for dead members."""
 
 MAX_LOOKED = 16
 """A look reads the leases of at most this many keys left in the previous round (else none)."""
+
+SEAL_LOOKED = 64
+"""A sealer reads the leases of at most this many of the joiners it is about to name (the first
+ones in rank order): a larger round's dead joiners are found after the seal instead."""
 
 
 MARGIN = 1.0
@@ -189,6 +195,48 @@ def to_evict(members: Sequence[MemberLease], renewed_at: Sequence[float], now: f
             and condemned_after(m.pace or own, own, misses) <= silent_for(m) <= steady - read_for]
 
 
+class Keyed(Protocol):
+    """A join key as a read found it: an etcd ``KeyValue``, or a
+    :class:`~etcd_rdzv.native.records.Joiner` of a round read."""
+
+    @property
+    def key(self) -> bytes: ...
+
+    @property
+    def mod_revision(self) -> int: ...
+
+    @property
+    def lease(self) -> int: ...
+
+    @property
+    def value(self) -> bytes: ...
+
+
+def suspects(client: EtcdClient, kvs: Sequence[Keyed], session: Session, own: Pace,
+             misses: int) -> tuple[tuple[float, ...], float, list[MemberLease]]:
+    """One look at the leases of ``kvs`` (one LeaseTimeToLive each; none for a key of ``session``'s
+    own lease or of none) and the verdict of :func:`to_evict` on them: ``(renewed_at, now, condemned)``,
+    the observer's renewal times and the moment of the verdict (for the log) with the members to
+    evict. The observer's renewals are read after the lease reads: etcd must still be answering it.
+    Raises ``EtcdError`` subclasses."""
+    started = time.monotonic()
+    members = [MemberLease(kv.key, kv.mod_revision, kv.lease, *client.lease_ttls(kv.lease),
+                           pace=pace_in(kv.value, own))
+               for kv in kvs if kv.lease and kv.lease != session.id]
+    now = time.monotonic()
+    renewed = session.renewed_at()
+    return renewed, now, to_evict(members, renewed, now, own, misses, now - started)
+
+
+def describe(member: MemberLease, own: Pace, misses: int, renewed: Sequence[float], now: float) -> str:
+    """Why ``member`` is condemned, for the log: its silence, its bound, the observer's steadiness."""
+    pace = member.pace or own
+    return (f"etcd has not renewed its lease {member.lease:x} for {silent_for(member):.0f} s or more (its "
+            f"bound: {condemned_after(pace, own, misses):.1f} s at a renewal every {pace.renew:.1f} s, "
+            f"failover {pace.failover:.1f} s; ours: renewed steadily for "
+            f"{steady_for(renewed, now, tolerated(own)):.1f} s)")
+
+
 class Evictor:
     """The evictions of one wait in ``round_`` by a member of ``round_ - 1`` (see the module
     docstring); ``session`` is the observer's own lease session."""
@@ -219,19 +267,14 @@ class Evictor:
 
     def _look(self) -> bool:
         """One look (see the module docstring); whether the previous round was empty."""
-        client, s = self._client, self._settings
+        client = self._client
         prefix = self._keys.join_prefix(self._round - 1)
         try:
             kvs = client.range(prefix, prefix_range_end(prefix), limit=MAX_LOOKED + 1).kvs
             if not kvs or len(kvs) > MAX_LOOKED:
                 return not kvs
-            started = time.monotonic()
-            members = [MemberLease(kv.key, kv.mod_revision, kv.lease, *client.lease_ttls(kv.lease),
-                                   pace=pace_in(kv.value, self._own))
-                       for kv in kvs if kv.lease and kv.lease != self._session.id]
-            now = time.monotonic()
-            renewed = self._session.renewed_at()  # after the reads: etcd must still be answering us
-            for member in to_evict(members, renewed, now, self._own, s.evict_misses, now - started):
+            renewed, now, condemned = suspects(client, kvs, self._session, self._own, self._settings.evict_misses)
+            for member in condemned:
                 self._evict(member, renewed, now)
         except EtcdError as e:
             log.info("round %d: could not look at the leases of round %d: %s", self._round, self._round - 1, e)
@@ -245,10 +288,6 @@ class Evictor:
         )
         if res.succeeded:
             self.evicted.append(member.key)
-        pace = member.pace or self._own
-        log.warning("round %d: %s %s: etcd has not renewed its lease %x for %.0f s or more (its bound: "
-                    "%.1f s at a renewal every %.1f s, failover %.1f s; ours: renewed steadily for %.1f s)",
-                    self._round, "evicted" if res.succeeded else "could not evict",
-                    member.key.decode(errors="replace"), member.lease, silent_for(member),
-                    condemned_after(pace, self._own, self._settings.evict_misses), pace.renew, pace.failover,
-                    steady_for(renewed, now, tolerated(self._own)))
+        log.warning("round %d: %s %s: %s", self._round, "evicted" if res.succeeded else "could not evict",
+                    member.key.decode(errors="replace"),
+                    describe(member, self._own, self._settings.evict_misses, renewed, now))

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from etcd_store.client import (
     DeleteResult,
     EtcdClient,
+    compare_lease,
     compare_mod,
     compare_version,
     op_delete,
@@ -51,6 +52,7 @@ __all__ = [
     "abort",
     "close",
     "ensure_run_lease",
+    "evict_joiners",
     "join",
     "leave_if_unsealed",
     "reattach",
@@ -244,6 +246,49 @@ def seal(
     if res.succeeded:
         return SealOutcome(True, res.revision)
     return SealOutcome(False, res.revision, parse_round(keys, res))
+
+
+def evict_joiners(
+    client: EtcdClient,
+    keys: RunKeys,
+    round_: int,
+    previous: Sealed,
+    victims: list[tuple[bytes, int, int]],
+    *,
+    timeout: float | None = None,
+) -> SealOutcome:
+    """Delete the join keys ``victims`` (``(key, mod_revision, lease)``, as read) of the unsealed
+    ``round_`` (= ``previous.round + 1``): the dead joiners a sealer found (see
+    :mod:`~etcd_rdzv.native.eviction`). One Txn::
+
+        if   mod(sealed) == previous.revision          (round_ still unsealed)
+             and, for each victim, mod(key) == m and lease(key) == l   (unchanged since the read)
+        then delete each key; put seq/T                 (a withdrawal: fences older reads)
+             + the ranges of a RoundRead                (after the deletes: a fresh read)
+        else the ranges of a RoundRead
+
+    The bump of ``seq/T`` makes a seal prepared from any read taken before it fail its
+    compare (``mod(seq/T) == read.seq_mod``), as a voluntary withdrawal does: no seal names
+    an evicted joiner. ``ok`` is whether the keys were deleted; ``read`` is the round after the
+    Txn either way. A replay fails its compares (the keys are gone) and returns a read.
+    """
+    if round_ != previous.round + 1:
+        raise ValueError(f"cannot evict from round {round_} after round {previous.round}")
+    compares = [compare_mod(keys.sealed, "==", previous.revision)]
+    deletes = []
+    for key, mod_revision, lease in victims:
+        compares += [compare_mod(key, "==", mod_revision), compare_lease(key, "==", lease)]
+        deletes.append(op_delete(key))
+    res = client.txn(
+        compares,
+        [*deletes, op_put(keys.seq(round_), b""), *round_ops(keys, round_)],
+        round_ops(keys, round_),
+        timeout=timeout,
+        idempotent=True,
+    )
+    if not res.succeeded:
+        return SealOutcome(False, res.revision, parse_round(keys, res))
+    return SealOutcome(True, res.revision, parse_round(keys, res, skip=len(deletes) + 1))
 
 
 def reattach(

@@ -117,16 +117,17 @@ def round_ops(keys: RunKeys, round_: int) -> list[Any]:
     ]
 
 
-def parse_round(keys: RunKeys, res: TxnResult) -> RoundRead:
-    """The :class:`RoundRead` of a transaction whose responses are :func:`round_ops`'."""
-    sealed_r, closed_r, seq_r, joins_r, prev_r = res.responses
+def parse_round(keys: RunKeys, res: TxnResult, *, skip: int = 0) -> RoundRead:
+    """The :class:`RoundRead` of a transaction whose responses after the first ``skip`` are
+    :func:`round_ops`'."""
+    sealed_r, closed_r, seq_r, joins_r, prev_r = res.responses[skip:]
     seq = first_kv(seq_r)
     assert isinstance(joins_r, RangeResult)
     joiners = []
     for kv in sorted(joins_r.kvs, key=lambda kv: kv.create_revision):
         parsed = keys.parse_join_key(kv.key)
         if parsed is not None:
-            joiners.append(Joiner(parsed[1], kv.create_revision, kv.value))
+            joiners.append(Joiner(parsed[1], kv.create_revision, kv.value, kv.key, kv.mod_revision, kv.lease))
     return RoundRead(
         res.revision, joiners, seq.version if seq else 0, seq.mod_revision if seq else 0,
         count_of(prev_r), Sealed.from_kv(first_kv(sealed_r)), count_of(closed_r) > 0,

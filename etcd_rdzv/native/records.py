@@ -88,11 +88,15 @@ class Sealed:
 
 @dataclass(frozen=True)
 class Joiner:
-    """One join key of a round as a read found it."""
+    """One join key of a round as a read found it (``key``, ``mod_revision`` and ``lease``: what
+    a fenced eviction of it compares; empty/0 where the reader did not keep them)."""
 
     node_id: str
     create_revision: int
     value: bytes
+    key: bytes = b""
+    mod_revision: int = 0
+    lease: int = 0
 
 
 @dataclass(frozen=True)

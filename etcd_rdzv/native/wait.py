@@ -30,11 +30,12 @@ from collections.abc import Callable
 
 from etcd_store.client import EtcdClient, Session, Watch, renewing_lease
 from etcd_store.client.synced import SyncedWatch, confirmed
+from etcd_store.errors import EtcdError
 
 from . import bootstrap, protocol, queries
 from .barrier import Barrier, Check, Seal, Tally, TimeOut, WaitUntil, decide
 from .errors import RoundTimeout
-from .eviction import Evictor
+from .eviction import SEAL_LOOKED, Evictor, describe, own_pace, suspects
 from .keys import RunKeys
 from .node_leases import NodeLeases
 from .records import Sealed
@@ -131,6 +132,7 @@ class RoundWait:
         self._evictor = evictor
         self._give_up = give_up
         self._synced: SyncedWatch | None = None  # self.watch, once confirmed (catch_up)
+        self._looked_at = -1  # the revision of the last read whose joiners' leases we judged
 
     def run(self) -> Signal:
         """The wait loop: catch up, then decide (:func:`~etcd_rdzv.native.barrier.decide`) and
@@ -221,6 +223,40 @@ class RoundWait:
         synced.read_at(read.revision)
         return self.view.catch_up(read, expect_sealed=self.previous.revision > 0)
 
+    def evict_dead_joiners(self, read: queries.RoundRead) -> Barrier | None:
+        """Before a seal: evict the joiners of ``read`` that are dead by eviction's rule (one
+        LeaseTimeToLive per joiner to be named, at most :data:`~etcd_rdzv.native.eviction.SEAL_LOOKED`;
+        then, if any is condemned, one Txn, :func:`protocol.evict_joiners`). None when nobody was
+        condemned (seal with ``read``); else the state after taking in the fresh read that Txn
+        returned (the wait decides again on it: the survivors were judged just now, so a seal from
+        that read looks at no lease again). Needs ``evict_misses`` > 0 and our own renewals steady
+        (:func:`~etcd_rdzv.native.eviction.to_evict`); an etcd error ends the look (the seal goes on:
+        a dead member named is found after the seal)."""
+        s = self._settings
+        if s.evict_misses <= 0:
+            return None
+        own = own_pace(s, self._client.retry_policy.first_attempt)
+        named = read.joiners[: min(s.max_nodes, SEAL_LOOKED)]
+        try:
+            renewed, now, condemned = suspects(self._client, named, self.session, own, s.evict_misses)
+            if not condemned:
+                return None
+            out = protocol.evict_joiners(self._client, self._keys, self.round, self.previous,
+                                         [(m.key, m.mod_revision, m.lease) for m in condemned])
+        except EtcdError as e:
+            log.info("node %s: could not look at the leases of round %d's joiners: %s", self._node_id, self.round, e)
+            return None
+        for member in condemned:
+            log.warning("round %d: %s joiner %s before the seal: %s", self.round,
+                        "evicted" if out.ok else "could not evict", member.key.decode(errors="replace"),
+                        describe(member, own, s.evict_misses, renewed, now))
+        assert out.read is not None
+        self._looked_at = out.read.revision
+        self.view.update(out.read)
+        if out.read.sealed.revision != self.previous.revision or out.read.closed:
+            return self.state.settle()
+        return self.state
+
     def try_seal(self) -> Barrier:
         """One seal attempt with the view's fresh read (and the run lease, the first time).
 
@@ -234,6 +270,11 @@ class RoundWait:
         s = self._settings
         if read.count < s.min_nodes:
             return state  # not due on what we read: decide() will say so
+        if read.revision != self._looked_at:
+            self._looked_at = read.revision
+            evicted = self.evict_dead_joiners(read)
+            if evicted is not None:
+                return evicted
         named = _master_named(read)
 
         def seal(lease: int) -> protocol.SealOutcome:

@@ -1,0 +1,117 @@
+"""Nobody waits on the dead (issue 30, item 2), against a real etcd.
+
+A node joins round T and dies (its client closes without revoking its lease: its keep-alives
+stop and its join key stays until etcd expires the lease, as after SIGKILL). The lease TTL is
+30 s here, so that a round formed well before it without the dead node can only come from an
+eviction (each test also checks that the dead node's lease was still alive when its key went).
+
+* Before the seal: the sealer judges the joiners it is about to name by eviction's rule and
+  evicts the dead ones, fenced so that a seal prepared from an older read fails.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from helpers.nodes import ETCD_V3, Nodes
+
+from etcd_rdzv.native import protocol, queries
+from etcd_rdzv.native.handler import EtcdV3RendezvousHandler
+
+pytestmark = pytest.mark.timeout(120)
+
+TTL = 30  # "heartbeat": far longer than an eviction takes
+CONF = {"join_timeout": "60", "last_call_timeout": "6", "close_timeout": "5", "heartbeat": str(TTL),
+        "read_timeout": "10"}
+
+
+class Run(Nodes):
+    """etcd-v3 handlers of one run, each with its own client, in threads."""
+
+    def __init__(self, endpoint: str) -> None:
+        super().__init__(endpoint, ETCD_V3, conf=CONF, name="v3d")
+
+    def joined(self, round_: int) -> int:
+        return self.client.range(self.keys.join_prefix(round_), prefix=True, count_only=True).count
+
+    def until_joined(self, round_: int, count: int, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.joined(round_) < count:
+            assert time.monotonic() < deadline, f"round {round_} never had {count} joiners"
+            time.sleep(0.05)
+
+
+@pytest.fixture
+def run(etcd_endpoint: str) -> Iterator[Run]:
+    r = Run(etcd_endpoint)
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+def lease_of(handler: EtcdV3RendezvousHandler) -> int:
+    session = handler._node.session
+    assert session is not None
+    return session.id
+
+
+def die(handler: EtcdV3RendezvousHandler) -> None:
+    """The node's keep-alives stop and nothing is revoked (its process was SIGKILLed)."""
+    handler._client.close()
+
+
+def test_the_sealer_evicts_a_joiner_that_died_before_the_seal(run: Run) -> None:
+    """c joins round 1 and dies; a and b join, and the last call (6 s) runs out with c silent for
+    longer than its bound (4 s): the sealer evicts it and names a and b only (before: world 3, and
+    torch's rank barrier waited on c until read_timeout)."""
+    a, b, c = (run.new(2, 4) for _ in range(3))
+    dying = run.start(c)
+    run.until_joined(1, 1)
+    dead_lease = lease_of(c)
+    die(c)
+    started = time.monotonic()
+    res = [f.result(timeout=40) for f in run.start(a, b)]
+    took = time.monotonic() - started
+    print(f"[dead joiner] round {res[0].round} sealed with {res[0].world_size} in {took:.2f} s (TTL {TTL} s)")
+    assert {(r.round, r.world_size) for r in res} == {(1, 2)}
+    assert sorted(r.rank for r in res) == [0, 1]
+    assert run.client.lease_time_to_live(dead_lease) > 0  # its key was evicted, not expired
+    assert run.joined(1) == 2
+    with pytest.raises(Exception):  # noqa: B017 - its client is closed: whatever it raised
+        dying[0].result(timeout=10)
+
+
+def test_a_live_joiner_is_not_evicted_before_the_seal(run: Run) -> None:
+    """Joiners that renew are named, however long the last call lasted."""
+    a, b, c = (run.new(2, 4) for _ in range(3))
+    first = run.start(c)
+    run.until_joined(1, 1)
+    time.sleep(2.0)
+    res = [f.result(timeout=40) for f in first + run.start(a, b)]
+    assert {(r.round, r.world_size) for r in res} == {(1, 3)}
+
+
+def test_an_eviction_fences_a_seal_prepared_from_an_older_read(run: Run) -> None:
+    """The eviction Txn bumps the join counter, as a withdrawal does: a seal from the read taken
+    before it fails its compare, so no seal names an evicted joiner; the Txn answers with a fresh
+    read that a seal may use."""
+    a, b, c = (run.new(2, 4) for _ in range(3))
+    waiting = run.start(a, b, c)
+    run.until_joined(1, 3)
+    keys, client = run.keys, run.client
+    meta = queries.read_meta(client, keys)
+    old = queries.read_round(client, keys, 1)
+    victim = next(j for j in old.joiners if j.node_id == c.node_id)
+    out = protocol.evict_joiners(client, keys, 1, meta.sealed, [(victim.key, victim.mod_revision, victim.lease)])
+    assert out.ok and out.read is not None
+    assert [j.node_id for j in out.read.joiners] == [j.node_id for j in old.joiners if j.node_id != c.node_id]
+    run_lease = protocol.ensure_run_lease(client, keys, 60)
+    assert not protocol.seal(client, keys, 1, meta.sealed, old, run_lease, 4).ok  # fenced
+    again = protocol.evict_joiners(client, keys, 1, meta.sealed, [(victim.key, victim.mod_revision, victim.lease)])
+    assert not again.ok  # a replay fails its compares
+    assert protocol.seal(client, keys, 1, meta.sealed, out.read, run_lease, 4).ok
+    res = [f.result(timeout=20) for f in waiting[:2]]
+    assert {(r.round, r.world_size) for r in res} == {(1, 2)}
