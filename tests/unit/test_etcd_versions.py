@@ -55,7 +55,7 @@ def test_cache_directories_sort_as_versions() -> None:
 def test_a_pre_release_in_the_cache_is_found_under_its_minor_version(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A cache directory such as ``v3.8.0-alpha.0`` is found as "3.8" (its binary prints ``3.8.0-alpha.0``)."""
+    """A cache directory such as ``v3.8.0-alpha.0`` is found as "3.8" (its binary prints 3.8.0-alpha.0)."""
     for name, version in (("v3.8.0-alpha.0", "3.8.0-alpha.0"), ("v3.9.1", "3.9.1")):
         os.makedirs(tmp_path / name)
         script = tmp_path / name / "etcd"
