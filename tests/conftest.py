@@ -3,8 +3,8 @@
 
 Fixtures:
 
-* ``etcd_binary``: parametrized over the selected versions (ids ``etcd3.4`` ... ``etcd3.7``); on
-  ``3.4``/``3.5``/``3.6`` only tests marked ``@pytest.mark.etcd_matrix`` run
+* ``etcd_binary``: parametrized over the selected versions (ids ``etcd3.4`` ... ``etcd3.8``); on
+  ``3.4``/``3.5``/``3.6``/``3.8`` only tests marked ``@pytest.mark.etcd_matrix`` run
   (``@pytest.mark.etcd_matrix("3.6")``: on those subset versions named only).
 * ``etcd_server``: module-scoped started :class:`etcd_server.EtcdServer`,
   parametrized over the binaries; stopped at module teardown.

@@ -27,7 +27,7 @@ def _pytest(tmp_path: Any, **env: str) -> subprocess.CompletedProcess[str]:
 
 def test_selection_reads_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(etcd_versions.ENV_VAR, raising=False)
-    assert etcd_versions.selected() == ("3.4", "3.5", "3.6", "3.7")
+    assert etcd_versions.selected() == ("3.4", "3.5", "3.6", "3.7", "3.8")
     monkeypatch.setenv(etcd_versions.ENV_VAR, "etcd3.7, 3.5")
     assert etcd_versions.selected() == ("3.5", "3.7")
     monkeypatch.setenv(etcd_versions.ENV_VAR, "3.7,3.9")
@@ -42,6 +42,30 @@ def test_discovery_maps_minor_versions_to_binaries_of_that_version() -> None:
     assert found, "no etcd binary at all on this machine"
     for minor, path in found.items():
         assert etcd_versions.minor(etcd_version(path)) == minor
+
+
+def test_cache_directories_sort_as_versions() -> None:
+    """Newest first among the built binaries: numbers as numbers, a pre-release before its release."""
+    names = ["v3.8.0", "v3.6.9", "v3.8.0-alpha.0", "v3.6.16", "v3.8.0-beta.0", "v3.8.0-alpha.10", "v3.7.3"]
+    assert sorted(names, key=etcd_versions.cache_order) == [
+        "v3.6.9", "v3.6.16", "v3.7.3", "v3.8.0-alpha.0", "v3.8.0-alpha.10", "v3.8.0-beta.0", "v3.8.0",
+    ]  # fmt: skip
+
+
+def test_a_pre_release_in_the_cache_is_found_under_its_minor_version(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cache directory such as ``v3.8.0-alpha.0`` is found as "3.8" (its binary prints 3.8.0-alpha.0)."""
+    for name, version in (("v3.8.0-alpha.0", "3.8.0-alpha.0"), ("v3.9.1", "3.9.1")):
+        os.makedirs(tmp_path / name)
+        script = tmp_path / name / "etcd"
+        script.write_text(f"#!/bin/sh\necho 'etcd Version: {version}'\n")
+        script.chmod(0o755)
+    monkeypatch.setenv(etcd_versions.CACHE_VAR, str(tmp_path))
+    monkeypatch.setattr(etcd_versions, "is_native_executable", os.path.isfile)  # shell scripts stand in
+    found = etcd_versions.discover()
+    assert found["3.8"] == str(tmp_path / "v3.8.0-alpha.0" / "etcd")
+    assert found["3.9"] == str(tmp_path / "v3.9.1" / "etcd")
 
 
 def test_a_missing_version_is_skipped_locally_with_how_to_build_it(tmp_path: Any) -> None:
