@@ -68,9 +68,11 @@ OBSERVERS = 4
 MAX_LOOKED = 16
 """A look reads the leases of at most this many keys left in the previous round (else none)."""
 
-SEAL_LOOKED = 64
+SEAL_LOOKED = 63
 """A sealer reads the leases of at most this many of the joiners it is about to name (the first
-ones in rank order): a larger round's dead joiners are found after the seal instead."""
+ones in rank order): a larger round's dead joiners are found after the seal instead. 63 keeps the
+eviction Txn within etcd's default ``--max-txn-ops`` (128), which bounds its compares too: one on
+the sealed record plus two per victim (:func:`~etcd_rdzv.native.protocol.evict_joiners`)."""
 
 
 MARGIN = 1.0

@@ -228,8 +228,9 @@ class RoundWait:
         LeaseTimeToLive per joiner to be named, at most :data:`~etcd_rdzv.native.eviction.SEAL_LOOKED`;
         then, if any is condemned, one Txn, :func:`protocol.evict_joiners`). None when nobody was
         condemned (seal with ``read``); else the state after taking in the fresh read that Txn
-        returned (the wait decides again on it: the survivors were judged just now, so a seal from
-        that read looks at no lease again). Needs ``evict_misses`` > 0 and our own renewals steady
+        returned (the wait decides again on it, and a seal from that read looks at the leases again:
+        joiners that moved into the named window or arrived since the look are judged too, and a
+        Txn that failed on one key evicted none of the others). Needs ``evict_misses`` > 0 and our own renewals steady
         (:func:`~etcd_rdzv.native.eviction.to_evict`); an etcd error ends the look (the seal goes on:
         a dead member named is found after the seal)."""
         s = self._settings
@@ -251,7 +252,6 @@ class RoundWait:
                         "evicted" if out.ok else "could not evict", member.key.decode(errors="replace"),
                         describe(member, own, s.evict_misses, renewed, now))
         assert out.read is not None
-        self._looked_at = out.read.revision
         self.view.update(out.read)
         if out.read.sealed.revision != self.previous.revision or out.read.closed:
             return self.state.settle()

@@ -94,7 +94,8 @@ def cache_order(dirname: str) -> tuple[tuple[int, ...], int, tuple[tuple[int, in
 
 def _candidates() -> list[str]:
     built = sorted(
-        glob.glob(os.path.join(cache_dir(), "v*", "etcd")),
+        # not .ci/build-etcd's vX.Y.Z.tmp: a build in progress or cut off
+        (p for p in glob.glob(os.path.join(cache_dir(), "v*", "etcd")) if not os.path.dirname(p).endswith(".tmp")),
         key=lambda p: cache_order(os.path.basename(os.path.dirname(p))),
         reverse=True,
     )  # newest first: a release before its pre-releases

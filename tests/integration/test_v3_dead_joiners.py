@@ -18,7 +18,9 @@ import pytest
 from helpers.nodes import ETCD_V3, Nodes
 
 from etcd_rdzv.native import protocol, queries
+from etcd_rdzv.native.eviction import SEAL_LOOKED
 from etcd_rdzv.native.handler import EtcdV3RendezvousHandler
+from etcd_store.errors import EtcdError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -115,3 +117,23 @@ def test_an_eviction_fences_a_seal_prepared_from_an_older_read(run: Run) -> None
     assert protocol.seal(client, keys, 1, meta.sealed, out.read, run_lease, 4).ok
     res = [f.result(timeout=20) for f in waiting[:2]]
     assert {(r.round, r.world_size) for r in res} == {(1, 2)}
+
+
+def test_the_sealer_evicts_as_many_joiners_as_it_looks_at_in_one_txn(run: Run) -> None:
+    """etcd's default ``--max-txn-ops`` (128) bounds a Txn's compares too. The eviction Txn of
+    SEAL_LOOKED victims (1 + 2 x 63 compares) is taken; one more victim is refused. Before,
+    SEAL_LOOKED was 64: a sealer whose 64 named joiners were all dead had its eviction refused and
+    sealed them all in."""
+    keys, client = run.keys, run.client
+    meta = queries.read_meta(client, keys)
+    lease = client.lease_grant(TTL)
+    for i in range(SEAL_LOOKED + 1):
+        client.put(keys.join_prefix(1) + b"dead%03d" % i, b"{}", lease=lease)
+    joiners = queries.read_round(client, keys, 1).joiners
+    victims = [(j.key, j.mod_revision, j.lease) for j in joiners]
+    assert len(victims) == SEAL_LOOKED + 1
+    with pytest.raises(EtcdError, match="too many operations"):
+        protocol.evict_joiners(client, keys, 1, meta.sealed, victims)
+    out = protocol.evict_joiners(client, keys, 1, meta.sealed, victims[:SEAL_LOOKED])
+    assert out.ok and out.read is not None
+    assert [j.key for j in out.read.joiners] == [victims[-1][0]]
