@@ -74,8 +74,9 @@ class _StepTimer(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
     blocking call on the loop: a lock, an RPC, a long computation) is logged at WARNING and counted
     in ``lags``. Time spent waiting for I/O between passes is not counted, nor, on Linux, the time
     the loop's thread waited for a CPU during a pass (its run-queue wait, from schedstat): a pass
-    that was only slow because the machine was busy is counted in ``preempted`` and logged at DEBUG.
-    ``max_lag`` is the longest hold. Costs two clock reads and, on Linux, two ``pread`` of schedstat
+    that was only slow because the machine was busy is counted in ``preempted`` and logged at DEBUG,
+    and once the main thread has ended (the interpreter exiting, its teardown holding the GIL) a
+    pass is not reported. ``max_lag`` is the longest hold. Costs two clock reads and, on Linux, two ``pread`` of schedstat
     a pass."""
 
     def __init__(self, reactor: Reactor) -> None:
@@ -99,6 +100,8 @@ class _StepTimer(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
             held = took - (self._run_queue() - self._waited_at_left)  # less its wait for a CPU
         if held > self._reactor.max_lag:
             self._reactor.max_lag = held
+        if held > LAG_WARNING and not threading.main_thread().is_alive():
+            held = 0.0  # the interpreter is exiting: its teardown holds the GIL, nothing of ours waits
         if held > LAG_WARNING:
             self._reactor.lags += 1
             log.warning("a step of the etcd stream loop took %.0f ms (something blocked on it): every "
@@ -110,9 +113,9 @@ class _StepTimer(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
         try:
             return super().select(timeout)
         finally:
-            self._left = time.monotonic()
             if self._waited is not None or not self._opened:
-                self._waited_at_left = self._run_queue()
+                self._waited_at_left = self._run_queue()  # first: its pread may wait for the GIL
+            self._left = time.monotonic()
 
 
 class Reactor:
