@@ -33,7 +33,7 @@ rendezvous only on a normal end: called while an exception propagates (torchrun'
 failed) it removes this node instead (issue 30, :mod:`etcd_rdzv.ending`).
 Its rendezvous events (and those of its holder and executor) are torch's, named without torch's
 ``inspect.stack()``, whose cost sat inside every compare-and-swap window
-(:func:`~etcd_rdzv.dynamic.state.caller_name`).
+(:func:`~etcd_rdzv.dynamic.state.record_event`).
 Everything else is torch's handler unchanged.
 """
 
@@ -45,7 +45,7 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from torch.distributed.elastic.events import NodeState, construct_and_record_rdzv_event
+from torch.distributed.elastic.events import NodeState
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as _dr
 from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousTimeoutError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
@@ -61,7 +61,7 @@ from ..conf import DynamicSettings, parse_dynamic_settings
 from ..ending import Ending, decide, exception_in_flight
 from ..plugin_errors import torch_version
 from .backend import open_backend
-from .state import SealedRoundExecutor, SealedRoundStateHolder, caller_name, check_torch_internals
+from .state import SealedRoundExecutor, SealedRoundStateHolder, check_torch_internals, record_event
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -104,19 +104,10 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         self._left = False  # shutdown() left (a failed node): a later shutdown() does nothing
 
     def _record(self, message: str, node_state: NodeState = NodeState.RUNNING, rank: int | None = None) -> None:
-        """torch's event of this handler (same fields), named in O(1) (:func:`~etcd_rdzv.dynamic.state.caller_name`:
+        """torch's event of this handler (same fields), named in O(1) (:func:`~etcd_rdzv.dynamic.state.record_event`:
         torch's ``inspect.stack()`` costs milliseconds per event, and one is recorded per heartbeat, with the
         heartbeat lock held)."""
-        construct_and_record_rdzv_event(
-            name=f"{self.__class__.__name__}.{caller_name()}",
-            run_id=self._settings.run_id,
-            message=message,
-            node_state=node_state,
-            hostname=self._this_node.addr,
-            pid=self._this_node.pid,
-            local_id=self._this_node.local_id,
-            rank=rank,
-        )
+        record_event(self, self._settings.run_id, message, node_state, self._this_node, rank)
 
     def next_rendezvous(self) -> RendezvousInfo:
         """See base class. Blocks until this node is in a complete round (or raises).

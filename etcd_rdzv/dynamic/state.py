@@ -87,7 +87,7 @@ else:  # a torch without them gets check_torch_internals' clear error, not an Im
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "CheckedStates", "SealedRoundExecutor", "SealedRoundStateHolder", "caller_name", "check_torch_internals",
+    "CheckedStates", "SealedRoundExecutor", "SealedRoundStateHolder", "check_torch_internals", "record_event",
     "torch_state",
 ]  # fmt: skip
 
@@ -152,21 +152,32 @@ def _params(function: Any) -> list[str]:
         return ["(unreadable)"]
 
 
-def caller_name() -> str:
-    """The name of the function that called the function calling this one, in O(1) (no I/O).
+def record_event(
+    owner: object, run_id: str, message: str, node_state: NodeState, node: _NodeDesc | None = None,
+    rank: int | None = None,
+) -> None:
+    """Record torch's rendezvous event of ``owner``'s ``_record`` (same name and fields as torch's),
+    naming it in O(1): ``<owner's class>.<the function that called _record>``.
 
-    It is what torch's ``get_method_name()`` returns inside a ``_record`` method (the event
-    name's second half), without its two ``inspect.stack()`` calls: those read the source file
-    of every frame and, for frames of no module file (``<frozen runpy>``, under torchrun), scan
-    ``sys.modules`` once more each; about 10 ms of CPU per event in a torchrun agent, seconds on
-    a loaded host. torch records an event between the read and the write of every state change
-    (each sync that wrote, each action), so that time is inside the compare-and-swap window: a
-    node that must win a write against the members' 1 s heartbeats (joining the wait list of a
-    sealed round) lost every race for tens of seconds, or until its join timed out, on a loaded
-    host. ``_record`` of :class:`SealedRoundStateHolder`, :class:`SealedRoundExecutor` and the
-    etcd-v2 handler use this instead, and record the same events as torch's.
-    """
-    return sys._getframe(2).f_code.co_name
+    That name is what torch's ``get_method_name()`` gives, without its two ``inspect.stack()``
+    calls: those read the source file of every frame and, for frames of no module file
+    (``<frozen runpy>``, under torchrun), scan ``sys.modules`` once more each; about 10 ms of CPU
+    per event in a torchrun agent, seconds on a loaded host. torch records an event between the
+    read and the write of every state change (each sync that wrote, each action), so that time is
+    inside the compare-and-swap window: a node that must win a write against the members' 1 s
+    heartbeats (joining the wait list of a sealed round) lost every race for tens of seconds, or
+    until its join timed out, on a loaded host. Call it from ``_record`` only (it names the frame
+    two above itself). ``node`` adds hostname, pid and local id; ``rank`` the rank."""
+    construct_and_record_rdzv_event(
+        name=f"{type(owner).__name__}.{sys._getframe(2).f_code.co_name}",
+        run_id=run_id,
+        message=message,
+        node_state=node_state,
+        hostname=node.addr if node is not None else "",  # torch's defaults without a node
+        pid=node.pid if node is not None else None,
+        local_id=node.local_id if node is not None else None,
+        rank=rank,
+    )
 
 
 def check_torch_internals() -> None:
@@ -322,13 +333,8 @@ class SealedRoundStateHolder(_Holder):
         return own is None or now - own <= window
 
     def _record(self, message: str, node_state: NodeState = NodeState.RUNNING) -> None:
-        """torch's event of this holder (same fields), named in O(1) (:func:`caller_name`)."""
-        construct_and_record_rdzv_event(
-            name=f"{self.__class__.__name__}.{caller_name()}",
-            run_id=self._settings.run_id,
-            message=message,
-            node_state=node_state,
-        )
+        """torch's event of this holder (same fields), named in O(1) (:func:`record_event`)."""
+        record_event(self, self._settings.run_id, message, node_state)
 
     @classmethod
     def adopt(cls, holder: _Holder, node: _NodeDesc) -> SealedRoundStateHolder:
@@ -396,22 +402,14 @@ class SealedRoundExecutor(_Executor):
     reports a waiting node) and joins the next one; one that had not yet read the sealed round
     never gets a world from it. A round that is still forming is left as torch leaves it. No RPC.
 
-    Its events are torch's, named in O(1) (:func:`caller_name`): torch records one between the
+    Its events are torch's, named in O(1) (:func:`record_event`): torch records one between the
     read and the write of every state change, and its ``inspect.stack()`` made that window long
     enough on a loaded host for a joining node to lose every compare-and-swap to the heartbeats.
     """
 
     def _record(self, message: str, node_state: NodeState = NodeState.RUNNING) -> None:
-        """torch's event of this executor (same fields), named in O(1) (:func:`caller_name`)."""
-        construct_and_record_rdzv_event(
-            name=f"{self.__class__.__name__}.{caller_name()}",
-            run_id=self._settings.run_id,
-            message=message,
-            node_state=node_state,
-            hostname=self._node.addr,
-            pid=self._node.pid,
-            local_id=self._node.local_id,
-        )
+        """torch's event of this executor (same fields), named in O(1) (:func:`record_event`)."""
+        record_event(self, self._settings.run_id, message, node_state, self._node)
 
     def _remove_from_participants(self) -> None:
         state = self._state

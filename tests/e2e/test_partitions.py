@@ -250,7 +250,7 @@ def test_a_node_cut_off_from_etcd_stops_and_rejoins(make_bed: Any, backend: str,
     job.start("n2")  # the pod restart
     # A hang bound, not a speed target. (The etcd-v2 survivors once saw the restarted node ~40 s late on a
     # loaded CI host: its join of the wait list lost every compare-and-swap to their heartbeats while torch's
-    # inspect.stack() event naming sat inside its write window; fixed in etcd_rdzv.dynamic.state.caller_name.)
+    # inspect.stack() event naming sat inside its write window; fixed in etcd_rdzv.dynamic.state.record_event.)
     third = job.wait_for(
         "n2 rejoined", lambda r: group_with(r, world_size=3, after=healed, min_steps_done=2), 180
     )

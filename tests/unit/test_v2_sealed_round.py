@@ -334,10 +334,9 @@ def test_events_are_named_without_inspecting_the_stack(
         cls, _, method = kw["name"].partition(".")
         events.append((method, kw["message"].split("'")[0]))
 
-    import etcd_rdzv.dynamic.handler as ours_handler
     import etcd_rdzv.dynamic.state as ours_state
 
-    for module in (dr, ours_state, ours_handler):
+    for module in (dr, ours_state):  # ours record through state.record_event
         monkeypatch.setattr(module, "construct_and_record_rdzv_event", lambda **kw: record(**kw))
     monkeypatch.setattr(inspect, "stack", counted_stack)
     run = Run(kind, clock, memory_run(), (2, 2))
