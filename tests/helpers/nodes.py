@@ -148,6 +148,10 @@ class Nodes:
     def join_prefix(self, round_: int) -> bytes:
         return bytes(self.keys.join_prefix(round_))
 
+    def joined(self, round_: int) -> int:
+        """How many join keys etcd-v3's round ``round_`` has (one count-only Range)."""
+        return self.client.range(self.join_prefix(round_), prefix=True, count_only=True).count
+
     def members(self, round_: int) -> list[str]:
         kv = self.client.get(self.keys.members(round_))
         assert kv is not None, f"round {round_} has no members record"
@@ -161,6 +165,13 @@ class Nodes:
         for client in self.own_clients:
             client.close()
         self.client.close()
+
+
+def lease_of(handler: Any) -> int:
+    """The lease id of an etcd-v3 handler's node (it must have joined)."""
+    session = handler._node.session
+    assert session is not None
+    return int(session.id)
 
 
 def results(futures: Sequence[Future[Any]], timeout: float = WAIT) -> list[Any]:

@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from helpers.nodes import ETCD_V3, Nodes
+from helpers.nodes import ETCD_V3, Nodes, lease_of
 
 from etcd_rdzv.native import protocol, queries
 from etcd_rdzv.native.eviction import SEAL_LOOKED
@@ -35,9 +35,6 @@ class Run(Nodes):
     def __init__(self, endpoint: str) -> None:
         super().__init__(endpoint, ETCD_V3, conf=CONF, name="v3d")
 
-    def joined(self, round_: int) -> int:
-        return self.client.range(self.keys.join_prefix(round_), prefix=True, count_only=True).count
-
     def until_joined(self, round_: int, count: int, timeout: float = 20.0) -> None:
         deadline = time.monotonic() + timeout
         while self.joined(round_) < count:
@@ -52,12 +49,6 @@ def run(etcd_endpoint: str) -> Iterator[Run]:
         yield r
     finally:
         r.close()
-
-
-def lease_of(handler: EtcdV3RendezvousHandler) -> int:
-    session = handler._node.session
-    assert session is not None
-    return session.id
 
 
 def die(handler: EtcdV3RendezvousHandler) -> None:

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from helpers.nodes import ETCD_V3, Nodes
+from helpers.nodes import ETCD_V3, Nodes, lease_of
 
 from etcd_rdzv.native.handler import EtcdV3RendezvousHandler, RoundResult
 from etcd_server import EtcdCluster
@@ -42,9 +42,6 @@ class Run(Nodes):
         handler: EtcdV3RendezvousHandler = super().new(min_nodes, max_nodes, **conf)
         return handler
 
-    def joined(self, round_: int) -> int:
-        return self.client.range(self.keys.join_prefix(round_), prefix=True, count_only=True).count
-
 
 @pytest.fixture
 def run(etcd_endpoint: str) -> Iterator[Run]:
@@ -53,12 +50,6 @@ def run(etcd_endpoint: str) -> Iterator[Run]:
         yield r
     finally:
         r.close()
-
-
-def lease_of(handler: EtcdV3RendezvousHandler) -> int:
-    session = handler._node.session
-    assert session is not None
-    return session.id
 
 
 def form(run: Run, *handlers: EtcdV3RendezvousHandler, timeout: float = 30.0) -> list[RoundResult]:

@@ -55,9 +55,6 @@ class Run(Nodes):
         finally:
             os.kill(pid, signal.SIGCONT)
 
-    def joined(self, round_: int) -> int:
-        return self.client.range(self.join_prefix(round_), prefix=True, count_only=True).count
-
 
 @pytest.fixture
 def run(fresh_etcd: EtcdServer) -> Iterator[Run]:

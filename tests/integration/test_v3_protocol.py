@@ -20,7 +20,7 @@ from concurrent.futures import as_completed
 from typing import Any
 
 import pytest
-from helpers.nodes import ETCD_V3, results
+from helpers.nodes import ETCD_V3, lease_of, results
 from helpers.nodes import Nodes as HarnessNodes
 from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import (
@@ -85,12 +85,6 @@ def assert_group(res: list[RoundResult], world_size: int) -> None:
     assert sorted(r.rank for r in res) == list(range(world_size))
     assert {r.world_size for r in res} == {world_size}
     assert len({(r.round, r.seal_revision) for r in res}) == 1
-
-
-def lease_of(handler: EtcdV3RendezvousHandler) -> int:
-    session = handler._node.session
-    assert session is not None
-    return session.id
 
 
 def rendezvous_all(nodes: Nodes, handlers: Iterable[EtcdV3RendezvousHandler]) -> list[RendezvousInfo]:
