@@ -113,8 +113,7 @@ class _StepTimer(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
         try:
             return super().select(timeout)
         finally:
-            if self._waited is not None or not self._opened:
-                self._waited_at_left = self._run_queue()  # first: its pread may wait for the GIL
+            self._waited_at_left = self._run_queue()  # first: its pread may wait for the GIL
             self._left = time.monotonic()
 
 
