@@ -203,6 +203,13 @@ class KeepAlives:
         shortest = min((kept.ttl_pace for kept in list(self._leases.values())), default=MIN_ANSWER_BOUND)
         return stall_bound(answer_bound(shortest, self._transport.retry_policy.first_attempt), self._stalls_in_row)
 
+    def idle(self) -> bool:
+        """Whether no stream task runs: nothing was kept yet, or the last lease was dropped and the
+        stream half-closed (its answers owed awaited). A lease kept after this opens a new stream;
+        one kept before it is refreshed on the stream still open."""
+        with self._lock:
+            return not self._running
+
     def kept(self) -> int:
         """How many leases are being refreshed."""
         with self._lock:

@@ -340,6 +340,14 @@ def test_many_sessions_share_one_keep_alive_stream(etcd_endpoint: str, client: E
         for s in alive:
             s.close()
         assert c.kept_leases() == 0
+        # the stream notices on the loop: a lease kept before that is refreshed on the same stream
+        # (CI, 2 loaded cores: the next grant came first). Bound: the half-close waits at most
+        # the answer bound for the answers owed (1 s here) plus the loop's turn.
+        mux = alive[0]._mux
+        deadline = time.monotonic() + 5
+        while not mux.idle() and time.monotonic() < deadline:
+            threading.Event().wait(0.05)
+        assert mux.idle()
         late = Session.existing(c, c.lease_grant(TTL), ttl=TTL, revoke_on_close=True)
         with late:
             deadline = time.monotonic() + 5
