@@ -176,6 +176,11 @@ class EtcdClientOptions:
         return EtcdClient(self.endpoints, **{**self.client_kwargs(), **extra})
 
 
+#: Under an etcd-v2 run's state key, the directory of its backends' lease anchors
+#: (``<state key>/lease/<lease hex>``: :class:`etcd_rdzv.dynamic.backend.EtcdRendezvousBackend`).
+V2_ANCHOR_DIR = "lease"
+
+
 @dataclass(frozen=True)
 class RdzvConfig:
     """Client options plus the backend settings of one rendezvous."""

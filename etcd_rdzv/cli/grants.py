@@ -4,7 +4,8 @@ Everything a run writes, with either backend, lies in two ranges (:func:`run_per
 
 * the key ``<prefix>/<run_id>`` itself: the ``etcd-v2``/``etcd`` state (torch's pickled state);
 * the prefix ``<prefix>/<run_id>/``: the ``etcd-v2`` run's ``EtcdStore`` (``store/``, its
-  internal keys ``store\\0...`` included: a store writes nothing outside its prefix), and every
+  internal keys ``store\\0...`` included: a store writes nothing outside its prefix), its agents'
+  lease anchors (``lease/<lease hex>``), and every
   ``etcd-v3`` key (``v3/ctl/``, ``v3/join/``, ``v3/rounds/<T>/store...``, ``v3/run``, ``v3/seq/``).
 
 Leases need no key permission to grant or keep alive; revoking one needs write permission on

@@ -31,6 +31,15 @@ expires while some node keeps writing it (the handler's heartbeats write every
 ``keep_alive_interval``). This costs one LeaseGrant RPC per ``state_ttl / 2``
 per process instead of one per write. Leases are never revoked (that would
 delete the state if we were the last writer); they run out on their own.
+
+Anchors: the first write with a lease also puts a key of the run, ``<state key>/lease/<lease
+hex>`` (empty; in the same Txn, in either branch: no RPC more), which the lease keeps until it
+runs out. etcd lets a put attach a lease only if its user may write every key already attached to
+it, and any etcd user can list lease ids: a lease of ours that held no key (one agent's,
+whenever another agent wrote the state last) would take another job's key, after which
+every write of ours with it is refused. An anchored lease cannot take one (that job's user
+may not write our anchor). A lease refused all the same (a key attached between the grant
+and the anchor) is replaced once per write (:func:`~etcd_store.client.renewing_lease`).
 """
 
 from __future__ import annotations
@@ -63,7 +72,14 @@ from etcd_store.client import (
 from etcd_store.errors import EtcdError
 
 from .. import metrics
-from ..conf import DEFAULT_KEY_PREFIX, DEFAULT_STATE_TTL, RdzvConfig, check_run_id, parse_rdzv_config
+from ..conf import (
+    DEFAULT_KEY_PREFIX,
+    DEFAULT_STATE_TTL,
+    V2_ANCHOR_DIR,
+    RdzvConfig,
+    check_run_id,
+    parse_rdzv_config,
+)
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -115,6 +131,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         self._lease_lock = threading.Lock()
         self._lease_id = 0
         self._lease_renew_at = 0.0  # monotonic time after which a write takes a new lease
+        self._anchored = 0  # the lease whose anchor a write has put
 
     @property
     def name(self) -> str:
@@ -160,13 +177,17 @@ class EtcdRendezvousBackend(RendezvousBackend):
         deadline = time.monotonic() + self._client.timeout
 
         def write(lease: int) -> TxnResult:
-            return self._client.txn(
+            # A new lease is anchored by the same Txn, whichever branch runs (module docstring).
+            anchor = [] if lease == self._anchored else [op_put(self.anchor_key(lease), b"", lease=lease)]
+            result = self._client.txn(
                 [compare],
-                [op_put(self._key, value, lease=lease)],
-                [op_get(self._key)],
+                [op_put(self._key, value, lease=lease), *anchor],
+                [op_get(self._key), *anchor],
                 timeout=self._remaining(deadline),
                 idempotent=True,
             )
+            self._anchored = lease
+            return result
 
         try:
             # Someone revoked our lease (or etcd lost it): take a new one, once.
@@ -205,6 +226,10 @@ class EtcdRendezvousBackend(RendezvousBackend):
                 )
                 self._lease_renew_at = now + (self._lease_ttl - self.ttl)
             return self._lease_id
+
+    def anchor_key(self, lease: int) -> bytes:
+        """The key that anchors ``lease`` to this run: ``<state key>/lease/<lease hex>``."""
+        return f"{self.key}/{V2_ANCHOR_DIR}/{lease:x}".encode()
 
     def _forget_lease(self, lease: int) -> None:
         with self._lease_lock:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from etcd_store.client import (
     DeleteResult,
     EtcdClient,
+    TxnResult,
     compare_lease,
     compare_mod,
     compare_version,
@@ -37,6 +38,7 @@ from etcd_store.client import (
     op_get,
     op_put,
     prefix_range_end,
+    renewing_lease,
 )
 
 from .keys import RunKeys
@@ -71,19 +73,25 @@ def ensure_run_lease(
 
     One Range when it exists; else LeaseGrant + one Txn ``[version(run) == 0] ->
     put run (bound to the lease)``, and a node that loses that race revokes its
-    own lease and returns the winner's. Only sealers and closers call this.
+    own lease and returns the winner's. Only sealers and closers call this. A lease
+    etcd refuses (another user attached a key to it before ours: see
+    :func:`~etcd_store.client.renewing_lease`) is replaced once.
     """
     existing = lease_of(client.get(keys.run, timeout=timeout))
     if existing is not None:
         return existing
-    lease = client.lease_grant(state_ttl, timeout=timeout)
-    res = client.txn(
-        [compare_version(keys.run, "==", 0)],
-        [op_put(keys.run, f"{lease:x}".encode(), lease=lease)],
-        [op_get(keys.run)],
-        timeout=timeout,
-        idempotent=True,
-    )
+
+    def create(granted: int) -> tuple[TxnResult, int]:
+        return client.txn(
+            [compare_version(keys.run, "==", 0)],
+            [op_put(keys.run, f"{granted:x}".encode(), lease=granted)],
+            [op_get(keys.run)],
+            timeout=timeout,
+            idempotent=True,
+        ), granted
+
+    res, lease = renewing_lease(create, lambda: client.lease_grant(state_ttl, timeout=timeout),
+                                lambda _: None, renewals=1)
     winner = lease if res.succeeded else lease_of(first_kv(res.responses[0]))
     if winner == lease:  # created (possibly by an earlier attempt of this very Txn)
         log.debug("created run lease %x for %s", lease, keys.root)

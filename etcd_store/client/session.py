@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from ..errors import EtcdError, EtcdLeaseNotFound
+from ..errors import EtcdError, EtcdLeaseNotFound, EtcdPermissionDenied
 from .leases import LeaseSource, refresh_interval
 from .reactor import started
 
@@ -244,20 +244,49 @@ def renewing_lease(
     *,
     renewals: int = 3,
 ) -> _T:
-    """``write(acquire())``; when etcd says that lease is gone, ``forget`` it and write again.
+    """``write(acquire())``; when etcd says that lease is gone, or refuses it, ``forget`` it and write again.
 
     The one "lease gone: renew, retry" loop. ``acquire()`` returns the lease to
     write with (granting or finding one when needed); ``forget(lease_id)`` drops
     a lease etcd no longer knows (it may raise instead, for a lease that cannot be
     replaced). After ``renewals`` new leases the :class:`EtcdLeaseNotFound` propagates.
     ``write`` must be safe to run again after it failed that way (etcd applied nothing).
+
+    **A refused lease.** etcd lets a put attach a lease only if its user may write every key
+    already attached to that lease (etcd's ``checkLeasePuts``), and any etcd user can list
+    lease ids (``LeaseLeases``) and attach a key of its own to a lease that holds none of ours
+    yet, after which every write of ours with that lease is refused ``PERMISSION_DENIED``.
+    So the first :class:`~etcd_store.errors.EtcdPermissionDenied` of a call, from ``write``
+    or from ``acquire`` (whose own first write anchors a new lease), is taken as a refused
+    lease: forgotten (never revoked: revoking needs the same permission), a new one
+    acquired, the write sent again; a second one propagates (the key itself is denied,
+    which costs one extra LeaseGrant per call, that lease expiring unused). A lease that
+    cannot be replaced (``forget`` raises) propagates the denial.
     """
-    lease_id = acquire()
-    for _ in range(renewals):
+    denied = False
+    renewed = 0
+    lease_id = 0
+    while True:
         try:
+            if not lease_id:
+                lease_id = acquire()
             return write(lease_id)
         except EtcdLeaseNotFound:
+            if renewed >= renewals or not lease_id:
+                raise
+            renewed += 1
             log.info("lease %x is gone; writing again with a new one", lease_id)
             forget(lease_id)
-            lease_id = acquire()
-    return write(lease_id)
+            lease_id = 0
+        except EtcdPermissionDenied as e:
+            if denied:
+                raise
+            denied = True
+            if lease_id:
+                log.warning("a write with lease %x was refused (%s): another etcd user may have attached a "
+                            "key to it; writing again with a new lease", lease_id, e)
+                try:
+                    forget(lease_id)
+                except EtcdError:
+                    raise e from None
+            lease_id = 0
