@@ -9,6 +9,10 @@ and its workers in sessions of their own, found by their tag), one worker each, 
 * ``sigterm``: ``--nnodes=2:3``, 3 agents train; SIGTERM to one agent (as Kubernetes stops a pod).
 * ``sigkill``: ``--nnodes=2:3``, 3 agents train; SIGKILL of one whole node (agent and worker: a host
   losing power).
+* ``hang``: ``--nnodes=2:3``, 3 agents train; SIGSTOP of one whole node (a hung host: its agent stops
+  heartbeating, its worker stops answering collectives; nothing exits). The survivors' workers block in a
+  collective with it until the training script's process-group timeout (``--pg-timeout``, 60 s) unless
+  the rendezvous tells their agents first.
 * ``spare``: ``--nnodes=2:2``, 3 agents (the third waits outside the full group: a hot spare); SIGKILL of a
   member's whole node; done when the survivor and the spare train together.
 
@@ -58,7 +62,7 @@ from .common import C10D, OURS_ETCD_V2, OURS_ETCD_V3, TORCH_ETCD_V2, say
 log = logging.getLogger(__name__)
 
 CONTENDERS = (C10D, TORCH_ETCD_V2, OURS_ETCD_V2, OURS_ETCD_V3)
-SCENARIOS = ("sigkill", "sigterm", "spare")
+SCENARIOS = ("sigkill", "sigterm", "hang", "spare")
 BACKEND = {C10D: "c10d", TORCH_ETCD_V2: "etcd-v2", OURS_ETCD_V2: "etcd-v2", OURS_ETCD_V3: "etcd-v3"}
 COMPLETE = "Rendezvous complete for workers"
 REFERENCE_S = 14.5  # the production report (Volcano + TorchElastic, shared/seeds): node loss to training
@@ -265,14 +269,18 @@ def _wait_listening(endpoint: str, timeout: float) -> None:
 
 
 def _fault(job: Job, scenario: str, rep: int, victim: LocalAgent, expect: set[str], timeout: float) -> Figure:
-    """SIGTERM ``victim``'s agent (``sigterm``) or SIGKILL its whole node (the others); measure until the
-    group on ``expect`` took its first step. A failure is recorded in the figure, not raised."""
+    """SIGTERM ``victim``'s agent (``sigterm``), SIGSTOP its whole node (``hang``) or SIGKILL it (the
+    others); measure until the group on ``expect`` took its first step. A failure is recorded in the
+    figure, not raised."""
     fig = Figure(job.contender, scenario, rep, victim=victim.name, victim_group_rank=job.group_rank(victim.name),
                  new_group=sorted(expect), loadavg_1m=round(os.getloadavg()[0], 2))
     try:
         if scenario == "sigterm":
             fig.killed_at = time.time()
             os.kill(victim.pid, signal.SIGTERM)  # the agent alone: torchrun stops its worker
+        elif scenario == "hang":
+            victim.freeze()  # the agent and its worker, every thread stopped when this returns
+            fig.killed_at = time.time()
         else:
             fig.killed_at = victim.kill()  # the agent and its worker, at once
         _, step_t = job.wait_group(expect, fig.killed_at, min(timeout, FAULT_TIMEOUT_S))
@@ -355,7 +363,7 @@ def _series(job_kind: str, contender: str, endpoint: str, todo: list[tuple[int, 
 def run_contender(contender: str, endpoint: str, scenarios: Sequence[str], reps: int, timeout: float,
                   workdir: str, busy: Busy) -> list[Figure]:
     """Every fault of ``scenarios`` ``reps`` times on ``contender``'s jobs (see :func:`_series`)."""
-    pair = [(rep, s) for rep in range(reps) for s in ("sigterm", "sigkill") if s in scenarios]
+    pair = [(rep, s) for rep in range(reps) for s in ("sigterm", "sigkill", "hang") if s in scenarios]
     spare = [(rep, "spare") for rep in range(reps) if "spare" in scenarios]
     figures = _series("2:3", contender, endpoint, pair, timeout, workdir, busy) if pair else []
     if spare:

@@ -57,7 +57,7 @@ from .common import (
 log = logging.getLogger(__name__)
 
 # B3 with real torchrun agents (--only b3t): in no mode's default sections.
-B3T = {"reps": 2, "scenarios": ["sigkill", "sigterm", "spare"], "timeout": 240.0, "stagger": 10.0}
+B3T = {"reps": 2, "scenarios": ["sigkill", "sigterm", "hang", "spare"], "timeout": 240.0, "stagger": 10.0}
 SECTIONS = ("b1", "b2", "b3", "b3t", "b4", "b5", "b6")
 
 FAST_B3 = {"keep_alive_interval": "1", "keep_alive_max_attempt": "2", "last_call_timeout": "1"}
@@ -160,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--contenders", type=_parse_contenders,
                    help=f"comma-separated rendezvous contenders of B2-B4 (default all: {','.join(RDZV_CONTENDERS)})")
     p.add_argument("--scenarios", type=_parse_scenarios,
-                   help="B3t: comma-separated subset of sigkill,sigterm,spare (default all)")
+                   help="B3t: comma-separated subset of sigkill,sigterm,hang,spare (default all)")
     p.add_argument("--one-at-a-time", action="store_true",
                    help="B3t: run every contender alone (default: etcd-v3 alone, the others concurrently)")
     p.add_argument("--no-agent-store", action="store_true",
