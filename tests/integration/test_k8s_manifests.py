@@ -9,6 +9,11 @@
   quota; passwords only from Secrets (env ``secretKeyRef`` or mounted files), never in arguments.
 * etcd/auth-setup.yaml's script, run against a real etcd, turns auth on (root only); etcd/grant-run.yaml's
   ``etcd-rdzv grant`` line, run after it, makes the training job's user, limited to the job's run.
+* Who holds what: no pod mounts a service account token; every Secret a pod names exists (secrets/, with
+  the keys used); each TLS training job mounts a client certificate of its own, ``etcd-rdzv-client-<job>``,
+  whose CN (the ``etcd-rdzv/certificate-cn`` annotation of its example) is the job's etcd user, and the admin
+  Jobs one with no CN; the peer port trusts a peer CA other than the client CA and only the members' CN; the
+  root password is mounted only by the admin Jobs, which run no trainer image.
 """
 
 from __future__ import annotations
@@ -38,6 +43,9 @@ else:
 K8S = Path(REPO_ROOT) / "deploy" / "k8s"
 K8S_VERSION = "1.37"
 FILES = sorted(K8S.rglob("*.yaml"))
+ROOT_SECRET = "etcd-rdzv-root"
+CN = "etcd-rdzv/certificate-cn"  # an example Secret's note of its tls.crt's CommonName ("": none)
+ADMIN_FILES = {"etcd/auth-setup.yaml", "etcd/grant-run.yaml"}  # the Jobs that log in as root
 
 
 def documents(path: Path) -> list[dict[str, Any]]:
@@ -175,13 +183,16 @@ def test_secrets_never_in_arguments() -> None:
 def test_training_pods_read_the_password_from_a_file_and_never_mount_the_root_password() -> None:
     """torch copies the agent's environment into every worker: a password belongs in a file."""
     checked = 0
-    for where, _, spec in pod_specs():
+    for where, doc, spec in pod_specs():
         if "/training/" not in f"/{where}":
             continue
+        assert ROOT_SECRET not in secrets_named(spec), where
+        auth = f"etcd-rdzv-auth-{doc['metadata']['name']}"  # the job's own
         secret_volumes = {v["name"]: v["secret"] for v in spec.get("volumes", []) if "secret" in v}
         for volume in secret_volumes.values():  # only the user's password, never the root's
-            assert volume["secretName"] != "etcd-rdzv-root", where
-            if volume["secretName"] == "etcd-rdzv-auth":
+            assert volume["secretName"] != ROOT_SECRET, where
+            if volume["secretName"].startswith("etcd-rdzv-auth"):
+                assert volume["secretName"] == auth, where
                 assert [i["key"] for i in volume.get("items", [])] == ["password"], where
         for c in spec["containers"]:
             env = {e["name"]: e for e in c.get("env", [])}
@@ -190,7 +201,7 @@ def test_training_pods_read_the_password_from_a_file_and_never_mount_the_root_pa
                 path = env["ETCD_RDZV_PASSWORD_FILE"]["value"]
                 (mount,) = [m for m in c["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
                 volume = secret_volumes[mount["name"]]
-                assert volume["secretName"] == "etcd-rdzv-auth" and mount.get("readOnly"), where
+                assert volume["secretName"] == auth and mount.get("readOnly"), where
                 checked += 1
     assert checked == 1  # job-tls-auth.yaml
 
@@ -240,6 +251,168 @@ def _template_labels(doc: dict[str, Any]) -> dict[str, str]:
         (spec,) = doc["spec"]["pytorchReplicaSpecs"].values()
         return dict(spec["template"].get("metadata", {}).get("labels", {}))
     return dict(doc["spec"]["template"].get("metadata", {}).get("labels", {}))
+
+
+# --------------------------------------------------------------------------- who holds what
+
+
+def example_secrets() -> dict[str, dict[str, Any]]:
+    """The Secrets of secrets/*.example.yaml, by name."""
+    found: dict[str, dict[str, Any]] = {}
+    for path, doc in by_kind("Secret"):
+        assert path.parent.name == "secrets" and doc["metadata"]["name"] not in found, path
+        found[doc["metadata"]["name"]] = doc
+    return found
+
+
+def secret_refs(spec: dict[str, Any]) -> list[tuple[str, str | None]]:
+    """(Secret, key; None: every key) of everything a pod spec takes from Secrets."""
+    refs: list[tuple[str, str | None]] = []
+    for volume in spec.get("volumes", []):
+        sources = [("secretName", volume["secret"])] if "secret" in volume else []
+        sources += [("name", s["secret"]) for s in volume.get("projected", {}).get("sources", []) if "secret" in s]
+        for field, source in sources:
+            keys = [i["key"] for i in source.get("items", [])] or [None]
+            refs += [(source[field], key) for key in keys]
+    for c in spec["containers"] + spec.get("initContainers", []):
+        for e in c.get("env", []):
+            if "secretKeyRef" in e.get("valueFrom", {}):
+                refs.append((e["valueFrom"]["secretKeyRef"]["name"], e["valueFrom"]["secretKeyRef"]["key"]))
+        refs += [(e["secretRef"]["name"], None) for e in c.get("envFrom", []) if "secretRef" in e]
+    return refs
+
+
+def secrets_named(spec: dict[str, Any]) -> set[str]:
+    return {name for name, _ in secret_refs(spec)}
+
+
+def secret_file(spec: dict[str, Any], container: dict[str, Any], path: str) -> tuple[str, str]:
+    """(Secret, key) of the file ``path`` of ``container``, which a secret volume must hold."""
+    (mount,) = [m for m in container["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    name, relative = volume["secret"]["secretName"], path[len(mount["mountPath"]) + 1:]
+    items = {i["path"]: i["key"] for i in volume["secret"].get("items", [])}
+    return name, items[relative] if items else relative
+
+
+def client_certificate(container: dict[str, Any]) -> str | None:
+    """The client certificate file a container presents to etcd: torchrun's ``ssl_cert``, the CLI's
+    ``--cert``, the auth set-up script's ``$TLS_DIR/tls.crt`` where that is mounted; None: none."""
+    line = [*container.get("command", []), *container.get("args", [])]
+    for arg in line:
+        if arg.startswith("--rdzv-conf="):
+            conf = dict(kv.split("=", 1) for kv in arg.split("=", 1)[1].split(",") if kv)
+            return conf.get("ssl_cert")
+        if arg.startswith("--cert="):
+            return arg.split("=", 1)[1]
+    if line[-1:] == ["/scripts/setup.sh"]:
+        (config,) = [d for d in documents(K8S / "etcd" / "auth-setup.yaml") if d["kind"] == "ConfigMap"]
+        default = re.search(r"TLS_DIR:-([^}]+)}", config["data"]["setup.sh"])
+        assert default and any(m["mountPath"] == default.group(1) for m in container["volumeMounts"])
+        return f"{default.group(1)}/tls.crt"
+    return None
+
+
+def test_no_pod_gets_a_service_account_token() -> None:
+    """None of these pods calls the Kubernetes API: a token mounted in it would be a credential to steal."""
+    for where, _, spec in pod_specs():
+        assert spec.get("automountServiceAccountToken") is False, where
+
+
+def test_every_secret_a_pod_names_exists_with_its_keys() -> None:
+    """Every Secret a pod names has an example in secrets/ with the keys it takes, and every TLS file it
+    reads (etcd's ``--*-file`` flags, a client's certificate) is a key of a mounted Secret."""
+    secrets = example_secrets()
+    for where, _, spec in pod_specs():
+        for name, key in secret_refs(spec):
+            assert name in secrets, (where, name)
+            assert key is None or key in secrets[name]["stringData"], (where, name, key)
+        for c in spec["containers"]:
+            files = [a.split("=", 1)[1] for a in c.get("args", []) if re.match(r"--[\w-]*(file|cert|key|cacert)=/etc/", a)]
+            files += [f for f in [client_certificate(c)] if f]  # not the trainer's --log-file=/ckpt/...
+            for path in files:
+                name, key = secret_file(spec, c, path)
+                assert key in secrets[name]["stringData"], (where, path)
+
+
+def test_the_peer_port_trusts_a_ca_of_its_own_and_the_members_cn_only() -> None:
+    """The client CA signs every client certificate (a training pod's): were it the peer CA, each would be a
+    valid peer certificate and only the NetworkPolicy would keep training pods off port 2380."""
+    (sts,) = [d for d in documents(K8S / "etcd" / "etcd-tls.yaml") if d["kind"] == "StatefulSet"]
+    spec = sts["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    flags = dict(a.split("=", 1) if "=" in a else (a, "") for a in container["args"])
+    client_ca, _ = secret_file(spec, container, flags["--trusted-ca-file"])
+    peer_ca, _ = secret_file(spec, container, flags["--peer-trusted-ca-file"])
+    assert peer_ca != client_ca
+    assert "--peer-client-cert-auth" in flags
+    for flag in ("--peer-cert-file", "--peer-key-file"):  # the members' peer certificate, of the peer CA
+        assert secret_file(spec, container, flags[flag])[0] == peer_ca, flag
+    secrets = example_secrets()
+    assert flags["--peer-cert-allowed-cn"] == secrets[peer_ca]["metadata"]["annotations"][CN]
+    for where, _, other in pod_specs():  # the peer CA's Secret is the members' only
+        if not where.startswith("etcd/etcd-tls.yaml:StatefulSet/"):
+            assert peer_ca not in secrets_named(other), where
+    for name, secret in secrets.items():  # and no other certificate has the members' peer CN
+        if name != peer_ca:
+            assert secret["metadata"].get("annotations", {}).get(CN) != flags["--peer-cert-allowed-cn"], name
+
+
+def test_each_tls_job_presents_a_client_certificate_of_its_own_naming_its_user() -> None:
+    """With ``--client-cert-auth`` etcd takes a certificate's CN as the user name: a certificate shared by
+    jobs would let every job act as the user it names, password or not. Each training job presents its own,
+    ``etcd-rdzv-client-<job>``, whose CN is the job's etcd user and which no other workload names; the admin
+    Jobs present one with no CN (no user: root needs its password); no certificate names root or another
+    job's user."""
+    secrets = example_secrets()
+    users = {"root"}
+    for _, _, spec in pod_specs():
+        for name, key in secret_refs(spec):
+            if name.startswith("etcd-rdzv-auth") and key == "user":
+                users.add(secrets[name]["stringData"]["user"])
+    own: dict[str, str] = {}  # a job's certificate Secret -> its CN
+    admin = 0
+    for where, doc, spec in sorted(pod_specs(), key=lambda w: "/training/" not in f"/{w[0]}"):  # jobs first
+        if doc["kind"] == "StatefulSet":
+            continue
+        for c in spec["containers"]:
+            path = client_certificate(c)
+            if path is None:
+                continue
+            name, _ = secret_file(spec, c, path)
+            cn = secrets[name]["metadata"].get("annotations", {}).get(CN)
+            if "/training/" in f"/{where}":
+                assert name == f"etcd-rdzv-client-{doc['metadata']['name']}", where
+                ref = {e["name"]: e for e in c["env"]}["ETCD_RDZV_USER"]["valueFrom"]["secretKeyRef"]
+                assert cn == secrets[ref["name"]]["stringData"][ref["key"]] != "root", where
+                own[name] = cn
+            else:
+                assert where.split(":")[0] in ADMIN_FILES and cn == "", where  # no CN
+                admin += 1
+    assert len(own) == 1 and admin == 2  # job-tls-auth.yaml; auth-setup.yaml, grant-run.yaml
+    for name in own:  # no other workload names a job's certificate
+        holders = [where for where, _, spec in pod_specs() if name in secrets_named(spec)]
+        assert len(holders) == 1, (name, holders)
+    for name, secret in secrets.items():  # a CN that is a user: only the job's own certificate's
+        cn = secret["metadata"].get("annotations", {}).get(CN)
+        if cn in users:
+            assert own.get(name) == cn, name
+
+
+def test_the_root_password_goes_only_to_the_admin_jobs_and_no_trainer_image() -> None:
+    """Whoever controls the image a pod runs controls what it does with the Secrets mounted in it: the root
+    password goes to the auth set-up and the grant Jobs only, and neither runs a trainer image."""
+    training = {c["image"] for where, _, spec in pod_specs() if "/training/" in f"/{where}"
+                for c in spec["containers"] + spec.get("initContainers", [])}
+    holders = set()
+    for where, _, spec in pod_specs():
+        if ROOT_SECRET in secrets_named(spec):
+            holders.add(where.split(":")[0])
+            for c in spec["containers"] + spec.get("initContainers", []):
+                assert c["image"] not in training, where
+    assert holders == ADMIN_FILES
+    container, _ = _grant_job()
+    assert container["image"] not in training and "/etcd-rdzv-admin:" in container["image"]
 
 
 # --------------------------------------------------------------------------- the etcd cluster
