@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from .client import EtcdClient, Session, TxnResult, compare_create, op_get, op_put, renewing_lease
-from .errors import EtcdError, EtcdLeaseNotFound
+from .errors import EtcdError, EtcdLeaseNotFound, EtcdPermissionDenied
 
 log = logging.getLogger(__name__)
 
@@ -113,19 +113,30 @@ class NamespaceLease(StoreLease):
             session.close()
 
     def _find_or_create(self, timeout: float) -> tuple[int, bool]:
-        """The recorded lease, or a new one recorded by us; and whether it was adopted."""
+        """The recorded lease, or a new one recorded by us; and whether it was adopted. A lease etcd
+        refuses to attach (``PERMISSION_DENIED`` on the record) is left and another granted, once."""
         client = self._client
         deadline = time.monotonic() + timeout
 
         def left() -> float:
             return max(deadline - time.monotonic(), 0.001)
 
+        refused = False
         while True:
             kv = client.get(self._key, timeout=left())
             if kv is not None:
                 return int(kv.value), True
             granted = self._grant(left())
-            result = self._record(granted, left())
+            try:
+                result = self._record(granted, left())
+            except EtcdPermissionDenied:
+                # etcd refused the lease (another user attached a key to it before our record:
+                # see renewing_lease), or the record key itself (then again with the next lease)
+                if refused:
+                    raise
+                refused = True
+                log.warning("namespace lease %x of %r was refused; taking another", granted, self._key)
+                continue
             theirs = result.responses[0]
             recorded = theirs.kvs[0].value if getattr(theirs, "kvs", None) else None  # type: ignore[union-attr]
             if result.succeeded or recorded == str(granted).encode():

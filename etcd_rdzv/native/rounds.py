@@ -154,22 +154,30 @@ class Participant:
         (:func:`protocol.reattach`), which succeeds only if no round was sealed since
         ours and the run is open. Returns the group's counts after it, or None when
         the node cannot re-attach (sealed over, closed, or its round's seal revision
-        is not known): its group is over. Raises ``EtcdError`` if etcd fails and
+        is not known): its group is over. A lease etcd refuses is replaced once
+        (:func:`~etcd_store.client.renewing_lease`). Raises ``EtcdError`` if etcd fails and
         :class:`~etcd_rdzv.native.errors.NodeShutDown` once stopped.
         """
         st = self.standing
         joined, round_ = st.joined, st.member_round
         if round_ is None or not st.member_seal or joined is None or joined.round != round_:
             return None
-        session = self.leases.renew()
-        occ = protocol.reattach(self._client, self._keys, round_, joined.key, st.join_value,
-                                session.id, st.member_seal)
+        self.leases.renew()
+        used: list[int] = []
+
+        def put_back(lease: int) -> queries.Occupancy | None:
+            used.append(lease)
+            return protocol.reattach(self._client, self._keys, round_, joined.key, st.join_value, lease,
+                                     st.member_seal)
+
+        # a lease refused by etcd (another user's key on it) is replaced once, as for a join
+        occ = renewing_lease(put_back, lambda: self.leases.ensure()[0], self.leases.forget, renewals=1)
         if occ is None:
             log.warning("node %s cannot re-attach to round %d: a later round was sealed or the run "
                         "closed", self._node_id, round_)
         else:
             log.warning("node %s re-attached to round %d with a new lease %x after its lease ended",
-                        self._node_id, round_, session.id)
+                        self._node_id, round_, used[-1])
         return occ
 
     def _ensure_lease(self) -> int:

@@ -131,16 +131,29 @@ def test_a_refused_lease_is_replaced_and_the_write_goes_on(users: Users) -> None
     assert len(grants) == 2
 
 
-def test_an_etcd_store_write_goes_on_after_its_namespace_lease_was_refused(users: Users) -> None:
+def test_an_etcd_store_write_goes_on_after_its_namespace_lease_was_refused(
+        users: Users, monkeypatch: pytest.MonkeyPatch) -> None:
+    from etcd_store._namespace_lease import NamespaceLease
+
+    poisoned = users.job1.lease_grant(60)
+    lever(users, poisoned)  # job2 won the race between the store's grant and its record Txn
+    real_grant = NamespaceLease._grant
+    granted: list[int] = []
+
+    def grant(self: NamespaceLease, timeout: float) -> int:
+        granted.append(poisoned if not granted else real_grant(self, timeout))
+        return granted[-1]
+
+    monkeypatch.setattr(NamespaceLease, "_grant", grant)
     store = EtcdStore(users.job1, prefix=f"{PREFIX}/job1/store", timeout=timedelta(seconds=10), lease_ttl=60)
     try:
         store.set("a", "1")
+        assert len(granted) == 2 and granted[0] == poisoned
         leases = {kv.lease for kv in users.job1.range(f"{PREFIX}/job1/store".encode(), prefix=True).kvs}
-        assert len(leases) == 1 and 0 not in leases
-        lease = leases.pop()
-        # the namespace lease holds its record key from its first write: job2 cannot attach
+        assert leases == {granted[1]}  # every key of the namespace on the new lease
+        # which holds the namespace's record key from its first write: job2 cannot attach to it
         with pytest.raises(EtcdPermissionDenied):
-            lever(users, lease)
+            lever(users, granted[1])
         assert store.get("a") == b"1"
     finally:
         store.close()
