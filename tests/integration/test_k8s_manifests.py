@@ -33,6 +33,7 @@ from torch.distributed.run import get_args_parser
 
 from etcd_server import EtcdServer
 from etcd_store.client import EtcdClient
+from etcd_store.client.auth_admin import role_names, user_names
 from etcd_store.errors import EtcdPermissionDenied
 
 if os.environ.get("CI", "").lower() == "true":  # the test extra installs it: missing is a failure there
@@ -493,6 +494,9 @@ def test_auth_setup_then_grant_against_etcd(etcd_binary: str, tmp_path: Path,
         assert root_password not in first.stdout + first.stderr
         again = subprocess.run(["sh", str(script)], env=env, capture_output=True, text=True, timeout=60)
         assert again.returncode == 0 and "already" in again.stdout, again.stderr
+        with EtcdClient(server.get_endpoint(), user="root", password=root_password, timeout=5,
+                        allow_insecure_auth=True) as root_client:  # the set-up makes root only: no shared role
+            assert (user_names(root_client), role_names(root_client)) == (["root"], ["root"])
 
         container, values = _grant_job()
         values["RUN_USER"] = "rdzv-train"  # the Secret's user
@@ -526,3 +530,5 @@ def test_auth_setup_then_grant_against_etcd(etcd_binary: str, tmp_path: Path,
         with EtcdClient(server.get_endpoint(), user="root", password=root_password, timeout=5,
                         allow_insecure_auth=True) as root_client:  # the root password of ROOT_SECRETS
             assert root_client.get(run) is not None
+            # the grant adds the job's user and role, no role over the whole prefix
+            assert (user_names(root_client), role_names(root_client)) == (["rdzv-train", "root"], ["rdzv-train", "root"])
