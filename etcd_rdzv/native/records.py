@@ -174,14 +174,31 @@ def decode_sealed(value: bytes, key: bytes = b"ctl/sealed") -> tuple[int, int | 
     try:
         record = load_json(value)
         number, lease = record["round"], record.get("run_lease")
-        run_lease = int(lease, 16) if lease is not None else None
+        run_lease = _lease_id(lease) if lease is not None else None
     except (ValueError, KeyError, TypeError, AttributeError):
         raise ProtocolStateError(
             f"{where} holds {value[:80]!r}, not {{'round': N, 'run_lease': HEX}}"
         ) from None
-    if not isinstance(number, int) or number < 1:
+    if not isinstance(number, int) or isinstance(number, bool) or number < 1:
         raise ProtocolStateError(f"{where} holds round {number!r}, not a positive integer")
     return number, run_lease, _master_in(record.get("master"))
+
+
+_HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
+
+
+def _lease_id(text: object) -> int:
+    """The lease id ``text`` names in hex digits, as written (``f"{lease:x}"``): no sign,
+    prefix, space or underscore (which ``int(text, 16)`` would take), less than 2**63
+    (etcd's int64); else ``ValueError``."""
+    if isinstance(text, bytes):
+        text = text.decode("ascii")  # UnicodeDecodeError is a ValueError
+    if not isinstance(text, str) or not 0 < len(text) <= 16 or not set(text) <= _HEX_DIGITS:
+        raise ValueError(f"not a lease id: {text!r:.40}")
+    lease = int(text, 16)
+    if lease >= 1 << 63:
+        raise ValueError(f"not a lease id: {text!r:.40}")
+    return lease
 
 
 def _master_in(value: object) -> tuple[str, int] | None:
@@ -241,7 +258,7 @@ def lease_of(kv: KeyValue | None) -> int | None:
     if kv is None:
         return None
     try:
-        return int(kv.value, 16)
+        return _lease_id(kv.value)
     except ValueError:
         raise ProtocolStateError(
             f"{kv.key.decode('utf-8', 'replace')} holds {kv.value[:40]!r}, not a lease id"

@@ -4,7 +4,8 @@ Refused with a ``ValueError`` (which never repeats a password): credentials in a
 endpoint (``http://user:pw@host``: they would be sent as a host name and printed in
 errors), endpoints mixing ``http`` and ``https`` (a member reached in plain text would
 get the password and the data TLS protects elsewhere), and an explicit scheme that
-contradicts the one the client was configured for (``protocol``, TLS files).
+contradicts the one the client was configured for (``protocol``, TLS files), as does
+``protocol="http"`` with TLS files.
 """
 
 from __future__ import annotations
@@ -130,12 +131,18 @@ def client_endpoints(
     """The endpoints of a client configured with ``protocol`` (``http``/``https``/``None``),
     TLS files (``tls``) and credentials, checked as the module says.
 
-    Endpoints without a scheme take ``protocol``, else https when ``tls``. A ``password``
+    Endpoints without a scheme take ``protocol``, else https when ``tls`` (``protocol="http"``
+    with ``tls`` is refused: an ``http://`` endpoint never passes with TLS files). A ``password``
     bound for a plain-text endpoint is refused unless ``allow_insecure_auth`` (the caller
     then warns). Raises ``ValueError`` naming what was wrong (never the password).
     """
     if protocol not in (None, "http", "https"):
         raise ValueError(f"Invalid etcd protocol {protocol!r}: use 'http' or 'https'.")
+    if tls and protocol == "http":
+        raise ValueError(
+            "Invalid etcd protocol 'http' with TLS certificate files (ca_cert, cert): the client would "
+            "ignore them and talk plain text; use protocol https (or none), or drop the TLS files."
+        )
     secure = (protocol == "https") if protocol is not None else (True if tls else None)
     endpoints = parse_endpoints(spec, secure=secure)
     plain = ", ".join(str(ep) for ep in endpoints if not ep.secure)

@@ -116,6 +116,8 @@ def test_deeply_nested_json_is_a_short_error_not_a_recursion_error(
         assert "internal error" not in text and "Recursion" not in text, text[-500:]
         assert len(text) < 3000 and "ctl/sealed" in text, text[-500:]
         assert rc == (2 if args[0] == "show" else 0)
+        if args[0] == "show":  # a one-line error naming the key, nothing on stdout
+            assert out == "" and err.count("\n") == 1 and err.endswith("\n") and "ctl/sealed" in err, err[-500:]
 
 
 def test_a_huge_value_gives_bounded_output(

@@ -119,6 +119,9 @@ def test_a_tls_member_beside_a_plaintext_one_is_refused_before_any_connection(
     for options in ({"protocol": "https"}, _tls_files(certs)):
         with pytest.raises(ValueError, match="says http but the client is configured for https"):
             EtcdClient(f"http://127.0.0.1:{proxy.port}", user="alice", password=PW, **options)
+    # Nor does protocol=http beside them: the TLS files would be ignored, the password sent in plain text.
+    with pytest.raises(ValueError, match="protocol 'http' with TLS certificate files"):
+        EtcdClient(f"http://127.0.0.1:{proxy.port}", user="alice", password=PW, protocol="http", **_tls_files(certs))
     assert proxy.accepted == 0
     with EtcdClient(https, user="alice", password=PW, timeout=10, **_tls_files(certs)) as alice:
         alice.put(b"/jobs/alice/k", b"v")  # https for every endpoint: works, no warning needed

@@ -47,11 +47,13 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> CertPaths:
     return make_certs(tmp_path_factory.mktemp("server-sec-certs"))
 
 
-def _plant(data_dir: str, binary: str, *users: tuple[str, str]) -> None:
+def _plant(data_dir: str, binary: str, *users: tuple[str, str], roles: tuple[str, ...] = ()) -> None:
     """What a client that reached the port before auth was enabled could leave behind."""
     with EtcdServer(data_dir, binary=binary) as plain:
         for name, password in users:
             plain.gateway_call("/v3/auth/user/add", {"name": name, "password": password})
+        for role in roles:
+            plain.gateway_call("/v3/auth/role/add", {"name": role})
 
 
 def test_auth_set_up_refuses_a_user_added_before_auth_was_on(etcd_binary: str, tmp_path: Path) -> None:
@@ -61,6 +63,18 @@ def test_auth_set_up_refuses_a_user_added_before_auth_was_on(etcd_binary: str, t
     try:
         with pytest.raises(EtcdGatewayError, match=r"did not create.*users \['mallory'\]"):
             server.start(timeout=30)
+    finally:
+        server.stop()
+
+
+def test_auth_set_up_refuses_a_role_added_before_auth_was_on(etcd_binary: str, tmp_path: Path) -> None:
+    data_dir = str(tmp_path / "data")
+    _plant(data_dir, etcd_binary, roles=("wide",))  # no user holds it: a role alone is refused
+    server = EtcdServer(data_dir, binary=etcd_binary, auth=AuthConfig(ROOT_PW, user="alice", password=ALICE_PW))
+    try:
+        with pytest.raises(EtcdGatewayError, match=r"did not create.*: roles \['wide'\]; refusing") as info:
+            server.start(timeout=30)
+        assert "users [" not in str(info.value)
     finally:
         server.stop()
 

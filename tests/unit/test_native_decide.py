@@ -8,6 +8,9 @@ tests/integration/test_v3_protocol.py.
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import pytest
 
 from etcd_rdzv.native.barrier import (
@@ -26,8 +29,20 @@ from etcd_rdzv.native.barrier import (
     resolved,
     verdict,
 )
-from etcd_rdzv.native.records import Joiner, Membership, decode_membership, decode_sealed, encode_sealed
+from etcd_rdzv.native.bootstrap import address_of
+from etcd_rdzv.native.records import (
+    MAX_RECORD_BYTES,
+    Joiner,
+    Membership,
+    ProtocolStateError,
+    decode_members,
+    decode_membership,
+    decode_sealed,
+    encode_sealed,
+    lease_of,
+)
 from etcd_rdzv.native.settings import V3Settings
+from etcd_store.client import KeyValue
 
 T0 = 1000.0  # any monotonic time
 
@@ -201,8 +216,6 @@ def test_verdict_of_the_sealed_round() -> None:
 
 
 def test_membership_encoding_round_trips() -> None:
-    import json
-
     joiners = [Joiner(f"n{i}", rev, b"{}") for i, rev in enumerate((7, 9, 30, 31))]
     compact = Membership.of(joiners, joins=4, max_nodes=3)
     assert compact == Membership(3, joins=4)
@@ -233,3 +246,51 @@ def test_resolved_only_while_the_round_is_the_last_sealed_one() -> None:
     assert resolved(members, "nobody", 4, 4, s) is None
     assert resolved(None, "me", 4, 4, s) is None
     assert resolved(["me"], "me", 4, 4, s) is None  # fewer than min_nodes: void
+
+
+SEALED_KEY = b"/rdzv/run/ctl/sealed"
+
+
+@pytest.mark.parametrize(
+    ("decode", "value", "says"),
+    [
+        (decode_sealed, b'{"round":0}', "not a positive integer"),
+        (decode_sealed, b'{"round":true}', "not a positive integer"),  # a bool is no integer
+        (decode_sealed, b'{"round":1,"run_lease":5}', "'run_lease': HEX"),
+        (decode_sealed, b'{"round":1,"run_lease":"-5"}', "'run_lease': HEX"),  # int("-5", 16) takes it
+        (decode_sealed, b'{"round":1,"run_lease":"0x5"}', "'run_lease': HEX"),
+        (decode_sealed, b"[" * 100_000, "'run_lease': HEX"),  # RecursionError: a malformed record
+        (decode_sealed, b" " * (MAX_RECORD_BYTES + 1), "'run_lease': HEX"),  # over 16 MiB
+        (decode_membership, b'{"round":1,"world":-1}', "malformed membership"),
+        (decode_membership, b'{"round":1,"world":true,"joins":1}', "malformed membership"),
+        (decode_members, b"[1]", "not a list of node ids"),
+    ],
+)
+def test_malformed_v3_records_are_refused_naming_the_key(decode: Any, value: bytes, says: str) -> None:
+    with pytest.raises(ProtocolStateError) as refused:
+        decode(value, SEALED_KEY)
+    assert str(refused.value).startswith(SEALED_KEY.decode()) and says in str(refused.value)
+    assert len(str(refused.value)) < 200  # the value is quoted cut short
+
+
+@pytest.mark.parametrize("value", [b"zz", b"-5", b"0x5", b" 5", b"5_0", b"8000000000000000", b""])
+def test_a_run_key_that_holds_no_lease_id_is_refused(value: bytes) -> None:
+    with pytest.raises(ProtocolStateError, match=r"^/rdzv/run/run holds .*, not a lease id$"):
+        lease_of(KeyValue(b"/rdzv/run/run", value, 1, 1, 1, 0))
+    assert lease_of(KeyValue(b"/rdzv/run/run", b"7fffffffffffffff", 1, 1, 1, 0)) == 2**63 - 1
+
+
+@pytest.mark.parametrize("master", [["h", 0], ["h", 65536], ["", 1], ["h", True], ["h", "1"], ["h", 1, 2], 5])
+def test_a_malformed_master_in_the_sealed_record_is_ignored(master: object) -> None:
+    value = json.dumps({"round": 3, "run_lease": "ab", "master": master}).encode()
+    assert decode_sealed(value, SEALED_KEY) == (3, 0xAB, None)
+    good = json.dumps({"round": 3, "run_lease": "ab", "master": ["h", 65535]}).encode()
+    assert decode_sealed(good, SEALED_KEY) == (3, 0xAB, ("h", 65535))
+
+
+@pytest.mark.parametrize("port", [0, 65536, True, "80", 1.5, None])
+def test_a_join_values_malformed_port_or_address_is_absent(port: object) -> None:
+    assert address_of(json.dumps({"addr": "h", "port": port}).encode()) == ("h", None)
+    assert address_of(json.dumps({"addr": "", "port": 1}).encode()) == (None, 1)
+    assert address_of(json.dumps({"addr": 5, "port": 65535}).encode()) == (None, 65535)
+    assert address_of(b"[" * 100_000) == (None, None)

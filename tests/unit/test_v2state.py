@@ -103,7 +103,12 @@ def test_unexpected_globals_are_refused_with_an_escaped_bounded_name(module: str
     "raw, match",
     [(b"\x80\x04P123\n.", "PERSID"), (b"\x80\x04\x82\x01.", "EXT1"), (b"\x80\x05\x97.", "NEXT_BUFFER"),
      (b"\x80\x04N\x94h\x05.", "missing memo"), (b"\x80\x04Nr\xff\xff\xff\x7f.", "malformed memo"),
-     (b"\x80\x04u.", "malformed"), (b"\x80\x04\xfe.", "malformed")],
+     (b"\x80\x04u.", "malformed"), (b"\x80\x04\xfe.", "malformed"),
+     # memo entries out of order (indexes far below MAX_MEMO: only the order check refuses them)
+     (b"\x80\x04Nq\x05.", "malformed memo entry at byte 3"),
+     (b"\x80\x04N\x94Nq\x02.", "malformed memo entry at byte 5"),
+     (b"\x80\x04Nq\x00.", "a pickled NoneType"),  # in order: past the scan, refused as no state
+     ],
 )
 def test_opcodes_outside_a_state_are_refused(raw: bytes, match: str) -> None:
     _refused(raw, match)
@@ -269,14 +274,24 @@ def test_small_values_that_burned_cpu_or_memory_are_refused_cheaply(make: Any, m
 _M = 1_000_000
 
 
+def _many(opcode: bytes, count: int, module: str, name: str) -> bytes:
+    """A list of ``count`` results of ``opcode`` (NEWOBJ or REDUCE) applied to the global ``module.name``
+    and an empty tuple, both memoized once (so nothing but the objects or calls is counted)."""
+    head = b"\x8c" + bytes([len(module)]) + module.encode() + b"\x8c" + bytes([len(name)]) + name.encode()
+    return b"\x80\x04" + head + b"\x93\x94)\x94](" + (b"h\x00h\x01" + opcode) * count + b"e."
+
+
 @pytest.mark.parametrize(
     "raw, match",
     [(b"\x80\x04" + b"(" * _M + b"N.", "left at STOP"), (b"\x80\x04" + b"N" * _M + b".", "left at STOP"),
      (b"\x80\x04N" + b"\x94" * _M + b".", "malformed memo"), (b"\x80\x04](" + b"}" * _M + b"e.", "more dicts"),
      (b"\x80\x04](" + b"N\x85" * (_M // 2) + b"e.", "more tuples"), (b"\x80\x04](" + b"\x8f" * _M + b"e.", "more sets"),
      (b"\x80\x04](" + b"]" * _M + b"e.", "more lists"), (b"\x80\x04N\x91.", "opcode FROZENSET"),
-     (b"\x80\x04NNr\x00\x00\x10\x00.", "malformed memo")],
-    ids=["marks", "nones", "memo", "dicts", "tuples", "sets", "lists", "frozenset", "memo-gap"],
+     (b"\x80\x04NNr\x00\x00\x10\x00.", "malformed memo"),
+     (_many(b"\x81", 20_000, v2state.TORCH_MODULE, "_NodeDesc"), f"more objects than a state of {MAX_NODES}"),
+     (_many(b"R", 20_000, "datetime", "timedelta"), f"more calls than a state of {MAX_NODES}")],
+    ids=["marks", "nones", "memo", "dicts", "tuples", "sets", "lists", "frozenset", "memo-gap", "objects",
+         "calls"],
 )
 def test_a_megabyte_of_cheap_opcodes_is_bounded(raw: bytes, match: str) -> None:
     cpu, peak, message = _cost(raw)
@@ -308,6 +323,55 @@ def test_pids_local_ids_and_addresses_are_bounded(pid: int, local_id: int, addr:
         _refused(raw, "out of range|characters")
 
 
+@pytest.mark.parametrize(
+    "field, value, match",
+    [("rank", -1, "with rank -1$"), ("rank", 2**31, "with rank 2147483648$"), ("rank", True, "with rank True$"),
+     ("complete", 1, "a non-boolean 'complete' or 'closed'"), ("closed", None, "a non-boolean 'complete'"),
+     ("round", -1, "with round -1$"), ("round", True, "with round True$")],
+)
+def test_ranks_rounds_and_flags_are_checked(field: str, value: Any, match: str) -> None:
+    state = torch_state()
+    if field == "rank":
+        state.participants = {_NodeDesc("h", 1, 0): value, _NodeDesc("h", 2, 0): 2**31 - 1}
+    else:
+        setattr(state, field, value)
+    _refused(pickle.dumps(state), match)
+    state.participants = {_NodeDesc("h", 1, 0): 0, _NodeDesc("h", 2, 0): 2**31 - 1}
+    state.round, state.complete, state.closed = 0, True, False
+    assert load_state(pickle.dumps(state)).participants[v2state.NodeDesc("h", 2, 0)] == 2**31 - 1
+
+
+class _CallOf:
+    """Pickles as ``func(*args)`` (a REDUCE of the global ``func``)."""
+
+    def __init__(self, func: Any, *args: Any) -> None:
+        self.func, self.args = func, args
+
+    def __reduce__(self) -> Any:
+        return self.func, self.args
+
+
+@pytest.mark.parametrize(
+    "deadline, match",
+    [(_CallOf(timedelta, 10**9 + 1), r"UnpicklingError: timedelta\(\) of anything but three small ints"),
+     (_CallOf(timedelta, 0, -(10**9) - 1), r"timedelta\(\) of anything but three small ints"),
+     (_CallOf(timedelta, True), r"timedelta\(\) of anything but three small ints"),
+     (_CallOf(timedelta, 0, 0, 0, 1), r"timedelta\(\) of anything but three small ints"),
+     (_CallOf(timedelta, 10**9), "OverflowError: days=1000000000"),  # small, but timedelta's own bound
+     (datetime.now(timezone(timedelta(0), "z" * 300)), r"timezone\(\) of anything but an offset and a short"),
+     (_CallOf(timezone, 5), r"timezone\(\) of anything but an offset and a short name"),
+     (_CallOf(datetime, b"0" * 11), r"datetime\(\) of anything but its pickled fields"),
+     (_CallOf(set, ["x"]), r"set\(\) of anything but nodes")],
+    ids=["days", "seconds", "bool", "four-args", "overflow", "long-tz-name", "tz-offset", "datetime", "set"],
+)
+def test_the_constructors_check_their_arguments(deadline: Any, match: str) -> None:
+    state = torch_state()
+    state.deadline = deadline
+    _refused(pickle.dumps(state), match)
+    state.deadline = datetime.now(timezone(timedelta(hours=-5), "z" * MAX_MESSAGE))  # the longest name taken
+    assert load_state(pickle.dumps(state)).deadline == state.deadline
+
+
 @pytest.mark.parametrize("protocol", [3, 4, 5])
 @pytest.mark.parametrize("nodes", [1, 2, 2500])
 def test_torchs_states_of_every_shape_pass_the_opcode_allowlist(protocol: int, nodes: int) -> None:
@@ -331,3 +395,35 @@ def test_a_decode_past_its_budget_is_refused(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.undo()
     with pytest.raises(StateDecodeError, match="took longer"):
         decode_state(base64.b64encode(raw), "'/p/run'", time_left=-1.0)  # the CLI's deadline
+
+
+@pytest.mark.parametrize(
+    "where, nth",
+    [("_check_state", 1), ("_check_state", 4), ("__call__", 1), ("__call__", 3001)],
+    ids=["field-check-first", "field-check-last", "constructor-first", "constructor-last"],
+)
+def test_the_budget_is_checked_in_the_field_checks_and_the_constructors(
+    monkeypatch: pytest.MonkeyPatch, where: str, nth: int
+) -> None:
+    # The budget runs out at the nth look at the clock made from ``where`` (_check_state: the field
+    # checks; _Call.__call__: a constructor the pickle calls); the decode must stop there.
+    raw = pickle.dumps(torch_state(3000))  # 3,000 heartbeats + a deadline: 3,001 datetime() calls
+    real = v2state._Budget.check
+    looks: list[str] = []
+
+    def check(self: Any) -> None:
+        caller = sys._getframe(1).f_code.co_name
+        looks.append(caller)
+        if caller == where and looks.count(where) == nth:
+            self.cpu_end = float("-inf")  # spent
+        real(self)
+
+    monkeypatch.setattr(v2state._Budget, "check", check)
+    _refused(raw, r"^'/p/run' took longer to decode than a rendezvous state may \(refused\)$")
+    assert looks.count(where) == nth
+    if where == "__call__":
+        assert "_check_state" not in looks  # stopped inside the unpickling
+    looks.clear()
+    monkeypatch.setattr(v2state._Budget, "check", lambda self: looks.append(sys._getframe(1).f_code.co_name))
+    assert len(load_state(raw).participants) == 3000
+    assert looks.count(where) >= nth  # as many looks from there as the refusal needed
