@@ -27,7 +27,7 @@ import warnings
 from collections.abc import Iterator
 
 import pytest
-from helpers import etcd_versions
+from helpers import REPO_ROOT, etcd_versions, installed
 from helpers.matrix import ETCD_BINARIES, FULL_MATRIX_ENV, FULL_VERSIONS, SELECTED, version_param
 from helpers.processes import etcd_pids, pid_alive
 
@@ -37,6 +37,7 @@ __all__ = ["ETCD_BINARIES", "FULL_VERSIONS", "SELECTED", "etcd_pids", "pid_alive
 
 
 _VERSION_PARAMS = [version_param(v) for v in SELECTED]
+_TESTED = pytest.StashKey[str]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -50,6 +51,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    """The markers; and a refusal to start when the installed etcd-rdzv is not this checkout's code
+    (:func:`helpers.installed.check`: a stale install); pytest's header says what is tested."""
+    if not hasattr(config, "workerinput"):  # (an xdist worker: the controller checked)
+        try:
+            config.stash[_TESTED] = installed.check(REPO_ROOT)
+        except installed.NotThisCheckout as e:
+            raise pytest.UsageError(str(e)) from None
     config.addinivalue_line("markers", "etcd_version(v): the etcd version a parametrized test runs on")
     subset = ", ".join(etcd_versions.SUBSET)
     config.addinivalue_line(
@@ -72,7 +80,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     rows = [f"{v}: {ETCD_BINARIES.get(v, 'MISSING')}" for v in SELECTED]
-    return [f"etcd matrix (${etcd_versions.ENV_VAR}, whole suite on {', '.join(FULL_VERSIONS)}): " + "; ".join(rows)]
+    tested = [config.stash[_TESTED]] if _TESTED in config.stash else []
+    return [*tested, f"etcd matrix (${etcd_versions.ENV_VAR}, whole suite on {', '.join(FULL_VERSIONS)}): "
+            + "; ".join(rows)]
 
 
 def _full_matrix_only(item: pytest.Item) -> bool:
