@@ -55,6 +55,7 @@ from .defaults import (
     DEFAULT_KEY_PREFIX,
     DEFAULT_LAST_CALL_TIMEOUT,
     DEFAULT_LEASE_TTL,
+    DEFAULT_PRESENCE_TTL,
     DEFAULT_READ_TIMEOUT,
     DEFAULT_STATE_TTL,
     LEGACY_KEY_PREFIX,
@@ -84,6 +85,7 @@ __all__ = [
     "DEFAULT_JOIN_TIMEOUT",
     "DEFAULT_KEEP_ALIVE_INTERVAL",
     "DEFAULT_KEEP_ALIVE_MAX_ATTEMPT",
+    "DEFAULT_PRESENCE_TTL",
     "DEFAULT_KEY_PREFIX",
     "DEFAULT_LAST_CALL_TIMEOUT",
     "DEFAULT_LEASE_TTL",
@@ -179,6 +181,9 @@ class EtcdClientOptions:
 #: Under an etcd-v2 run's state key, the directory of its backends' lease anchors
 #: (``<state key>/lease/<lease hex>``: :class:`etcd_rdzv.dynamic.backend.EtcdRendezvousBackend`).
 V2_ANCHOR_DIR = "lease"
+#: Under an etcd-v2 run's state key, the directory of its nodes' presence keys
+#: (``<state key>/alive/<node>``: :mod:`etcd_rdzv.dynamic.presence`).
+V2_PRESENCE_DIR = "alive"
 
 
 @dataclass(frozen=True)
@@ -211,6 +216,9 @@ class DynamicSettings:
     ``cas_backoff_max_seconds`` (0: no delay; torch 2.15 and later sleep a random 0 to that many
     seconds after a lost compare-and-swap of the state; an older torch has no such setting and
     ignores a non-zero value with a warning, :func:`etcd_rdzv.dynamic.handler.create_handler`).
+    Ours: ``presence_ttl`` (3: whole seconds a node's presence key outlives its last renewal, so a
+    hung member of a running round is dropped that long after it stopped, :mod:`etcd_rdzv.dynamic.presence`;
+    0: off, members judged by their heartbeats only; else at least 2).
     ``config`` holds the client options, ``key_prefix`` and ``state_ttl``.
     """
 
@@ -227,6 +235,7 @@ class DynamicSettings:
     keep_alive_interval: float = DEFAULT_KEEP_ALIVE_INTERVAL
     keep_alive_max_attempt: int = DEFAULT_KEEP_ALIVE_MAX_ATTEMPT
     cas_backoff_max_seconds: float = 0.0
+    presence_ttl: int = DEFAULT_PRESENCE_TTL
 
 
 # --------------------------------------------------------------------------- value parsing
@@ -535,7 +544,17 @@ def parse_dynamic_settings(params: HandlerParams, *, legacy: bool = False) -> Dy
             params, "keep_alive_max_attempt", DEFAULT_KEEP_ALIVE_MAX_ATTEMPT
         ),
         cas_backoff_max_seconds=get_non_negative_seconds(params, "cas_backoff_max_seconds", 0.0),
+        presence_ttl=_presence_ttl(params),
     )
+
+
+def _presence_ttl(params: HandlerParams) -> int:
+    """``presence_ttl``: 0 (off) or whole seconds of at least 2 (etcd's shortest lease is ~1.5 s)."""
+    ttl = get_count(params, "presence_ttl", DEFAULT_PRESENCE_TTL)
+    if ttl == 1:
+        raise ValueError("The rendezvous configuration option 'presence_ttl' must be 0 (off) or at least 2 "
+                         "seconds (etcd's shortest lease is about 1.5 s), got 1.")
+    return ttl
 
 
 def parse_v3_settings(params: HandlerParams) -> tuple[V3Settings, EtcdClientOptions]:

@@ -41,7 +41,7 @@ from etcd_store.client import (
 )
 from etcd_store.errors import EtcdLeaseNotFound
 
-from ..conf import V2_ANCHOR_DIR
+from ..conf import V2_ANCHOR_DIR, V2_PRESENCE_DIR
 from ..native import protocol
 from ..native.keys import RunKeys
 from ..v2state import StateDecodeError, decode_state
@@ -189,16 +189,19 @@ def _gc_v2(client: EtcdClient, prefix: str, run_id: str, deadline: Deadline, gra
     reason = f"closed, no heartbeat for {(now - newest).total_seconds():.0f} s" if newest else "closed"
     store = f"{key}/store".encode()
     anchors = f"{key}/{V2_ANCHOR_DIR}/".encode()
+    present = f"{key}/{V2_PRESENCE_DIR}/".encode()
     if dry_run:
         counted = client.txn([], [op_get(store, prefix=True, count_only=True),
-                                  op_get(anchors, prefix=True, count_only=True)], timeout=deadline.left())
+                                  op_get(anchors, prefix=True, count_only=True),
+                                  op_get(present, prefix=True, count_only=True)], timeout=deadline.left())
         return Removal(run_id, V2, reason, 1 + sum(r.count for r in counted.responses if isinstance(r, RangeResult)))
     done = client.txn(
         [compare_mod(raw, "==", kv.mod_revision)],
         # The store writes nothing outside ``<key>/store`` (etcd_store/_layout.py), the backend
-        # nothing but its lease anchors besides the key: the run's two ranges (the key, ``<key>/``)
-        # hold all gc deletes, as ``etcd-rdzv grant`` allows no more.
-        [op_delete(raw), op_delete(store, prefix=True), op_delete(anchors, prefix=True)],
+        # nothing but its lease anchors and its nodes' presence keys besides the key: the run's two
+        # ranges (the key, ``<key>/``) hold all gc deletes, as ``etcd-rdzv grant`` allows no more.
+        [op_delete(raw), op_delete(store, prefix=True), op_delete(anchors, prefix=True),
+         op_delete(present, prefix=True)],
         timeout=deadline.left(), idempotent=True,
     )
     if not done.succeeded:

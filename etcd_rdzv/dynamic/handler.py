@@ -25,7 +25,9 @@ aged while the round sealed is refreshed as soon as the join ends; and
 :meth:`EtcdRendezvousHandler.num_nodes_waiting` reports a waiting node when a member
 of this node's round is dead or this node's own entry was removed, so the agents
 re-rendezvous (and admit a replacement) instead of training on without it; a member
-that left the round counts the same. Its op executor
+that left the round counts the same. A member is also dead once its presence key, on a lease of
+``presence_ttl`` (3 s) that etcd's leader expires, is gone (:mod:`etcd_rdzv.dynamic.presence`):
+a hung node is dropped seconds after it stopped, not after its heartbeat window. Its op executor
 (:class:`~etcd_rdzv.dynamic.state.SealedRoundExecutor`) ends a completed round at the first
 member's exit, in the same fenced write (issue 29), so the survivors of a dead member re-form
 at once instead of waiting for its heartbeat to expire. And ``shutdown()`` closes the
@@ -60,7 +62,8 @@ from .. import metrics
 from ..conf import DynamicSettings, parse_dynamic_settings
 from ..ending import Ending, decide, exception_in_flight
 from ..plugin_errors import torch_version
-from .backend import open_backend
+from .backend import EtcdRendezvousBackend, open_backend
+from .presence import OBSERVERS, Presence
 from .state import SealedRoundExecutor, SealedRoundStateHolder, check_torch_internals, record_event
 
 if TYPE_CHECKING:
@@ -102,6 +105,12 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         self._round_members: frozenset[_NodeDesc] = frozenset()
         self._restart_reported = ""
         self._left = False  # shutdown() left (a failed node): a later shutdown() does nothing
+        self._presence: Presence | None = None  # create_handler's (presence_ttl > 0), else heartbeats only
+
+    def keep_presence(self, presence: Presence) -> None:
+        """Judge the members of this node's rounds by ``presence`` too, and keep this node's key
+        there from its next join on (:mod:`etcd_rdzv.dynamic.presence`). No RPC."""
+        self._presence = presence
 
     def _record(self, message: str, node_state: NodeState = NodeState.RUNNING, rank: int | None = None) -> None:
         """torch's event of this handler (same fields), named in O(1) (:func:`~etcd_rdzv.dynamic.state.record_event`:
@@ -118,6 +127,8 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         """
         backend = self.get_backend()
         self._drop_shared_store()
+        if self._presence is not None:
+            self._presence.ensure(str(self._this_node))  # before the join: a member always has its key
         self._round_joined = None
         started = time.monotonic()
         metrics.put_rdzv(backend, metrics.JOINS)
@@ -143,12 +154,18 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         is no longer in its round (another node removed it), and when a member of
         the completed round has sent no heartbeat for
         :attr:`SealedRoundStateHolder.member_expiry` (pytorch#111646: the survivors
-        re-form the round, admitting a waiting replacement). The state was synced
-        by the base class in this same call, so the checks cost no RPC.
+        re-form the round, admitting a waiting replacement) or, seen by a member of rank below
+        :data:`~etcd_rdzv.dynamic.presence.OBSERVERS`, whose presence key is gone. The state was
+        synced by the base class in this same call; the presence keys cost an observer one Range
+        per :attr:`~etcd_rdzv.dynamic.presence.Presence.period` (0.5 s by default).
         """
         waiting = super().num_nodes_waiting()
         with self._heartbeat_lock:
-            reason = self._restart_reason(self._state_holder.state)
+            state = self._state_holder.state
+            reason = self._restart_reason(state)
+            observed = self._observed(state) if not reason else []
+        if observed:
+            reason = self._absent_reason(observed)
         if not reason:
             self._restart_reported = ""
             return waiting
@@ -179,6 +196,27 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             limit = holder.member_expiry.total_seconds()
             return f"member(s) {', '.join(map(str, dead))} of round {joined} sent no heartbeat for {limit:g} s"
         return ""
+
+    def _observed(self, state: _RendezvousState) -> list[str]:
+        """The other members whose presence this node judges (it is a member of the completed round
+        of rank below :data:`~etcd_rdzv.dynamic.presence.OBSERVERS`), by name; call with the lock held."""
+        rank = state.participants.get(self._this_node)
+        if self._presence is None or not state.complete or rank is None or rank >= OBSERVERS:
+            return []
+        return [str(n) for n in state.participants if n != self._this_node]
+
+    def _absent_reason(self, observed: list[str]) -> str:
+        """Why the round must re-form when a member's presence key is gone ("" if none); at most one
+        Range (:meth:`~etcd_rdzv.dynamic.presence.Presence.departed`). Also puts this node's own key
+        anew if its lease was lost (two RPCs, then)."""
+        presence = self._presence
+        assert presence is not None
+        presence.ensure(str(self._this_node))
+        gone = presence.departed(observed)
+        if not gone:
+            return ""
+        return (f"member(s) {', '.join(gone)} of round {self._round_joined} lost their presence in etcd "
+                f"(no renewal for {presence.ttl} s)")
 
     def _start_heartbeats(self) -> None:
         """See base class (called when a join succeeded); also records the round joined and
@@ -220,6 +258,8 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             return super().shutdown()
         finally:
             self._drop_shared_store()
+            if self._presence is not None:
+                self._presence.leave()
 
     def _leave(self, in_flight: BaseException | None) -> bool:
         """:meth:`shutdown`'s ending for a failed node: remove this node from the state, never close."""
@@ -295,6 +335,8 @@ def create_handler(settings: DynamicSettings) -> EtcdRendezvousHandler:
     )
     handler = _from_backend(settings, store, backend, timeout)
     assert isinstance(handler, EtcdRendezvousHandler)
+    if settings.presence_ttl > 0 and isinstance(backend, EtcdRendezvousBackend):
+        handler.keep_presence(Presence(backend.client, backend.key, settings.presence_ttl))
     return handler
 
 

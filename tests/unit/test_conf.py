@@ -165,6 +165,19 @@ def test_cas_backoff_max_seconds_is_read_as_torch_reads_it() -> None:
             parse_dynamic_settings(_params(cas_backoff_max_seconds=bad))
 
 
+def test_presence_ttl_is_whole_seconds_of_two_or_more_or_zero() -> None:
+    """etcd-v2's presence lease (etcd_rdzv/dynamic/presence.py): 3 s by default, 0 turns it off; 1 s is
+    below etcd's shortest lease (refused, not silently lengthened), the rest refused naming the key."""
+    assert parse_dynamic_settings(_params()).presence_ttl == 3
+    assert parse_dynamic_settings(_params(presence_ttl="0")).presence_ttl == 0
+    assert parse_dynamic_settings(_params(presence_ttl="10")).presence_ttl == 10
+    with pytest.raises(ValueError, match=r"'presence_ttl' must be 0 \(off\) or at least 2 seconds"):
+        parse_dynamic_settings(_params(presence_ttl="1"))
+    for bad in ("-1", "2.5", "soon", "true"):
+        with pytest.raises(ValueError, match=rf"'presence_ttl' must be an integer of 0 or more, got {bad!r}"):
+            parse_dynamic_settings(_params(presence_ttl=bad))
+
+
 # ------------------------------------------------------------------ secrets from files
 
 

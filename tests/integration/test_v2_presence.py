@@ -1,0 +1,167 @@
+"""etcd-v2 member liveness from etcd (issue 29): a node's presence key on a short lease.
+
+Before: a member of a running round that stopped without a word (SIGSTOP, power loss) was found dead
+only when its stored heartbeat was ``member_expiry`` old (16 s with torch's defaults), so a hung
+node cost the survivors 16 s + the last call. Now etcd's leader expires its presence lease after
+``presence_ttl`` (3 s) and an observer reports it (:mod:`etcd_rdzv.dynamic.presence`). The other
+tests are the false-drop side: a live node whose keep-alive stream sits on a frozen etcd follower,
+or whose process is starved of CPU, keeps its key; a node without a key is never judged by it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from helpers.nodes import ETCD_V2, Nodes, results
+
+from etcd_rdzv import EtcdRendezvousHandler
+from etcd_rdzv.dynamic.presence import Presence
+from etcd_server import EtcdCluster
+from etcd_store.client import EtcdClient
+
+pytestmark = pytest.mark.timeout(120)
+
+#: torch's heartbeat defaults: a member's heartbeat alone would condemn it after 16 s.
+CONF = {"join_timeout": "60", "last_call_timeout": "1", "close_timeout": "5", "heartbeat_timeout": "5",
+        "keep_alive_interval": "5", "keep_alive_max_attempt": "3", "read_timeout": "5", "presence_ttl": "3"}
+#: What the detection of a stopped member may take: the 3 s TTL (counted from its last renewal, at
+#: most 0.5 s before the stop), etcd's expiry check (0.5 s), the observer's read period (0.5 s), slack.
+FOUND_WITHIN = 8.0
+
+
+@pytest.fixture
+def nodes(etcd_endpoint: str) -> Iterator[Nodes]:
+    n = Nodes(etcd_endpoint, ETCD_V2, conf=CONF, name="presence")
+    try:
+        yield n
+    finally:
+        n.close()
+
+
+def _presence(handler: EtcdRendezvousHandler) -> Presence:
+    presence = handler._presence
+    assert presence is not None
+    return presence
+
+
+def _present(nodes: Nodes, handler: EtcdRendezvousHandler) -> bool:
+    return nodes.client.get(_presence(handler).key(str(handler._this_node))) is not None
+
+
+def test_a_member_that_stops_is_reported_after_its_presence_lease(nodes: Nodes) -> None:
+    """A member that stops renewing (its client gone, nothing revoked: a hung or powered-off node) is
+    reported by the other member's ``num_nodes_waiting()`` within FOUND_WITHIN (measured 3.5 s),
+    where its heartbeat (written 5 s apart) would take 16 s."""
+    a, b = nodes.new(2, 2), nodes.new(2, 2)
+    results(nodes.join(a, b))
+    assert _present(nodes, a) and _present(nodes, b)
+    assert a.num_nodes_waiting() == 0
+    stopped = time.monotonic()
+    b._stop_heartbeats()
+    b._state_holder.backend.client.close()  # type: ignore[attr-defined]  # the handler stays, unheard
+    while a.num_nodes_waiting() == 0:
+        assert time.monotonic() - stopped < FOUND_WITHIN, "the stopped member was not reported"
+        time.sleep(0.1)
+    took = time.monotonic() - stopped
+    assert "presence" in a._restart_reported, a._restart_reported
+    assert took >= 2.0, f"reported after {took:.1f} s: before its 3 s lease could expire"
+
+
+def test_a_member_without_a_presence_key_is_judged_by_its_heartbeat_only(nodes: Nodes) -> None:
+    """A member that keeps no key (``presence_ttl=0``: as a node of an older etcd-rdzv, or torch's own
+    handler) is never reported by presence while its heartbeats go on."""
+    a, b = nodes.new(2, 2), nodes.new(2, 2, presence_ttl="0")
+    results(nodes.join(a, b))
+    assert b._presence is None and not nodes.client.range(
+        _presence(a).key(str(b._this_node)), count_only=True).count
+    until = time.monotonic() + 2 * int(CONF["presence_ttl"])
+    while time.monotonic() < until:
+        assert a.num_nodes_waiting() == 0, a._restart_reported
+        time.sleep(0.2)
+
+
+def test_shutdown_removes_the_key_at_once(nodes: Nodes) -> None:
+    """A node that ends revokes its presence lease: its key is gone when ``shutdown()`` returns."""
+    a, b = nodes.new(2, 2), nodes.new(2, 2)
+    results(nodes.join(a, b))
+    assert a.shutdown()
+    assert not _present(nodes, a) and _present(nodes, b)
+
+
+def test_a_live_node_keeps_its_key_through_a_frozen_follower(etcd_binary: str) -> None:
+    """The false-drop bound: a node whose keep-alive stream is on an etcd follower that freezes (SIGSTOP)
+    for three TTLs keeps its presence key (its stream moves to another member within 1 s without an
+    answer: 0.5 + 1 s + the reconnect, under the 3 s TTL), and an observer on the leader reports nobody."""
+    ttl = 3
+    with EtcdCluster(3, binary=etcd_binary) as cluster:
+        leader = cluster.leader()
+        frozen = (leader + 1) % 3
+        endpoints = cluster.endpoints
+        order = [endpoints[frozen]] + [e for i, e in enumerate(endpoints) if i != frozen]
+        with EtcdClient(",".join(order), timeout=3) as client, EtcdClient(endpoints[leader], timeout=3) as observer:
+            kept, view = Presence(client, "/presence-test/run", ttl), Presence(observer, "/presence-test/run", ttl)
+            assert kept.ensure("node-b")
+            time.sleep(ttl / 6 + 0.5)  # the keep-alive stream opens on the preferred member, the follower
+            assert view.departed(["node-b"]) == []  # the observer has read the key once
+            key = observer.get(kept.key("node-b"))
+            assert key is not None
+            pid = cluster.pids[frozen]
+            assert pid is not None
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                until = time.monotonic() + 3 * ttl  # the fault's duration, not a synchronisation
+                while time.monotonic() < until:
+                    assert view.departed(["node-b"]) == [], "a live node was reported gone"
+                    time.sleep(0.2)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            after = observer.get(kept.key("node-b"))
+            assert after is not None and after.create_revision == key.create_revision  # never expired
+            kept.leave()
+            assert observer.get(kept.key("node-b")) is None
+
+
+def test_a_starved_node_keeps_its_key(etcd_endpoint: str) -> None:
+    """The false-drop bound under load: three CPU hogs on the 2-core host and a thread of the node's own
+    process spinning in Python (the GIL) for three TTLs; the key is never deleted (same create revision),
+    and the node's renewals stay well under the TTL apart."""
+    ttl = 3
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3)]
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            sum(range(1000))
+
+    spinner = threading.Thread(target=spin, daemon=True)
+    try:
+        with EtcdClient(etcd_endpoint, timeout=3) as client, EtcdClient(etcd_endpoint, timeout=3) as observer:
+            kept = Presence(client, f"/presence-starved/{time.monotonic_ns()}", ttl)
+            assert kept.ensure("node-s")
+            key = observer.get(kept.key("node-s"))
+            assert key is not None
+            spinner.start()
+            time.sleep(3 * ttl)  # the load's duration, not a synchronisation
+            stop.set()
+            spinner.join()
+            after = observer.get(kept.key("node-s"))
+            assert after is not None and after.create_revision == key.create_revision, "the key expired under load"
+            session = kept._session
+            assert session is not None
+            renewed = session.renewed_at()
+            gaps = [b - a for a, b in itertools.pairwise(renewed)]
+            assert gaps and max(gaps) < ttl - 1, f"renewals {max(gaps):.2f} s apart under load"
+            kept.leave()
+    finally:
+        stop.set()
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
