@@ -41,7 +41,8 @@ OURS_ETCD_V2 = "etcd-v2"
 OURS_ETCD_V3 = "etcd-v3"
 #: This package's etcd-v2 with issue 29's rules undone (B3's before/after; only when --contenders names it).
 OURS_ETCD_V2_BEFORE = "etcd-v2-before"
-EXTRA_CONTENDERS = (OURS_ETCD_V2_BEFORE,)
+OURS_ETCD_V2_FAST = "etcd-v2-fast"
+EXTRA_CONTENDERS = (OURS_ETCD_V2_BEFORE, OURS_ETCD_V2_FAST)
 
 RDZV_CONTENDERS = (C10D, TORCH_ETCD_V2, OURS_ETCD_V2, OURS_ETCD_V3, FLOOR, FLOOR_BARRIER)
 # The B2-only contenders that are no rendezvous handler (B3 and B4 leave them out).
@@ -63,6 +64,8 @@ DESCRIPTIONS = {
     OURS_ETCD_V3: "this package's etcd-native etcd-v3 handler",
     OURS_ETCD_V2_BEFORE: "this package's etcd-v2 as before issue 29 (the last member's exit ends a sealed round; "
                          "heartbeat refresh after the keep-alive timer starts; member expiry padded by one interval)",
+    OURS_ETCD_V2_FAST: "this package's etcd-v2 with fast_recovery=true (opt-in, a deviation from torch: a "
+                       "re-forming round completes once every live node it knows joined, no last call)",
 }
 
 

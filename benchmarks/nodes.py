@@ -40,6 +40,7 @@ from .common import (
     FLOOR_BARRIER,
     OURS_ETCD_V2,
     OURS_ETCD_V2_BEFORE,
+    OURS_ETCD_V2_FAST,
     OURS_ETCD_V3,
     OURS_STORE,
     TCP_STORE,
@@ -49,7 +50,8 @@ from .common import (
 
 log = logging.getLogger(__name__)
 
-_OURS_BACKEND = {OURS_ETCD_V2: "etcd-v2", OURS_ETCD_V2_BEFORE: "etcd-v2", OURS_ETCD_V3: "etcd-v3"}
+_OURS_BACKEND = {OURS_ETCD_V2: "etcd-v2", OURS_ETCD_V2_BEFORE: "etcd-v2", OURS_ETCD_V2_FAST: "etcd-v2",
+                 OURS_ETCD_V3: "etcd-v3"}
 #: A key no benchmark writes: the Range that connects a client before the timed phase.
 _CONNECT_KEY = b"/bench/connect"
 
@@ -141,6 +143,8 @@ class HandlerNode:
         self._shared = _shared(spec, shared) if contender == OURS_ETCD_V3 else None
         self.handler: Any
         conf = dict(spec.get("conf", {}))
+        if contender == OURS_ETCD_V2_FAST:
+            conf["fast_recovery"] = "true"
         backend = {C10D: "c10d", TORCH_ETCD_V2: "etcd-v2"}.get(contender) or _OURS_BACKEND[contender]
         params = RendezvousParameters(
             backend=backend,

@@ -218,7 +218,9 @@ class DynamicSettings:
     ignores a non-zero value with a warning, :func:`etcd_rdzv.dynamic.handler.create_handler`).
     Ours: ``presence_ttl`` (3: whole seconds a node's presence key outlives its last renewal, so a
     hung member of a running round is dropped that long after it stopped, :mod:`etcd_rdzv.dynamic.presence`;
-    0: off, members judged by their heartbeats only; else at least 2).
+    0: off, members judged by their heartbeats only; else at least 2) and ``fast_recovery`` (False:
+    torch's last call; True: a forming round completes once ``min_nodes`` and every node with a
+    heartbeat in the state and a live presence key joined, a deviation from torch).
     ``config`` holds the client options, ``key_prefix`` and ``state_ttl``.
     """
 
@@ -236,6 +238,7 @@ class DynamicSettings:
     keep_alive_max_attempt: int = DEFAULT_KEEP_ALIVE_MAX_ATTEMPT
     cas_backoff_max_seconds: float = 0.0
     presence_ttl: int = DEFAULT_PRESENCE_TTL
+    fast_recovery: bool = False
 
 
 # --------------------------------------------------------------------------- value parsing
@@ -528,6 +531,11 @@ def parse_dynamic_settings(params: HandlerParams, *, legacy: bool = False) -> Dy
     warn_unknown_keys(params.backend, "etcd" if legacy else "etcd-v2", params.config)
     if legacy:
         params = translate_legacy_params(params)
+    presence_ttl = _presence_ttl(params)
+    fast = get_bool(params, "fast_recovery", False)
+    if fast and not presence_ttl:
+        raise ValueError("The rendezvous configuration option 'fast_recovery' needs presence (it waits for "
+                         "every node whose presence key is alive): it cannot be used with presence_ttl=0.")
     return DynamicSettings(
         backend=params.backend,
         run_id=check_run_id(params.run_id),
@@ -544,7 +552,8 @@ def parse_dynamic_settings(params: HandlerParams, *, legacy: bool = False) -> Dy
             params, "keep_alive_max_attempt", DEFAULT_KEEP_ALIVE_MAX_ATTEMPT
         ),
         cas_backoff_max_seconds=get_non_negative_seconds(params, "cas_backoff_max_seconds", 0.0),
-        presence_ttl=_presence_ttl(params),
+        presence_ttl=presence_ttl,
+        fast_recovery=fast,
     )
 
 

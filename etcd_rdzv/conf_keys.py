@@ -45,9 +45,10 @@ etcd_rdzv/prometheus.py)."""
 DYNAMIC_KEYS = frozenset({
     "join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
     "keep_alive_interval", "keep_alive_max_attempt", "cas_backoff_max_seconds", "presence_ttl",
+    "fast_recovery",
 })  # fmt: skip
 """``etcd-v2`` and ``etcd``: torch's ``DynamicRendezvousHandler`` keys (``cas_backoff_max_seconds``
-since torch 2.15) and ``presence_ttl`` (ours)."""
+since torch 2.15) and ours, ``presence_ttl`` and ``fast_recovery``."""
 
 V3_KEYS = frozenset({
     "join_timeout", "last_call_timeout", "close_timeout", "heartbeat", "heartbeat_timeout",

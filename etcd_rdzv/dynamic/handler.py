@@ -111,6 +111,8 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         """Judge the members of this node's rounds by ``presence`` too, and keep this node's key
         there from its next join on (:mod:`etcd_rdzv.dynamic.presence`). No RPC."""
         self._presence = presence
+        if isinstance(self._state_holder, SealedRoundStateHolder):
+            self._state_holder.presence = presence
 
     def _record(self, message: str, node_state: NodeState = NodeState.RUNNING, rank: int | None = None) -> None:
         """torch's event of this handler (same fields), named in O(1) (:func:`~etcd_rdzv.dynamic.state.record_event`:
@@ -337,6 +339,9 @@ def create_handler(settings: DynamicSettings) -> EtcdRendezvousHandler:
     assert isinstance(handler, EtcdRendezvousHandler)
     if settings.presence_ttl > 0 and isinstance(backend, EtcdRendezvousBackend):
         handler.keep_presence(Presence(backend.client, backend.key, settings.presence_ttl))
+        holder = handler._state_holder
+        if isinstance(holder, SealedRoundStateHolder):
+            holder.fast_recovery = settings.fast_recovery
     return handler
 
 

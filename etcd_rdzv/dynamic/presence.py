@@ -131,9 +131,20 @@ class Presence:
     def departed(self, names: Iterable[str]) -> list[str]:
         """Of ``names``, those whose key this view once read and its latest read lacks, sorted.
 
+        Reads as :meth:`present` does; with no read younger than a TTL, nobody is reported (the
+        observer cannot tell who renewed).
+        """
+        present = self.present()
+        if present is None:
+            return []
+        with self._lock:
+            return sorted(n for n in names if n in self._seen and n not in present)
+
+    def present(self) -> frozenset[str] | None:
+        """The names whose key the latest read found; None when no read succeeded within a TTL.
+
         Reads the presence keys (one keys-only Range) when the last read is older than
-        :attr:`period`; a read that fails is logged and keeps the last one, which ages: after a
-        TTL without a successful read nobody is reported (the observer cannot tell who renewed).
+        :attr:`period`; a read that fails is logged and keeps the last one, which ages.
         """
         now = time.monotonic()
         with self._lock:
@@ -141,9 +152,7 @@ class Presence:
         if stale:
             self._read(now)
         with self._lock:
-            if time.monotonic() - self._read_at > self.ttl:
-                return []
-            return sorted(n for n in names if n in self._seen and n not in self._present)
+            return None if time.monotonic() - self._read_at > self.ttl else self._present
 
     def _read(self, started: float) -> None:
         try:

@@ -67,6 +67,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBa
 
 from ..plugin_errors import EtcdRdzvPluginError, torch_version
 from ..v2state import STATE_FIELDS, NodeDesc, StateDecodeError, V2State, load_state
+from .presence import Presence
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
@@ -300,6 +301,11 @@ class SealedRoundStateHolder(_Holder):
         #: When this node's contact with etcd last resumed after a failed sync (never: the distant past).
         self._reachable_since = _NEVER
         self._unreachable = False
+        self.presence: Presence | None = None
+        """The run's presence keys (:mod:`etcd_rdzv.dynamic.presence`), set by the handler; None: off."""
+        self.fast_recovery = False
+        """rdzv-conf ``fast_recovery`` (needs :attr:`presence`): a forming round's last call ends once
+        every live node it knows has joined (:meth:`_end_last_call`)."""
 
     def sync(self) -> bool | None:
         """See base class; also notes when this node's contact with etcd last resumed.
@@ -363,6 +369,8 @@ class SealedRoundStateHolder(_Holder):
         state = self._state
         if not state.complete or self._round_is_dead(state):
             super()._sanitize()
+            if self.fast_recovery:
+                self._end_last_call(state)
             return
         limit = datetime.now(timezone.utc) - self._settings.keep_alive_interval * self._settings.keep_alive_max_attempt
         pruned = [n for n, beat in state.last_heartbeats.items() if beat < limit and n not in state.participants]
@@ -373,6 +381,29 @@ class SealedRoundStateHolder(_Holder):
         self._dead_nodes = pruned
         if pruned:
             log.debug("round %s: removed dead waiting node(s) %s", state.round, pruned)
+
+    def _end_last_call(self, state: Any) -> None:
+        """``fast_recovery``: in the local copy, move the last-call deadline of a forming round that
+        ``min_nodes`` joined, other than the first, into the past once no live node it knows is still out, so that torch's
+        join op of a participant completes the round now (its next write stores that decision).
+
+        A node it knows is one with a heartbeat in the state (the members of the round that ended,
+        the wait list; not the redundancy list, which a round does not admit); live is a presence
+        key in etcd (one keys-only Range per presence period, only while such a node is out). A
+        node with no key (presence off, an older etcd-rdzv) is not waited for: it joins the next
+        round. Without a fresh presence read nothing changes (torch's last call runs).
+        """
+        if state.complete or state.deadline is None or self.presence is None or state.round == 0:
+            return  # (round 0, the job's first: no group re-forms, torch's last call gathers it)
+        out = [n for n in state.last_heartbeats if n not in state.participants and n not in state.redundancy_list]
+        if out:
+            present = self.presence.present()
+            if present is None or any(str(n) in present for n in out):
+                return
+        if state.deadline.year > 2000:
+            log.info("round %s: every live node joined (%d); fast_recovery ends the last call",
+                     state.round, len(state.participants))
+            state.deadline = state.deadline.replace(year=2000)  # past, with the same tzinfo as torch's
 
     def _round_is_dead(self, state: Any) -> bool:
         """Whether this node is outside the completed round of ``state`` and every member looks dead."""

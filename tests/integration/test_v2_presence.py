@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -50,6 +51,12 @@ def _presence(handler: EtcdRendezvousHandler) -> Presence:
     presence = handler._presence
     assert presence is not None
     return presence
+
+
+def _backend_state(nodes: Nodes, handler: EtcdRendezvousHandler) -> bytes:
+    got = handler._state_holder.backend.get_state()  # type: ignore[attr-defined]
+    assert got is not None
+    return bytes(got[0])
 
 
 def _present(nodes: Nodes, handler: EtcdRendezvousHandler) -> bool:
@@ -165,3 +172,45 @@ def test_a_starved_node_keeps_its_key(etcd_endpoint: str) -> None:
         for hog in hogs:
             hog.kill()
             hog.wait()
+
+
+# ------------------------------------------------------------------ fast_recovery (opt-in)
+
+FAST = {"last_call_timeout": "30", "fast_recovery": "true"}
+
+
+def test_fast_recovery_re_forms_without_a_stopped_member_before_the_last_call(nodes: Nodes) -> None:
+    """fast_recovery: the survivors of a stopped member (its presence lease expires) re-form as soon as
+    both joined, not after torch's 30 s last call; the stopped member's heartbeat, still in the state,
+    is not waited for."""
+    a, b, c = (nodes.new(2, 3, **FAST) for _ in range(3))
+    results(nodes.join(a, b, c))
+    stopped = time.monotonic()
+    c._stop_heartbeats()
+    c._state_holder.backend.client.close()  # type: ignore[attr-defined]  # hung: nothing revoked
+    while a.num_nodes_waiting() == 0:
+        assert time.monotonic() - stopped < FOUND_WITHIN, "the stopped member was not reported"
+        time.sleep(0.1)
+    infos = results(nodes.join(a, b), timeout=20)
+    took = time.monotonic() - stopped
+    assert {i.world_size for i in infos} == {2}
+    assert took < 15, f"re-formed {took:.1f} s after the stop: the last call ran"
+
+
+def test_fast_recovery_waits_for_every_live_node(nodes: Nodes) -> None:
+    """fast_recovery ends the last call only once every live node of the ended round joined: with
+    --nnodes=1:4, a round that one member re-opens stays open while two others are alive and out, and
+    completes with the three once they join, without waiting for a fourth whose presence expired."""
+    a, b, c, d = (nodes.new(1, 4, **FAST) for _ in range(4))
+    results(nodes.join(a, b, c, d))  # max_nodes joined: complete at once
+    d._stop_heartbeats()
+    d._state_holder.backend.client.close()  # type: ignore[attr-defined]  # hung: its key expires in 3 s
+    (first,) = nodes.join(a)  # a leaves the round: the round ends, a joins the next one
+    time.sleep(2 * int(CONF["presence_ttl"]))  # b and c train on, alive (a wait for what must not happen)
+    state = pickle.loads(_backend_state(nodes, a))
+    assert not state.complete and set(state.participants) == {a._this_node}
+    assert not first.done()
+    joined = time.monotonic()
+    infos = results([first, *nodes.join(b, c)], timeout=20)
+    assert {i.world_size for i in infos} == {3}
+    assert time.monotonic() - joined < 15, "the last call ran"

@@ -178,6 +178,17 @@ def test_presence_ttl_is_whole_seconds_of_two_or_more_or_zero() -> None:
             parse_dynamic_settings(_params(presence_ttl=bad))
 
 
+def test_fast_recovery_is_off_by_default_and_needs_presence() -> None:
+    """etcd-v2's fast_recovery (a deviation from torch's last call) is opt-in, read as torch reads a
+    boolean, and refused with presence off (it waits for the nodes whose presence key is alive)."""
+    assert parse_dynamic_settings(_params()).fast_recovery is False
+    assert parse_dynamic_settings(_params(fast_recovery="true")).fast_recovery is True
+    with pytest.raises(ValueError, match=r"'fast_recovery' needs presence .* presence_ttl=0"):
+        parse_dynamic_settings(_params(fast_recovery="1", presence_ttl="0"))
+    with pytest.raises(ValueError, match="fast_recovery"):
+        parse_dynamic_settings(_params(fast_recovery="maybe"))
+
+
 # ------------------------------------------------------------------ secrets from files
 
 

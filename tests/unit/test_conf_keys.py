@@ -53,9 +53,9 @@ def test_a_misspelt_key_is_named_once_with_a_suggestion(caplog: pytest.LogCaptur
 
 def test_keys_of_another_backend_say_which_one_reads_them(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING):
-        parse_dynamic_settings(_params("etcd-v2", fast_recovery="0"))
+        parse_dynamic_settings(_params("etcd-v2", renew_interval="1"))
         parse_v3_settings(_params("etcd-v3", cacert="/nonexistent/ca.pem"))
-    assert "'fast_recovery' (read by etcd-v3 only)" in _warnings(caplog)[0]
+    assert "'renew_interval' (read by etcd-v3 only)" in _warnings(caplog)[0]
     assert "'cacert' (the legacy 'etcd' backend's name of 'ca_cert'" in _warnings(caplog)[1]
 
 
