@@ -14,6 +14,8 @@ from .common import (
     FLOOR,
     FLOOR_BARRIER,
     OURS_ETCD_V2,
+    OURS_ETCD_V2_BEFORE,
+    OURS_ETCD_V2_FAST,
     OURS_ETCD_V3,
     OURS_STORE,
     TCP_STORE,
@@ -30,6 +32,7 @@ COLORS = {
     OURS_STORE: "tab:blue", OURS_ETCD_V2: "tab:blue", OURS_ETCD_V3: "tab:green",
     TORCH_V2_STORE: "tab:orange", TORCH_ETCD_V2: "tab:orange",
     TCP_STORE: "tab:gray", C10D: "tab:gray", FLOOR: "black", FLOOR_BARRIER: "tab:purple",
+    OURS_ETCD_V2_BEFORE: "tab:cyan", OURS_ETCD_V2_FAST: "tab:red",
 }
 
 
