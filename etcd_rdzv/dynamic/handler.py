@@ -162,6 +162,11 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         per :attr:`~etcd_rdzv.dynamic.presence.Presence.period` (0.5 s by default).
         """
         waiting = super().num_nodes_waiting()
+        if self._presence is not None and self._round_joined is not None:
+            # No RPC while its lease lives; after it was lost (cut off from etcd for a TTL, a quorum
+            # loss the client sat out) the key is put anew at the first poll etcd answers, before the
+            # old lease, which etcd's new leader extended by a TTL, expires: the others see no gap.
+            self._presence.ensure(str(self._this_node))
         with self._heartbeat_lock:
             state = self._state_holder.state
             reason = self._restart_reason(state)
@@ -209,11 +214,9 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
 
     def _absent_reason(self, observed: list[str]) -> str:
         """Why the round must re-form when a member's presence key is gone ("" if none); at most one
-        Range (:meth:`~etcd_rdzv.dynamic.presence.Presence.departed`). Also puts this node's own key
-        anew if its lease was lost (two RPCs, then)."""
+        Range (:meth:`~etcd_rdzv.dynamic.presence.Presence.departed`)."""
         presence = self._presence
         assert presence is not None
-        presence.ensure(str(self._this_node))
         gone = presence.departed(observed)
         if not gone:
             return ""

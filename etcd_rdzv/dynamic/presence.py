@@ -143,8 +143,8 @@ class Presence:
     def present(self) -> frozenset[str] | None:
         """The names whose key the latest read found; None when no read succeeded within a TTL.
 
-        Reads the presence keys (one keys-only Range) when the last read is older than
-        :attr:`period`; a read that fails is logged and keeps the last one, which ages.
+        Reads the presence keys (one keys-only Range, at most a TTL long) when the last read is older
+        than :attr:`period`; a read that fails is logged and keeps the last one, which ages.
         """
         now = time.monotonic()
         with self._lock:
@@ -156,7 +156,8 @@ class Presence:
 
     def _read(self, started: float) -> None:
         try:
-            found = self._client.range(self._dir.encode(), prefix=True, keys_only=True)
+            # Bounded by the TTL, not the client's timeout: a read that takes longer is no news.
+            found = self._client.range(self._dir.encode(), prefix=True, keys_only=True, timeout=self.ttl)
         except EtcdError as e:
             log.info("could not read the presence keys under %r: %s", self._dir, e)
             return

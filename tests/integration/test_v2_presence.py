@@ -21,9 +21,10 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from helpers.nodes import ETCD_V2, Nodes, results
+from helpers.nodes import ETCD_V2, Nodes, nodes_of, results
 
 from etcd_rdzv import EtcdRendezvousHandler
+from etcd_rdzv.dynamic import handler as handler_module
 from etcd_rdzv.dynamic.presence import Presence
 from etcd_server import EtcdCluster
 from etcd_store.client import EtcdClient
@@ -214,3 +215,50 @@ def test_fast_recovery_waits_for_every_live_node(nodes: Nodes) -> None:
     infos = results([first, *nodes.join(b, c)], timeout=20)
     assert {i.world_size for i in infos} == {3}
     assert time.monotonic() - joined < 15, "the last call ran"
+
+
+def test_a_quorum_loss_longer_than_the_ttl_drops_nobody(etcd_binary: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two members of a running round on a 3-member etcd lose its quorum for three TTLs (2 of 3 members
+    stopped), then it comes back: their clients presume their presence leases lost meanwhile (no answer
+    for a TTL), etcd expired nothing (no leader), and each member puts its key anew at its first poll
+    after the recovery, before the old lease (extended by a TTL by the new leader) expires: no member is
+    reported gone, during the outage or after it (polled as torch's agent polls, 0.2 s apart). Only
+    the rank-0 member observes here (as in a job of more than four nodes), so the other one re-puts its
+    key in its own poll, not as an observer (before: it did not, and was dropped after the recovery)."""
+    ttl = 3
+    monkeypatch.setattr(handler_module, "OBSERVERS", 1)
+    with EtcdCluster(3, binary=etcd_binary) as cluster, \
+            nodes_of(cluster.endpoint_string, ETCD_V2, conf={**CONF, "read_timeout": "30"}, name="presence-ql") as n:
+        a, b = n.new(2, 2), n.new(2, 2)
+        results(n.join(a, b))
+        seen: list[str] = []
+        stop = threading.Event()
+
+        def poll(handler: EtcdRendezvousHandler) -> None:
+            while not stop.is_set():
+                if handler.num_nodes_waiting():
+                    seen.append(f"{handler._this_node}: {handler._restart_reported}")
+                time.sleep(0.2)
+
+        pollers = [threading.Thread(target=poll, args=(h,), daemon=True) for h in (a, b)]
+        for t in pollers:
+            t.start()
+        try:
+            time.sleep(1)  # both poll with the quorum up
+            down = [i for i in range(3) if i != cluster.leader()][:1] + [cluster.leader()]
+            for i in down:
+                cluster.stop_member(i)
+            time.sleep(3 * ttl)  # the outage's duration, not a synchronisation
+            ups = [threading.Thread(target=cluster.start_member, args=(i,)) for i in down]
+            for t in ups:
+                t.start()
+            for t in ups:
+                t.join()
+            time.sleep(3 * ttl)  # polls after the recovery, past the old leases' extended expiry
+        finally:
+            stop.set()
+            for t in pollers:
+                t.join(timeout=60)
+        assert seen == [], seen
+        for h in (a, b):
+            assert n.client.get(_presence(h).key(str(h._this_node))) is not None
