@@ -122,11 +122,12 @@ class Presence:
             return True
 
     def leave(self) -> None:
-        """Revoke this node's lease (its key goes at once); one RPC, never raises. Idempotent."""
+        """Revoke this node's lease (its key goes at once); one RPC of at most a TTL (the lease would
+        expire by then anyway), never raises. Idempotent."""
         with self._lock:
             session, self._session = self._session, None
         if session is not None:
-            session.close()
+            session.close(timeout=self.ttl)
 
     def departed(self, names: Iterable[str]) -> list[str]:
         """Of ``names``, those whose key this view once read and its latest read lacks, sorted.
