@@ -180,14 +180,19 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         return self._settings.run_id
 
     def next_rendezvous(self) -> RendezvousInfo:
-        """Block until this node is a member of a sealed round; see :meth:`next_round`.
+        """Block until this node is a member of a sealed round that every member confirmed; see
+        :meth:`next_round` and :mod:`etcd_rdzv.native.start` (a round a member left before every
+        member confirmed it is voided, and this node joins the next one as a member of it).
 
         Then returns the round's ``EtcdStore`` (prefix ``rounds/<T>/store/``) and
         ``bootstrap_store_info`` built in that store (rank 0 publishes
         ``MASTER_ADDR`` and a free port of its own host, every round: the one it probed
         when joining if the sealed record names it, else one probed now).
         """
-        result = self.next_round()
+        while True:  # a round some member left before all confirmed it is re-formed without it
+            result = self.next_round()
+            if self._started(result):
+                break
         try:
             store = self._round_store(result.round)
             try:
@@ -203,6 +208,18 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             self._telemetry.failed("next_rendezvous", e)
             raise
         return RendezvousInfo(store, result.rank, result.world_size, bootstrap)
+
+    def _started(self, result: RoundResult) -> bool:
+        """:meth:`Participant.start` of the round :meth:`next_round` returned, its errors translated
+        to torch's (:func:`torch_error`): whether every member confirmed it (False: it was voided)."""
+        try:
+            return self._node.start(result)
+        except EtcdError as e:
+            raise self._etcd_failed("next_rendezvous", e) from e
+        except (NodeError, ProtocolStateError) as e:
+            error = torch_error(e, self._settings.run_id)
+            self._telemetry.failed("next_rendezvous", error)
+            raise error from e
 
     def next_round(self) -> RoundResult:
         """The barrier of :meth:`next_rendezvous`, without the store (tests, benchmarks).

@@ -49,6 +49,7 @@ from .node_leases import NodeLeases
 from .records import ProtocolStateError, Sealed
 from .settings import V3Settings
 from .standing import Joined, Prior, RoundResult, Standing
+from .start import start_round
 from .telemetry import RoundObserver, SilentObserver
 from .view import RoundView, Signal, SignalKind
 from .wait import RoundWait, SealedMeanwhile, confirm, open_watch, tally, watches_previous
@@ -220,6 +221,24 @@ class Participant:
             if isinstance(step, RoundResult):
                 return step
             clock, sealed = step.clock, step.sealed
+
+    def start(self, admitted: RoundResult) -> bool:
+        """Confirm the round :meth:`rendezvous` admitted us to and wait for its fate
+        (:func:`~etcd_rdzv.native.start.start_round`): True once every member confirmed it, False
+        when it was voided (a member left first: the next :meth:`rendezvous` re-joins as a member of
+        it). Waits at most ``join_timeout``, and at least two lease TTLs (a dead member's key goes
+        within one); raises :class:`~etcd_rdzv.native.errors.RoundTimeout` (after withdrawing) when
+        that passes undecided, and ``EtcdError`` subclasses."""
+        wait = max(self._settings.join_timeout, 2.0 * self._settings.lease_ttl)
+        fate = start_round(self._client, self._keys, admitted.round, admitted.world_size, self._node_id,
+                           self.run_lease or 0, time.monotonic() + wait)
+        if fate is None:
+            self._withdraw()
+            raise RoundTimeout(
+                f"round {admitted.round} of {self._settings.run_id!r} was not confirmed by all of its "
+                f"{admitted.world_size} members in time (node {self._node_id})"
+            )
+        return fate
 
     def _read_sealed(self) -> Sealed:
         """The run's current sealed record (one read-only Txn); raises

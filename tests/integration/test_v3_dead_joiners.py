@@ -130,21 +130,23 @@ def test_the_sealer_evicts_as_many_joiners_as_it_looks_at_in_one_txn(run: Run) -
     assert [j.key for j in out.read.joiners] == [victims[-1][0]]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 30 item 2b, not built: a member named in a seal while already dead (dead for less than its "
-    "eviction bound when a join that fills max_nodes seals at once; or dead between the sealer's read and "
-    "its seal, or right after the seal) is returned to the live members as one of theirs, and their torch "
-    "agents then wait in the rank barrier (_assign_worker_ranks) until the store's timeout, then exit "
-    "(the run stays open: item 1). The fix is a start barrier (each member confirms the round before "
-    "next_rendezvous returns; a departure first re-forms the group)."))
 def test_a_member_named_dead_is_not_handed_to_the_live_ones(run: Run) -> None:
     """c joins and dies; its pace is slow (a renewal every 9 s), so its eviction bound is long and the
-    seal that b's join makes at once (max 3) names it, deterministically. The live a and b should not
-    be handed a world that includes c."""
+    seal that b's join makes at once (max 3) names it, deterministically. a and b are not handed that
+    round: it never starts (c never confirms it), it is voided once c's key goes (its lease expires),
+    and a and b re-form round 2 as a group of 2 within the lease TTL and a few seconds. Before the start
+    barrier they were handed round 1 of 3, and torch's agents then waited in their rank barrier for c."""
     a, b = run.new(2, 3), run.new(2, 3)
     c = run.new(2, 3, renew_interval="9")
     run.start(c)
     run.until_joined(1, 1)
     die(c)
-    res = [f.result(timeout=40) for f in run.start(a, b)]
-    assert {r.world_size for r in res} == {2}, f"a and b were handed round {res[0].round} of {res[0].world_size}"
+    died = time.monotonic()
+    res = [f.result(timeout=TTL + 30) for f in run.join(a, b)]  # next_rendezvous, as torch's agent calls it
+    took = time.monotonic() - died
+    assert {r.world_size for r in res} == {2}, f"a and b were handed a world of {res[0].world_size}"
+    assert sorted(r.rank for r in res) == [0, 1]
+    assert took < TTL + 10, f"re-formed {took:.1f} s after the death"
+    voided, started = run.client.get(run.keys.start(1)), run.client.get(run.keys.start(2))
+    assert voided is not None and voided.value == b"void"
+    assert started is not None and started.value == b"go"
