@@ -20,7 +20,11 @@ False drops: a live node's renewals reach etcd at most ``interval + answer bound
 apart (0.5 s + 1 s + the reconnect with the default TTL: a keep-alive stream that hears no answer
 for the answer bound moves to another member, :mod:`etcd_store.client.leases`), under the 3 s TTL.
 A node dropped all the same (its lease expired) sees its round end in ``num_nodes_waiting()``, puts
-its key anew and joins the next round: one restart, never a stranded node.
+its key anew and joins the next round: one restart, never a stranded node. An observer judges only
+from a read that holds its own key under the lease it holds: when its own key is gone (etcd
+unreachable from it for a TTL, so every key it reads may have expired for the same reason), it
+forgets whom it has seen and judges nobody until it sees them again after its own key is back;
+a member that died meanwhile is then judged by its heartbeat, as one never seen.
 
 Costs: per node one LeaseGrant and one Put when it first joins (again only after its lease was
 lost), one keep-alive per ``period`` on the client's stream; per observer one keys-only Range of
@@ -77,9 +81,11 @@ class Presence:
         self.period = presence_period(ttl)
         self._lock = threading.Lock()
         self._session: Session | None = None
+        self._own: str | None = None  # this node's name, once ensure() put its key
         self._seen: set[str] = set()
         self._present: frozenset[str] = frozenset()
         self._read_at = -math.inf
+        self._trusted_from = -math.inf  # monotonic time from which a read may judge (own key held)
 
     def key(self, name: str) -> bytes:
         """The presence key of the node named ``name`` (``str`` of torch's ``_NodeDesc``)."""
@@ -97,7 +103,10 @@ class Presence:
             session = self._session
             if session is not None and not session.done().is_set():
                 return True
+            if session is not None:
+                self._forget_seen()  # its own lease was lost: so may everyone's have been
             self._session = None
+            self._own = name
             key = self.key(name)
             made: list[Session] = []
 
@@ -141,8 +150,18 @@ class Presence:
         with self._lock:
             return sorted(n for n in names if n in self._seen and n not in present)
 
+    def _forget_seen(self) -> None:
+        """This view lost its own key: judge nobody from reads before it is back, and nobody it
+        has not read since (call with the lock held)."""
+        self._seen.clear()
+        self._present = frozenset()
+        self._read_at = -math.inf
+        self._trusted_from = math.inf
+
     def present(self) -> frozenset[str] | None:
-        """The names whose key the latest read found; None when no read succeeded within a TTL.
+        """The names whose key the latest read found; None when no read succeeded within a TTL,
+        or when this node's own key has been back for less than a TTL after it was lost (the others
+        cut off with it may not have put theirs back yet).
 
         Reads the presence keys (one keys-only Range, at most a TTL long) when the last read is older
         than :attr:`period`; a read that fails is logged and keeps the last one, which ages.
@@ -153,7 +172,10 @@ class Presence:
         if stale:
             self._read(now)
         with self._lock:
-            return None if time.monotonic() - self._read_at > self.ttl else self._present
+            now = time.monotonic()
+            if now - self._read_at > self.ttl or now - self._trusted_from < self.ttl:
+                return None
+            return self._present
 
     def _read(self, started: float) -> None:
         try:
@@ -164,6 +186,14 @@ class Presence:
             return
         present = frozenset(kv.key.decode(errors="replace")[len(self._dir):] for kv in found.kvs)
         with self._lock:
+            if self._own is not None and self._own not in present:
+                # Its own key is gone although its keep-alive stream may not know yet: the others'
+                # may be gone for the same reason (etcd unreachable from here), so this read judges
+                # nobody, and nobody is judged before being read again once the key is back.
+                self._forget_seen()
+                return
+            if self._trusted_from == math.inf:
+                self._trusted_from = started  # the first read with its key back
             self._present = present
             self._seen |= present
             self._read_at = started

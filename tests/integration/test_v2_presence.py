@@ -262,3 +262,34 @@ def test_a_quorum_loss_longer_than_the_ttl_drops_nobody(etcd_binary: str, monkey
         assert seen == [], seen
         for h in (a, b):
             assert n.client.get(_presence(h).key(str(h._this_node))) is not None
+
+
+def test_every_lease_lost_at_once_drops_nobody(nodes: Nodes) -> None:
+    """etcd unreachable from every node for longer than the TTL (a network cut, etcd itself up: it
+    expires every presence lease, unlike a quorum loss), then reachable again: the members' leases
+    are gone from etcd (revoked here, as the expiry would) before their keep-alive streams learn it.
+    An observer whose own key is gone judges nobody, and after its key is back judges only members it
+    has read again: no member is reported while each re-puts its key at its own poll. (Before: the
+    observer's first read after the cut found the other member's key gone and reported it, and the
+    whole group restarted after every outage longer than 3 s: test_partitions' test_e.)
+    Then a member that stops afterwards is still reported: the view did not go blind."""
+    a, b = nodes.new(2, 2), nodes.new(2, 2)
+    results(nodes.join(a, b))
+    assert a.num_nodes_waiting() == 0 and b.num_nodes_waiting() == 0
+    leases = [_presence(h)._session.id for h in (a, b)]  # type: ignore[union-attr]
+    for lease in leases:
+        assert nodes.client.lease_revoke(lease)
+    assert nodes.client.range(_presence(a).key("").rstrip(b"/") + b"/", prefix=True).kvs == []
+    reports: list[int] = []
+    until = time.monotonic() + 3 * _presence(a).ttl
+    while time.monotonic() < until:  # a polls first, each round: it reads before b re-puts its key
+        reports += [a.num_nodes_waiting(), b.num_nodes_waiting()]
+        time.sleep(0.2)
+    assert not any(reports), f"a member was reported after its lease was lost with everyone's: {reports}"
+    assert _present(nodes, a) and _present(nodes, b)
+    stopped = time.monotonic()
+    b._stop_heartbeats()
+    b._state_holder.backend.client.close()  # type: ignore[attr-defined]
+    while a.num_nodes_waiting() == 0:
+        assert time.monotonic() - stopped < FOUND_WITHIN, "a member stopped after the cut was not reported"
+        time.sleep(0.1)
