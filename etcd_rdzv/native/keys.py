@@ -10,7 +10,7 @@ Every key lives under ``<key_prefix>/<run_id>/v3/``::
     join/<round>/<node_id>        JSON {addr, pid, port}: node_id waits (node lease)
                                   for or belongs to <round>; create_revision orders joins
     rounds/<round>/members        JSON list of node ids, rank order     (run lease)
-    rounds/<round>/acks/<node_id> empty: a member confirmed the round   (run lease)
+    rounds/<round>/start-acks/<node_id> empty: a member confirmed the round   (run lease)
     rounds/<round>/start          "go" or "void": the round's fate      (run lease)
     rounds/<round>/store/...      the round's EtcdStore
     run                           hex id of the run lease               (run lease)
@@ -144,7 +144,7 @@ class RunKeys:
 
     def acks_prefix(self, round_: int) -> bytes:
         """Where the members of a sealed round confirm it (:mod:`~etcd_rdzv.native.start`)."""
-        return self.round_prefix(round_) + b"acks/"
+        return self.round_prefix(round_) + b"start-acks/"
 
     def ack(self, round_: int, node_id: str) -> bytes:
         return self.acks_prefix(round_) + node_id.encode()

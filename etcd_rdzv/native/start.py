@@ -8,14 +8,15 @@ until the store's timeout, then its agent fails. So no member returns ``T`` unti
 confirmed it:
 
 * each member, once admitted, **acks**: ``if version(join/T/<me>) > 0 and version(rounds/T/start) == 0
-  then put rounds/T/acks/<me>`` (run lease), reading in the same Txn the number of acks, the number of
+  then put rounds/T/start-acks/<me>`` (run lease), reading in the same Txn the number of acks, the number of
   join keys of ``T`` and ``rounds/T/start``;
 * the fate of the round is one key, ``rounds/T/start``, put once (``if version == 0``; run lease):
   ``go`` by a member that counted every member's ack, ``void`` by a member that saw a join key of
   ``T`` gone (a member's lease expired, or it withdrew) before every member acked, or whose own key is
   gone (its lease was lost: it cannot take part);
 * a member that can decide neither waits on one watch (from the ack's revision on) of the join keys of
-  ``T`` and the start key, and looks again on a departure; ``go`` returns the round, ``void`` makes
+  ``T`` and the start key, and looks again on a departure (the acks, under ``start-acks/``, sort after
+  the start key, outside the watched range: a member hears the fate, not every other member's ack); ``go`` returns the round, ``void`` makes
   every member re-join ``T + 1`` as a member of ``T`` (the old group re-forms without the gone member,
   skipping the last call with ``fast_recovery``).
 

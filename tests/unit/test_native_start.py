@@ -31,3 +31,16 @@ def test_otherwise_wait() -> None:
     the members (a node kept out, still in the round's keys) do not make it go."""
     assert decide(read(2, 3), 3) is Fate.WAIT
     assert decide(read(2, 4), 3) is Fate.WAIT
+
+
+def test_a_member_hears_the_fate_and_departures_not_every_ack() -> None:
+    """The start wait watches ``[join/T/, rounds/T/start]``; the acks sort outside it, so a round of W
+    members costs each of them one event (the fate), not W (before: B2's 4-node round delivered 6 events
+    per waiting node, over its budget of 3)."""
+    from etcd_rdzv.native.keys import RunKeys
+
+    keys = RunKeys.for_run("/torchelastic/p2p", "job")
+    lo, hi = keys.join_prefix(7), keys.start(7) + b"\0"
+    assert lo <= keys.join_key(7, "n1") < hi and lo <= keys.start(7) < hi
+    assert not lo <= keys.ack(7, "n1") < hi
+    assert keys.ack(7, "n1").startswith(keys.round_prefix(7))  # removed with its round
