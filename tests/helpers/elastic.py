@@ -138,15 +138,19 @@ class Job:
 
     # ------------------------------------------------------------------ nodes
 
-    def start(self, name: str, env: Mapping[str, str] | None = None) -> LocalAgent:
-        """Start node ``name`` (a node killed before under that name is retired)."""
+    def start(self, name: str, env: Mapping[str, str] | None = None, *, endpoint: str | None = None) -> LocalAgent:
+        """Start node ``name`` (a node killed before under that name is retired); ``endpoint``: its own
+        ``--rdzv-endpoint`` instead of the job's (a node reaching etcd through its own proxies)."""
         if name in self.nodes:
             old = self.nodes.pop(name)
             old.close()
             self.retired.append(old)
+        cmd = self._cmd
+        if endpoint is not None:
+            cmd = [f"--rdzv-endpoint={endpoint}" if a.startswith("--rdzv-endpoint=") else a for a in cmd]
         agent = LocalAgent(
             name,
-            self._cmd,
+            cmd,
             env={"LOGLEVEL": "INFO", **(env or {})},
             output=os.path.join(self.workdir, f"{name}.{len(self.retired)}.out"),
         )
