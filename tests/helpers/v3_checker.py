@@ -5,7 +5,10 @@ etcd's robustness tests: M in-process nodes (real handlers, each with its own cl
 revoked, or left to expire), a member's lease lost while it lives (it re-attaches at its next
 ``num_nodes_waiting()``), ``num_nodes_waiting()`` queries, a normal end (``shutdown()``: the run closes), the
 operator's close (``etcd-rdzv close``: abort), etcd outages (every member frozen past the lease TTL), member
-kill/SIGSTOP/restart on a cluster, etcd restart on one member, compaction, and pauses.
+kill/SIGSTOP/restart on a cluster, etcd restart on one member, compaction, pauses, and one node's stall
+(its own path to etcd blocked while the others run: shorter than the bound, when it must keep its place,
+or past it). Every node runs torch's rank barrier (``_assign_worker_ranks``) on each round it gets, and
+leaves when it fails, as torch's agent exits then.
 
 After every step the invariants of :mod:`helpers.v3_model` are checked; ``num_nodes_waiting()`` answers are
 compared with the model's expectation when it has one. A violation raises :class:`CheckFailed`: the seed, the
@@ -42,7 +45,7 @@ from .v3_world import Etcd, Node, NodeConf, kill, new_node, start_rendezvous
 log = logging.getLogger(__name__)
 
 WEIGHTS = {"join": 20, "pause": 16, "query": 10, "monitor": 8, "leave": 4, "kill_revoke": 4, "kill_expire": 3,
-           "lease_loss": 2, "compact": 2, "outage": 1, "close": 1.5, "abort": 1,
+           "lease_loss": 2, "stall": 4, "compact": 2, "outage": 1, "close": 1.5, "abort": 1,
            "member_kill": 2, "member_freeze": 2, "heal": 3, "restart": 0.4}
 CLUSTER_ONLY = {"member_kill", "member_freeze", "heal"}
 SINGLE_ONLY = {"restart"}
@@ -97,7 +100,7 @@ class Checker(FaultSteps):
         self.rng = random.Random(conf.seed)
         self.history = History()
         self.client = EtcdClient(etcd.endpoint, timeout=conf.nodes.read_timeout * 3)
-        self.pool = ThreadPoolExecutor(max_workers=conf.width + 2)
+        self.pool = ThreadPoolExecutor(max_workers=2 * conf.width + 2)  # calls, and a stall per node
         self.episode = 0
         self.step_no = 0
         self.stats: dict[str, int] = {}
@@ -105,6 +108,8 @@ class Checker(FaultSteps):
         self._queried: dict[str, Op] = {}  # each node's latest num_nodes_waiting()
         self._strays: list[Node] = []  # nodes whose next_rendezvous raised something no handler raises
         self.nodes: list[Node] = []
+        self._made: list[Node] = []  # every node of the episode (their proxies close with it)
+        self._stalled: set[str] = set()  # nodes whose path to etcd is blocked now
         self._watch_stop = threading.Event()
         self._watcher: threading.Thread | None = None
         self._new_episode()
@@ -127,7 +132,9 @@ class Checker(FaultSteps):
         self._episode_ns = time.monotonic_ns()
 
     def _fresh(self, slot: int) -> Node:
-        return new_node(self.etcd, self.conf.nodes, self.run_id, self.prefix, slot)
+        node = new_node(self.etcd, self.conf.nodes, self.run_id, self.prefix, slot)
+        self._made.append(node)
+        return node
 
     def _end_episode(self) -> None:
         """Every live node leaves (bounded); the threads of their calls end."""
@@ -141,6 +148,9 @@ class Checker(FaultSteps):
         for node in self.nodes:
             if node.thread is not None:
                 node.thread.join(self.conf.nodes.read_timeout + 5)
+        for node in self._made:
+            node.close_proxies()
+        self._made = []
         self._watch_stop.set()
         if self._watcher is not None:
             self._watcher.join(5)
@@ -244,7 +254,20 @@ class Checker(FaultSteps):
 
         if node.error is not None and not isinstance(node.error, RendezvousError):
             self._strays.append(node)  # no outcome of a rendezvous: the product or the harness broke
-        self.model.node_done(node, time.monotonic())
+        self.model.node_done(node, node.returned or time.monotonic())
+        if node.barrier:
+            kind = "barrier ok" if node.barrier == "ok" else "barrier failed"
+            self.stats[kind] = self.stats.get(kind, 0) + 1
+        if node.status == "member" and node.result is not None and node.barrier not in ("", "ok"):
+            # torch's agent raises out of its run; the launcher's shutdown() then leaves the run
+            self.model.barrier_failed(node, node.result[0], time.monotonic())
+            self.history.note("rank barrier failed: the node leaves", node=node.name, error=node.barrier)
+            self._retire(node, "left")
+            try:
+                node.handler.leave()
+            except Exception as e:
+                log.info("leave of %s after its barrier failed: %s", node.name, e)
+            self.model.bump()
 
     def _left_group(self, node: Node, after: float = 0.0) -> None:
         if node.status == "member" and node.round is not None:
@@ -392,6 +415,40 @@ class Checker(FaultSteps):
         with self.history.op(node.name, "leave") as op:
             op.ok(node.handler.leave())
         self.model.bump()
+
+    def _step_stall(self) -> None:
+        """One live node's path to etcd stalls while the others run (its host froze, its link
+        partitioned): mostly shorter than the bound, when it must keep its place and nothing may change
+        for anybody, else past it, when its lease or eviction may drop it (it re-attaches or re-joins)."""
+        node = self._pick_node(lambda n: n.alive and n.name not in self._stalled)
+        if node is None:
+            return
+        long = self.rng.random() < 0.35
+        lo_s, hi_s = ((self.model.dropping_stall(), self.model.dropping_stall() + self.heartbeat) if long
+                      else (0.2, self.model.spared_stall()))
+        seconds = self.rng.uniform(lo_s, hi_s)
+        kind = "stall past the bound" if long else "stall spared"
+        self.stats[kind] = self.stats.get(kind, 0) + 1
+        self._stalled.add(node.name)
+        self.pool.submit(self.stall, node, seconds, long=long)  # the next steps run meanwhile
+        round_ = node.round
+        other = self._pick_node(lambda n: n is not node and n.status == "member" and n.round == round_)
+        if round_ is not None and other is not None and self.rng.random() < 0.6:
+            # its group fails meanwhile (another member's worker failed): the others observe it
+            self.stats["stall while its group fails"] = self.stats.get("stall while its group fails", 0) + 1
+            self._rejoin(other)
+
+    def stall(self, node: Node, seconds: float, *, long: bool) -> None:
+        """``node``'s path to etcd blocked for ``seconds``, recorded (``long``: past the bound)."""
+        began = time.monotonic()
+        self.model.node_stall(node, began, began + seconds, long=long)
+        self.history.note("node stalled", node=node.name, seconds=round(seconds, 2), long=long)
+        try:
+            node.stall(seconds)
+        finally:
+            self.model.node_stall(node, began, time.monotonic(), long=long)  # its true end
+            self.history.note("node resumed", node=node.name)
+            self._stalled.discard(node.name)
 
     def _step_kill_revoke(self) -> None:
         node = self._pick_node(lambda n: n.alive)

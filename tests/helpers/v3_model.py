@@ -12,12 +12,22 @@ with etcd's revisions). It answers two questions:
 * :meth:`RunModel.expect_waiting`: what ``num_nodes_waiting()`` must answer for one node, as torch's
   handler would for the same situation, when the model knows it (else None: any answer).
 
+Liveness, beside safety: **a live node is never dropped unless it stalled past the bound**. A member
+of round T that lives and has not left T (no re-join, leave, kill sent to it) when round T+1 is sealed
+was dropped (T+1 seals only once T is empty: its key was evicted or its lease ended); that is a
+violation unless it stalled longer than :meth:`RunModel.spared_stall` since T was sealed, or etcd
+failed, or the checker revoked a lease of T. And **torch's rank barrier holds a live group**: every
+member runs torch's own ``_assign_worker_ranks`` (the agent's store barrier over every rank of the
+round) after ``next_rendezvous``; a barrier that fails when every member of its round lived through
+it, none stalled past the bound and etcd did not fail is a violation (torch's agent would exit).
+
 Times are ``time.monotonic()``.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +86,10 @@ class RunModel:
     faults: list[tuple[float, float]] = field(default_factory=list)  # etcd fault intervals
     fault_open: float | None = None
     stalls: list[float] = field(default_factory=list)  # when a member was frozen (streams on it stall)
+    node_stalls: list[tuple[str, float, float, bool]] = field(default_factory=list)  # (node, from, to, long)
+    left_at: dict[tuple[str, int], float] = field(default_factory=dict)  # (node, round) -> when it was sent off
+    barrier_failures: dict[int, tuple[float, list[str]]] = field(default_factory=dict)  # round -> first, who
+    judged: set[tuple[str, int]] = field(default_factory=set)  # drops and barriers already reported
     problems: list[tuple[str, list[Node]]] = field(default_factory=list)
     unknown: str = ""  # why the last expect_waiting had no answer
     version: int = 0  # bumped on every change of a node's state (a query overlapping one is not judged)
@@ -126,6 +140,38 @@ class RunModel:
                     and self.closed_rev is None:
                 self.problem(f"{node.name} got {node.error!r} but the run was not closed", [node])
 
+    def node_stall(self, node: Node, lo: float, hi: float, *, long: bool) -> None:
+        """``node``'s path to etcd stalls from ``lo`` to ``hi``; ``long``: past the bound (its lease, or
+        eviction once its group failed, may drop it: its rounds' answers are not judged)."""
+        with self.lock:
+            self.node_stalls.append((node.name, lo, hi, long))
+            if long:
+                last = self.last_round()
+                self.disturbed.update(r for r in (node.round, last, (last or 0) + 1) if r)
+            self.version += 1
+
+    def barrier_failed(self, node: Node, round_: int, now: float) -> None:
+        with self.lock:
+            first, who = self.barrier_failures.get(round_, (now, []))
+            self.barrier_failures[round_] = (min(first, now), [*who, node.name])
+
+    def spared_stall(self) -> float:
+        """The longest stall of one node after which it must keep its place: shorter than its lease
+        (``heartbeat``) and than eviction's condemnation L = max(2·i, i + a + 1, 2·i + 2) (i: its renewal
+        interval, at most a third of the TTL; a: its client's answer bound, max(min(TTL/3, 2), 1)), less
+        one interval (its last renewal may be that old when the stall begins) and 0.5 s (a loaded host)."""
+        ttl = float(self.conf.heartbeat)
+        i = min(1.0, ttl / 3)
+        a = max(min(ttl / 3, 2.0), 1.0)
+        return min(ttl, max(2 * i, i + a + 1, 2 * i + 2)) - i - 0.5
+
+    def dropping_stall(self) -> float:
+        """The shortest stall drawn as long: past the lease and past eviction's condemnation."""
+        ttl = float(self.conf.heartbeat)
+        i = min(1.0, ttl / 3)
+        a = max(min(ttl / 3, 2.0), 1.0)
+        return max(ttl, 2 * i, i + a + 1, 2 * i + 2) + 0.5
+
     def fault_begins(self, now: float, *, stall: bool = False) -> None:
         """An etcd fault begins; ``stall``: a member answers nothing (SIGSTOP), streams on it stall."""
         with self.lock:
@@ -157,6 +203,9 @@ class RunModel:
         for lo, hi in [*self.faults, *([(self.fault_open, now)] if self.fault_open is not None else [])]:
             if hi >= node.started and lo <= now:
                 bound += (hi - lo) + c.read_timeout + c.heartbeat
+        for _name, lo, hi, long in self.node_stalls:  # a node's calls (and those waiting on it) hang
+            if hi >= node.started and lo <= now:
+                bound += (hi - lo) + (c.read_timeout + c.heartbeat if long else 0.0)
         if any(t <= now for t in self.stalls) and (self.fault_open is not None or
                                                    any(hi >= node.started for _, hi in self.faults)):
             bound += STREAM_STALL + c.read_timeout  # its watch may have sat on a frozen member
@@ -198,6 +247,7 @@ class RunModel:
         with self.lock:
             key = (node.name, round_)
             self.gone_at[key] = min(self.gone_at.get(key, when), when)
+            self.left_at.setdefault(key, time.monotonic())
             self.version += 1
 
     def gone(self, node: Node, round_: int) -> float | None:
@@ -274,6 +324,67 @@ class RunModel:
                                 f"its lease session {p.session}", [node]))
             for round_, got in self.results.items():
                 out += self._round_violations(round_, got, now)
+            out += self._drops()
+            out += self._barriers(now)
+        return out
+
+    def _excused(self, name: str | None, lo: float, hi: float) -> str:
+        """Why a node (``name``; None: any node) may have lost its place between ``lo`` and ``hi``: a
+        long stall of it, an etcd fault (its grace included), or "" if nothing excuses it."""
+        c = self.conf
+        for who, s_lo, s_hi, long in self.node_stalls:
+            if long and (name is None or who == name) and s_hi >= lo and s_lo <= hi:
+                return f"{who} stalled {s_hi - s_lo:.1f} s"
+        faults = [*self.faults, *([(self.fault_open, hi)] if self.fault_open is not None else [])]
+        for f_lo, f_hi in faults:
+            if f_hi + c.read_timeout + c.heartbeat >= lo and f_lo <= hi:
+                return "an etcd fault"
+        return ""
+
+    def _drops(self) -> list[tuple[str, list[Node]]]:
+        """A live member of round T still in it (nothing sent it off) when T+1 was sealed: dropped."""
+        out: list[tuple[str, list[Node]]] = []
+        for round_, seen in self.seals.items():
+            before = self.seals.get(round_ - 1)
+            if before is None or round_ - 1 in self.disturbed:
+                continue
+            for node, _ in self.results.get(round_ - 1, []):
+                key = (node.name, round_ - 1)
+                left = self.left_at.get(key)
+                if key in self.judged or (left is not None and left <= seen.at):
+                    continue
+                if not node.alive and left is None:
+                    continue  # retired without a key of its own to drop (cannot happen: counted as left)
+                if self._excused(node.name, before.at, seen.at):
+                    continue
+                self.judged.add(key)
+                stalls = [round(hi - lo, 2) for who, lo, hi, _ in self.node_stalls if who == node.name
+                          and hi >= before.at and lo <= seen.at]
+                out.append((f"{node.name}, a live member of round {round_ - 1} that nothing sent off, was dropped: "
+                            f"round {round_} was sealed without it (its stalls meanwhile: {stalls} s, spared "
+                            f"up to {self.spared_stall():.1f} s)", [node]))
+        return out
+
+    def _barriers(self, now: float) -> list[tuple[str, list[Node]]]:
+        """torch's rank barrier failed in round T, judged once every member had time to return: a
+        violation unless a member of T never returned, was sent off or died by then, stalled past the
+        bound, or etcd failed."""
+        out: list[tuple[str, list[Node]]] = []
+        c = self.conf
+        for round_, (first, who) in self.barrier_failures.items():
+            if ("barrier", round_) in self.judged or now < first + c.read_timeout + 2:
+                continue
+            self.judged.add(("barrier", round_))
+            seal = self.seals.get(round_)
+            members = self.results.get(round_, [])
+            if seal is None or round_ in self.disturbed or len(members) < seal.world:
+                continue
+            gone = [n.name for n, _ in members if (self.left_at.get((n.name, round_)) or float("inf")) <= first]
+            if gone or self._excused(None, seal.at - c.heartbeat, first):
+                continue
+            out.append((f"torch's rank barrier of round {round_} failed on {who}, with every member "
+                        f"({[n.name for n, _ in members]}) alive and in it, no stall past the bound, no etcd fault",
+                        [n for n, _ in members]))
         return out
 
     def _round_violations(self, round_: int, got: list[tuple[Node, tuple[Any, ...]]],

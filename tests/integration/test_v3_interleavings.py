@@ -15,12 +15,13 @@ and the history of the failing round, and the line to replay it.
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
 from helpers.etcd_versions import FULL
 from helpers.v3_checker import CheckConf, Checker, CheckFailed
-from helpers.v3_world import Etcd
+from helpers.v3_world import Etcd, Node, NodeConf
 
 from etcd_server import EtcdCluster, EtcdServer
 
@@ -117,3 +118,64 @@ def test_a_wait_that_timed_out_late_does_not_depend_on_its_watch(etcd_server: Et
         assert (ra.round, ra.rank) == (1, 1 - rb.rank)
         # a's watch did deliver the seal; a did not hear it (dropped by the tap), so it read its place.
         assert [ev.kv.key for ev in tap.events()] == [nodes.keys.sealed]
+
+
+def _members_of_round_one(checker: Checker) -> tuple[Node, Node]:
+    """Both slots join round 1 (max_nodes 2: sealed as soon as both joined) and pass torch's barrier."""
+    a, b = checker.nodes
+    checker._rejoin(a)
+    checker._rejoin(b)
+    for node in (a, b):
+        assert node.thread is not None
+        node.thread.join(30)
+    assert (a.status, b.status) == ("member", "member"), (a.error, b.error)
+    assert a.round == b.round == 1 and a.barrier == b.barrier == "ok"
+    return a, b
+
+
+def _a_stalls_while_b_rejoins(checker: Checker, a: Node, b: Node, seconds: float) -> None:
+    """b's group fails (it re-joins round 2, where it observes round 1) while a's path to etcd is
+    blocked for ``seconds``; then a's agent re-joins too, as its next num_nodes_waiting() tells it."""
+    stalled = threading.Thread(target=checker.stall, args=(a, seconds), kwargs={"long": False})
+    stalled.start()
+    time.sleep(0.1)  # the stall has begun (a scenario's order, not a synchronisation of the product)
+    checker._rejoin(b)
+    stalled.join(seconds + 5)
+    checker._rejoin(a)
+    for node in (a, b):
+        assert node.thread is not None
+        node.thread.join(30)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("rule", ["the product's", "the old k x interval"])
+def test_the_checker_sees_a_live_member_dropped(fresh_etcd: EtcdServer, monkeypatch: pytest.MonkeyPatch,
+                                                 rule: str) -> None:
+    """The liveness invariant fails where it must (issue 30 item 5): round 1 = {a, b} with a 6 s lease;
+    a's path to etcd stalls while b re-joins round 2 (its group failed) and observes round 1. With the
+    product's eviction rule (4 s of silence) a keeps its place through the longest stall the model
+    spares (2.5 s): it re-joins and round 2 has both. With the rule issue 30 found evicting members in
+    failover (2 renewals: 2 s), a stall of 3 s (about a client's failover off a frozen etcd member,
+    2.98 s measured) lets b evict a and seal round 2 alone (the stall recorded as spared, as the old
+    rule claimed it was), and the checker reports a, a live member that nothing sent off, dropped."""
+    from etcd_rdzv.native import eviction
+
+    if rule != "the product's":
+        monkeypatch.setattr(eviction, "condemned_after", lambda member, own, misses: misses * member.renew)
+    node = NodeConf(min_nodes=1, max_nodes=2, heartbeat=6, read_timeout=8.0, join_timeout=20.0,
+                    last_call_timeout=0.3, fast_recovery=False)
+    checker = Checker(Etcd(fresh_etcd), CheckConf(seed=0, steps=0, slots=2, node=node))
+    try:
+        assert checker.model.spared_stall() == pytest.approx(2.5)
+        a, b = _members_of_round_one(checker)
+        _a_stalls_while_b_rejoins(checker, a, b, checker.model.spared_stall() if rule == "the product's" else 3.0)
+        if rule == "the product's":
+            checker._check()  # no violation
+            assert a.result is not None and b.result is not None
+            assert (a.round, b.round, a.result[2]) == (2, 2, 2), (a.result, b.result)
+        else:
+            with pytest.raises(CheckFailed, match=f"{a.name}, a live member of round 1 that nothing sent off, "
+                                                  "was dropped: round 2 was sealed without it"):
+                checker._check()
+    finally:
+        checker.close()
