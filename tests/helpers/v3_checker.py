@@ -555,6 +555,9 @@ class Checker(FaultSteps):
             return
         if isinstance(e, RendezvousConnectionError) and (self.model.fault_open is not None or self.model.faults):
             return
+        if isinstance(e, RendezvousConnectionError) and self.model.stalled_long(node.name, node.started,
+                                                                                 time.monotonic()):
+            return  # its own path to etcd was blocked past read_timeout
         self._fail(f"{node.name}'s wait, pending at the close, ended with {e!r}", [node])
 
     def _after_close(self, *, aborted: bool) -> None:

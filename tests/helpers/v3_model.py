@@ -150,6 +150,12 @@ class RunModel:
                 self.disturbed.update(r for r in (node.round, last, (last or 0) + 1) if r)
             self.version += 1
 
+    def stalled_long(self, name: str, lo: float, hi: float) -> bool:
+        """Whether node ``name`` stalled past the bound between ``lo`` and ``hi``."""
+        with self.lock:
+            return any(who == name and long and s_hi >= lo and s_lo <= hi
+                       for who, s_lo, s_hi, long in self.node_stalls)
+
     def barrier_failed(self, node: Node, round_: int, now: float) -> None:
         with self.lock:
             first, who = self.barrier_failures.get(round_, (now, []))

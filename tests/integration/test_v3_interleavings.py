@@ -75,7 +75,7 @@ def check_all(etcd: Etcd, ci: tuple[tuple[int, int], ...]) -> None:
     assert not failed, "\n\n".join(failed)
 
 
-@pytest.mark.etcd_matrix
+@pytest.mark.etcd_matrix("3.4", "3.8")  # the oldest and the newest; 3.7 runs everything
 @pytest.mark.timeout(_timeout(CI_SINGLE))
 def test_interleavings_single_member(fresh_etcd: EtcdServer) -> None:
     """Random interleavings against one etcd member (outages: the member frozen; restarts)."""
@@ -135,16 +135,16 @@ def _members_of_round_one(checker: Checker) -> tuple[Node, Node]:
 
 def _a_stalls_while_b_rejoins(checker: Checker, a: Node, b: Node, seconds: float) -> None:
     """b's group fails (it re-joins round 2, where it observes round 1) while a's path to etcd is
-    blocked for ``seconds``; then a's agent re-joins too, as its next num_nodes_waiting() tells it."""
+    blocked for ``seconds``; then a's agent re-joins too, as its next num_nodes_waiting() tells it.
+    Returns once b has its round 2 (with a, or alone if a was evicted)."""
     stalled = threading.Thread(target=checker.stall, args=(a, seconds), kwargs={"long": False})
     stalled.start()
     time.sleep(0.1)  # the stall has begun (a scenario's order, not a synchronisation of the product)
     checker._rejoin(b)
     stalled.join(seconds + 5)
     checker._rejoin(a)
-    for node in (a, b):
-        assert node.thread is not None
-        node.thread.join(30)
+    assert b.thread is not None
+    b.thread.join(30)
 
 
 @pytest.mark.timeout(120)
@@ -170,6 +170,8 @@ def test_the_checker_sees_a_live_member_dropped(fresh_etcd: EtcdServer, monkeypa
         a, b = _members_of_round_one(checker)
         _a_stalls_while_b_rejoins(checker, a, b, checker.model.spared_stall() if rule == "the product's" else 3.0)
         if rule == "the product's":
+            assert a.thread is not None
+            a.thread.join(30)
             checker._check()  # no violation
             assert a.result is not None and b.result is not None
             assert (a.round, b.round, a.result[2]) == (2, 2, 2), (a.result, b.result)

@@ -168,7 +168,9 @@ def test_the_watchdog_reports_a_step_that_blocks_the_loop_and_not_an_idle_loop(l
     loop_reactor.call_soon(time.sleep, 0.3)  # a blocking call on the loop
     _on_loop(loop_reactor, asyncio.sleep(0))
     _on_loop(loop_reactor, asyncio.sleep(0))
-    assert loop_reactor.lags == 1 and loop_reactor.max_lag >= 0.3
+    # The lag is the step's time less the loop thread's waits for a CPU (schedstat): on a loaded
+    # machine those are a few milliseconds of the 0.3 s (a full-suite run measured 0.2996 s).
+    assert loop_reactor.lags == 1 and 0.25 <= loop_reactor.max_lag < 1.0
 
 
 def _spin(seconds: float) -> None:
