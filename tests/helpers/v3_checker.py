@@ -441,12 +441,12 @@ class Checker(FaultSteps):
     def stall(self, node: Node, seconds: float, *, long: bool) -> None:
         """``node``'s path to etcd blocked for ``seconds``, recorded (``long``: past the bound)."""
         began = time.monotonic()
-        self.model.node_stall(node, began, began + seconds, long=long)
+        index = self.model.node_stall(node, began, began + seconds, long=long)
         self.history.note("node stalled", node=node.name, seconds=round(seconds, 2), long=long)
         try:
             node.stall(seconds)
         finally:
-            self.model.node_stall(node, began, time.monotonic(), long=long)  # its true end
+            self.model.stall_ends(index, time.monotonic())
             self.history.note("node resumed", node=node.name)
             self._stalled.discard(node.name)
 

@@ -140,14 +140,22 @@ class RunModel:
                     and self.closed_rev is None:
                 self.problem(f"{node.name} got {node.error!r} but the run was not closed", [node])
 
-    def node_stall(self, node: Node, lo: float, hi: float, *, long: bool) -> None:
-        """``node``'s path to etcd stalls from ``lo`` to ``hi``; ``long``: past the bound (its lease, or
-        eviction once its group failed, may drop it: its rounds' answers are not judged)."""
+    def node_stall(self, node: Node, lo: float, hi: float, *, long: bool) -> int:
+        """``node``'s path to etcd stalls from ``lo`` to ``hi`` (planned; :meth:`stall_ends` sets the true
+        end); ``long``: past the bound (its lease, or eviction once its group failed, may drop it: its
+        rounds' answers are not judged). Returns the stall's index."""
         with self.lock:
             self.node_stalls.append((node.name, lo, hi, long))
             if long:
                 last = self.last_round()
                 self.disturbed.update(r for r in (node.round, last, (last or 0) + 1) if r)
+            self.version += 1
+            return len(self.node_stalls) - 1
+
+    def stall_ends(self, index: int, hi: float) -> None:
+        with self.lock:
+            name, lo, _, long = self.node_stalls[index]
+            self.node_stalls[index] = (name, lo, hi, long)
             self.version += 1
 
     def stalled_long(self, name: str, lo: float, hi: float) -> bool:
@@ -161,22 +169,25 @@ class RunModel:
             first, who = self.barrier_failures.get(round_, (now, []))
             self.barrier_failures[round_] = (min(first, now), [*who, node.name])
 
-    def spared_stall(self) -> float:
-        """The longest stall of one node after which it must keep its place: shorter than its lease
-        (``heartbeat``) and than eviction's condemnation L = max(2·i, i + a + 1, 2·i + 2) (i: its renewal
-        interval, at most a third of the TTL; a: its client's answer bound, max(min(TTL/3, 2), 1)), less
-        one interval (its last renewal may be that old when the stall begins) and 0.5 s (a loaded host)."""
+    def _silences(self) -> tuple[float, float, float]:
+        """(lease TTL, renewal interval i, eviction's condemnation L): i is at most a third of the TTL,
+        L = max(2·i, i + a + 1, 2·i + 2) with a, the client's answer bound, max(min(TTL/3, 2), 1)."""
         ttl = float(self.conf.heartbeat)
         i = min(1.0, ttl / 3)
         a = max(min(ttl / 3, 2.0), 1.0)
-        return min(ttl, max(2 * i, i + a + 1, 2 * i + 2)) - i - 0.5
+        return ttl, i, max(2 * i, i + a + 1, 2 * i + 2)
+
+    def spared_stall(self) -> float:
+        """The longest stall of one node after which it must keep its place: shorter than its lease and
+        than eviction's condemnation, less one interval (its last renewal may be that old when the stall
+        begins) and 0.5 s (a loaded host)."""
+        ttl, i, condemned = self._silences()
+        return min(ttl, condemned) - i - 0.5
 
     def dropping_stall(self) -> float:
         """The shortest stall drawn as long: past the lease and past eviction's condemnation."""
-        ttl = float(self.conf.heartbeat)
-        i = min(1.0, ttl / 3)
-        a = max(min(ttl / 3, 2.0), 1.0)
-        return max(ttl, 2 * i, i + a + 1, 2 * i + 2) + 0.5
+        ttl, _, condemned = self._silences()
+        return max(ttl, condemned) + 0.5
 
     def fault_begins(self, now: float, *, stall: bool = False) -> None:
         """An etcd fault begins; ``stall``: a member answers nothing (SIGSTOP), streams on it stall."""
@@ -206,7 +217,7 @@ class RunModel:
         c = self.conf
         start = max(node.started, min(self.full_until(now), now))
         bound = start + c.join_timeout + c.last_call_timeout + self.slack
-        for lo, hi in [*self.faults, *([(self.fault_open, now)] if self.fault_open is not None else [])]:
+        for lo, hi in self._fault_intervals(now):
             if hi >= node.started and lo <= now:
                 bound += (hi - lo) + c.read_timeout + c.heartbeat
         for _name, lo, hi, long in self.node_stalls:  # a node's calls (and those waiting on it) hang
@@ -221,6 +232,10 @@ class RunModel:
                 closed_bound += STREAM_STALL + c.read_timeout
             bound = min(bound, closed_bound)
         return bound
+
+    def _fault_intervals(self, now: float) -> list[tuple[float, float]]:
+        """Every etcd fault interval, one still open counted until ``now``."""
+        return [*self.faults, *([(self.fault_open, now)] if self.fault_open is not None else [])]
 
     def stall_until(self, now: float) -> float:
         """Until when a member was SIGSTOPped (``now`` while it is): a stream on it may hear nothing
@@ -341,8 +356,7 @@ class RunModel:
         for who, s_lo, s_hi, long in self.node_stalls:
             if long and (name is None or who == name) and s_hi >= lo and s_lo <= hi:
                 return f"{who} stalled {s_hi - s_lo:.1f} s"
-        faults = [*self.faults, *([(self.fault_open, hi)] if self.fault_open is not None else [])]
-        for f_lo, f_hi in faults:
+        for f_lo, f_hi in self._fault_intervals(hi):
             if f_hi + c.read_timeout + c.heartbeat >= lo and f_lo <= hi:
                 return "an etcd fault"
         return ""
