@@ -1,36 +1,17 @@
 """The one configuration pass: torch's ``RendezvousParameters`` -> client options + backend settings.
 
-Every backend of the package reads its ``--rdzv-endpoint``, ``--rdzv-id``,
-``--nnodes``, ``--local-addr`` and ``--rdzv-conf`` here, in one call:
+Every backend reads its ``--rdzv-endpoint``, ``--rdzv-id``, ``--nnodes``, ``--local-addr`` and
+``--rdzv-conf`` here, in one call: :func:`parse_dynamic_settings` -> :class:`DynamicSettings`
+(``etcd-v2`` and ``etcd``: torch's ``DynamicRendezvousHandler`` over our backend),
+:func:`parse_v3_settings` -> :class:`~etcd_rdzv.native.settings.V3Settings` and
+:class:`EtcdClientOptions` (``etcd-v3``); both start from :func:`parse_rdzv_config` -> :class:`RdzvConfig`
+(client options, ``key_prefix``, ``state_ttl``). Each key's parser, default and meaning are its row of
+:data:`etcd_rdzv.conf_keys.KEYS`; what is here is what no single key decides: the endpoint, the TLS files
+and credentials with their environment fallbacks (:mod:`etcd_rdzv.conf_env`), the lease TTL of
+``etcd-v3``, the legacy ``etcd`` names.
 
-* :func:`parse_dynamic_settings` -> :class:`DynamicSettings` (``etcd-v2`` and
-  ``etcd``: torch's ``DynamicRendezvousHandler`` over our backend);
-* :func:`parse_v3_settings` -> :class:`~etcd_rdzv.native.settings.V3Settings`
-  and :class:`EtcdClientOptions` (``etcd-v3``);
-* both start from :func:`parse_rdzv_config` -> :class:`RdzvConfig` (client
-  options, ``key_prefix``, ``state_ttl``), also usable alone.
-
-Nothing here contacts etcd or imports torch or gRPC at import time. Every
-invalid value raises ``ValueError`` naming the rdzv-conf key (or
-``--rdzv-endpoint``) and the value that was wrong. One parser per kind of value:
-:func:`get_seconds_or`, :func:`get_non_negative_seconds`, :func:`get_positive_int`, :func:`get_bool`, and the
-private text and readable-file readers.
-
-Connection keys (every backend; torch's ``etcd-v2`` keys keep their meaning):
-``read_timeout`` (60 s, the deadline of every etcd call), ``protocol`` (the scheme
-of endpoints written without one: ``http``, or ``https`` once a certificate is
-given), ``ssl_cert``/``ssl_cert_key``/``ca_cert`` (PEM files; ``ssl_cert`` alone
-must also hold the key), ``user``/``password`` (default ``$ETCD_RDZV_USER``/
-``$ETCD_RDZV_PASSWORD``; refused over ``http`` unless ``allow_insecure_auth=1``, which logs a
-warning), ``key_prefix`` (``/torch/elastic/rendezvous``; the state
-key is ``<key_prefix>/<run_id>``), ``state_ttl`` (7200 s the state outlives its
-last write). ``--rdzv-endpoint`` is ``host[:port]`` or ``http(s)://host:port``,
-several separated by commas, all of one scheme (no ``user:pw@``); empty means ``$ETCDCTL_ENDPOINTS``, else
-``localhost:2379``. etcdctl's ``ETCDCTL_CACERT``/``CERT``/``KEY``/``USER``/``PASSWORD``
-come last, below the keys and our variables (:mod:`etcd_rdzv.conf_env`). The legacy ``etcd``
-keys (``cacert``, ``cert``, ``key``, ``etcd_prefix``, ``timeout``) are renamed by
-:func:`translate_legacy_params`. The rendezvous keys of each backend are listed
-on :class:`DynamicSettings` and ``V3Settings``; docs/configuration.md has them all.
+Nothing here contacts etcd or imports torch or gRPC at import time. Every invalid value raises
+``ValueError`` naming the rdzv-conf key (or ``--rdzv-endpoint``) and the value that was wrong.
 """
 
 from __future__ import annotations
@@ -39,37 +20,25 @@ import copy
 import logging
 import math
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from . import conf_keys as K
 from .conf_env import Given, read_secret, resolve_connection
-from .conf_keys import warn_unknown_keys
-from .defaults import (
-    DEFAULT_CLOSE_TIMEOUT,
-    DEFAULT_ENDPOINT,
-    DEFAULT_HEARTBEAT_TIMEOUT,
-    DEFAULT_JOIN_TIMEOUT,
-    DEFAULT_KEEP_ALIVE_INTERVAL,
-    DEFAULT_KEEP_ALIVE_MAX_ATTEMPT,
+from .conf_keys import (
     DEFAULT_KEY_PREFIX,
-    DEFAULT_LAST_CALL_TIMEOUT,
-    DEFAULT_LEASE_TTL,
-    DEFAULT_PRESENCE_TTL,
     DEFAULT_READ_TIMEOUT,
     DEFAULT_STATE_TTL,
+    LEGACY_ALIASES,
     LEGACY_KEY_PREFIX,
     MAX_STATE_TTL,
     PASSWORD_ENV,
     PASSWORD_FILE_ENV,
-    USER_ENV,
+    read,
+    warn_unknown_keys,
 )
-from .native.settings import (
-    DEFAULT_EVICT_MISSES,
-    DEFAULT_MAX_REQUEST_BYTES,
-    DEFAULT_RENEW_INTERVAL,
-    V3Settings,
-)
+from .conf_keys import text as _text_value
+from .native.settings import V3Settings
 
 if TYPE_CHECKING:
     from etcd_store.client import EtcdClient
@@ -78,49 +47,18 @@ log = logging.getLogger(__name__)
 
 
 __all__ = [
-    "check_run_id",
-    "DEFAULT_CLOSE_TIMEOUT",
-    "DEFAULT_ENDPOINT",
-    "DEFAULT_HEARTBEAT_TIMEOUT",
-    "DEFAULT_JOIN_TIMEOUT",
-    "DEFAULT_KEEP_ALIVE_INTERVAL",
-    "DEFAULT_KEEP_ALIVE_MAX_ATTEMPT",
-    "DEFAULT_PRESENCE_TTL",
-    "DEFAULT_KEY_PREFIX",
-    "DEFAULT_LAST_CALL_TIMEOUT",
-    "DEFAULT_LEASE_TTL",
-    "DEFAULT_READ_TIMEOUT",
-    "DEFAULT_STATE_TTL",
-    "LEGACY_ALIASES",
-    "LEGACY_KEY_PREFIX",
-    "MAX_STATE_TTL",
-    "PASSWORD_ENV",
-    "PASSWORD_FILE_ENV",
-    "USER_ENV",
     "DynamicSettings",
     "EtcdClientOptions",
     "HandlerParams",
     "RdzvConfig",
     "RdzvParams",
-    "get_bool",
-    "get_non_negative_seconds",
-    "get_positive_int",
-    "get_seconds_or",
+    "check_run_id",
     "parse_client_options",
     "parse_dynamic_settings",
     "parse_rdzv_config",
     "parse_v3_settings",
     "translate_legacy_params",
 ]
-
-LEGACY_ALIASES: Mapping[str, str] = {
-    "cacert": "ca_cert",
-    "cert": "ssl_cert",
-    "key": "ssl_cert_key",
-    "etcd_prefix": "key_prefix",
-    "timeout": "join_timeout",
-}
-"""Legacy ``etcd`` conf key -> the key it means here. The new name wins when both are given."""
 
 
 class RdzvParams(Protocol):
@@ -205,23 +143,10 @@ class RdzvConfig:
 
 @dataclass(frozen=True)
 class DynamicSettings:
-    """The settings of an ``etcd-v2``/``etcd`` rendezvous (seconds unless said otherwise).
-
-    torch's ``DynamicRendezvousHandler`` keys and defaults: ``join_timeout`` (600:
-    how long a round may take to complete), ``last_call_timeout`` (30: extra wait
-    once ``min_nodes`` joined), ``close_timeout`` (30: deadline of ``set_closed``
-    / ``shutdown``), ``heartbeat_timeout`` (5: deadline of one heartbeat write),
-    ``keep_alive_interval`` (5: seconds between heartbeats) and
-    ``keep_alive_max_attempt`` (3: missed heartbeats after which a node is dropped),
-    ``cas_backoff_max_seconds`` (0: no delay; torch 2.15 and later sleep a random 0 to that many
-    seconds after a lost compare-and-swap of the state; an older torch has no such setting and
-    ignores a non-zero value with a warning, :func:`etcd_rdzv.dynamic.handler.create_handler`).
-    Ours: ``presence_ttl`` (3: whole seconds a node's presence key outlives its last renewal, so a
-    hung member of a running round is dropped that long after it stopped, :mod:`etcd_rdzv.dynamic.presence`;
-    0: off, members judged by their heartbeats only; else at least 2) and ``fast_recovery`` (False:
-    torch's last call; True: a forming round completes once ``min_nodes`` and every node with a
-    heartbeat in the state and a live presence key joined, a deviation from torch).
-    ``config`` holds the client options, ``key_prefix`` and ``state_ttl``.
+    """The settings of an ``etcd-v2``/``etcd`` rendezvous: torch's ``DynamicRendezvousHandler`` keys and
+    ours, each the rdzv-conf key of its name (seconds unless the key says otherwise; meanings and
+    defaults in :data:`etcd_rdzv.conf_keys.KEYS`). ``config`` holds the client options, ``key_prefix``
+    and ``state_ttl``.
     """
 
     backend: str
@@ -230,108 +155,24 @@ class DynamicSettings:
     max_nodes: int
     local_addr: str | None
     config: RdzvConfig
-    join_timeout: float = DEFAULT_JOIN_TIMEOUT
-    last_call_timeout: float = DEFAULT_LAST_CALL_TIMEOUT
-    close_timeout: float = DEFAULT_CLOSE_TIMEOUT
-    heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT
-    keep_alive_interval: float = DEFAULT_KEEP_ALIVE_INTERVAL
-    keep_alive_max_attempt: int = DEFAULT_KEEP_ALIVE_MAX_ATTEMPT
+    join_timeout: float = K.DEFAULT_JOIN_TIMEOUT
+    last_call_timeout: float = K.DEFAULT_LAST_CALL_TIMEOUT
+    close_timeout: float = K.DEFAULT_CLOSE_TIMEOUT
+    heartbeat_timeout: float = K.DEFAULT_HEARTBEAT_TIMEOUT
+    keep_alive_interval: float = K.DEFAULT_KEEP_ALIVE_INTERVAL
+    keep_alive_max_attempt: int = K.DEFAULT_KEEP_ALIVE_MAX_ATTEMPT
     cas_backoff_max_seconds: float = 0.0
-    presence_ttl: int = DEFAULT_PRESENCE_TTL
+    presence_ttl: int = K.DEFAULT_PRESENCE_TTL
     fast_recovery: bool = False
 
 
-# --------------------------------------------------------------------------- value parsing
+# --------------------------------------------------------------------------- connection values
 
 
 def _text(params: RdzvParams, key: str) -> str | None:
+    """The string ``key`` holds, stripped; ``None`` when absent or blank."""
     value = params.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise ValueError(
-            f"The rendezvous configuration option {key!r} must be a string, got {value!r}."
-        )
-    value = value.strip()
-    return value or None
-
-
-def _seconds(params: RdzvParams, key: str, default: float, *, zero: bool, wanted: str) -> float:
-    """The finite number of seconds ``key`` holds, positive (or 0 too with ``zero``); ``default``
-    when absent or blank. Raises ``ValueError`` naming the key and ``wanted``."""
-    value = params.get(key)
-    if value is None or (isinstance(value, str) and not value.strip()):
-        return default
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        seconds = math.nan
-    if isinstance(value, bool) or not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not zero):
-        raise ValueError(f"The rendezvous configuration option {key!r} must be {wanted}, got {value!r}.")
-    return seconds
-
-
-def get_seconds_or(params: RdzvParams, key: str, default: float) -> float:
-    """The positive number of seconds ``key`` holds (``default`` when absent or blank).
-
-    Raises ``ValueError`` naming the key (also for booleans, NaN and infinities).
-    """
-    return _seconds(params, key, default, zero=False, wanted="a positive number of seconds")
-
-
-def get_non_negative_seconds(params: RdzvParams, key: str, default: float) -> float:
-    """The finite number of seconds of 0 or more ``key`` holds (``default`` when absent or blank).
-
-    Raises ``ValueError`` naming the key (also for booleans, NaN, infinities and negatives).
-    """
-    return _seconds(params, key, default, zero=True, wanted="a finite number of seconds of 0 or more")
-
-
-def get_positive_int(params: RdzvParams, key: str, default: int, *, unit: str = "") -> int:
-    """The conf value ``key`` as a positive integer (``default`` when absent or blank).
-
-    Raises ``ValueError`` naming the key; ``unit`` (e.g. ``"seconds"``) is shown in it.
-    """
-    value = params.get(key)
-    if value is None or (isinstance(value, str) and not value.strip()):
-        return default
-    try:
-        number = int(str(value).strip()) if not isinstance(value, bool) else 0
-    except ValueError:
-        number = 0
-    if number <= 0:
-        raise ValueError(
-            f"The rendezvous configuration option {key!r} must be a positive integer"
-            f"{f' ({unit})' if unit else ''}, got {value!r}."
-        )
-    return number
-
-
-def get_count(params: RdzvParams, key: str, default: int) -> int:
-    """The conf value ``key`` as an integer of 0 or more (``default`` when absent or blank).
-
-    Raises ``ValueError`` naming the key.
-    """
-    value = params.get(key)
-    if value is None or (isinstance(value, str) and not value.strip()):
-        return default
-    try:
-        number = int(str(value).strip()) if not isinstance(value, bool) else -1
-    except ValueError:
-        number = -1
-    if number < 0:
-        raise ValueError(
-            f"The rendezvous configuration option {key!r} must be an integer of 0 or more, got {value!r}."
-        )
-    return number
-
-
-def get_bool(params: HandlerParams, key: str, default: bool) -> bool:
-    """The conf value ``key`` as a boolean (torch's spellings: ``1/true/yes/...``).
-
-    Raises torch's ``ValueError`` naming the key.
-    """
-    return bool(params.get_as_bool(key, default))
+    return None if value is None else (_text_value(key, value) or None)
 
 
 def _readable_file(params: RdzvParams, key: str) -> str | None:
@@ -414,9 +255,9 @@ def parse_client_options(params: RdzvParams) -> EtcdClientOptions:
     )  # fmt: skip
     conn = resolve_connection(given, os.environ)
     options = EtcdClientOptions(
-        endpoints=conn.endpoints, read_timeout=get_seconds_or(params, "read_timeout", DEFAULT_READ_TIMEOUT),
+        endpoints=conn.endpoints, read_timeout=read(params, "read_timeout"),
         protocol=_protocol(params), ca_cert=conn.ca_cert, cert=conn.cert, key=_client_key(conn.cert, conn.key),
-        user=conn.user, password=conn.password, allow_insecure_auth=_flag(params, "allow_insecure_auth"),
+        user=conn.user, password=conn.password, allow_insecure_auth=read(params, "allow_insecure_auth"),
     )  # fmt: skip
     _check_transport(options)
     return options
@@ -462,19 +303,6 @@ def _client_key(cert: str | None, key: str | None) -> str | None:
     return key
 
 
-def _flag(params: RdzvParams, key: str) -> bool:
-    """The conf value ``key`` as a boolean (``1/true/yes/y/on``, ``0/false/no/n/off``; default false)."""
-    value = params.get(key)
-    if value is None or isinstance(value, bool):
-        return bool(value)
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "y", "on"):
-        return True
-    if text in ("", "0", "false", "no", "n", "off"):
-        return False
-    raise ValueError(f"The rendezvous configuration option {key!r} must be a boolean, got {value!r}.")
-
-
 def _check_transport(options: EtcdClientOptions) -> None:
     """The client's own checks of endpoints against TLS and credentials, at parse time.
 
@@ -512,7 +340,7 @@ def parse_rdzv_config(
                 f"got {raw_prefix!r}."
             )
     key_prefix = key_prefix.rstrip("/")
-    state_ttl = get_positive_int(params, "state_ttl", DEFAULT_STATE_TTL, unit="seconds")
+    state_ttl = read(params, "state_ttl")
     if state_ttl > MAX_STATE_TTL:
         raise ValueError(
             f"The rendezvous configuration option 'state_ttl' must be at most {MAX_STATE_TTL} "
@@ -532,34 +360,26 @@ def parse_dynamic_settings(params: HandlerParams, *, legacy: bool = False) -> Dy
     if legacy:
         params = translate_legacy_params(params)
     presence_ttl = _presence_ttl(params)
-    fast = get_bool(params, "fast_recovery", False)
+    fast = read(params, "fast_recovery", "etcd-v2")
     if fast and not presence_ttl:
         raise ValueError("The rendezvous configuration option 'fast_recovery' needs presence (it waits for "
                          "every node whose presence key is alive): it cannot be used with presence_ttl=0.")
+    backend = "etcd" if legacy else "etcd-v2"
+    values = {name: read(params, name, backend) for name in _DYNAMIC_FIELDS}
     return DynamicSettings(
-        backend=params.backend,
-        run_id=check_run_id(params.run_id),
-        min_nodes=params.min_nodes,
-        max_nodes=params.max_nodes,
-        local_addr=params.local_addr,
-        config=parse_rdzv_config(params),
-        join_timeout=get_seconds_or(params, "join_timeout", DEFAULT_JOIN_TIMEOUT),
-        last_call_timeout=get_seconds_or(params, "last_call_timeout", DEFAULT_LAST_CALL_TIMEOUT),
-        close_timeout=get_seconds_or(params, "close_timeout", DEFAULT_CLOSE_TIMEOUT),
-        heartbeat_timeout=get_seconds_or(params, "heartbeat_timeout", DEFAULT_HEARTBEAT_TIMEOUT),
-        keep_alive_interval=get_seconds_or(params, "keep_alive_interval", DEFAULT_KEEP_ALIVE_INTERVAL),
-        keep_alive_max_attempt=get_positive_int(
-            params, "keep_alive_max_attempt", DEFAULT_KEEP_ALIVE_MAX_ATTEMPT
-        ),
-        cas_backoff_max_seconds=get_non_negative_seconds(params, "cas_backoff_max_seconds", 0.0),
-        presence_ttl=presence_ttl,
-        fast_recovery=fast,
-    )
+        backend=params.backend, run_id=check_run_id(params.run_id), min_nodes=params.min_nodes,
+        max_nodes=params.max_nodes, local_addr=params.local_addr, config=parse_rdzv_config(params),
+        presence_ttl=presence_ttl, fast_recovery=fast, **values,
+    )  # fmt: skip
+
+
+_DYNAMIC_FIELDS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout", "keep_alive_interval",
+                   "keep_alive_max_attempt", "cas_backoff_max_seconds")  # fmt: skip
 
 
 def _presence_ttl(params: HandlerParams) -> int:
     """``presence_ttl``: 0 (off) or whole seconds of at least 2 (etcd's shortest lease is ~1.5 s)."""
-    ttl = get_count(params, "presence_ttl", DEFAULT_PRESENCE_TTL)
+    ttl: int = read(params, "presence_ttl", "etcd-v2")
     if ttl == 1:
         raise ValueError("The rendezvous configuration option 'presence_ttl' must be 0 (off) or at least 2 "
                          "seconds (etcd's shortest lease is about 1.5 s), got 1.")
@@ -569,36 +389,28 @@ def _presence_ttl(params: HandlerParams) -> int:
 def parse_v3_settings(params: HandlerParams) -> tuple[V3Settings, EtcdClientOptions]:
     """The settings and the client options of an ``etcd-v3`` rendezvous.
 
-    Raises ``ValueError`` naming the rdzv-conf key whose value is invalid; warns once
-    about keys it would ignore (:mod:`etcd_rdzv.conf_keys`). The lease TTL is ``heartbeat`` (rounded up to whole seconds) when given, else
-    ``keep_alive_interval * keep_alive_max_attempt`` (whole seconds each).
+    Raises ``ValueError`` naming the rdzv-conf key whose value is invalid; warns once about keys it
+    would ignore. The lease TTL is ``heartbeat`` (rounded up to whole seconds) when given, else
+    ``keep_alive_interval * keep_alive_max_attempt`` (whole seconds each), as torch's handlers count.
     """
     warn_unknown_keys(params.backend, "etcd-v3", params.config)
     config = parse_rdzv_config(params)
-    if "heartbeat" in params.config and params.get("heartbeat") is not None:
-        lease_ttl = math.ceil(get_seconds_or(params, "heartbeat", DEFAULT_LEASE_TTL))
+    heartbeat = read(params, "heartbeat", "etcd-v3")
+    if heartbeat is not None:
+        lease_ttl = math.ceil(heartbeat)
     else:
-        interval = get_positive_int(params, "keep_alive_interval", DEFAULT_KEEP_ALIVE_INTERVAL)
-        attempts = get_positive_int(params, "keep_alive_max_attempt", DEFAULT_KEEP_ALIVE_MAX_ATTEMPT)
-        lease_ttl = interval * attempts
+        lease_ttl = read(params, "keep_alive_interval", "etcd-v3") * read(params, "keep_alive_max_attempt", "etcd-v3")
+    values = {name: read(params, name, "etcd-v3") for name in _V3_FIELDS}
     settings = V3Settings(
-        run_id=check_run_id(params.run_id),
-        min_nodes=params.min_nodes,
-        max_nodes=params.max_nodes,
-        local_addr=params.local_addr,
-        join_timeout=get_seconds_or(params, "join_timeout", DEFAULT_JOIN_TIMEOUT),
-        last_call_timeout=get_seconds_or(params, "last_call_timeout", DEFAULT_LAST_CALL_TIMEOUT),
-        close_timeout=get_seconds_or(params, "close_timeout", DEFAULT_CLOSE_TIMEOUT),
-        lease_ttl=lease_ttl,
-        state_ttl=config.state_ttl,
-        key_prefix=config.key_prefix,
-        fast_recovery=get_bool(params, "fast_recovery", True),
-        max_request_bytes=get_positive_int(params, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES,
-                                           unit="bytes"),
-        renew_interval=get_seconds_or(params, "renew_interval", DEFAULT_RENEW_INTERVAL),
-        evict_misses=get_count(params, "evict_misses", DEFAULT_EVICT_MISSES),
-    )
+        run_id=check_run_id(params.run_id), min_nodes=params.min_nodes, max_nodes=params.max_nodes,
+        local_addr=params.local_addr, lease_ttl=lease_ttl, state_ttl=config.state_ttl,
+        key_prefix=config.key_prefix, **values,
+    )  # fmt: skip
     return settings, config.client
+
+
+_V3_FIELDS = ("join_timeout", "last_call_timeout", "close_timeout", "fast_recovery", "max_request_bytes",
+              "renew_interval", "evict_misses")  # fmt: skip
 
 
 def translate_legacy_params(params: Any) -> Any:

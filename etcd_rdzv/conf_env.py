@@ -16,7 +16,7 @@ One precedence for the rendezvous (:mod:`etcd_rdzv.conf`) and the ``etcd-rdzv`` 
      ``ETCDCTL_PASSWORD`` is set, as etcdctl does) and ``ETCDCTL_PASSWORD``: when neither a
      user nor a password comes from 1 or 2, so a user is never paired with another
      source's password;
-4. defaults (``localhost:2379``, :data:`~etcd_rdzv.defaults.DEFAULT_ENDPOINT`; no TLS, no auth).
+4. defaults (``localhost:2379``, :data:`~etcd_rdzv.conf_keys.DEFAULT_ENDPOINT`; no TLS, no auth).
 
 :func:`resolve_connection` is that chain, the one resolver both callers use: they check
 their own explicit options (:class:`Given`) and get a :class:`Connection`. Each other
@@ -35,7 +35,7 @@ import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from .defaults import DEFAULT_ENDPOINT, PASSWORD_ENV, PASSWORD_FILE_ENV, USER_ENV
+from .conf_keys import DEFAULT_ENDPOINT, PASSWORD_ENV, PASSWORD_FILE_ENV, USER_ENV
 
 log = logging.getLogger(__name__)
 

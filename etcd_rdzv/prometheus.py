@@ -29,7 +29,6 @@ gauges keep their name: ``etcd_rdzv_rendezvous_duration_ms``),
 from __future__ import annotations
 
 import logging
-import os
 import re
 import threading
 from typing import TYPE_CHECKING, Any
@@ -37,20 +36,15 @@ from typing import TYPE_CHECKING, Any
 from torch.distributed.elastic import metrics as torch_metrics
 
 from . import metrics
+from .conf_keys import read
 
 if TYPE_CHECKING:
     from .conf import RdzvParams
 
 log = logging.getLogger(__name__)
 
-__all__ = ["METRICS_ADDR_ENV", "METRICS_PORT_ENV", "PrometheusMetricHandler", "maybe_start", "serving"]
+__all__ = ["PrometheusMetricHandler", "maybe_start", "serving"]
 
-METRICS_PORT_KEY = "metrics_port"
-METRICS_ADDR_KEY = "metrics_addr"
-METRICS_PORT_ENV = "ETCD_RDZV_METRICS_PORT"
-METRICS_ADDR_ENV = "ETCD_RDZV_METRICS_ADDR"
-DEFAULT_METRICS_ADDR = "127.0.0.1"
-"""Loopback unless told otherwise: the metrics name runs and nodes, and the endpoint has no auth."""
 PREFIX = "etcd_rdzv_"
 
 _lock = threading.Lock()
@@ -102,44 +96,30 @@ class PrometheusMetricHandler(torch_metrics.MetricHandler):
             return made
 
 
-def _setting(params: RdzvParams, key: str, env: str) -> Any:
-    value = params.get(key)
-    if value is None or (isinstance(value, str) and not value.strip()):
-        value = os.environ.get(env)
-    return value
-
-
 def maybe_start(params: RdzvParams) -> tuple[str, int] | None:
     """Start this process's endpoint if ``metrics_port`` is configured; its (addr, port) or None."""
     global _serving
-    raw = _setting(params, METRICS_PORT_KEY, METRICS_PORT_ENV)
-    if raw is None or (isinstance(raw, str) and not raw.strip()):
+    port = read(params, "metrics_port")
+    if port is None:
         return None
-    try:
-        port = int(str(raw).strip())
-    except ValueError:
-        port = 0
-    if not 1 <= port <= 65535:
-        raise ValueError(f"The rendezvous configuration option {METRICS_PORT_KEY!r} must be a TCP "
-                         f"port (1-65535), got {raw!r}.")
-    addr = str(_setting(params, METRICS_ADDR_KEY, METRICS_ADDR_ENV) or DEFAULT_METRICS_ADDR).strip()
+    addr = read(params, "metrics_addr")
     try:
         import prometheus_client
     except ImportError:
         raise ValueError(
-            f"{METRICS_PORT_KEY}={port} asks for a Prometheus endpoint, but prometheus_client is not "
+            f"metrics_port={port} asks for a Prometheus endpoint, but prometheus_client is not "
             "installed: pip install 'etcd-rdzv[prometheus]' (or unset it)."
         ) from None
     with _lock:
         if _serving is not None:
             if _serving != (addr, port):
-                raise ValueError(f"{METRICS_PORT_KEY}: this process already serves metrics on "
+                raise ValueError(f"metrics_port: this process already serves metrics on "
                                  f"{_serving[0]}:{_serving[1]}, not {addr}:{port}.")
             return _serving
         try:
             prometheus_client.start_http_server(port, addr=addr)
         except OSError as e:
-            raise OSError(f"cannot serve Prometheus metrics on {addr}:{port} ({METRICS_PORT_KEY}): {e}") from e
+            raise OSError(f"cannot serve Prometheus metrics on {addr}:{port} (metrics_port): {e}") from e
         torch_metrics.configure(PrometheusMetricHandler(), group=metrics.GROUP)
         _serving = (addr, port)
     log.info("serving etcd-rdzv metrics for Prometheus on %s:%d", addr, port)

@@ -42,6 +42,7 @@ from etcd_store.client import (
 from etcd_store.errors import EtcdLeaseNotFound
 
 from ..conf import V2_ANCHOR_DIR, V2_PRESENCE_DIR
+from ..conf_keys import DEFAULT_STATE_TTL
 from ..native import protocol
 from ..native.keys import RunKeys
 from ..v2state import StateDecodeError, decode_state
@@ -51,9 +52,8 @@ from .v2state import encode_closed
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_STATE_TTL", "Removal", "close_v2", "close_v3", "gc"]
+__all__ = ["Removal", "close_v2", "close_v3", "gc"]
 
-DEFAULT_STATE_TTL = 7200
 _CAS_ATTEMPTS = 20  # heartbeats rewrite a v2 state about once per keep_alive_interval per node
 
 

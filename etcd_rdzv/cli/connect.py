@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..conf_env import ETCDCTL_CACERT, ETCDCTL_CERT, ETCDCTL_ENDPOINTS, ETCDCTL_KEY, Given, resolve_connection
-from ..defaults import DEFAULT_CLI_TIMEOUT, DEFAULT_ENDPOINT, DEFAULT_KEY_PREFIX
+from ..conf_keys import DEFAULT_CLI_TIMEOUT, DEFAULT_ENDPOINT, DEFAULT_KEY_PREFIX
 
 if TYPE_CHECKING:
     from etcd_store.client import EtcdClient

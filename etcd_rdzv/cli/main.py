@@ -22,9 +22,10 @@ from etcd_store.client import EtcdClient
 from etcd_store.errors import EtcdError, EtcdPermissionDenied
 
 from ..conf_env import read_secret
+from ..conf_keys import DEFAULT_STATE_TTL
 from ..native.records import ProtocolStateError
 from ..v2state import StateDecodeError
-from .actions import DEFAULT_STATE_TTL, close_v2, close_v3, gc
+from .actions import close_v2, close_v3, gc
 from .connect import CliError, ConnectOptions, Deadline, add_connect_arguments, connect_options
 from .grants import default_name, grant, revoke
 from .render import LINE_LIMIT, EscapingFormatter, esc, esc_lines, render_list, render_show

@@ -72,14 +72,8 @@ from etcd_store.client import (
 from etcd_store.errors import EtcdError
 
 from .. import metrics
-from ..conf import (
-    DEFAULT_KEY_PREFIX,
-    DEFAULT_STATE_TTL,
-    V2_ANCHOR_DIR,
-    RdzvConfig,
-    check_run_id,
-    parse_rdzv_config,
-)
+from ..conf import V2_ANCHOR_DIR, RdzvConfig, check_run_id, parse_rdzv_config
+from ..conf_keys import DEFAULT_KEY_PREFIX, DEFAULT_STATE_TTL
 
 if TYPE_CHECKING:
     from torch.distributed import Store

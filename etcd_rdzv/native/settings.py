@@ -12,26 +12,19 @@ import math
 import socket
 from dataclasses import dataclass
 
-from ..defaults import (
+from ..conf_keys import (
     DEFAULT_CLOSE_TIMEOUT,
+    DEFAULT_EVICT_MISSES,
     DEFAULT_JOIN_TIMEOUT,
     DEFAULT_KEY_PREFIX,
     DEFAULT_LAST_CALL_TIMEOUT,
     DEFAULT_LEASE_TTL,
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_RENEW_INTERVAL,
     DEFAULT_STATE_TTL,
 )
 
-__all__ = ["DEFAULT_EVICT_MISSES", "DEFAULT_LEASE_TTL", "DEFAULT_MAX_REQUEST_BYTES", "DEFAULT_RENEW_INTERVAL", "SEAL_DELTA_BYTES", "V3Settings", "node_id_bytes",
-           "seal_request_bytes"]
-
-DEFAULT_MAX_REQUEST_BYTES = 1_572_864
-"""etcd's default ``--max-request-bytes`` (1.5 MiB): the largest request it accepts."""
-
-DEFAULT_RENEW_INTERVAL = 1.0
-"""Seconds between two keep-alives of a node's lease (rdzv-conf ``renew_interval``)."""
-
-DEFAULT_EVICT_MISSES = 2
-"""Keep-alives a member's lease must have missed before a survivor evicts it (``evict_misses``)."""
+__all__ = ["SEAL_DELTA_BYTES", "V3Settings", "node_id_bytes", "seal_request_bytes"]
 
 _WORST_ADDR_BYTES = 253  # the longest host name
 
@@ -64,35 +57,11 @@ def seal_request_bytes(root: str, members: int, node_id_size: int) -> int:
 class V3Settings:
     """Everything the ``etcd-v3`` handler needs besides the etcd client (seconds).
 
-    The rendezvous timeouts keep the names and defaults of torch's handler:
-
-    * ``join_timeout`` (600): how long ``next_rendezvous`` may take; not counted
-      down while a full, running group keeps the node out (torch's redundancy list).
-    * ``last_call_timeout`` (30): extra wait for more nodes once ``min_nodes`` joined.
-    * ``fast_recovery`` (true): a round that only re-forms this node's previous group
-      (no more joiners than that group had) is sealed once the previous round is
-      empty, without the last call: leaving a round and joining the next is one
-      transaction, so every survivor is back by then. A growing round still waits.
-    * ``close_timeout`` (30): deadline of ``set_closed`` / ``shutdown``.
-    * ``lease_ttl`` (rdzv-conf ``heartbeat``): the TTL of each node's lease, i.e.
-      how long after its last keep-alive a node counts as dead. Default
-      ``keep_alive_interval`` (5) x ``keep_alive_max_attempt`` (3) = 15 s, the time
-      torch's handlers take to declare a node dead. torch's ``heartbeat_timeout``
-      (the deadline of one heartbeat write) is accepted and ignored: keep-alives
-      are streamed.
-    * ``state_ttl`` (7200): the TTL of the run lease that holds the round records,
-      i.e. how long they outlive the run's last live node.
-    * ``max_request_bytes`` (1.5 MiB): etcd's ``--max-request-bytes``. Sealing a round is
-      one etcd request that names every member (about 64 bytes a node), so ``max_nodes``
-      is refused here when a round of that size could not be sealed (about 23,000 nodes
-      for a 30-byte host name at the default); raise it with etcd's own limit.
-    * ``renew_interval`` (1): seconds between two keep-alives of a node's lease (at most a
-      third of ``lease_ttl``: :attr:`renew_every`). Renewals are not raft writes.
-    * ``evict_misses`` (2): after a group failed, a survivor evicts a member of it whose lease
-      missed this many renewals (at the member's own pace), and at least its client's failover plus
-      a margin (4 s of silence with the defaults), while its own were answered
-      (:mod:`~etcd_rdzv.native.eviction`); 0 turns eviction off (a dead member then leaves when its
-      lease expires).
+    Each field is the rdzv-conf key of its name (torch's names and defaults for the timeouts; every
+    meaning and default in :data:`etcd_rdzv.conf_keys.KEYS`), but ``lease_ttl``: the TTL of each node's
+    lease (``heartbeat``, else ``keep_alive_interval`` x ``keep_alive_max_attempt``), how long after its
+    last keep-alive a node counts as dead. Construction checks the values that depend on each other
+    (the seal of a round of ``max_nodes`` must fit ``max_request_bytes``: the seal names every member).
     """
 
     run_id: str

@@ -22,7 +22,7 @@ import pytest
 from helpers.elastic import Job, job_factory, steps_of
 from helpers.matrix import ETCD_BINARIES, FULL_VERSIONS, version_param
 
-from etcd_rdzv.defaults import DEFAULT_KEEP_ALIVE_INTERVAL, DEFAULT_KEEP_ALIVE_MAX_ATTEMPT
+from etcd_rdzv.conf_keys import DEFAULT_KEEP_ALIVE_INTERVAL, DEFAULT_KEEP_ALIVE_MAX_ATTEMPT
 from etcd_rdzv.testing.agents import summarize
 from etcd_server import EtcdCluster
 

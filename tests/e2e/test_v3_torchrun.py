@@ -26,7 +26,7 @@ from helpers import REPO_ROOT
 from helpers.elastic import log_line_times, record_timing
 from helpers.torchrun_agents import TorchrunAgents
 
-from etcd_rdzv.defaults import DEFAULT_LEASE_TTL
+from etcd_rdzv.conf_keys import DEFAULT_LEASE_TTL
 from etcd_server import EtcdServer
 from etcd_store.client import EtcdClient
 

@@ -18,7 +18,7 @@ from helpers.certs import CertPaths, have_openssl, make_certs
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from etcd_rdzv.conf import parse_rdzv_config
-from etcd_rdzv.defaults import PASSWORD_ENV, USER_ENV
+from etcd_rdzv.conf_keys import PASSWORD_ENV, USER_ENV
 from etcd_server import AuthConfig, EtcdServer, TLSConfig
 from etcd_store.client import EtcdClient
 

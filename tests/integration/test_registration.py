@@ -25,11 +25,8 @@ from torch.distributed.elastic.rendezvous.api import (
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
 
 from etcd_rdzv import EtcdRendezvousBackend, plugin
-from etcd_rdzv.conf import (
-    PASSWORD_ENV,
-    USER_ENV,
-    parse_rdzv_config,
-)
+from etcd_rdzv.conf import parse_rdzv_config
+from etcd_rdzv.conf_keys import PASSWORD_ENV, USER_ENV
 from etcd_server import AuthConfig, EtcdServer, TLSConfig
 
 _ids = itertools.count()

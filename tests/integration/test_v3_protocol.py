@@ -31,7 +31,8 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-from etcd_rdzv.conf import DEFAULT_LEASE_TTL, parse_v3_settings
+from etcd_rdzv.conf import parse_v3_settings
+from etcd_rdzv.conf_keys import DEFAULT_LEASE_TTL
 from etcd_rdzv.native import protocol, queries, records, rounds
 from etcd_rdzv.native import wait as round_wait
 from etcd_rdzv.native.handler import EtcdV3RendezvousHandler, RoundResult

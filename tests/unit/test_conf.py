@@ -11,7 +11,8 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as torch_registry
 
 from etcd_rdzv import plugin
-from etcd_rdzv.conf import (
+from etcd_rdzv.conf import DynamicSettings, parse_dynamic_settings, parse_rdzv_config, translate_legacy_params
+from etcd_rdzv.conf_keys import (
     DEFAULT_KEY_PREFIX,
     DEFAULT_READ_TIMEOUT,
     DEFAULT_STATE_TTL,
@@ -19,10 +20,6 @@ from etcd_rdzv.conf import (
     PASSWORD_ENV,
     PASSWORD_FILE_ENV,
     USER_ENV,
-    DynamicSettings,
-    parse_dynamic_settings,
-    parse_rdzv_config,
-    translate_legacy_params,
 )
 
 _ids = itertools.count()

@@ -15,7 +15,8 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from etcd_rdzv import conf_env
 from etcd_rdzv.cli import build_parser
 from etcd_rdzv.cli.connect import CliError, connect_options
-from etcd_rdzv.conf import PASSWORD_ENV, PASSWORD_FILE_ENV, USER_ENV, parse_rdzv_config
+from etcd_rdzv.conf import parse_rdzv_config
+from etcd_rdzv.conf_keys import PASSWORD_ENV, PASSWORD_FILE_ENV, USER_ENV
 
 _ids = itertools.count()
 ETCDCTL = ("ETCDCTL_ENDPOINTS", "ETCDCTL_CACERT", "ETCDCTL_CERT", "ETCDCTL_KEY", "ETCDCTL_USER", "ETCDCTL_PASSWORD")

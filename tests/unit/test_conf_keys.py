@@ -99,3 +99,42 @@ def test_warn_unknown_keys_returns_the_flagged_keys_even_when_quiet() -> None:
     assert warn_unknown_keys("etcd-v3", "etcd-v3", ["b", "a", "join_timeout"]) == ["a", "b"]
     assert warn_unknown_keys("etcd-v3", "etcd-v3", ["a", "b"]) == ["a", "b"]  # already warned
     assert warn_unknown_keys("etcd-v3", "etcd-v3", []) == []
+
+
+_DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+
+
+@pytest.mark.parametrize(("section", "heading"), [
+    ("connection", "## Connection keys (all backends)"), ("dynamic", "## `etcd-v2` and `etcd`"), ("v3", "## `etcd-v3`"),
+])  # fmt: skip
+def test_the_doc_tables_are_the_key_table(section: str, heading: str) -> None:
+    """docs/configuration.md's key tables are rendered from conf_keys.KEYS: a key added, removed or
+    re-defaulted in one and not the other fails here."""
+    part = _DOC.read_text().split(f"\n{heading}\n", 1)[1].split("\n## ", 1)[0]
+    lines = part.splitlines()
+    start = lines.index("| key | default | meaning |")
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    assert "\n".join(lines[start:end]) == conf_keys.doc_table(section), (
+        f"docs/configuration.md's {section} table differs from etcd_rdzv/conf_keys.py's KEYS; the table "
+        f"the code declares:\n{conf_keys.doc_table(section)}")
+
+
+def test_every_default_comes_from_the_key_table() -> None:
+    """Parsing an empty rdzv-conf gives each key's table default, on both handlers' settings."""
+    dynamic = parse_dynamic_settings(_params("etcd-v2"))
+    v3, client = parse_v3_settings(_params("etcd-v3"))
+    checked = 0
+    for key in conf_keys.KEYS:
+        if key.default is None or key.name.startswith("metrics_"):
+            continue
+        if key.backends == conf_keys.V3:
+            holder: Any = v3
+        elif key.backends == conf_keys.DYNAMIC:
+            holder = dynamic
+        else:
+            holder = client if hasattr(client, key.name) else dynamic.config
+        if hasattr(holder, key.name):
+            assert getattr(holder, key.name) == key.default, key
+            checked += 1
+    assert checked >= 20
+    assert v3.lease_ttl == conf_keys.DEFAULT_LEASE_TTL == 15

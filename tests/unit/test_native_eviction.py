@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from etcd_rdzv.conf import parse_v3_settings
+from etcd_rdzv.conf_keys import DEFAULT_EVICT_MISSES, DEFAULT_RENEW_INTERVAL
 from etcd_rdzv.native.bootstrap import address_of, join_value
 from etcd_rdzv.native.eviction import (
     MARGIN,
@@ -26,7 +27,7 @@ from etcd_rdzv.native.eviction import (
     to_evict,
     tolerated,
 )
-from etcd_rdzv.native.settings import DEFAULT_EVICT_MISSES, DEFAULT_RENEW_INTERVAL, V3Settings
+from etcd_rdzv.native.settings import V3Settings
 
 TTL = 15
 NOW = 1000.0

@@ -13,7 +13,7 @@ from helpers.ports import closed_port
 from torch.distributed.elastic.metrics import MetricData
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from etcd_rdzv import prometheus
+from etcd_rdzv import conf_keys, prometheus
 
 HAVE_PROMETHEUS = importlib.util.find_spec("prometheus_client") is not None
 needs_prometheus = pytest.mark.skipif(
@@ -27,17 +27,17 @@ def params(**conf: str) -> RendezvousParameters:
 
 
 def test_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(prometheus.METRICS_PORT_ENV, raising=False)
+    monkeypatch.delenv(conf_keys.METRICS_PORT_ENV, raising=False)
     assert prometheus.maybe_start(params()) is None
     assert prometheus.maybe_start(params(metrics_port=" ")) is None
 
 
 @pytest.mark.parametrize("bad", ["0", "-1", "70000", "http"])
 def test_a_bad_port_is_named(bad: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(prometheus.METRICS_PORT_ENV, raising=False)
+    monkeypatch.delenv(conf_keys.METRICS_PORT_ENV, raising=False)
     with pytest.raises(ValueError, match=f"'metrics_port' must be a TCP port.*{bad!r}"):
         prometheus.maybe_start(params(metrics_port=bad))
-    monkeypatch.setenv(prometheus.METRICS_PORT_ENV, bad)
+    monkeypatch.setenv(conf_keys.METRICS_PORT_ENV, bad)
     with pytest.raises(ValueError, match="metrics_port"):
         prometheus.maybe_start(params())
 
@@ -94,7 +94,7 @@ def test_the_endpoint_binds_loopback_unless_told_otherwise(addr: str | None, exp
         "p = RendezvousParameters(backend='etcd-v3', endpoint='h:1', run_id='r', min_nodes=1, max_nodes=1, "
         f"{conf})\nprint(prometheus.maybe_start(p), flush=True)\nsys.stdin.read()\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != prometheus.METRICS_ADDR_ENV}
+    env = {k: v for k, v in os.environ.items() if k != conf_keys.METRICS_ADDR_ENV}
     child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              text=True, env=env)
     try:
