@@ -185,14 +185,14 @@ def create_etcd_v3_rdzv_handler(
     """Create an ``etcd-v3`` handler from torchrun's parameters (the registered creator).
 
     Reads the rdzv-conf keys with :func:`etcd_rdzv.conf.parse_v3_settings`
-    (and ``metrics_port``, :mod:`etcd_rdzv.prometheus`);
+    (and ``metrics_port``, :func:`etcd_rdzv.metrics.maybe_start`);
     raises ``ValueError`` naming a bad key. No RPC is
     made here. ``client`` (an ``EtcdClient``) is used instead of a new one when
     given, and is then not closed by ``shutdown()``.
     """
     from .conf import parse_v3_settings
+    from .metrics import maybe_start
     from .native.handler import EtcdV3RendezvousHandler
-    from .prometheus import maybe_start
 
     settings, options = parse_v3_settings(params)
     maybe_start(params)  # the optional metrics endpoint (rdzv-conf metrics_port)

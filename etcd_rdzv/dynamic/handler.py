@@ -321,7 +321,7 @@ def create_handler_from_params(
     ``RendezvousConnectionError`` when the run's store cannot be opened within
     ``read_timeout``.
     """
-    from ..prometheus import maybe_start
+    from ..metrics import maybe_start
 
     settings = parse_dynamic_settings(params, legacy=legacy)
     maybe_start(params)  # the optional metrics endpoint (rdzv-conf metrics_port)

@@ -13,7 +13,7 @@ from helpers.ports import closed_port
 from torch.distributed.elastic.metrics import MetricData
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from etcd_rdzv import conf_keys, prometheus
+from etcd_rdzv import conf_keys, metrics
 
 HAVE_PROMETHEUS = importlib.util.find_spec("prometheus_client") is not None
 needs_prometheus = pytest.mark.skipif(
@@ -28,24 +28,24 @@ def params(**conf: str) -> RendezvousParameters:
 
 def test_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(conf_keys.METRICS_PORT_ENV, raising=False)
-    assert prometheus.maybe_start(params()) is None
-    assert prometheus.maybe_start(params(metrics_port=" ")) is None
+    assert metrics.maybe_start(params()) is None
+    assert metrics.maybe_start(params(metrics_port=" ")) is None
 
 
 @pytest.mark.parametrize("bad", ["0", "-1", "70000", "http"])
 def test_a_bad_port_is_named(bad: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(conf_keys.METRICS_PORT_ENV, raising=False)
     with pytest.raises(ValueError, match=f"'metrics_port' must be a TCP port.*{bad!r}"):
-        prometheus.maybe_start(params(metrics_port=bad))
+        metrics.maybe_start(params(metrics_port=bad))
     monkeypatch.setenv(conf_keys.METRICS_PORT_ENV, bad)
     with pytest.raises(ValueError, match="metrics_port"):
-        prometheus.maybe_start(params())
+        metrics.maybe_start(params())
 
 
 @pytest.mark.skipif(HAVE_PROMETHEUS, reason="prometheus_client is installed: the missing case cannot occur")
 def test_a_port_without_prometheus_client_says_what_to_install() -> None:
     with pytest.raises(ValueError, match=r"prometheus_client is not installed.*etcd-rdzv\[prometheus\]"):
-        prometheus.maybe_start(params(metrics_port="9400"))
+        metrics.maybe_start(params(metrics_port="9400"))
 
 
 @needs_prometheus
@@ -53,7 +53,7 @@ def test_handler_maps_torch_metrics_to_prometheus() -> None:
     from prometheus_client import CollectorRegistry
 
     registry = CollectorRegistry()
-    handler = prometheus.PrometheusMetricHandler(registry)
+    handler = metrics.PrometheusMetricHandler(registry)
     now = time.time()
     for name, value in [("etcd-v3.rendezvous.joins", 1), ("etcd-v3.rendezvous.joins", 1),
                         ("etcd-v2.rendezvous.joins", 1), ("etcd-v3.rendezvous.duration.ms", 120),
@@ -90,9 +90,9 @@ def test_the_endpoint_binds_loopback_unless_told_otherwise(addr: str | None, exp
     conf = f"metrics_port='{port}'" + (f", metrics_addr='{addr}'" if addr else "")
     code = (
         "import sys\nfrom torch.distributed.elastic.rendezvous import RendezvousParameters\n"
-        "from etcd_rdzv import prometheus\n"
+        "from etcd_rdzv import metrics\n"
         "p = RendezvousParameters(backend='etcd-v3', endpoint='h:1', run_id='r', min_nodes=1, max_nodes=1, "
-        f"{conf})\nprint(prometheus.maybe_start(p), flush=True)\nsys.stdin.read()\n"
+        f"{conf})\nprint(metrics.maybe_start(p), flush=True)\nsys.stdin.read()\n"
     )
     env = {k: v for k, v in os.environ.items() if k != conf_keys.METRICS_ADDR_ENV}
     child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
