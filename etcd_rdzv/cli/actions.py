@@ -175,7 +175,7 @@ def _gc_v2(client: EtcdClient, prefix: str, run_id: str, deadline: Deadline, gra
         return None
     try:
         state = decode_state(kv.value, key, time_left=deadline.left())
-    except StateDecodeError as e:  # one run's state: the others are still collected (issue 32)
+    except StateDecodeError as e:  # one run's state: the others are still collected
         log.warning("gc skips %s: %s", key, e)
         return None
     newest = state.newest_heartbeat()

@@ -192,7 +192,7 @@ def read_v2(
         return None
     try:
         # Bounded by the decode's own budget and the command's deadline: one run's hostile state
-        # costs at most that, and is reported as that run's error (issue 32).
+        # costs at most that, and is reported as that run's error.
         state = decode_state(kv.value, key, time_left=deadline.left())
     except StateDecodeError as e:
         raise RunReadError(str(e)) from None

@@ -18,7 +18,7 @@ node reads the round's ``MASTER_ADDR``/``MASTER_PORT`` from the round's own
 2.4). It also reports the metrics of :mod:`etcd_rdzv.metrics` (torch's handler
 records the rendezvous events itself).
 
-It also fixes torch's sealed-round defects (issue 22, :mod:`etcd_rdzv.dynamic.state`):
+It also fixes torch's sealed-round defects (:mod:`etcd_rdzv.dynamic.state`):
 the state holder is a :class:`~etcd_rdzv.dynamic.state.SealedRoundStateHolder`, which
 never removes a member of a live completed round on one reader's clock; a heartbeat that
 aged while the round sealed is refreshed as soon as the join ends; and
@@ -29,10 +29,10 @@ that left the round counts the same. A member is also dead once its presence key
 ``presence_ttl`` (3 s) that etcd's leader expires, is gone (:mod:`etcd_rdzv.dynamic.presence`):
 a hung node is dropped seconds after it stopped, not after its heartbeat window. Its op executor
 (:class:`~etcd_rdzv.dynamic.state.SealedRoundExecutor`) ends a completed round at the first
-member's exit, in the same fenced write (issue 29), so the survivors of a dead member re-form
+member's exit, in the same fenced write, so the survivors of a dead member re-form
 at once instead of waiting for its heartbeat to expire. And ``shutdown()`` closes the
 rendezvous only on a normal end: called while an exception propagates (torchrun's agent
-failed) it removes this node instead (issue 30, :mod:`etcd_rdzv.ending`).
+failed) it removes this node instead (:mod:`etcd_rdzv.ending`).
 Its rendezvous events (and those of its holder and executor) are torch's, named without torch's
 ``inspect.stack()``, whose cost sat inside every compare-and-swap window
 (:func:`~etcd_rdzv.dynamic.state.record_event`).

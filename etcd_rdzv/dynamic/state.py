@@ -3,7 +3,7 @@
 torch's ``_BackendRendezvousStateHolder._sanitize()`` runs after every read and
 removes every node whose heartbeat looks older than ``keep_alive_interval x
 keep_alive_max_attempt`` *to the reading node's clock*, members of a completed
-round included, then lets the reader's next write store that copy (issue 22):
+round included, then lets the reader's next write store that copy:
 
 * case A: a member whose heartbeat aged while the round sealed finishes its join
   with world N, a later reader drops it and finishes with world N-1; that reader's
@@ -27,7 +27,7 @@ member that died have left it and wait for the next round). That a member is
 dead is the handler's business: :meth:`SealedRoundStateHolder.dead_members`
 tells it, and it reports a waiting node so that the survivors re-rendezvous.
 
-The holder is also where the stored state is checked (issues 23, 29, 32). torch's ``sync``
+The holder is also where the stored state is checked. torch's ``sync``
 ``pickle.loads`` what the backend returns, and the backend returns the stored bytes as torch's
 ``RendezvousBackend`` contract says (opaque). So torch's holder reads through
 :class:`CheckedStates`: every state read (``get_state``, a lost ``set_state``) is read by
@@ -419,7 +419,7 @@ class SealedRoundStateHolder(_Holder):
 
 
 class SealedRoundExecutor(_Executor):
-    """torch's op executor whose exit from a completed round ends that round (issue 29).
+    """torch's op executor whose exit from a completed round ends that round.
 
     torch's ``_remove_from_participants`` removes only the exiting node from a completed round
     and moves to the next round once the last member has left (``_remove_participant_epilogue``),
