@@ -1,4 +1,4 @@
-"""The demo's timeline plot (etcd_rdzv/demo_plot.py, ``--plot``): a valid PNG from a small recorded
+"""The demo's timeline plot (etcd_rdzv/demo.py, ``--plot``): a valid PNG from a small recorded
 timeline with a kill and a rejoin, and a clear error without matplotlib. No etcd, no agents."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from etcd_rdzv import demo, demo_plot
-from etcd_rdzv.demo_plot import Event, PlotUnavailable, plot_timeline
+from etcd_rdzv import demo
+from etcd_rdzv.demo import Event, PlotUnavailable, plot_timeline
 from etcd_rdzv.testing.train import Record
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -86,7 +86,7 @@ def test_demo_writes_the_plot_with_the_chaos_events(tmp_path: Path) -> None:
     chaos = demo._Chaos(args, {}, None, view, str(tmp_path / "steps"))
     chaos.killed_at, chaos.rejoined_at = 104.0, 108.5
     drawn: list[list[Event]] = []
-    real = demo_plot.plot_timeline
+    real = demo.plot_timeline
 
     def spy(records: list[Record], path: str, **kw: object) -> str:
         drawn.append(list(kw["events"]))  # type: ignore[call-overload]
