@@ -20,7 +20,7 @@ import copy
 import logging
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Protocol
 
 from . import conf_keys as K
@@ -35,6 +35,7 @@ from .conf_keys import (
     PASSWORD_ENV,
     PASSWORD_FILE_ENV,
     read,
+    reads,
     warn_unknown_keys,
 )
 from .conf_keys import text as _text_value
@@ -364,8 +365,7 @@ def parse_dynamic_settings(params: HandlerParams, *, legacy: bool = False) -> Dy
     if fast and not presence_ttl:
         raise ValueError("The rendezvous configuration option 'fast_recovery' needs presence (it waits for "
                          "every node whose presence key is alive): it cannot be used with presence_ttl=0.")
-    backend = "etcd" if legacy else "etcd-v2"
-    values = {name: read(params, name, backend) for name in _DYNAMIC_FIELDS}
+    values = _key_fields(params, DynamicSettings, "etcd" if legacy else "etcd-v2", "presence_ttl", "fast_recovery")
     return DynamicSettings(
         backend=params.backend, run_id=check_run_id(params.run_id), min_nodes=params.min_nodes,
         max_nodes=params.max_nodes, local_addr=params.local_addr, config=parse_rdzv_config(params),
@@ -373,8 +373,11 @@ def parse_dynamic_settings(params: HandlerParams, *, legacy: bool = False) -> Dy
     )  # fmt: skip
 
 
-_DYNAMIC_FIELDS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout", "keep_alive_interval",
-                   "keep_alive_max_attempt", "cas_backoff_max_seconds")  # fmt: skip
+def _key_fields(params: RdzvParams, settings: type, backend: str, *besides: str) -> dict[str, Any]:
+    """The fields of the ``settings`` dataclass that are rdzv-conf keys ``backend`` reads, each read
+    through its row of the key table (but those in ``besides``, which the caller works out)."""
+    return {f.name: read(params, f.name, backend) for f in fields(settings)
+            if f.name not in besides and reads(f.name, backend)}  # fmt: skip
 
 
 def _presence_ttl(params: HandlerParams) -> int:
@@ -400,17 +403,13 @@ def parse_v3_settings(params: HandlerParams) -> tuple[V3Settings, EtcdClientOpti
         lease_ttl = math.ceil(heartbeat)
     else:
         lease_ttl = read(params, "keep_alive_interval", "etcd-v3") * read(params, "keep_alive_max_attempt", "etcd-v3")
-    values = {name: read(params, name, "etcd-v3") for name in _V3_FIELDS}
+    values = _key_fields(params, V3Settings, "etcd-v3", "state_ttl", "key_prefix")
     settings = V3Settings(
         run_id=check_run_id(params.run_id), min_nodes=params.min_nodes, max_nodes=params.max_nodes,
         local_addr=params.local_addr, lease_ttl=lease_ttl, state_ttl=config.state_ttl,
         key_prefix=config.key_prefix, **values,
     )  # fmt: skip
     return settings, config.client
-
-
-_V3_FIELDS = ("join_timeout", "last_call_timeout", "close_timeout", "fast_recovery", "max_request_bytes",
-              "renew_interval", "evict_misses")  # fmt: skip
 
 
 def translate_legacy_params(params: Any) -> Any:

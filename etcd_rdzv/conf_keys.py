@@ -4,7 +4,7 @@
 value with :func:`read`: the key's parser and default), the warning about keys a backend would
 ignore (:func:`warn_unknown_keys`) and the key tables of docs/configuration.md
 (:func:`doc_table`; a test fails when the doc and the table disagree). Adding a key is one row
-here plus the field of the settings class that holds it.
+here plus the field of its name in the settings class that holds it.
 
 torch hands a rendezvous every ``--rdzv-conf`` key unchecked, so a misspelt key (``join_timout=60``)
 would silently leave its setting at the default: :func:`warn_unknown_keys` logs one WARNING (once
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "CONNECTION_KEYS", "DYNAMIC_KEYS", "KEYS", "LEGACY_ALIASES", "LEGACY_KEYS", "TORCH_KEYS", "V3_KEYS",
-    "Key", "doc_table", "known_keys", "lookup", "read", "unknown_keys", "warn_unknown_keys",
+    "Key", "doc_table", "known_keys", "lookup", "read", "reads", "unknown_keys", "warn_unknown_keys",
 ]  # fmt: skip
 
 # --------------------------------------------------------------------------- defaults beside no key
@@ -316,6 +316,11 @@ def lookup(name: str, backend: str = "") -> Key:
     if not rows:
         raise KeyError(f"{backend or 'no backend'} reads no rdzv-conf key {name!r}")
     return next((k for k in rows if k.section != _C), rows[0])
+
+
+def reads(name: str, backend: str) -> bool:
+    """Whether ``backend`` reads the rdzv-conf key ``name``."""
+    return any(k.name == name and backend in k.backends for k in KEYS)
 
 
 def read(params: Params, name: str, backend: str = "") -> Any:
