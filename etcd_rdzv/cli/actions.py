@@ -10,7 +10,9 @@
 * :func:`close_v2`: torch's state with ``closed = True``, written with a
   compare-and-set on the state key's mod revision (``if mod(key) == M then put``,
   keeping the key's lease), re-read and retried at once when a heartbeat won the race.
-  torch's agents see it at their next sync and raise ``RendezvousClosedError``.
+  torch's agents see it at their next sync and raise ``RendezvousClosedError``. Reading the
+  state is :mod:`etcd_rdzv.v2state`'s restricted unpickler; :func:`encode_closed` goes the other
+  way, building torch's real state objects from the checked plain data (importing torch).
 * :func:`gc`: removes what a run left behind, only when no node can still use it:
   an etcd-v3 run with no join key left (no live node) that is closed or whose run
   lease is gone, in one Txn that re-checks both; a closed etcd-v2 run whose newest
@@ -24,9 +26,12 @@ Every call is bounded by the command's :class:`~.connect.Deadline`.
 from __future__ import annotations
 
 import logging
+import pickle
+from base64 import b64encode
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from typing import Any
 
 from etcd_store.client import (
     DeleteResult,
@@ -45,14 +50,13 @@ from ..conf import V2_ANCHOR_DIR, V2_PRESENCE_DIR
 from ..conf_keys import DEFAULT_STATE_TTL
 from ..native import protocol
 from ..native.keys import RunKeys
-from ..v2state import StateDecodeError, decode_state
+from ..v2state import NodeDesc, StateDecodeError, V2State, decode_state
 from .connect import CliError, Deadline
 from .runs import V2, V3, find_runs, state_key
-from .v2state import encode_closed
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Removal", "close_v2", "close_v3", "gc"]
+__all__ = ["Removal", "close_v2", "close_v3", "encode_closed", "gc"]
 
 _CAS_ATTEMPTS = 20  # heartbeats rewrite a v2 state about once per keep_alive_interval per node
 
@@ -208,3 +212,33 @@ def _gc_v2(client: EtcdClient, prefix: str, run_id: str, deadline: Deadline, gra
         log.info("etcd-v2 run %s changed before gc could remove it; kept", run_id)
         return None
     return Removal(run_id, V2, reason, sum(r.deleted for r in done.responses if isinstance(r, DeleteResult)))
+
+
+def encode_closed(state: V2State) -> bytes:
+    """The base64 of torch's pickled state equal to ``state`` but with ``closed = True``.
+
+    Builds torch's own ``_RendezvousState``/``_NodeDesc`` from the checked plain data
+    (imports torch), as torch's handler writes it. Raises :class:`StateDecodeError`
+    if the stored state had attributes :class:`V2State` does not carry (a newer torch):
+    rewriting it would drop them.
+    """
+    if state.unknown:
+        raise StateDecodeError(
+            f"the state has attributes this tool does not know ({', '.join(state.unknown)}); "
+            "close the run from an agent (set_closed) instead"
+        )
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+
+    def real(n: NodeDesc) -> Any:
+        return _NodeDesc(n.addr, n.pid, n.local_id)
+
+    out = _RendezvousState()
+    out.round = state.round
+    out.complete = state.complete
+    out.deadline = state.deadline
+    out.closed = True
+    out.participants = {real(n): r for n, r in state.participants.items()}
+    out.wait_list = {real(n) for n in state.wait_list}
+    out.redundancy_list = {real(n) for n in state.redundancy_list}
+    out.last_heartbeats = {real(n): t for n, t in state.last_heartbeats.items()}
+    return b64encode(pickle.dumps(out))

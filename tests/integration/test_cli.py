@@ -28,10 +28,10 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
 from etcd_rdzv.cli import main
+from etcd_rdzv.cli.actions import encode_closed
 from etcd_rdzv.cli.connect import CliError, connect_options
 from etcd_rdzv.cli.render import format_seconds, render_list
 from etcd_rdzv.cli.runs import RunInfo, classify_keys, v2_info
-from etcd_rdzv.cli.v2state import encode_closed
 from etcd_rdzv.cli.watching import describe_v3, diff_v2
 from etcd_rdzv.native.keys import RunKeys
 from etcd_rdzv.v2state import NodeDesc, StateDecodeError, V2State, decode_state
