@@ -125,11 +125,8 @@ class Waits:
         raise self.timeout_error(seconds, shown)
 
     def wait_keys(self, ks: Sequence[bytes], seconds: float, shown: Sequence[str | bytes]) -> None:
-        """Block until every key exists (a queue with items counts), at most ``seconds``.
-
-        One Txn (per 64 keys), then one watch from now over the missing keys (and one more
-        Txn when etcd's revision moved in between). Raises :meth:`timeout_error`.
-        """
+        """:meth:`EtcdStore.wait <etcd_store.EtcdStore.wait>` on ``ks``, at most ``seconds``
+        (:meth:`timeout_error` naming ``shown`` then)."""
         deadline = time.monotonic() + seconds
         present, revision = self.probe(ks, budget(deadline))
         missing = {k for k in ks if k not in present}

@@ -132,13 +132,9 @@ class ReadModifyWrite:
         self._thread_numbers = itertools.count()
 
     def add(self, k: bytes, delta: int, key: str | bytes) -> tuple[int, int]:
-        """Add ``delta`` to the integer at ``k`` (created at ``delta``); (the sum, its revision).
-
-        One Txn when the key is new or unchanged since this store last saw it;
-        otherwise the failed Txn returns the current value and the next one
-        retries from it (no sleep), until the store timeout (``EtcdTimeoutError``).
-        Raises ``DistStoreError`` naming ``key`` if the value is not an integer.
-        """
+        """:meth:`EtcdStore.add <etcd_store.EtcdStore.add>` on ``k``: (the sum, its revision).
+        ``EtcdTimeoutError`` at the store timeout; ``DistStoreError`` naming ``key`` if the value
+        is not an integer."""
 
         def plus(old: bytes | None) -> bytes:
             if old is None:
@@ -159,12 +155,8 @@ class ReadModifyWrite:
         self.update(k, lambda old: (old or b"") + v)
 
     def compare_set(self, k: bytes, expected: bytes, desired: bytes) -> bytes:
-        """Set ``k`` to ``desired`` if it holds ``expected``; return the value now.
-
-        As TCPStore: a missing key is created when ``expected`` is empty and
-        left missing otherwise (``expected`` is returned); a mismatch returns
-        the current value. One Txn; applied at most once even when resent.
-        """
+        """:meth:`EtcdStore.compare_set <etcd_store.EtcdStore.compare_set>` on ``k`` (TCPStore's
+        rules; one Txn, applied at most once even when resent)."""
         t = self._timeout.rpc()
         deadline = time.monotonic() + t
         what = f"compare_set of {k!r}"
@@ -358,12 +350,8 @@ class PlainKeys:
             self._values.drop_replaced(put_of(out.txn).prev_kv, gen_of(out.stored))
 
     def get(self, k: bytes, key: str | bytes) -> bytes:
-        """The value of ``k``, waiting up to the store timeout for it to be set (``key``: as the
-        user named it, for the timeout error).
-
-        One Range when the key exists; otherwise one Range and one watch from now (plus
-        one more read when etcd's revision moved in between).
-        """
+        """:meth:`EtcdStore.get <etcd_store.EtcdStore.get>` on ``k`` (``key``: as the user named
+        it, for the timeout error)."""
         timeout = self._timeout.seconds()
         deadline = time.monotonic() + timeout
         while True:
