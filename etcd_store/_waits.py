@@ -12,31 +12,15 @@ watch reads afresh and opens a new watch.
 from __future__ import annotations
 
 import builtins
-import logging
 import time
 from collections.abc import Callable, Sequence
 
 import torch.distributed as dist
 
-from ._layout import Layout
-from ._limits import MAX_TXN_OPS, batches, budget
+from ._namespace import MAX_TXN_OPS, Layout, batches, budget
 from .client import EtcdClient, Event, KeyValue, RangeResult, op_get, prefix_range_end
 from .client.synced import SyncedWatch, WatchNotConfirmed
 from .errors import EtcdCompactedError
-
-log = logging.getLogger(__name__)
-
-
-def head_of(layout: Layout, etcd_key: bytes) -> bytes | None:
-    """The user key an event's key belongs to (a queue item belongs to its queue's key).
-
-    None for the internal key of a namespace nested in this one (``ns/sub\\0lease``).
-    """
-    nul = etcd_key.find(b"\0", len(layout.user_start))
-    if nul < 0:
-        return etcd_key
-    head = etcd_key[:nul]
-    return head if etcd_key.startswith(Layout.queue_prefix(head)) else None
 
 
 class Waits:
@@ -141,11 +125,8 @@ class Waits:
         raise self.timeout_error(seconds, shown)
 
     def wait_keys(self, ks: Sequence[bytes], seconds: float, shown: Sequence[str | bytes]) -> None:
-        """Block until every key exists (a queue with items counts), at most ``seconds``.
-
-        One Txn (per 64 keys), then one watch from now over the missing keys (and one more
-        Txn when etcd's revision moved in between). Raises :meth:`timeout_error`.
-        """
+        """:meth:`EtcdStore.wait <etcd_store.EtcdStore.wait>` on ``ks``, at most ``seconds``
+        (:meth:`timeout_error` naming ``shown`` then)."""
         deadline = time.monotonic() + seconds
         present, revision = self.probe(ks, budget(deadline))
         missing = {k for k in ks if k not in present}
@@ -158,7 +139,7 @@ class Waits:
             return not missing, at
 
         def seen(ev: Event) -> bool:
-            head = head_of(self._layout, ev.key)
+            head = self._layout.head_of(ev.key)
             if ev.type == "PUT" and head is not None:
                 missing.discard(head)
             return not missing

@@ -30,18 +30,16 @@ uncontended case:
 
 Values larger than ``chunk_bytes`` (1 MiB, below etcd's default 1.5 MiB request
 limit) cost one extra Put per chunk to write and one extra Txn to read (the
-chunks at the latest revision, guarded by the manifest: see :mod:`etcd_store._values`).
+chunks at the latest revision, guarded by the manifest: see :mod:`etcd_store._namespace`).
 
 Parts: the store is this facade (torch's API: arguments, errors, lifecycle) over parts it
-holds and calls, each built with what it needs: :class:`~etcd_store._layout.Layout` (the
-keys of a namespace), :class:`~etcd_store._values.ChunkedValues`,
-:class:`~etcd_store._cas.ReadModifyWrite` (the fenced Txn, ``add``, ``append``,
-``compare_set``), :class:`~etcd_store._waits.Waits` (watch-based waits),
-:class:`~etcd_store._keys.PlainKeys`, :class:`~etcd_store._queues.Queues`, and the
-namespace lease (:mod:`etcd_store._namespace_lease`) with the client in
-:class:`~etcd_store._shared.Shared` (what clones share).
+holds and calls, each built with what it needs: :mod:`etcd_store._namespace` (the keys of a
+namespace, chunked values, the namespace lease, the limits of a request),
+:mod:`etcd_store._writes` (the fenced Txn, ``add``, ``append``, ``compare_set``, the plain keys,
+the queues) and :mod:`etcd_store._waits` (watch-based waits). A store and its clones share the
+client and the namespace lease (:class:`Shared`).
 
-Cleanup rule (see :mod:`etcd_store._namespace_lease`): every key of a
+Cleanup rule (see :mod:`etcd_store._namespace`): every key of a
 namespace is attached to one namespace lease that every live store of the
 namespace keeps alive; ``lease_ttl`` seconds after the last store is closed or
 its process died, etcd deletes the whole namespace.
@@ -63,29 +61,30 @@ TCPStore; bad arguments raise ``TypeError``/``ValueError``.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-import logging
 import operator
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch.distributed as dist
 
-from ._args import Timeout, as_bytes, dist_errors, key_list, seconds
-from ._cas import ReadModifyWrite
-from ._keys import PlainKeys
-from ._layout import DEFAULT_CHUNK_BYTES, Layout
-from ._limits import StoreTimeout
-from ._namespace_lease import GivenLease, NamespaceLease, StoreLease
-from ._queues import Queues
-from ._shared import Shared
-from ._values import ChunkedValues
+from ._namespace import (
+    DEFAULT_CHUNK_BYTES,
+    ChunkedValues,
+    GivenLease,
+    Layout,
+    NamespaceLease,
+    StoreLease,
+    StoreTimeout,
+)
 from ._waits import Waits
+from ._writes import PlainKeys, Queues, ReadModifyWrite
 from .client import EtcdClient
-
-log = logging.getLogger(__name__)
+from .errors import EtcdConnectionError, EtcdError
 
 __all__ = ["DEFAULT_LEASE_TTL", "DEFAULT_TIMEOUT", "EtcdStore"]
 
@@ -100,6 +99,86 @@ DEFAULT_LEASE_TTL = 3600
 #: itself alive until close().
 _OPEN: set[EtcdStore] = set()
 _OPEN_LOCK = threading.Lock()
+
+
+# ---------------------------------------------------------------------- torch's conventions
+
+Timeout = datetime.timedelta | float | int
+
+
+@contextlib.contextmanager
+def dist_errors(what: str) -> Iterator[None]:
+    """Re-raise client errors as the exception types torch's stores raise.
+
+    :class:`EtcdConnectionError` (timeouts included) becomes ``DistNetworkError``, any other
+    :class:`EtcdError` ``DistStoreError``; both name ``EtcdStore.<what>``. Other exceptions
+    pass unchanged.
+    """
+    try:
+        yield
+    except EtcdConnectionError as e:
+        raise dist.DistNetworkError(f"EtcdStore.{what} failed: {e}") from e
+    except EtcdError as e:
+        raise dist.DistStoreError(f"EtcdStore.{what} failed: {e}") from e
+
+
+def as_bytes(value: Any, what: str) -> bytes:
+    """A value or key given as str (UTF-8) or bytes-like; ``TypeError`` naming ``what`` otherwise."""
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    if isinstance(value, (bytearray, memoryview)):
+        return bytes(value)
+    raise TypeError(f"EtcdStore {what} must be str or bytes, got {type(value).__name__}")
+
+
+def seconds(timeout: Timeout, what: str = "timeout") -> float:
+    """A timeout in seconds (``timedelta`` or a number); ``TypeError``/``ValueError`` if invalid."""
+    if isinstance(timeout, datetime.timedelta):
+        value = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        value = float(timeout)
+    else:
+        raise TypeError(f"EtcdStore {what} must be a datetime.timedelta, got {timeout!r}")
+    if value < 0:
+        raise ValueError(f"EtcdStore {what} must not be negative, got {timeout!r}")
+    return value
+
+
+def key_list(keys: Sequence[str | bytes]) -> list[str | bytes]:
+    """A list of keys; ``TypeError`` for a single key passed where a list is expected."""
+    if isinstance(keys, (str, bytes)):
+        raise TypeError(f"EtcdStore expected a list of keys, got a single key {keys!r}")
+    return list(keys)
+
+
+# ---------------------------------------------------------------------- what clones share
+
+
+class Shared:
+    """The client and lease of a store and its clones, with a reference count."""
+
+    def __init__(self, client: EtcdClient, owns_client: bool, lease: StoreLease) -> None:
+        self.client = client
+        self.owns_client = owns_client
+        self.lease = lease
+        self._refs = 0
+        self._lock = threading.Lock()
+
+    def acquire(self) -> None:
+        with self._lock:
+            self._refs += 1
+
+    def release(self) -> None:
+        """Drop one reference; the last one stops the lease's keep-alive and closes an owned client."""
+        with self._lock:
+            self._refs -= 1
+            last = self._refs == 0
+        if last:
+            self.lease.close()
+            if self.owns_client:
+                self.client.close()
 
 
 class EtcdStore(dist.Store):
@@ -407,7 +486,7 @@ class EtcdStore(dist.Store):
         With ``block`` it waits up to the store timeout for an item (``DistStoreError``
         on timeout), else raises ``QueueEmptyError`` at once. One Txn when this store
         knows a candidate for the oldest item; otherwise one Range first (see
-        :meth:`Queues.pop <etcd_store._queues.Queues.pop>`).
+        :meth:`Queues.pop <etcd_store._writes.Queues.pop>`).
         """
         k = self._layout.key(key)
         with dist_errors(f"queue_pop({key!r})"):

@@ -201,7 +201,7 @@ def _gc_v2(client: EtcdClient, prefix: str, run_id: str, deadline: Deadline, gra
         return Removal(run_id, V2, reason, 1 + sum(r.count for r in counted.responses if isinstance(r, RangeResult)))
     done = client.txn(
         [compare_mod(raw, "==", kv.mod_revision)],
-        # The store writes nothing outside ``<key>/store`` (etcd_store/_layout.py), the backend
+        # The store writes nothing outside ``<key>/store`` (etcd_store/_namespace.py), the backend
         # nothing but its lease anchors and its nodes' presence keys besides the key: the run's two
         # ranges (the key, ``<key>/``) hold all gc deletes, as ``etcd-rdzv grant`` allows no more.
         [op_delete(raw), op_delete(store, prefix=True), op_delete(anchors, prefix=True),

@@ -133,7 +133,7 @@ def test_a_refused_lease_is_replaced_and_the_write_goes_on(users: Users) -> None
 
 def test_an_etcd_store_write_goes_on_after_its_namespace_lease_was_refused(
         users: Users, monkeypatch: pytest.MonkeyPatch) -> None:
-    from etcd_store._namespace_lease import NamespaceLease
+    from etcd_store._namespace import NamespaceLease
 
     poisoned = users.job1.lease_grant(60)
     lever(users, poisoned)  # job2 won the race between the store's grant and its record Txn

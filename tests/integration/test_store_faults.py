@@ -21,7 +21,7 @@ from etcd3.etcdrpc import rpc_pb2
 from helpers.lost_replies import LostReplies, compact, txn_puts_key, writes_key
 
 from etcd_store import EtcdStore
-from etcd_store._layout import Manifest
+from etcd_store._namespace import Manifest
 from etcd_store.client import EtcdClient
 
 pytestmark = pytest.mark.etcd_matrix

@@ -12,12 +12,9 @@ from collections.abc import Iterator
 import pytest
 import torch.distributed as dist
 
-from etcd_store._cas import ReadModifyWrite
-from etcd_store._layout import Layout
-from etcd_store._limits import StoreTimeout
-from etcd_store._namespace_lease import GivenLease
-from etcd_store._values import ChunkedValues, gen_of
+from etcd_store._namespace import ChunkedValues, GivenLease, Layout, StoreTimeout, gen_of
 from etcd_store._waits import Waits
+from etcd_store._writes import ReadModifyWrite
 from etcd_store.client import EtcdClient
 
 TIMEOUT = StoreTimeout(lambda: datetime.timedelta(seconds=10))
