@@ -101,7 +101,7 @@ class AuthConfig:
 
     The set-up runs on a first start of etcd that listens for clients only on a
     unix socket in a private directory; etcd then restarts on its real client
-    URL with auth on (see :mod:`etcd_server.server`). A ``root`` user with ``root_password`` and the ``root`` role is created and
+    URL with auth on (see :mod:`etcd_server.cluster`). A ``root`` user with ``root_password`` and the ``root`` role is created and
     ``auth enable`` is issued. When ``user`` is set, that user is created with
     ``password`` and a role (``role``, default ``"<user>-rw"``) granting
     READWRITE on the keys starting with ``prefix`` only (all keys when

@@ -3,8 +3,8 @@
 :class:`EtcdMember` is the part :class:`~etcd_server.EtcdServer` (one member)
 and :class:`~etcd_server.EtcdCluster` (several) share. ``launch()`` returns at
 once; ``wait_ready(deadline)`` blocks until etcd serves, raising
-:class:`~etcd_server.errors.EtcdStartError` (with exit code and log tail) as
-soon as the process exits, or :class:`~etcd_server.errors.EtcdStartTimeoutError`
+:class:`EtcdStartError` (with exit code and log tail) as
+soon as the process exits, or :class:`EtcdStartTimeoutError`
 at the deadline; ``terminate()`` blocks until the process is reaped.
 
 Every flag on the command line exists, undeprecated, in etcd 3.4 to 3.7
@@ -68,14 +68,50 @@ from typing import IO, Any
 
 from . import process
 from .config import HOST, TLSConfig
-from .errors import EtcdStartError, EtcdStartTimeoutError
 from .gateway import Gateway
 
-__all__ = ["EtcdMember"]
+__all__ = ["EtcdMember", "EtcdStartError", "EtcdStartTimeoutError"]
 
 logger = logging.getLogger(__name__)
 
 _LOG_TAIL_LINES = 20
+
+
+class EtcdStartError(RuntimeError):
+    """etcd did not come up.
+
+    Attributes:
+        returncode: exit status of the etcd process (negative: killed by that
+            signal), or None if it was still running (a time-out).
+        log_tail: the last lines etcd wrote to its stderr log ("" when the
+            caller redirected stderr elsewhere).
+        cmd: the command line that was run.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        returncode: int | None = None,
+        log_tail: str = "",
+        cmd: Sequence[str] = (),
+    ) -> None:
+        self.returncode = returncode
+        self.log_tail = log_tail
+        self.cmd = list(cmd)
+        full = message
+        if log_tail:
+            full += "\n--- last lines of the etcd log ---\n" + log_tail
+        super().__init__(full)
+
+    @property
+    def address_in_use(self) -> bool:
+        """True if the log says a listen port was already taken."""
+        return "address already in use" in self.log_tail
+
+
+class EtcdStartTimeoutError(EtcdStartError, TimeoutError):
+    """etcd was still running but not ready when the start-up deadline passed."""
 
 
 class EtcdMember:
