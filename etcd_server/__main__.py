@@ -31,9 +31,8 @@ from types import FrameType
 
 from .binary import ENV_VAR, EtcdBinaryNotFoundError
 from .cluster import EtcdCluster
-from .config import AuthConfig, TLSConfig
-from .gateway import EtcdGatewayError
-from .member import EtcdStartError
+from .gateway import AuthConfig, EtcdGatewayError
+from .member import EtcdStartError, TLSConfig
 from .server import EtcdServer
 
 __all__ = ["build_parser", "main"]

@@ -5,12 +5,14 @@ retrying and stopping a group of :class:`~etcd_server.member.EtcdMember` s;
 :class:`EtcdCluster` (``size`` members, bootstrapped statically with
 ``--initial-cluster`` on free ``127.0.0.1`` ports) and
 :class:`~etcd_server.server.EtcdServer` (one member, torch's drop-in API) are
-its faces. What they share: readiness by ``GET /health`` (see
-:mod:`etcd_server.member`), exit detection with log tails, port-collision
-retries on the first start, SIGTERM-then-SIGKILL stop, ``atexit`` clean-up and
-``PR_SET_PDEATHSIG`` (see :mod:`etcd_server.process` for the thread caveat).
+its faces. Each start launches every member, then polls each until ready
+(``GET /health``, see :mod:`etcd_server.member`); on new ports a port taken
+between probing and binding is retried on other new ports; ``stop()`` stops the
+members one at a time, the leader last. Every call that starts or stops blocks
+until done and holds the face's lock (see :mod:`etcd_server.process` for the
+``atexit`` clean-up and ``PR_SET_PDEATHSIG``).
 
-With :class:`~etcd_server.config.AuthConfig`, auth is set up before any client
+With :class:`~etcd_server.gateway.AuthConfig`, auth is set up before any client
 port exists: the first start listens for clients only on a unix socket in a
 private (0700) directory, sets up users, roles and ``auth enable`` through
 member 0 (:func:`~etcd_server.gateway.setup_auth`, which also checks that the
@@ -39,9 +41,8 @@ from typing import Any, TextIO
 
 from . import process
 from .binary import check_v2_support, etcd_version, find_etcd_binary
-from .config import AuthConfig, TLSConfig
-from .gateway import auth_enabled, setup_auth
-from .member import EtcdMember, EtcdStartError, EtcdStartTimeoutError
+from .gateway import AuthConfig, auth_enabled, setup_auth
+from .member import EtcdMember, EtcdStartError, EtcdStartTimeoutError, TLSConfig
 
 __all__ = ["EtcdCluster", "make_client"]
 

@@ -16,6 +16,7 @@ Standard library only.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import functools
 import http.client
 import json
@@ -26,14 +27,13 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from .config import AuthConfig
-
 __all__ = [
     "GRPC_FAILED_PRECONDITION",
     "GRPC_INVALID_ARGUMENT",
     "GRPC_PERMISSION_DENIED",
     "GRPC_UNAUTHENTICATED",
     "NO_CODE",
+    "AuthConfig",
     "EtcdGatewayError",
     "Gateway",
     "auth_enabled",
@@ -254,6 +254,51 @@ class Gateway:
             if line.startswith(b"etcd_server_is_leader "):
                 return line.split()[1] in (b"1", b"1.0")
         return False
+
+
+@dataclasses.dataclass(frozen=True)
+class AuthConfig:
+    """Turn on etcd authentication before the server first serves its client port.
+
+    The set-up runs on a first start of etcd that listens for clients only on a
+    unix socket in a private directory; etcd then restarts on its real client
+    URL with auth on (see :mod:`etcd_server.cluster`). A ``root`` user with
+    ``root_password`` and the ``root`` role is created and ``auth enable`` is issued. When ``user`` is set, that user is created with
+    ``password`` and a role (``role``, default ``"<user>-rw"``) granting
+    READWRITE on the keys starting with ``prefix`` only (all keys when
+    ``prefix`` is empty).
+
+    Validated at construction (``ValueError`` naming the field). Passwords are
+    excluded from ``repr`` and are only ever sent in request bodies to the
+    server's JSON gateway.
+    """
+
+    root_password: str = dataclasses.field(repr=False)
+    user: str | None = None
+    password: str | None = dataclasses.field(default=None, repr=False)
+    prefix: bytes | str = b""
+    role: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.root_password:
+            raise ValueError("AuthConfig.root_password must not be empty")
+        if self.user is not None and not self.password:
+            raise ValueError("AuthConfig.user needs a password")
+        if self.user == "root":
+            raise ValueError("AuthConfig.user must not be 'root'")
+
+    @property
+    def prefix_bytes(self) -> bytes:
+        """``prefix`` as bytes (UTF-8 if given as str)."""
+        p = self.prefix
+        return p.encode() if isinstance(p, str) else bytes(p)
+
+    @property
+    def role_name(self) -> str | None:
+        """Name of the limited user's role, or None without a limited user."""
+        if self.user is None:
+            return None
+        return self.role or f"{self.user}-rw"
 
 
 def auth_enabled(gateway: Gateway, auth: AuthConfig, *, timeout: float = 10.0) -> bool:

@@ -22,9 +22,9 @@ lifecycle, with these differences from torch's:
   then SIGKILL, an ``atexit`` hook stops whatever is still running, and on
   Linux the child is started with ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` so the
   kernel kills it even when Python itself is SIGKILLed (:mod:`etcd_server.process`);
-* optional TLS serving (:class:`~etcd_server.config.TLSConfig`; the peer port
+* optional TLS serving (:class:`~etcd_server.member.TLSConfig`; the peer port
   then serves TLS and requires a peer certificate) and auth
-  (:class:`~etcd_server.config.AuthConfig`), set up before the client port
+  (:class:`~etcd_server.gateway.AuthConfig`), set up before the client port
   exists (see :mod:`etcd_server.cluster`; one more start and stop of etcd,
   measured in docs/server.md).
 
@@ -41,8 +41,9 @@ from typing import Any, TextIO
 
 from . import process
 from .cluster import _LocalEtcd, make_client
-from .config import HOST, AuthConfig, TLSConfig
-from .member import EtcdMember
+from .gateway import AuthConfig
+from .member import EtcdMember, TLSConfig
+from .process import HOST
 
 __all__ = ["EtcdServer"]
 
