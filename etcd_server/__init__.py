@@ -10,8 +10,8 @@ Standard library only at import time (no torch, grpc or etcd_store)::
 
 from .binary import ENV_VAR, EtcdBinaryNotFoundError, etcd_version, find_etcd_binary
 from .cluster import EtcdCluster
-from .config import AuthConfig, TLSConfig
-from .errors import EtcdGatewayError, EtcdStartError, EtcdStartTimeoutError
+from .gateway import AuthConfig, EtcdGatewayError
+from .member import EtcdStartError, EtcdStartTimeoutError, TLSConfig
 from .server import EtcdServer
 
 __all__ = [

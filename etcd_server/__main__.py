@@ -31,8 +31,8 @@ from types import FrameType
 
 from .binary import ENV_VAR, EtcdBinaryNotFoundError
 from .cluster import EtcdCluster
-from .config import AuthConfig, TLSConfig
-from .errors import EtcdGatewayError, EtcdStartError
+from .gateway import AuthConfig, EtcdGatewayError
+from .member import EtcdStartError, TLSConfig
 from .server import EtcdServer
 
 __all__ = ["build_parser", "main"]

@@ -1,10 +1,28 @@
-"""A real multi-member etcd cluster on loopback, for failover tests.
+"""Local etcd members on loopback: the lifecycle :class:`EtcdCluster` and ``EtcdServer`` share.
 
-Members are bootstrapped statically (``--initial-cluster``) on free
-``127.0.0.1`` ports and share :class:`~etcd_server.server.EtcdServer`'s
-process handling: readiness by real v3 requests, exit detection with log
-tails, port-collision retries, SIGTERM-then-SIGKILL stop, ``atexit`` cleanup
-and ``PR_SET_PDEATHSIG`` (see :mod:`etcd_server.server` for the thread caveat).
+:class:`_LocalEtcd` is the one implementation of starting, auth set-up,
+retrying and stopping a group of :class:`~etcd_server.member.EtcdMember` s;
+:class:`EtcdCluster` (``size`` members, bootstrapped statically with
+``--initial-cluster`` on free ``127.0.0.1`` ports) and
+:class:`~etcd_server.server.EtcdServer` (one member, torch's drop-in API) are
+its faces. Each start launches every member, then polls each until ready
+(``GET /health``, see :mod:`etcd_server.member`); on new ports a port taken
+between probing and binding is retried on other new ports; ``stop()`` stops the
+members one at a time, the leader last. Every call that starts or stops blocks
+until done and holds the face's lock (see :mod:`etcd_server.process` for the
+``atexit`` clean-up and ``PR_SET_PDEATHSIG``).
+
+With :class:`~etcd_server.gateway.AuthConfig`, auth is set up before any client
+port exists: the first start listens for clients only on a unix socket in a
+private (0700) directory, sets up users, roles and ``auth enable`` through
+member 0 (:func:`~etcd_server.gateway.setup_auth`, which also checks that the
+keyspace revision did not move), waits until every member applied it, stops,
+and starts again on the real client URLs with the same data dirs (auth state
+lives there). That costs one more start and stop of etcd.
+
+:func:`make_client` is the one arrow from etcd_server to etcd_store: it imports
+``etcd_store.client`` (and with it grpc) inside the function, on the first
+``get_client()``. Importing etcd_server never imports etcd_store.
 Standard library only.
 """
 
@@ -19,22 +37,257 @@ import time
 import uuid
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, TextIO
 
 from . import process
 from .binary import check_v2_support, etcd_version, find_etcd_binary
-from .client import make_client
-from .config import AuthConfig, TLSConfig
-from .errors import EtcdStartError, EtcdStartTimeoutError
-from .gateway import auth_enabled, setup_auth
-from .member import EtcdMember
+from .gateway import AuthConfig, auth_enabled, setup_auth
+from .member import EtcdMember, EtcdStartError, EtcdStartTimeoutError, TLSConfig
 
-__all__ = ["EtcdCluster"]
+__all__ = ["EtcdCluster", "make_client"]
 
 logger = logging.getLogger(__name__)
 
 
-class EtcdCluster:
+def make_client(
+    urls: list[str],
+    tls: TLSConfig | None,
+    auth: AuthConfig | None,
+    overrides: dict[str, Any],
+) -> Any:
+    """An ``etcd_store.client.EtcdClient`` for ``urls`` with TLS and auth filled in.
+
+    TLS files from ``tls`` and (with ``auth``) the root credentials are
+    passed (without TLS, with ``allow_insecure_auth``: the server listens on
+    this host); ``overrides`` (e.g. ``user=..., password=..., timeout=...``)
+    replace them. Endpoints are "host:port" without TLS, https URLs with it.
+    Constructing the client sends no request. Typed ``Any`` so that
+    etcd_server's signatures do not name an etcd_store type.
+
+    Raises:
+        ImportError: etcd_store (or grpc) is not installed.
+    """
+    from etcd_store.client import EtcdClient  # here only: etcd_server stays stdlib-only at import
+
+    kwargs: dict[str, Any] = {}
+    if tls is not None:
+        kwargs.update(ca_cert=tls.ca_file, cert=tls.client_cert, key=tls.client_key)
+    else:
+        urls = [u.split("://", 1)[1] for u in urls]
+    if auth is not None:
+        kwargs.update(user="root", password=auth.root_password)
+        # The server's own client on its loopback URLs: plain text only when it runs without TLS.
+        kwargs.update(allow_insecure_auth=tls is None)
+    kwargs.update(overrides)
+    return EtcdClient(urls[0] if len(urls) == 1 else urls, **kwargs)
+
+
+class _LocalEtcd:
+    """What :class:`EtcdCluster` and ``EtcdServer`` share: settings, start, auth set-up, stop.
+
+    A face supplies the members of each start attempt (:meth:`_members_for_attempt`),
+    what a retry on new ports wipes and logs, how a failed attempt is stopped, and
+    its ready log line. Thread-safe: every lifecycle call holds ``_lock``.
+    """
+
+    _KIND = ""  # "server" or "cluster": in messages and the temporary directory's name
+
+    def __init__(
+        self,
+        *,
+        binary: str | None,
+        data_dir: str | None,
+        enable_v2: bool,
+        extra_args: Sequence[str],
+        tls: TLSConfig | None,
+        auth: AuthConfig | None,
+        die_with_parent: bool,
+        stop_grace: float,
+        heartbeat_ms: int | None,
+        election_timeout_ms: int | None,
+    ) -> None:
+        self.binary = find_etcd_binary(binary)
+        if enable_v2:
+            check_v2_support(self.binary)
+        self.enable_v2 = enable_v2
+        self.extra_args = tuple(extra_args)
+        self.tls = tls
+        self.auth = auth
+        self.die_with_parent = die_with_parent
+        self.stop_grace = stop_grace
+        self.heartbeat_ms = heartbeat_ms
+        self.election_timeout_ms = election_timeout_ms
+        self._given_data_dir = os.path.abspath(data_dir) if data_dir else None
+        self._work_dir: str | None = None
+        self._members: list[EtcdMember] = []
+        self._auth_done = False
+        self._lock = threading.RLock()
+
+    @property
+    def version(self) -> str:
+        """etcd version of the binary, e.g. ``"3.5.1"`` (from ``etcd --version``, cached)."""
+        return etcd_version(self.binary)
+
+    # -- what a face supplies ----------------------------------------------
+
+    def _members_for_attempt(self) -> tuple[list[EtcdMember], bool]:
+        """The members to launch, and whether their ports are new (then a collision is retried)."""
+        raise NotImplementedError
+
+    def _retry_on_new_ports(self, members: list[EtcdMember], fresh: list[bool], attempt: int, attempts: int) -> None:
+        """Log the retry and wipe what the failed attempt left in data dirs that had none."""
+        raise NotImplementedError
+
+    def _abort(self, members: list[EtcdMember]) -> None:
+        """Stop the members of a failed attempt."""
+        raise NotImplementedError
+
+    def _log_ready(self) -> None:
+        raise NotImplementedError
+
+    # -- the shared lifecycle ----------------------------------------------
+
+    def _new_member(self, name: str, data_dir: str, client_port: int, peer_port: int) -> EtcdMember:
+        assert self._work_dir is not None
+        return EtcdMember(
+            binary=self.binary, name=name, data_dir=data_dir, work_dir=self._work_dir,
+            client_port=client_port, peer_port=peer_port, tls=self.tls, enable_v2=self.enable_v2,
+            extra_args=self.extra_args, die_with_parent=self.die_with_parent,
+            heartbeat_ms=self.heartbeat_ms, election_timeout_ms=self.election_timeout_ms,
+        )  # fmt: skip
+
+    def _start_members(self, timeout: float, num_retries: int, stderr: int | TextIO | None = None) -> None:
+        """Launch the members and block until each serves v3 (see the faces' ``start``).
+
+        A collision (etcd's "address already in use", or with ``stderr`` given any exit) on
+        new ports is retried on other new ports, ``num_retries`` attempts in all.
+        """
+        with self._lock:
+            if any(m.running() for m in self._members):
+                raise RuntimeError(f"etcd {self._KIND} already running; call stop() first")
+            if self._work_dir is None:
+                self._work_dir = process.make_temp_dir(f"etcd-{self._KIND}-")
+            attempts = max(1, num_retries)
+            for attempt in range(1, attempts + 1):
+                members, new_ports = self._members_for_attempt()
+                fresh = [not os.path.isdir(os.path.join(m.data_dir, "member")) for m in members]
+                try:
+                    if self.auth is not None and not self._auth_done:
+                        self._set_up_auth_privately(members, timeout, stderr)
+                    for m in members:
+                        m.launch(stderr)
+                    deadline = time.monotonic() + timeout
+                    for m in members:
+                        m.wait_ready(deadline)
+                except EtcdStartError as e:
+                    self._abort(members)
+                    collision = e.address_in_use or (stderr is not None and e.returncode is not None)
+                    if new_ports and collision and attempt < attempts:
+                        self._retry_on_new_ports(members, fresh, attempt, attempts)
+                        continue
+                    self._fail_cleanup(new_ports)
+                    raise
+                except BaseException:
+                    self._abort(members)
+                    self._fail_cleanup(new_ports)
+                    raise
+                self._members = members
+                self._log_ready()
+                if self.auth is not None:
+                    self._auth_done = True
+                return
+
+    def _set_up_auth_privately(self, members: list[EtcdMember], timeout: float, stderr: int | TextIO | None) -> None:
+        """Start every member listening for clients only on a unix socket in a private
+        directory, set up auth through member 0 (:func:`~etcd_server.gateway.setup_auth`),
+        wait until every member has applied ``auth enable``, and stop them all: the real
+        client ports open later, on data dirs whose auth is on. The peer ports are the real
+        ones throughout (TLS when configured). Blocks for one start and one stop.
+
+        Raises what :meth:`EtcdMember.wait_ready` and ``setup_auth`` raise; etcd is stopped.
+        """
+        assert self.auth is not None
+        private = process.make_private_dir(self._work_dir)
+        try:
+            for m in members:
+                m.private_dir = private
+                m.launch(stderr)
+            deadline = time.monotonic() + timeout
+            for m in members:
+                m.wait_ready(deadline)
+            setup_auth(members[0].gateway, self.auth)
+            for m in members[1:]:  # a member restarts with what it applied: auth on in each
+                while not auth_enabled(m.gateway, self.auth, timeout=max(0.1, deadline - time.monotonic())):
+                    if time.monotonic() >= deadline:
+                        raise EtcdStartTimeoutError(
+                            f"etcd {m.name} did not apply 'auth enable' before the start-up deadline",
+                            returncode=None, log_tail=m.log_tail(), cmd=m.cmd,
+                        )  # fmt: skip
+                    time.sleep(0.02)
+        finally:
+            self._terminate_all(members, graceful=True)
+            for m in members:
+                m.private_dir = None
+            process.remove_temp_dir(private)
+
+    def _fail_cleanup(self, new_ports: bool) -> None:
+        """After a failed start: drop the temporary directory unless earlier members use it."""
+        if not self._members and self._work_dir:
+            self._drop_work_dir()
+
+    def _drop_work_dir(self) -> None:
+        if self._work_dir:
+            process.remove_temp_dir(self._work_dir)
+            self._work_dir = None
+
+    def _terminate_all(self, members: list[EtcdMember], *, graceful: bool) -> None:
+        """Stop all members, one at a time, followers first.
+
+        A leader that gets SIGTERM tries to hand leadership to a follower it
+        believes alive; when the followers are gone (or going) it waits etcd's
+        ~7 s transfer timeout. So members are stopped sequentially, the leader
+        last, and the last member gets a short grace before SIGKILL (safe:
+        etcd has fsynced everything it acknowledged). One member gets ``stop_grace``.
+        """
+        live = [m for m in members if m.running()]
+        if graceful and len(live) > 1:
+            leader = self._leader_once(members)
+            if leader is not None and members[leader] in live:
+                live.remove(members[leader])
+                live.append(members[leader])
+        for n, m in enumerate(live):
+            last = n == len(live) - 1 and len(live) > 1
+            grace = min(self.stop_grace, 1.0) if last else self.stop_grace
+            m.terminate(grace=grace, graceful=graceful, quiet=last)
+        for m in members:  # reap/unregister any that died on their own
+            m.terminate(grace=self.stop_grace, graceful=graceful)
+
+    @staticmethod
+    def _leader_once(members: list[EtcdMember]) -> int | None:
+        """The index of the live member whose ``/metrics`` says it leads, or None."""
+        for i, m in enumerate(members):
+            if not m.running():
+                continue
+            try:
+                if m.gateway.is_leader(timeout=1.0):
+                    return i
+            except (OSError, http.client.HTTPException):
+                continue
+        return None
+
+    def stop(self, *, keep_data: bool = False, graceful: bool = True) -> None:
+        raise NotImplementedError
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class EtcdCluster(_LocalEtcd):
     """``size`` etcd members on ``127.0.0.1`` forming one cluster.
 
     Args:
@@ -55,6 +308,8 @@ class EtcdCluster:
         ValueError: ``size`` < 1, or ``enable_v2=True`` with etcd 3.6+ (no v2 API).
     """
 
+    _KIND = "cluster"
+
     def __init__(
         self,
         size: int = 3,
@@ -73,29 +328,13 @@ class EtcdCluster:
         if size < 1:
             raise ValueError(f"cluster size must be >= 1, got {size}")
         self.size = size
-        self.binary = find_etcd_binary(binary)
-        if enable_v2:
-            check_v2_support(self.binary)
-        self.enable_v2 = enable_v2
-        self.extra_args = tuple(extra_args)
-        self.tls = tls
-        self.auth = auth
-        self.die_with_parent = die_with_parent
-        self.stop_grace = stop_grace
-        self.heartbeat_ms = heartbeat_ms
-        self.election_timeout_ms = election_timeout_ms
-        self._given_data_dir = os.path.abspath(data_dir) if data_dir else None
-        self._work_dir: str | None = None
-        self._members: list[EtcdMember] = []
-        self._auth_done = False
-        self._lock = threading.RLock()
+        super().__init__(
+            binary=binary, data_dir=data_dir, enable_v2=enable_v2, extra_args=extra_args, tls=tls,
+            auth=auth, die_with_parent=die_with_parent, stop_grace=stop_grace,
+            heartbeat_ms=heartbeat_ms, election_timeout_ms=election_timeout_ms,
+        )  # fmt: skip
 
     # -- accessors ---------------------------------------------------------
-
-    @property
-    def version(self) -> str:
-        """etcd version of the binary, e.g. ``"3.5.1"``."""
-        return etcd_version(self.binary)
 
     @property
     def endpoints(self) -> list[str]:
@@ -136,10 +375,11 @@ class EtcdCluster:
     def start(self, timeout: float = 60, num_retries: int = 3) -> None:
         """Start all members and block until every one serves v3 requests.
 
-        Members are launched together, then each is polled (status with a
-        known leader, then a linearizable range). If a port was taken between
-        probing and binding, all members are stopped, their fresh data wiped,
-        and the start retried on new ports (``num_retries`` attempts in all).
+        Members are launched together, then each is polled (``GET /health``:
+        a leader and a read through raft). If a port was taken between
+        probing and binding on the first start, all members are stopped, their
+        fresh data wiped, and the start retried on new ports (``num_retries``
+        attempts in all).
 
         Raises:
             RuntimeError: already started.
@@ -147,137 +387,42 @@ class EtcdCluster:
                 and log tail); all members are stopped.
             EtcdStartTimeoutError: not ready within ``timeout``.
         """
-        with self._lock:
-            if any(m.running() for m in self._members):
-                raise RuntimeError("etcd cluster already running; call stop() first")
-            if self._work_dir is None:
-                self._work_dir = process.make_temp_dir("etcd-cluster-")
-            first = not self._members
-            attempts = max(1, num_retries)
-            for attempt in range(1, attempts + 1):
-                if first:
-                    self._members = self._new_members()
-                for m in self._members:  # the log dir is new after a stop()
-                    m.work_dir = self._work_dir
-                fresh = [not os.path.isdir(os.path.join(m.data_dir, "member")) for m in self._members]
-                try:
-                    if self.auth is not None and not self._auth_done:
-                        self._set_up_auth_privately(timeout)
-                    for m in self._members:
-                        m.launch()
-                    deadline = time.monotonic() + timeout
-                    for m in self._members:
-                        m.wait_ready(deadline)
-                except EtcdStartError as e:
-                    self._terminate_all(graceful=False)
-                    if first and e.address_in_use and attempt < attempts:
-                        logger.warning(
-                            "etcd cluster ports taken (attempt %d/%d); retrying on new ports",
-                            attempt,
-                            attempts,
-                        )
-                        for m, was_fresh in zip(self._members, fresh, strict=True):
-                            if was_fresh:
-                                shutil.rmtree(m.data_dir, ignore_errors=True)
-                        continue
-                    self._fail_cleanup(first)
-                    raise
-                except BaseException:
-                    self._terminate_all(graceful=False)
-                    self._fail_cleanup(first)
-                    raise
-                break
-            logger.info("etcd %s cluster ready at %s", self.version, self.endpoint_string)
-            if self.auth is not None:
-                self._auth_done = True
+        self._start_members(timeout, num_retries)
 
-    def _set_up_auth_privately(self, timeout: float) -> None:
-        """Start every member listening for clients only on a unix socket in a private
-        directory, set up auth through member 0 (:func:`~etcd_server.gateway.setup_auth`),
-        wait until every member has applied ``auth enable``, and stop them all: the real
-        client ports open later, on data dirs whose auth is on. Blocks for one start and
-        one stop of the cluster.
-        """
-        assert self.auth is not None
-        private = process.make_private_dir(self._work_dir)
-        try:
-            for m in self._members:
-                m.private_dir = private
-                m.launch()
-            deadline = time.monotonic() + timeout
-            for m in self._members:
-                m.wait_ready(deadline)
-            setup_auth(self._members[0].gateway, self.auth)
-            for m in self._members[1:]:  # a member restarts with what it applied: auth on in each
-                while not auth_enabled(m.gateway, self.auth, timeout=max(0.1, deadline - time.monotonic())):
-                    if time.monotonic() >= deadline:
-                        raise EtcdStartTimeoutError(
-                            f"etcd {m.name} did not apply 'auth enable' before the start-up deadline",
-                            returncode=None, log_tail=m.log_tail(), cmd=m.cmd,
-                        )  # fmt: skip
-                    time.sleep(0.02)
-        finally:
-            self._terminate_all(graceful=True)
-            for m in self._members:
-                m.private_dir = None
-            process.remove_temp_dir(private)
+    def _members_for_attempt(self) -> tuple[list[EtcdMember], bool]:
+        assert self._work_dir is not None
+        new_ports = not self._members
+        members = self._new_members() if new_ports else self._members
+        for m in members:  # the log dir is new after a stop()
+            m.work_dir = self._work_dir
+        return members, new_ports
 
     def _new_members(self) -> list[EtcdMember]:
         assert self._work_dir is not None
         base = self._given_data_dir or os.path.join(self._work_dir, "data")
         ports = process.free_ports(2 * self.size)
-        token = "etcd-cluster-" + uuid.uuid4().hex[:12]
         members = [
-            EtcdMember(
-                binary=self.binary,
-                name=f"member-{i}",
-                data_dir=os.path.join(base, f"member-{i}"),
-                work_dir=self._work_dir,
-                client_port=ports[2 * i],
-                peer_port=ports[2 * i + 1],
-                tls=self.tls,
-                enable_v2=self.enable_v2,
-                extra_args=self.extra_args,
-                die_with_parent=self.die_with_parent,
-                heartbeat_ms=self.heartbeat_ms,
-                election_timeout_ms=self.election_timeout_ms,
-            )
+            self._new_member(f"member-{i}", os.path.join(base, f"member-{i}"), ports[2 * i], ports[2 * i + 1])
             for i in range(self.size)
         ]
         initial = ",".join(f"{m.name}={m.peer_url}" for m in members)
+        token = "etcd-cluster-" + uuid.uuid4().hex[:12]
         for m in members:
             m.initial_cluster = initial
             m.cluster_token = token
         return members
 
-    def _terminate_all(self, *, graceful: bool) -> None:
-        """Stop all members, one at a time, followers first.
+    def _retry_on_new_ports(self, members: list[EtcdMember], fresh: list[bool], attempt: int, attempts: int) -> None:
+        logger.warning("etcd cluster ports taken (attempt %d/%d); retrying on new ports", attempt, attempts)
+        for m, was_fresh in zip(members, fresh, strict=True):
+            if was_fresh:
+                shutil.rmtree(m.data_dir, ignore_errors=True)
 
-        A leader that gets SIGTERM tries to hand leadership to a follower it
-        believes alive; when the followers are gone (or going) it waits etcd's
-        ~7 s transfer timeout. So members are stopped sequentially, the leader
-        last, and the last member gets a short grace before SIGKILL (safe:
-        etcd has fsynced everything it acknowledged).
-        """
-        live = [i for i, m in enumerate(self._members) if m.running()]
-        if graceful and len(live) > 1:
-            leader = self._leader_once()
-            if leader in live:
-                live.remove(leader)
-                live.append(leader)
-        for n, i in enumerate(live):
-            last = n == len(live) - 1 and len(live) > 1
-            grace = min(self.stop_grace, 1.0) if last else self.stop_grace
-            self._members[i].terminate(grace=grace, graceful=graceful, quiet=last)
-        for m in self._members:  # reap/unregister any that died on their own
-            m.terminate(grace=self.stop_grace, graceful=graceful)
+    def _abort(self, members: list[EtcdMember]) -> None:
+        self._terminate_all(members, graceful=False)
 
-    def _fail_cleanup(self, first: bool) -> None:
-        if first:
-            self._members = []
-            if self._work_dir:
-                process.remove_temp_dir(self._work_dir)
-                self._work_dir = None
+    def _log_ready(self) -> None:
+        logger.info("etcd %s cluster ready at %s", self.version, self.endpoint_string)
 
     def stop(self, *, keep_data: bool = False, graceful: bool = True) -> None:
         """Stop every member (SIGTERM, SIGKILL after ``stop_grace``; blocks).
@@ -286,10 +431,9 @@ class EtcdCluster:
         ``start()`` reuses the ports (and data, when kept or caller-given).
         """
         with self._lock:
-            self._terminate_all(graceful=graceful)
+            self._terminate_all(self._members, graceful=graceful)
             if not keep_data and self._work_dir:
-                process.remove_temp_dir(self._work_dir)
-                self._work_dir = None
+                self._drop_work_dir()
                 if not self._given_data_dir:
                     self._members = []
                     self._auth_done = False
@@ -334,31 +478,18 @@ class EtcdCluster:
         """
         deadline = time.monotonic() + timeout
         while True:
-            found = self._leader_once()
+            found = self._leader_once(self._members)
             if found is not None:
                 return found
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"no etcd leader among {self.endpoint_string} within {timeout}s")
             time.sleep(0.05)
 
-    def _leader_once(self) -> int | None:
-        """One round of :meth:`leader`: the live member that says it leads, or None."""
-        for i, m in enumerate(self._members):
-            if not m.running():
-                continue
-            try:
-                if m.gateway.is_leader(timeout=1.0):
-                    return i
-            except (OSError, http.client.HTTPException):
-                continue
-        return None
-
     def get_client(self, **overrides: Any) -> Any:
         """An ``etcd_store.client.EtcdClient`` over all members' endpoints.
 
         TLS files and root credentials (with auth) are filled in; ``overrides``
-        replace them. Imports etcd_store only when called (in
-        :func:`etcd_server.client.make_client`).
+        replace them. Imports etcd_store only when called (in :func:`make_client`).
         """
         return make_client(self.client_urls, self.tls, self.auth, overrides)
 
@@ -366,14 +497,5 @@ class EtcdCluster:
         self.start()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
     def __repr__(self) -> str:
         return f"EtcdCluster({self.endpoint_string or self.size}, pids={self.pids})"
-

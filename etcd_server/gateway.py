@@ -1,14 +1,14 @@
-"""A small client for etcd's JSON gateway and plain HTTP endpoints, and the auth set-up.
+"""etcd's JSON gateway and plain HTTP endpoints, its error answers, and the auth set-up.
 
 :class:`Gateway` POSTs JSON to ``/v3/...`` (etcd's gRPC gateway) and GETs
-``/health`` and ``/metrics``; it never uses an HTTP proxy. Every call blocks
-for at most its ``timeout``. Gateway errors become
-:class:`~etcd_server.errors.EtcdGatewayError` (told apart by gRPC code and
-HTTP status only); no answer at all is an ``OSError``.
+``/health`` and ``/metrics``; it never uses an HTTP proxy, and can also talk
+over a unix socket (the private set-up listener). Every call blocks for at most
+its ``timeout``. An error answer becomes :class:`EtcdGatewayError`, told apart
+by gRPC ``code`` and HTTP status only (the bodies differ between etcd
+versions); no answer at all is an ``OSError``.
 
 :func:`setup_auth` creates the root user and role, the optional prefix-limited
-user, and enables auth; it is idempotent and works on etcd 3.4 to 3.7. A
-:class:`Gateway` can also talk over a unix socket (the private set-up listener).
+user, and enables auth; it is idempotent and works on etcd 3.4 to 3.7.
 Passwords travel in request bodies only, never in URLs, argv or logs.
 Standard library only.
 """
@@ -16,6 +16,7 @@ Standard library only.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import functools
 import http.client
 import json
@@ -26,12 +27,74 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from .config import AuthConfig
-from .errors import GRPC_FAILED_PRECONDITION, NO_CODE, EtcdGatewayError
-
-__all__ = ["Gateway", "auth_enabled", "keyspace_revision", "setup_auth"]
+__all__ = [
+    "GRPC_FAILED_PRECONDITION",
+    "GRPC_INVALID_ARGUMENT",
+    "GRPC_PERMISSION_DENIED",
+    "GRPC_UNAUTHENTICATED",
+    "NO_CODE",
+    "AuthConfig",
+    "EtcdGatewayError",
+    "Gateway",
+    "auth_enabled",
+    "keyspace_revision",
+    "setup_auth",
+]
 
 logger = logging.getLogger(__name__)
+
+# gRPC status codes etcd reports in the gateway's ``code`` field.
+GRPC_INVALID_ARGUMENT = 3
+GRPC_PERMISSION_DENIED = 7
+GRPC_FAILED_PRECONDITION = 9
+GRPC_UNAUTHENTICATED = 16
+NO_CODE = -1
+
+
+class EtcdGatewayError(RuntimeError):
+    """An error answer from etcd's JSON gateway (``/v3/...``).
+
+    Every etcd version from 3.4 to 3.7 puts the gRPC status code in the
+    answer's ``code`` field (the rest of the body changed in 3.6), so errors
+    are told apart by :attr:`code` and :attr:`http_status` only, never by
+    message text.
+
+    Attributes:
+        path: the gateway path requested.
+        http_status: HTTP status code of the answer.
+        code: the gRPC status code etcd reported (e.g. 9 FAILED_PRECONDITION),
+            or -1 when the answer carried none (not a gRPC error).
+        etcd_message: etcd's error message (for people; do not parse it).
+    """
+
+    def __init__(self, path: str, http_status: int, code: int, etcd_message: str):
+        self.path = path
+        self.http_status = http_status
+        self.code = code
+        self.etcd_message = etcd_message
+        super().__init__(
+            f"etcd {path} failed: {etcd_message} (grpc code {code}, HTTP {http_status})"
+        )
+
+    @property
+    def is_auth_error(self) -> bool:
+        """True for PERMISSION_DENIED (7) and UNAUTHENTICATED (16, e.g. a stale token).
+
+        etcd reports a missing token and a wrong password as INVALID_ARGUMENT
+        (3), which by code alone cannot be told from a malformed request.
+        """
+        return self.code in (GRPC_PERMISSION_DENIED, GRPC_UNAUTHENTICATED)
+
+    @property
+    def refused_by_gateway(self) -> bool:
+        """True when the gateway refused the request before it reached etcd's gRPC API.
+
+        That is an HTTP 400 with no gRPC code. In etcd 3.4 to 3.7 the one such
+        refusal is for a TLS client whose certificate has a CommonName while
+        auth is enabled ("CommonName of client sending a request against
+        gateway will be ignored ..."), so it also says auth is on.
+        """
+        return self.http_status == 400 and self.code == NO_CODE
 
 
 def _b64(data: bytes) -> str:
@@ -54,7 +117,7 @@ def _prefix_end(prefix: bytes) -> bytes:
 
 
 class _UnixConnection(http.client.HTTPConnection):
-    """Plain HTTP over a unix socket (the private set-up listener of :mod:`etcd_server.server`)."""
+    """Plain HTTP over a unix socket (the private set-up listener of :mod:`etcd_server.cluster`)."""
 
     def __init__(self, socket_path: str, host: str, timeout: float | None = None, **_: Any) -> None:
         super().__init__(host, timeout=timeout)
@@ -193,6 +256,51 @@ class Gateway:
         return False
 
 
+@dataclasses.dataclass(frozen=True)
+class AuthConfig:
+    """Turn on etcd authentication before the server first serves its client port.
+
+    The set-up runs on a first start of etcd that listens for clients only on a
+    unix socket in a private directory; etcd then restarts on its real client
+    URL with auth on (see :mod:`etcd_server.cluster`). A ``root`` user with
+    ``root_password`` and the ``root`` role is created and ``auth enable`` is issued. When ``user`` is set, that user is created with
+    ``password`` and a role (``role``, default ``"<user>-rw"``) granting
+    READWRITE on the keys starting with ``prefix`` only (all keys when
+    ``prefix`` is empty).
+
+    Validated at construction (``ValueError`` naming the field). Passwords are
+    excluded from ``repr`` and are only ever sent in request bodies to the
+    server's JSON gateway.
+    """
+
+    root_password: str = dataclasses.field(repr=False)
+    user: str | None = None
+    password: str | None = dataclasses.field(default=None, repr=False)
+    prefix: bytes | str = b""
+    role: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.root_password:
+            raise ValueError("AuthConfig.root_password must not be empty")
+        if self.user is not None and not self.password:
+            raise ValueError("AuthConfig.user needs a password")
+        if self.user == "root":
+            raise ValueError("AuthConfig.user must not be 'root'")
+
+    @property
+    def prefix_bytes(self) -> bytes:
+        """``prefix`` as bytes (UTF-8 if given as str)."""
+        p = self.prefix
+        return p.encode() if isinstance(p, str) else bytes(p)
+
+    @property
+    def role_name(self) -> str | None:
+        """Name of the limited user's role, or None without a limited user."""
+        if self.user is None:
+            return None
+        return self.role or f"{self.user}-rw"
+
+
 def auth_enabled(gateway: Gateway, auth: AuthConfig, *, timeout: float = 10.0) -> bool:
     """Whether auth is on, asked with ``Authenticate`` as root (one round trip).
 
@@ -243,29 +351,14 @@ def setup_auth(gateway: Gateway, auth: AuthConfig, *, timeout: float = 10.0) -> 
     if auth_enabled(gateway, auth, timeout=timeout):
         logger.info("etcd auth is already enabled; leaving users and roles as they are")
         return
-
-    def call(path: str, body: dict[str, Any]) -> dict[str, Any]:
-        return gateway.call(path, body, timeout=timeout)
-
     revision = keyspace_revision(gateway, timeout=timeout)
-    users = set(call("/v3/auth/user/list", {}).get("users") or ())
-    roles = set(call("/v3/auth/role/list", {}).get("roles") or ())
-    wanted = [("root", auth.root_password)] + ([(auth.user, auth.password)] if auth.user else [])
-    for name, password in wanted:
-        verb = "changepw" if name in users else "add"
-        call(f"/v3/auth/user/{verb}", {"name": name, "password": password})
-    if "root" not in roles:
-        call("/v3/auth/role/add", {"name": "root"})
-    call("/v3/auth/user/grant", {"user": "root", "role": "root"})  # no-op when granted
-    if auth.user is not None and auth.role_name is not None:
-        if auth.role_name not in roles:
-            call("/v3/auth/role/add", {"name": auth.role_name})
-        call("/v3/auth/role/grant", {"name": auth.role_name, "perm": _perm(auth.prefix_bytes)})
-        call("/v3/auth/user/grant", {"user": auth.user, "role": auth.role_name})
+    _add_users_and_roles(gateway, auth, timeout)
     _verify_auth(gateway, auth, timeout, token=None)  # before: nothing of anyone else's gets enabled
-    call("/v3/auth/enable", {})
+    gateway.call("/v3/auth/enable", {}, timeout=timeout)
     try:  # after: nothing added between that check and the enable, nothing written meanwhile
-        token = call("/v3/auth/authenticate", {"name": "root", "password": auth.root_password}).get("token")
+        token = gateway.call(
+            "/v3/auth/authenticate", {"name": "root", "password": auth.root_password}, timeout=timeout
+        ).get("token")
         _verify_auth(gateway, auth, timeout, token=str(token))
         after = keyspace_revision(gateway, timeout=timeout, token=str(token))
         if after != revision:
@@ -283,6 +376,28 @@ def setup_auth(gateway: Gateway, auth: AuthConfig, *, timeout: float = 10.0) -> 
         "etcd auth enabled (root%s)",
         f", user {auth.user!r} limited to prefix {auth.prefix_bytes!r}" if auth.user else "",
     )
+
+
+def _add_users_and_roles(gateway: Gateway, auth: AuthConfig, timeout: float) -> None:
+    """Create (or set the password of) root and the limited user, their roles and grants."""
+
+    def call(path: str, body: dict[str, Any]) -> dict[str, Any]:
+        return gateway.call(path, body, timeout=timeout)
+
+    users = set(call("/v3/auth/user/list", {}).get("users") or ())
+    roles = set(call("/v3/auth/role/list", {}).get("roles") or ())
+    wanted = [("root", auth.root_password)] + ([(auth.user, auth.password)] if auth.user else [])
+    for name, password in wanted:
+        verb = "changepw" if name in users else "add"
+        call(f"/v3/auth/user/{verb}", {"name": name, "password": password})
+    if "root" not in roles:
+        call("/v3/auth/role/add", {"name": "root"})
+    call("/v3/auth/user/grant", {"user": "root", "role": "root"})  # no-op when granted
+    if auth.user is not None and auth.role_name is not None:
+        if auth.role_name not in roles:
+            call("/v3/auth/role/add", {"name": auth.role_name})
+        call("/v3/auth/role/grant", {"name": auth.role_name, "perm": _perm(auth.prefix_bytes)})
+        call("/v3/auth/user/grant", {"user": auth.user, "role": auth.role_name})
 
 
 def keyspace_revision(gateway: Gateway, *, timeout: float = 10.0, token: str | None = None) -> int:

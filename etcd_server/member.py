@@ -1,11 +1,11 @@
-"""One etcd process: its command line, launch, readiness, log and stop.
+"""One etcd process: its command line (with :class:`TLSConfig`), launch, readiness, log and stop.
 
 :class:`EtcdMember` is the part :class:`~etcd_server.EtcdServer` (one member)
 and :class:`~etcd_server.EtcdCluster` (several) share. ``launch()`` returns at
 once; ``wait_ready(deadline)`` blocks until etcd serves, raising
-:class:`~etcd_server.errors.EtcdStartError` (with exit code and log tail) as
-soon as the process exits, or :class:`~etcd_server.errors.EtcdStartTimeoutError`
-at the deadline; ``terminate()`` blocks until the process is reaped.
+:class:`EtcdStartError` (with exit code and log tail) as soon as the process
+exits, or :class:`EtcdStartTimeoutError` at the deadline; ``terminate()``
+blocks until the process is reaped.
 
 Every flag on the command line exists, undeprecated, in etcd 3.4 to 3.7
 (``--enable-v2`` only when asked, which callers allow on 3.4/3.5 only); the
@@ -15,9 +15,9 @@ Ports
 -----
 Clients: ``http(s)://127.0.0.1:<client>``. Peers: ``http://127.0.0.1:<peer>``
 without TLS (open to every local user: trusted single-user machines only); with
-a :class:`~etcd_server.config.TLSConfig`, ``https://`` with
-``--peer-client-cert-auth`` (a peer must present a certificate of the peer CA,
-by default the client CA; ``peer_allowed_cn`` narrows that to one CommonName).
+a :class:`TLSConfig`, ``https://`` with ``--peer-client-cert-auth`` (a peer must
+present a certificate of the peer CA, by default the client CA;
+``peer_allowed_cn`` narrows that to one CommonName).
 
 A *private set-up start* (``private_dir`` set) listens for clients only on the
 unix socket ``<private_dir>/localhost:<client>`` (etcd's unix URLs need a
@@ -56,10 +56,12 @@ Standard library only.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import http.client
 import logging
 import os
 import signal
+import ssl
 import subprocess
 import time
 import uuid
@@ -67,15 +69,131 @@ from collections.abc import Sequence
 from typing import IO, Any
 
 from . import process
-from .config import HOST, TLSConfig
-from .errors import EtcdStartError, EtcdStartTimeoutError
 from .gateway import Gateway
+from .process import HOST
 
-__all__ = ["EtcdMember"]
+__all__ = ["EtcdMember", "EtcdStartError", "EtcdStartTimeoutError", "TLSConfig"]
 
 logger = logging.getLogger(__name__)
 
 _LOG_TAIL_LINES = 20
+
+
+class EtcdStartError(RuntimeError):
+    """etcd did not come up.
+
+    Attributes:
+        returncode: exit status of the etcd process (negative: killed by that
+            signal), or None if it was still running (a time-out).
+        log_tail: the last lines etcd wrote to its stderr log ("" when the
+            caller redirected stderr elsewhere).
+        cmd: the command line that was run.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        returncode: int | None = None,
+        log_tail: str = "",
+        cmd: Sequence[str] = (),
+    ) -> None:
+        self.returncode = returncode
+        self.log_tail = log_tail
+        self.cmd = list(cmd)
+        full = message
+        if log_tail:
+            full += "\n--- last lines of the etcd log ---\n" + log_tail
+        super().__init__(full)
+
+    @property
+    def address_in_use(self) -> bool:
+        """True if the log says a listen port was already taken."""
+        return "address already in use" in self.log_tail
+
+
+class EtcdStartTimeoutError(EtcdStartError, TimeoutError):
+    """etcd was still running but not ready when the start-up deadline passed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TLSConfig:
+    """Serve the client API over https (frozen; ``ValueError`` at construction naming a bad field).
+
+    Attributes:
+        cert_file, key_file: the server certificate and key (PEM). The
+            certificate should name ``IP:127.0.0.1`` in its subjectAltName.
+            etcd's JSON gateway dials the server with this same certificate,
+            so when ``client_cert_auth`` is on it must also allow
+            ``clientAuth`` (extendedKeyUsage serverAuth + clientAuth).
+        ca_file: CA bundle that signed the server (and client) certificates;
+            passed as ``--trusted-ca-file`` and used by our probes/clients.
+        client_cert_auth: require clients to present a certificate signed by
+            ``ca_file`` (``--client-cert-auth``).
+        client_cert_file, client_key_file: the certificate our readiness
+            probes and :meth:`EtcdServer.get_client` present; default to the
+            server certificate and key.
+        peer_cert_file, peer_key_file, peer_ca_file: the peer port's
+            certificate, key and trusted CA (``--peer-cert-file``,
+            ``--peer-key-file``, ``--peer-trusted-ca-file``); default to
+            ``cert_file``, ``key_file`` and ``ca_file``. With TLS configured
+            the peer port always serves https and requires a peer certificate
+            signed by that CA (``--peer-client-cert-auth``); members dial each
+            other with the peer certificate, so in a cluster it must allow
+            both serverAuth and clientAuth and name ``IP:127.0.0.1``.
+        peer_allowed_cn: accept only peer certificates with this CommonName
+            (``--peer-cert-allowed-cn``). Without it (and without a separate
+            ``peer_ca_file``) every certificate the client CA signed, a
+            client's included, is a valid peer certificate.
+    """
+
+    cert_file: str
+    key_file: str
+    ca_file: str
+    client_cert_auth: bool = True
+    client_cert_file: str | None = None
+    client_key_file: str | None = None
+    peer_cert_file: str | None = None
+    peer_key_file: str | None = None
+    peer_ca_file: str | None = None
+    peer_allowed_cn: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.peer_cert_file is None) != (self.peer_key_file is None):
+            raise ValueError("TLSConfig.peer_cert_file and peer_key_file go together")
+        if self.peer_allowed_cn is not None and not self.peer_allowed_cn:
+            raise ValueError("TLSConfig.peer_allowed_cn must not be empty")
+
+    @property
+    def peer_cert(self) -> str:
+        """Certificate of the peer port (served and presented to other members)."""
+        return self.peer_cert_file or self.cert_file
+
+    @property
+    def peer_key(self) -> str:
+        """Key of :attr:`peer_cert`."""
+        return self.peer_key_file or self.key_file
+
+    @property
+    def peer_ca(self) -> str:
+        """CA a peer's certificate must be signed by."""
+        return self.peer_ca_file or self.ca_file
+
+    @property
+    def client_cert(self) -> str:
+        """Certificate presented by our own clients."""
+        return self.client_cert_file or self.cert_file
+
+    @property
+    def client_key(self) -> str:
+        """Key of :attr:`client_cert`."""
+        return self.client_key_file or self.key_file
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """A client-side context trusting ``ca_file`` and presenting the client cert."""
+        ctx = ssl.create_default_context(cafile=self.ca_file)
+        ctx.load_cert_chain(self.client_cert, self.client_key)
+        return ctx
 
 
 class EtcdMember:

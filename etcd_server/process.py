@@ -43,9 +43,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
-from .config import HOST
-
 __all__ = [
+    "HOST",
     "Stoppable",
     "death_signal_prefix",
     "free_ports",
@@ -59,6 +58,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+#: The only address local etcd servers listen on.
+HOST = "127.0.0.1"
 
 _PR_SET_PDEATHSIG = 1
 

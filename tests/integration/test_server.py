@@ -32,7 +32,7 @@ from etcd_server import (
     find_etcd_binary,
 )
 from etcd_server.binary import has_v2_api
-from etcd_server.errors import GRPC_INVALID_ARGUMENT, GRPC_UNAUTHENTICATED
+from etcd_server.gateway import GRPC_INVALID_ARGUMENT, GRPC_UNAUTHENTICATED
 
 _REPO = REPO_ROOT
 
@@ -516,7 +516,7 @@ def test_import_is_standard_library_only() -> None:
         "import sys, etcd_server, etcd_server.__main__\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('etcd_store', 'grpc', 'torch'))\n"
         "assert not bad, bad\n"
-        "from etcd_server.client import make_client\n"
+        "from etcd_server.cluster import make_client\n"
         "make_client(['http://127.0.0.1:1'], None, None, {}).close()\n"
         "assert 'etcd_store.client' in sys.modules\n"
     )

@@ -26,11 +26,10 @@ import pytest
 from helpers import REPO_ROOT
 from helpers.certs import CertPaths, have_openssl, make_certs
 
-import etcd_server.server as server_module
+import etcd_server.cluster as cluster_module
 from etcd_server import AuthConfig, EtcdCluster, EtcdServer, TLSConfig
 from etcd_server.__main__ import main as server_main
-from etcd_server.errors import EtcdGatewayError
-from etcd_server.gateway import Gateway
+from etcd_server.gateway import EtcdGatewayError, Gateway
 from etcd_server.process import free_ports
 from etcd_store.client import EtcdClient
 from etcd_store.errors import EtcdAuthError, EtcdError, EtcdPermissionDenied
@@ -367,7 +366,7 @@ def test_the_client_port_is_closed_while_auth_is_set_up(etcd_binary: str, monkey
     """While the set-up runs, etcd serves clients only on a unix socket in a 0700 directory."""
     (port,) = free_ports(1)
     seen: dict[str, Any] = {}
-    real = server_module.setup_auth
+    real = cluster_module.setup_auth
 
     def setup_auth(gateway: Gateway, auth: AuthConfig, **kw: Any) -> None:
         with pytest.raises(OSError):
@@ -377,7 +376,7 @@ def test_the_client_port_is_closed_while_auth_is_set_up(etcd_binary: str, monkey
         seen["mode"] = os.stat(os.path.dirname(gateway.unix_socket)).st_mode & 0o777
         real(gateway, auth, **kw)
 
-    monkeypatch.setattr(server_module, "setup_auth", setup_auth)
+    monkeypatch.setattr(cluster_module, "setup_auth", setup_auth)
     with EtcdServer(binary=etcd_binary, port=port, auth=AuthConfig(ROOT_PW)) as server:
         assert seen["mode"] == 0o700
         assert not os.path.exists(seen["socket"])

@@ -1,4 +1,4 @@
-"""etcd_server's command lines (issue 32, item 1): with TLS the peer port is https with peer client-cert
+"""etcd_server's command lines: with TLS the peer port is https with peer client-cert
 auth; a private set-up start listens for clients on a unix socket only. No etcd is started."""
 
 from __future__ import annotations
@@ -7,8 +7,7 @@ import os
 
 import pytest
 
-from etcd_server.config import TLSConfig
-from etcd_server.member import EtcdMember
+from etcd_server.member import EtcdMember, TLSConfig
 
 
 def _member(tls: TLSConfig | None, tmp: str) -> EtcdMember:
