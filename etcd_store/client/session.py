@@ -37,10 +37,10 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from ..errors import EtcdError, EtcdLeaseNotFound, EtcdPermissionDenied
-from .leases import LeaseSource, refresh_interval
+from .leases import KeepAlives, refresh_interval
 from .reactor import started
 
 log = logging.getLogger(__name__)
@@ -50,19 +50,30 @@ __all__ = ["Session", "renewing_lease"]
 _T = TypeVar("_T")
 
 
+class LeaseSource(Protocol):
+    """What a :class:`Session` calls: grant, revoke, a keep-alive stream (an
+    :class:`~etcd_store.client.EtcdClient` or its :class:`~.calls.LeaseCalls`)."""
+
+    def lease_grant(self, ttl: int, *, lease_id: int = 0, timeout: float | None = None) -> int: ...
+
+    def lease_revoke(self, lease_id: int, *, timeout: float | None = None) -> bool: ...
+
+    def keep_alives(self) -> KeepAlives: ...
+
+
 class Session:
     """A lease kept alive over the client's keep-alive stream until :meth:`close`.
 
     Args:
         client: the etcd client whose keep-alive stream refreshes the lease (an
-            :class:`~etcd_store.client.EtcdClient`, or any :class:`~.leases.LeaseSource`).
+            :class:`~etcd_store.client.EtcdClient`, or any :class:`LeaseSource`).
         ttl: seconds; the lease's TTL (at least 1).
         lease_id: the id to ask etcd for (0: etcd picks one).
         on_lost: called once, in the client's callback thread, when the lease is lost (see above).
         interval: seconds between two keep-alives (at least 0.2); None: a third of the TTL.
 
     Attributes: ``id`` (also :attr:`lease_id`), ``ttl`` (as etcd last reported it),
-    :attr:`lost` (a ``threading.Event``; ``expired`` is the same event).
+    :attr:`lost` (a ``threading.Event``).
 
     :meth:`keep_also` has other, already granted leases refreshed for this session
     too (a lease shared by several processes); they are refreshed at their own
@@ -151,11 +162,6 @@ class Session:
     @property
     def lease_id(self) -> int:
         return self.id
-
-    @property
-    def expired(self) -> threading.Event:
-        """The :attr:`lost` event (its former name)."""
-        return self.lost
 
     def done(self) -> threading.Event:
         """Set once this session no longer refreshes its lease (lost or closed)."""
