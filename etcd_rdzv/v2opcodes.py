@@ -82,7 +82,7 @@ def scan(raw: bytes, bad: Callable[[str], Exception], check: Callable[[], None])
     walk = _Walk(raw, bad)
     if len(raw) < 3 or raw[0] != 0x80 or not 3 <= raw[1] <= 5:
         raise bad("a pickle not of protocol 3 to 5 (torch writes 4 or 5)")
-    actions = walk.actions()
+    actions, push = walk.actions(), walk.stack.append
     size, table, pos, at, tick = len(raw), _TABLE, 0, 0, CHECK_EVERY
     try:
         while True:
@@ -110,7 +110,9 @@ def scan(raw: bytes, bad: Callable[[str], Exception], check: Callable[[], None])
                         pos = nl + 1
                 if pos > size:
                     raise IndexError
-            if actions[action](n, value, at):  # STOP
+            if action == _A_PUSH:  # the commonest, inline
+                push(n)
+            elif actions[action](n, value, at):  # STOP
                 if pos != size:
                     raise bad(f"a malformed pickle (data after STOP at byte {at})")
                 return

@@ -6,12 +6,9 @@ Contract:
   :class:`~etcd_store.errors.EtcdError` on failure). :meth:`Session.existing`
   keeps a lease granted elsewhere alive instead (no RPC).
 * The client's :class:`~etcd_store.client.leases.KeepAlives` refreshes the lease
-  every third of its TTL (the TTL etcd reports, so an adopted lease is refreshed
-  at its own pace), or every ``interval`` seconds when given, over the client's keep-alive stream, shared by its
-  sessions: a session costs no thread and no stream of its own; a client opens
-  one more stream (same channel) per ``LEASES_PER_STREAM`` (32) sessions, so
-  many nodes in one process renew in parallel. A broken
-  stream is reopened on the next reachable endpoint; nothing blocks the caller.
+  every third of its TTL (the TTL etcd reports, so an adopted lease is refreshed at its own
+  pace), or every ``interval`` seconds when given, over a keep-alive stream shared by the
+  client's sessions (no thread and no stream per session; see :mod:`.leases`). Nothing blocks the caller.
 * When etcd reports the lease gone (expired, or revoked by anyone), or answers none of its
   keep-alives for a whole TTL (etcd Go's lessor: the lease is then surely expired, unless etcd had
   no leader all that time), :attr:`lost` is set and ``on_lost`` runs once, in the client's
