@@ -9,11 +9,8 @@ built from the checked values, never the stored bytes) and the ``etcd-rdzv`` CLI
 (:func:`decode_state`) pass a value through this module, which
 
 1. bounds it: at most :data:`MAX_STATE_BYTES` of pickle (a state of 10,000 nodes is 1.1 MB);
-2. scans its opcodes without building objects (:func:`_scan`): no persistent ids,
-   extension codes or out-of-band buffers, memo indexes within the pickle, and tuples
-   nested at most :data:`MAX_TUPLE_DEPTH` deep (hashing a deeply nested tuple, as
-   unpickling a dict key or set item does, overflows the C stack of any unpickler:
-   a 1 MB pickle crashes the process);
+2. scans its opcodes without building objects (:func:`etcd_rdzv.v2opcodes.scan`: only what torch's
+   pickles hold, tuples not nested, no more objects than a state of :data:`MAX_NODES` nodes holds);
 3. unpickles with :class:`_StateUnpickler`, whose ``find_class`` admits only
    ``_RendezvousState`` and ``_NodeDesc`` of torch's ``dynamic_rendezvous`` (replaced by
    inert stand-ins that merely record the attributes the pickle sets; torch is not
@@ -37,12 +34,13 @@ import binascii
 import io
 import logging
 import pickle
-import pickletools
 import time
 from base64 import b64decode
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
+
+from .v2opcodes import CHECK_EVERY, MAX_MESSAGE, MAX_NODES, scan
 
 log = logging.getLogger(__name__)
 
@@ -229,23 +227,14 @@ class V2State:
         return joining + sorted(self.wait_list - set(joining))
 
 
-MAX_STATE_BYTES = 16 * 1024 * 1024
-"""The largest state pickle accepted (etcd's default request limit allows ~1.1 MB; 10,000 nodes)."""
-
-MAX_NODES = 16_384
-"""The most nodes a state may name in each of its collections and build: etcd's default request limit
-(1.5 MiB of base64) holds ~10,000 nodes of real host names; 16,384 of one-letter names fit in ~750 KB
-and decode within the 0.5 s of docs/security.md."""
+MAX_STATE_BYTES = 16 * 1024 * 1024  # the largest pickle accepted (etcd's default request limit allows ~1.1 MB)
 
 MAX_PID = 2**32
 """pids lie in ``[0, MAX_PID)`` (Linux's pid_max is at most 2**22, Windows' are 32-bit): ints below
 2**61 - 1 hash to themselves, so distinct nodes of one host cannot be made to collide in a dict."""
 
-MAX_LOCAL_ID = 2**31
-"""local ids lie in ``[0, MAX_LOCAL_ID)`` (torch counts the handlers of a process from 0)."""
-
-MAX_RANK = 2**31
-"""ranks lie in ``[0, MAX_RANK)``."""
+MAX_LOCAL_ID = 2**31  # local ids lie in [0, MAX_LOCAL_ID) (torch counts the handlers of a process from 0)
+MAX_RANK = 2**31  # ranks lie in [0, MAX_RANK)
 
 MAX_FIELDS = 64
 """The most attributes one BUILD may set (torch's state has 8, its node 3): each BUILD's dict is copied."""
@@ -258,8 +247,6 @@ MAX_ADDR = 1024
 """The longest node address (a host name is at most 253 characters): the address is copied into
 every message and node id that names the node."""
 
-MAX_MEMO = 8 * MAX_NODES + 1024
-"""The most memo entries (torch writes at most ~7 per node; the C unpickler sizes its memo table by it)."""
 
 DECODE_CPU_S = 0.5
 """CPU seconds (of the decoding thread) one decode may take, plus :data:`DECODE_CPU_S_PER_MIB` per MiB of
@@ -267,12 +254,6 @@ pickle: a backstop should a pickle escape the bounds above, which keep any state
 on one core (docs/security.md)."""
 
 DECODE_CPU_S_PER_MIB = 0.5
-
-MAX_TUPLE_DEPTH = 1
-"""How deep tuples may nest in a state (torch's never nest a tuple in a tuple)."""
-
-MAX_MESSAGE = 200
-"""The most characters of text taken from a value that an error message carries."""
 
 
 class _Budget:
@@ -285,7 +266,7 @@ class _Budget:
         self.wall_end = None if time_left is None else time.monotonic() + time_left
         self.key = key
         self.elements = 0  # what set() and the stand-ins' BUILDs copied so far
-        self.next_check = _CHECK_EVERY
+        self.next_check = CHECK_EVERY
 
     def check(self) -> None:
         if time.thread_time() > self.cpu_end or (self.wall_end is not None and time.monotonic() > self.wall_end):
@@ -298,50 +279,9 @@ class _Budget:
             raise pickle.UnpicklingError(f"more than {MAX_ELEMENTS} set items and attributes in all")
         if self.elements >= self.next_check:
             self.check()
-            self.next_check = self.elements + _CHECK_EVERY
+            self.next_check = self.elements + CHECK_EVERY
 
 
-# The opcodes torch's states use, as the C and Python picklers write them with protocols 3 to 5, and
-# what _scan does with each. Every other opcode is refused.
-_K_OTHER, _K_STR, _K_TUPLE, _K_OBJ = range(4)  # what a stack item is (what a dict key or set item may be)
-_HASHABLE = (_K_STR, _K_OBJ)  # str hashes are cached; the stand-ins hash by identity
-_A_PUSH, _A_GET, _A_PUT, _A_MARK, _A_FIXED, _A_MARKED, _A_FRAME, _A_PROTO, _A_STOP, _A_REFUSE = range(10)
-_ARG_LINES, _ARG_LEN1, _ARG_LEN4 = -1, -2, -3
-_C_SETS, _C_LISTS, _C_DICTS, _C_OBJECTS, _C_CALLS, _C_TUPLES = range(6)
-_LIMITS = (16, 16, MAX_NODES + 64, MAX_NODES + 64, MAX_NODES + 64, MAX_NODES + 64)
-"""How many of each the pickle may make: sets and lists (torch's state has two sets: empty or set()
-of a list), dicts (one per node), objects (NEWOBJ: one per node), calls (REDUCE: one datetime per
-heartbeat) and tuples (one per REDUCE)."""
-_LIMIT_NAMES = ("sets", "lists", "dicts", "objects", "calls", "tuples")
-_FIXED = [  # (operands popped, operands left in place, the _K_* pushed or -1, the _C_* counted or -1)
-    (0, 0, _K_OTHER, _C_SETS), (0, 0, _K_OTHER, _C_LISTS), (0, 0, _K_OTHER, _C_DICTS),  # EMPTY_*
-    (1, 0, _K_TUPLE, _C_TUPLES), (2, 0, _K_TUPLE, _C_TUPLES), (3, 0, _K_TUPLE, _C_TUPLES),  # TUPLE1-3
-    (2, 0, _K_OTHER, -1), (2, 0, _K_OTHER, _C_CALLS), (2, 0, _K_OBJ, _C_OBJECTS),  # STACK_GLOBAL, REDUCE, NEWOBJ
-    (1, 1, -1, -1), (2, 1, -1, -1), (0, 0, _K_OTHER, -1),  # BUILD and APPEND, SETITEM, GLOBAL
-]
-_M_TUPLE, _M_SETITEMS, _M_APPENDS, _M_ADDITEMS = range(4)
-_WHITELIST: dict[str, tuple[int, int, int]] = {  # name: (action, argument bytes or _ARG_*, detail)
-    "PROTO": (_A_PROTO, 1, 0), "FRAME": (_A_FRAME, 8, 0), "STOP": (_A_STOP, 0, 0),
-    "NONE": (_A_PUSH, 0, _K_OTHER), "NEWTRUE": (_A_PUSH, 0, _K_OTHER), "NEWFALSE": (_A_PUSH, 0, _K_OTHER),
-    "BININT": (_A_PUSH, 4, _K_OTHER), "BININT1": (_A_PUSH, 1, _K_OTHER), "BININT2": (_A_PUSH, 2, _K_OTHER),
-    "LONG1": (_A_PUSH, _ARG_LEN1, _K_OTHER),
-    "SHORT_BINBYTES": (_A_PUSH, _ARG_LEN1, _K_OTHER), "BINBYTES": (_A_PUSH, _ARG_LEN4, _K_OTHER),
-    "SHORT_BINUNICODE": (_A_PUSH, _ARG_LEN1, _K_STR), "BINUNICODE": (_A_PUSH, _ARG_LEN4, _K_STR),
-    "EMPTY_TUPLE": (_A_PUSH, 0, _K_TUPLE),
-    "EMPTY_SET": (_A_FIXED, 0, 0), "EMPTY_LIST": (_A_FIXED, 0, 1), "EMPTY_DICT": (_A_FIXED, 0, 2),
-    "TUPLE1": (_A_FIXED, 0, 3), "TUPLE2": (_A_FIXED, 0, 4), "TUPLE3": (_A_FIXED, 0, 5),
-    "STACK_GLOBAL": (_A_FIXED, 0, 6), "REDUCE": (_A_FIXED, 0, 7), "NEWOBJ": (_A_FIXED, 0, 8),
-    "BUILD": (_A_FIXED, 0, 9), "APPEND": (_A_FIXED, 0, 9), "SETITEM": (_A_FIXED, 0, 10),
-    "GLOBAL": (_A_FIXED, _ARG_LINES, 11),
-    "TUPLE": (_A_MARKED, 0, _M_TUPLE), "SETITEMS": (_A_MARKED, 0, _M_SETITEMS),
-    "APPENDS": (_A_MARKED, 0, _M_APPENDS), "ADDITEMS": (_A_MARKED, 0, _M_ADDITEMS),
-    "MARK": (_A_MARK, 0, 0),
-    "BINPUT": (_A_PUT, 1, 0), "LONG_BINPUT": (_A_PUT, 4, 0), "MEMOIZE": (_A_PUT, 0, 0),
-    "BINGET": (_A_GET, 1, 0), "LONG_BINGET": (_A_GET, 4, 0),
-}
-_NAMES = {op.code.encode("latin-1")[0]: op.name for op in pickletools.opcodes}
-_TABLE = tuple(_WHITELIST.get(_NAMES.get(code, ""), (_A_REFUSE, 0, 0)) for code in range(256))
-_CHECK_EVERY = 1 << 14  # opcodes between two looks at the clock
 
 
 def clip(text: str, limit: int = MAX_MESSAGE) -> str:
@@ -360,21 +300,23 @@ def _brief(obj: Any) -> str:
     return f"a {type(obj).__name__}"
 
 
-def state_bytes(value: bytes, key: str = "the state key", *, time_left: float | None = None) -> bytes:
-    """The pickle of torch's state that ``value`` (its base64, as stored) holds, once checked.
-
-    Returns the decoded bytes unchanged, after :func:`load_state` accepted them. Raises :class:`StateDecodeError` naming ``key`` when the
-    value is not base64, too large, or not torch's rendezvous state.
-    """
+def _unbase64(value: bytes, key: str) -> bytes:
     if len(value) > (MAX_STATE_BYTES // 3 + 1) * 4:
         raise StateDecodeError(
-            f"{key} holds {len(value)} bytes, more than a rendezvous state may "
-            f"({MAX_STATE_BYTES} bytes of pickle)"
+            f"{key} holds {len(value)} bytes, more than a rendezvous state may ({MAX_STATE_BYTES} bytes of pickle)"
         )
     try:
-        raw = b64decode(value, validate=True)
+        return b64decode(value, validate=True)
     except (binascii.Error, ValueError):
         raise StateDecodeError(f"{key} does not hold base64 (not an etcd-v2 rendezvous state)") from None
+
+
+def state_bytes(value: bytes, key: str = "the state key", *, time_left: float | None = None) -> bytes:
+    """The pickle of torch's state that ``value`` (its base64, as stored) holds, returned unchanged once
+    :func:`load_state` accepted it. Raises :class:`StateDecodeError` naming ``key`` when the value is not
+    base64, too large, or not torch's rendezvous state.
+    """
+    raw = _unbase64(value, key)
     load_state(raw, key, time_left=time_left)
     return raw
 
@@ -385,13 +327,7 @@ def decode_state(value: bytes, key: str = "the state key", *, time_left: float |
     ``time_left``: wall-clock seconds the decode may take (the CLI's deadline), besides its CPU budget.
     Raises :class:`StateDecodeError` as :func:`state_bytes`.
     """
-    if len(value) > (MAX_STATE_BYTES // 3 + 1) * 4:
-        state_bytes(value, key)  # raises
-    try:
-        raw = b64decode(value, validate=True)
-    except (binascii.Error, ValueError):
-        raise StateDecodeError(f"{key} does not hold base64 (not an etcd-v2 rendezvous state)") from None
-    return load_state(raw, key, time_left=time_left)
+    return load_state(_unbase64(value, key), key, time_left=time_left)
 
 
 def load_state(raw: bytes, key: str = "the state key", *, time_left: float | None = None) -> V2State:
@@ -404,7 +340,7 @@ def load_state(raw: bytes, key: str = "the state key", *, time_left: float | Non
     if len(raw) > MAX_STATE_BYTES:
         raise StateDecodeError(f"{key} holds a {len(raw)}-byte pickle, more than {MAX_STATE_BYTES} bytes")
     budget = _Budget(len(raw), key, time_left)
-    _scan(raw, key, budget)
+    scan(raw, lambda what: StateDecodeError(f"{key} does not hold torch's rendezvous state: {what}"), budget.check)
     try:
         obj = _StateUnpickler(raw, budget).load()
     except (pickle.UnpicklingError, EOFError, TypeError, ValueError, AttributeError, IndexError,
@@ -419,141 +355,6 @@ def load_state(raw: bytes, key: str = "the state key", *, time_left: float | Non
     if obj.fields is None:
         raise StateDecodeError(f"{key} holds a _RendezvousState pickled without its fields (no BUILD)")
     return _check_state(obj.fields, key, budget)
-
-
-def _scan(raw: bytes, key: str, budget: _Budget) -> None:
-    """Walk the opcodes of ``raw`` (no object is built) and refuse what :func:`load_state` must not load.
-
-    Admits only the opcodes torch's states use (:data:`_WHITELIST`), each used as a pickler uses it:
-    every pop within the current mark, memo entries numbered in order (at most :data:`MAX_MEMO`), no
-    tuple inside a tuple, one object left at STOP and nothing after it, and no more containers,
-    tuples, calls and objects than a state of :data:`MAX_NODES` nodes holds (:data:`_LIMITS`: what
-    bounds the memory a pickle makes the unpickler allocate, ~20 bytes per byte of pickle at most).
-    Tracks what each stack item is, so that every dict key and set item (what the unpickler hashes)
-    is a string (its hash is cached) or an object of NEWOBJ (a stand-in, hashed by identity): no
-    tuple, number or other value whose hash costs its size or can be made to collide.
-    Raises :class:`StateDecodeError`.
-    """
-    stack: list[int] = []  # the _K_* of each item
-    marks: list[int] = []  # len(stack) at each open MARK
-    memo: list[int] = []  # the _K_* of each entry (picklers number them from 0, in order)
-    left = list(_LIMITS)  # how many more of each counted kind the pickle may make
-    size = len(raw)
-    table = _TABLE
-    pos = 0
-    floor = 0  # len(stack) at the innermost mark: no pop may go below it
-    tick = _CHECK_EVERY
-
-    def bad(what: str) -> StateDecodeError:
-        return StateDecodeError(f"{key} does not hold torch's rendezvous state: {what}")
-
-    if size < 3 or raw[0] != 0x80 or not 3 <= raw[1] <= 5:
-        raise bad("a pickle not of protocol 3 to 5 (torch writes 4 or 5)")
-    at = 0
-    try:
-        while True:
-            at = pos
-            action, arg, n = table[raw[pos]]
-            pos += 1
-            tick -= 1
-            if not tick:
-                budget.check()
-                tick = _CHECK_EVERY
-            if arg:  # the argument
-                if arg > 0:
-                    value = raw[pos] if arg == 1 else int.from_bytes(raw[pos:pos + arg], "little")
-                    pos += arg
-                elif arg == _ARG_LEN1:
-                    pos += 1 + raw[pos]
-                elif arg == _ARG_LEN4:
-                    pos += 4 + int.from_bytes(raw[pos:pos + 4], "little")
-                else:  # _ARG_LINES
-                    for _ in (0, 1):
-                        nl = raw.find(b"\n", pos, pos + 2 * MAX_MESSAGE)
-                        if nl < 0:
-                            raise bad(f"a malformed pickle (a global name too long or unterminated at byte {at})")
-                        pos = nl + 1
-                if pos > size:
-                    raise IndexError
-            if action == _A_PUSH:
-                stack.append(n)
-            elif action == _A_GET:
-                if value >= len(memo):
-                    raise bad(f"a missing memo entry at byte {at}")
-                stack.append(memo[value])
-            elif action == _A_PUT:
-                index = len(memo) if arg == 0 else value  # MEMOIZE numbers its entries
-                if len(stack) <= floor or index > len(memo) or index >= MAX_MEMO:
-                    raise bad(f"a malformed memo entry at byte {at}")
-                if index == len(memo):
-                    memo.append(stack[-1])
-                else:
-                    memo[index] = stack[-1]
-            elif action == _A_MARK:
-                floor = len(stack)
-                marks.append(floor)
-            elif action == _A_FIXED:  # a fixed number of operands
-                pops, keep, result, counted = _FIXED[n]
-                if len(stack) - pops - keep < floor:
-                    raise bad(f"a malformed pickle (stack underflow at byte {at})")
-                if counted >= 0:
-                    left[counted] -= 1
-                    if left[counted] < 0:
-                        raise bad(f"more {_LIMIT_NAMES[counted]} than a state of {MAX_NODES} nodes holds")
-                if result == _K_TUPLE and _K_TUPLE in stack[len(stack) - pops:]:
-                    raise bad(f"tuples nested more than {MAX_TUPLE_DEPTH} deep")
-                if keep and pops == 2 and stack[-2] not in _HASHABLE:  # SETITEM
-                    raise _unhashable(bad, stack[-2], at)
-                if pops:
-                    del stack[len(stack) - pops:]
-                if result >= 0:
-                    stack.append(result)
-            elif action == _A_MARKED:  # up to the mark: TUPLE, SETITEMS, APPENDS, ADDITEMS
-                if not marks:
-                    raise bad(f"a malformed pickle (no mark for the opcode at byte {at})")
-                mark = marks.pop()
-                items = stack[mark:]
-                del stack[mark:]
-                floor = marks[-1] if marks else 0
-                if n == _M_TUPLE:
-                    if _K_TUPLE in items:
-                        raise bad(f"tuples nested more than {MAX_TUPLE_DEPTH} deep")
-                    left[_C_TUPLES] -= 1
-                    if left[_C_TUPLES] < 0:
-                        raise bad(f"more {_LIMIT_NAMES[_C_TUPLES]} than a state of {MAX_NODES} nodes holds")
-                    stack.append(_K_TUPLE)
-                    continue
-                if len(stack) <= floor:
-                    raise bad(f"a malformed pickle (stack underflow at byte {at})")
-                if n == _M_SETITEMS:
-                    if len(items) % 2:
-                        raise bad(f"a malformed pickle (a key without a value at byte {at})")
-                    items = items[::2]
-                if n != _M_APPENDS:
-                    for kind in items:
-                        if kind not in _HASHABLE:
-                            raise _unhashable(bad, kind, at)
-            elif action == _A_FRAME:
-                pass
-            elif action == _A_PROTO:
-                if at:
-                    raise bad(f"a malformed pickle (PROTO at byte {at})")
-            elif action == _A_STOP:
-                if len(stack) != 1 or marks:
-                    raise bad(f"a malformed pickle ({len(stack)} objects left at STOP)")
-                if pos != size:
-                    raise bad(f"a malformed pickle (data after STOP at byte {at})")
-                return
-            else:  # _A_REFUSE
-                name = _NAMES.get(raw[at])
-                raise bad(f"opcode {name} at byte {at}" if name else f"a malformed pickle (unknown opcode at byte {at})")
-    except IndexError:
-        raise bad(f"a malformed pickle (truncated at byte {at})") from None
-
-
-def _unhashable(bad: Any, kind: int, at: int) -> StateDecodeError:
-    what = "a tuple" if kind == _K_TUPLE else "a value other than a string or an object"
-    return bad(f"{what} as a dict key or set item at byte {at} (torch's are strings and nodes)")  # type: ignore[no-any-return]
 
 
 def _aware(when: Any) -> bool:
@@ -580,31 +381,6 @@ def _check_state(f: dict[str, Any], key: str, budget: _Budget) -> V2State:
         raise bad("a non-boolean 'complete' or 'closed'")
     if deadline is not None and not _aware(deadline):
         raise bad(f"deadline {_brief_time(deadline)}")
-
-    made: dict[_NodeStandIn, NodeDesc] = {}  # each stand-in checked once (stand-ins hash by identity)
-
-    def node(obj: Any) -> NodeDesc:
-        done = made.get(obj) if isinstance(obj, _NodeStandIn) else None
-        if done is not None:
-            return done
-        if not isinstance(obj, _NodeStandIn):
-            raise bad(f"a node of type {type(obj).__name__}")
-        if obj.fields is None:
-            raise bad("a _NodeDesc pickled without its fields (no BUILD)")
-        addr, pid, local_id = (obj.fields.get(n) for n in ("addr", "pid", "local_id"))
-        if not isinstance(addr, str) or not all(
-            isinstance(v, int) and not isinstance(v, bool) for v in (pid, local_id)
-        ):
-            raise bad(f"a malformed node (addr {_brief(addr)}, pid {_brief(pid)}, local_id {_brief(local_id)})")
-        assert isinstance(pid, int) and isinstance(local_id, int)
-        if len(addr) > MAX_ADDR:
-            raise bad(f"a node address of {len(addr)} characters (at most {MAX_ADDR})")
-        if not (0 <= pid < MAX_PID and 0 <= local_id < MAX_LOCAL_ID):
-            raise bad(f"a node's pid {_brief(pid)} or local_id {_brief(local_id)} out of range "
-                      f"(0 <= pid < {MAX_PID}, 0 <= local_id < {MAX_LOCAL_ID})")
-        made[obj] = done = NodeDesc(addr, pid, local_id)
-        return done
-
     participants, heartbeats = f["participants"], f["last_heartbeats"]
     if not isinstance(participants, dict) or not isinstance(heartbeats, dict):
         raise bad("participants or last_heartbeats that are not dicts")
@@ -617,6 +393,7 @@ def _check_state(f: dict[str, Any], key: str, budget: _Budget) -> V2State:
         if len(items) > MAX_NODES:
             raise bad(f"{len(items)} nodes in {name} (at most {MAX_NODES})")
     budget.check()
+    node = _Nodes(bad)
     ranks: dict[NodeDesc, int] = {}
     for n, rank in participants.items():
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < MAX_RANK:
@@ -635,3 +412,36 @@ def _check_state(f: dict[str, Any], key: str, budget: _Budget) -> V2State:
     if extra:
         log.debug("%s: unknown state attributes %s", key, extra)
     return V2State(round_, complete, closed, deadline, ranks, sets[0], sets[1], times, extra)
+
+
+class _Nodes:
+    """The check of a state's node stand-ins: each checked once (stand-ins hash by identity), as a :class:`NodeDesc`."""
+
+    __slots__ = ("bad", "made")
+
+    def __init__(self, bad: Any) -> None:
+        self.bad = bad
+        self.made: dict[_NodeStandIn, NodeDesc] = {}
+
+    def __call__(self, obj: Any) -> NodeDesc:
+        bad = self.bad
+        done = self.made.get(obj) if isinstance(obj, _NodeStandIn) else None
+        if done is not None:
+            return done
+        if not isinstance(obj, _NodeStandIn):
+            raise bad(f"a node of type {type(obj).__name__}")
+        if obj.fields is None:
+            raise bad("a _NodeDesc pickled without its fields (no BUILD)")
+        addr, pid, local_id = (obj.fields.get(n) for n in ("addr", "pid", "local_id"))
+        if not isinstance(addr, str) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in (pid, local_id)
+        ):
+            raise bad(f"a malformed node (addr {_brief(addr)}, pid {_brief(pid)}, local_id {_brief(local_id)})")
+        assert isinstance(pid, int) and isinstance(local_id, int)
+        if len(addr) > MAX_ADDR:
+            raise bad(f"a node address of {len(addr)} characters (at most {MAX_ADDR})")
+        if not (0 <= pid < MAX_PID and 0 <= local_id < MAX_LOCAL_ID):
+            raise bad(f"a node's pid {_brief(pid)} or local_id {_brief(local_id)} out of range "
+                      f"(0 <= pid < {MAX_PID}, 0 <= local_id < {MAX_LOCAL_ID})")
+        self.made[obj] = done = NodeDesc(addr, pid, local_id)
+        return done

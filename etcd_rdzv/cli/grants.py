@@ -119,6 +119,22 @@ def _describe_role(client: EtcdClient, prefix: str, run_id: str, role: str, dead
     return repr(role)
 
 
+def _shared_user_refused(client: EtcdClient, prefix: str, run_id: str, deadline: Deadline, user: str, role: str,
+                         others: list[str], *, new_password: bool, new_role: bool) -> CliError:
+    """Why :func:`grant` will not change ``user``, which holds the roles ``others`` of other runs."""
+    described = ", ".join(_describe_role(client, prefix, run_id, r, deadline) for r in others)
+    change, effects = [], []
+    if new_password:
+        change.append("change its password")
+        effects.append("the new password locks out whoever logs in as it now")
+    if new_role:
+        change.append(f"give it role {role!r}")
+        effects.append(f"whoever logs in as it reaches run {run_id!r}'s keys")
+    return CliError(f"user {user!r} holds {'roles' if len(others) > 1 else 'role'} {described}: refusing to {' and '.join(change)} for run "
+                    f"{run_id!r} ({'; '.join(effects)}); choose another --user, or pass "
+                    "--allow-shared-user to share it")
+
+
 def grant(client: EtcdClient, prefix: str, run_id: str, deadline: Deadline, *, user: str, role: str,
           password: str | None, shared: bool = False) -> list[str]:
     """Create (or complete) ``role`` with the run's permissions and give it to ``user``, created
@@ -144,17 +160,8 @@ def grant(client: EtcdClient, prefix: str, run_id: str, deadline: Deadline, *, u
                        "choose another --user")
     others = [r for r in held if r != role]
     if others and not shared and (password is not None or role not in held):
-        described = ", ".join(_describe_role(client, prefix, run_id, r, deadline) for r in others)
-        change, effects = [], []
-        if password is not None:
-            change.append("change its password")
-            effects.append("the new password locks out whoever logs in as it now")
-        if role not in held:
-            change.append(f"give it role {role!r}")
-            effects.append(f"whoever logs in as it reaches run {run_id!r}'s keys")
-        raise CliError(f"user {user!r} holds {'roles' if len(others) > 1 else 'role'} {described}: refusing to {' and '.join(change)} for run "
-                       f"{run_id!r} ({'; '.join(effects)}); choose another --user, or pass "
-                       "--allow-shared-user to share it")
+        raise _shared_user_refused(client, prefix, run_id, deadline, user, role, others,
+                                   new_password=password is not None, new_role=role not in held)
     done: list[str] = []
     if role not in roles:
         role_add(client, role, timeout=deadline.left())

@@ -3,7 +3,7 @@
 :class:`EtcdClient` (:mod:`.calls`: KV, ``Txn``, status, the factories of watches and
 sessions) holds its parts and calls them: a :class:`~.transport.Transport` (channels,
 auth, failover, the call loop, error translation; the decisions of :mod:`.retry`) and a
-:class:`~.leases.LeaseCalls` (lease RPCs, keep-alive streams). :mod:`.kv` (results,
+:class:`~.calls.LeaseCalls` (lease RPCs, keep-alive streams). :mod:`.kv` (results,
 compare and op builders), :mod:`.watch` (:class:`Watch`), :mod:`.session`
 (:class:`Session`: a lease kept alive), :mod:`.stats` (:class:`CallStats`: retries and
 errors, ``EtcdClient.stats``). Every public name is re-exported here:

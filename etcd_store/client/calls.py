@@ -1,10 +1,10 @@
-"""``EtcdClient``: the etcd v3 calls (KV, transactions, leases, watches, status).
+"""``EtcdClient``: the etcd v3 calls (KV, transactions, leases, watches, status), and ``LeaseCalls``.
 
 The client is a face over parts it holds and calls (none is its base class): a
 :class:`~etcd_store.client.transport.Transport` (channels, failover, auth, the call loop
-and error translation) and a :class:`~etcd_store.client.leases.LeaseCalls` (lease RPCs
-and keep-alive streams, over the same transport). Watches get the transport, sessions
-the client's lease calls; neither depends on ``EtcdClient``.
+and error translation) and a :class:`LeaseCalls` (lease RPCs and the client's
+keep-alive streams, :class:`~.leases.KeepAlives`, over the same transport; usable alone).
+Watches get the transport, sessions the client's lease calls; neither depends on ``EtcdClient``.
 
 Each unary method is one RPC in the healthy, uncontended case and runs under
 the transport's single retry policy: a deadline (``timeout``, retries included),
@@ -15,11 +15,16 @@ per-attempt deadlines with failover for requests that are safe to resend, and
 
 from __future__ import annotations
 
+import logging
+import secrets
+import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from etcd3.etcdrpc import rpc_pb2
 
+from ..errors import EtcdLeaseExists, EtcdLeaseNotFound, EtcdRequestError
 from .endpoints import Endpoint
 from .kv import (
     DeleteResult,
@@ -35,7 +40,7 @@ from .kv import (
     prefix_range_end,
     show_key,
 )
-from .leases import KeepAlives, LeaseCalls
+from .leases import LEASES_PER_STREAM, KeepAlives
 from .retry import RetryPolicy
 from .stats import CallStats
 from .transport import DEFAULT_CONNECT_TIMEOUT, DEFAULT_TIMEOUT, Transport
@@ -44,7 +49,9 @@ if TYPE_CHECKING:
     from .session import Session
     from .watch import Watch
 
-__all__ = ["EtcdClient"]
+log = logging.getLogger(__name__)
+
+__all__ = ["EtcdClient", "LeaseCalls"]
 
 
 class EtcdClient:
@@ -259,12 +266,6 @@ class EtcdClient:
 
         return Session(self._leases, ttl, lease_id=lease_id, on_lost=on_lost, interval=interval)
 
-    def keeper(
-        self, ttl: int, *, on_expired: Callable[[], None] | None = None, lease_id: int = 0
-    ) -> Session:
-        """:meth:`session` under its former name (``on_expired`` is ``on_lost``)."""
-        return self.session(ttl, lease_id=lease_id, on_lost=on_expired)
-
     # ---------------------------------------------------------------- watches & status
 
     def watch(
@@ -295,7 +296,7 @@ class EtcdClient:
             resp.version, resp.raftTerm,
         )
 
-    # ---------------------------------------------------------------- leases (:class:`.leases.LeaseCalls`)
+    # ---------------------------------------------------------------- leases (:class:`LeaseCalls`)
 
     def lease_grant(self, ttl: int, *, lease_id: int = 0, timeout: float | None = None) -> int:
         """Grant a lease of ``ttl`` seconds and return its id. One LeaseGrant RPC."""
@@ -320,3 +321,90 @@ class EtcdClient:
     def kept_leases(self) -> int:
         """How many leases the client's keep-alive streams refresh."""
         return self._leases.kept_leases()
+
+
+def random_lease_id() -> int:
+    """A lease id no one can guess: a positive int64 with 62 random bits."""
+    return secrets.randbits(62) + 1
+
+
+class LeaseCalls:
+    """The lease RPCs and keep-alive streams of one client, over its ``transport``.
+
+    Thread-safe. :meth:`close` stops the keep-alive streams (the transport's owner closes the
+    transport after it).
+    """
+
+    def __init__(self, transport: Transport) -> None:
+        self._transport = transport
+        self._lock = threading.Lock()
+        self._keep_alive_muxes: tuple[KeepAlives, ...] = ()
+
+    def lease_grant(self, ttl: int, *, lease_id: int = 0, timeout: float | None = None) -> int:
+        """Grant a lease of ``ttl`` seconds and return its id. One LeaseGrant RPC (two after a lost reply).
+
+        Without ``lease_id`` the id is drawn at random (62 bits), not left to etcd, whose ids are
+        sequential: another etcd user can then neither guess a job's lease ids from its own nor
+        attach a key to one (which would make every leased write of the owner fail with a
+        permission error), and a grant the retry policy resent after a lost reply cannot leave a
+        second lease behind: etcd refuses the resend (the id exists) and a lease with our id that
+        is alive is ours. Raises :class:`~etcd_store.errors.EtcdLeaseExists` for a given
+        ``lease_id`` that etcd already holds."""
+        chosen = lease_id or random_lease_id()
+        req = rpc_pb2.LeaseGrantRequest(TTL=int(ttl), ID=chosen)
+        deadline = time.monotonic() + (self._transport.timeout if timeout is None else timeout)
+        try:
+            resp = self._transport.call("Lease", "LeaseGrant", req, timeout=timeout, what=f"grant lease ttl={ttl}")
+        except EtcdLeaseExists:
+            if lease_id or self.lease_time_to_live(chosen, timeout=max(deadline - time.monotonic(), 0.001)) <= 0:
+                raise
+            log.debug("lease %x: our grant was applied by an earlier send", chosen)
+            return chosen
+        if resp.error:
+            raise EtcdRequestError(f"etcd at {self._transport.describe()} refused a lease: {resp.error}")
+        return int(resp.ID)
+
+    def lease_revoke(self, lease_id: int, *, timeout: float | None = None) -> bool:
+        """Revoke a lease (its keys are deleted). False if it had expired already."""
+        req = rpc_pb2.LeaseRevokeRequest(ID=lease_id)
+        try:
+            self._transport.call("Lease", "LeaseRevoke", req, timeout=timeout, what=f"revoke lease {lease_id:x}")
+        except EtcdLeaseNotFound:
+            return False
+        return True
+
+    def lease_time_to_live(self, lease_id: int, *, keys: bool = False, timeout: float | None = None) -> int:
+        """Seconds left on the lease, or -1 when it expired or never existed."""
+        return self._time_to_live(lease_id, keys, timeout)[0]
+
+    def lease_ttls(self, lease_id: int, *, timeout: float | None = None) -> tuple[int, int]:
+        """``(remaining, granted)``: the whole seconds left on the lease as etcd's leader counts
+        them (truncated; -1 when it expired or never existed) and the TTL it was granted with.
+        One LeaseTimeToLive RPC."""
+        return self._time_to_live(lease_id, False, timeout)
+
+    def _time_to_live(self, lease_id: int, keys: bool, timeout: float | None) -> tuple[int, int]:
+        req = rpc_pb2.LeaseTimeToLiveRequest(ID=lease_id, keys=keys)
+        resp = self._transport.call("Lease", "LeaseTimeToLive", req, timeout=timeout, what=f"lease {lease_id:x}")
+        return int(resp.TTL), int(resp.grantedTTL)
+
+    def keep_alives(self) -> KeepAlives:
+        """The keep-alive stream for a new session (no RPC): the first that keeps fewer than
+        :data:`LEASES_PER_STREAM` leases, or a new one (see :mod:`.leases`)."""
+        with self._lock:
+            for mux in self._keep_alive_muxes:
+                if mux.reserve(LEASES_PER_STREAM):
+                    return mux
+            mux = KeepAlives(self._transport)
+            mux.reserve(LEASES_PER_STREAM)
+            self._keep_alive_muxes += (mux,)
+            return mux
+
+    def kept_leases(self) -> int:
+        """How many leases the client's keep-alive streams refresh."""
+        return sum(mux.kept() for mux in self._keep_alive_muxes)
+
+    def close(self) -> None:
+        """Stop the keep-alive streams: every session ends, unrevoked (no RPC)."""
+        for mux in self._keep_alive_muxes:
+            mux.stop()

@@ -1,45 +1,31 @@
-"""``LeaseCalls``: the unary lease RPCs, and :class:`KeepAlives`, the client's keep-alive streams.
+"""``KeepAlives``: the keep-alive streams of one client, refreshing every lease its sessions keep.
 
-:class:`LeaseCalls` holds the :class:`~.transport.Transport` it calls through and the client's
-keep-alive streams; :class:`~etcd_store.client.EtcdClient` holds one and forwards its lease
-methods to it. :class:`LeaseSource` is all that a :class:`~etcd_store.client.session.Session`
-needs (both the client and its :class:`LeaseCalls` are one), so the session module depends on
-the lease calls and not on the whole client. Each unary call is one RPC under the transport's
-retry policy.
+One bidirectional ``LeaseKeepAlive`` stream (etcd Go's ``clientv3`` lessor does the same): a timer
+heap holds each lease's next refresh (a third of the TTL etcd last reported, at least 0.2 s, unless
+its session asked for a pace of its own); answers are routed to the sessions by lease ID. Costs: no
+thread and no stream per session; one task on the process's stream loop (:mod:`.reactor`) and one
+stream while the client keeps any lease (opened when the first refresh is due, so a burst of grants
+opens none; half-closed when the last lease is dropped); one request per lease per interval, however
+many sessions keep it. A broken stream is reopened on the next reachable endpoint and every lease
+refreshed at once on it. So is a stream that owes answers and has heard none for
+:meth:`KeepAlives.answer_bound` seconds, so that a member that answers nothing (a hung host, a
+SIGSTOPped etcd: HTTP/2 keepalive takes 15 s or more to notice, if at all) is left well before the
+lease expires. A lease is given up when etcd answers TTL 0 (lost, ``gone_at_etcd``), or when none of
+its keep-alives was answered for a whole TTL (lost, presumed: etcd Go's lessor rule,
+:meth:`KeepAlives._check_deadlines`, a timer of the loop that no stream task can fail to run; etcd is
+asked once first, so a process merely slow to read the answers keeps its lease).
 
-:class:`KeepAlives` refreshes every lease that the client's sessions keep, over
-one bidirectional ``LeaseKeepAlive`` stream per client (etcd Go's ``clientv3``
-lessor does the same): a timer heap holds each lease's next refresh (a third of
-the TTL etcd last reported, at least 0.2 s, unless its session asked for a pace of
-its own), answers are routed to the sessions
-by lease ID. Costs: no thread and no stream per session; one task on the
-process's stream loop (:mod:`.reactor`, no thread of its own) and one stream per
-client while it keeps any lease (the stream opens when the first
-refresh is due, so a burst of grants opens none, and is half-closed when the
-last lease is dropped); one request per lease per interval, however many
-sessions keep that lease. A broken stream is reopened on the next reachable
-endpoint and every lease is refreshed at once on it. So is a stream that owes
-answers and has heard none for :meth:`KeepAlives.answer_bound` seconds (from a
-third of the shortest TTL, whatever pace its sessions asked for, doubled after
-each stall in a row; a member that answers nothing: a hung host, a SIGSTOPped
-etcd; HTTP/2 keepalive takes 15 s or more to notice, if at all): it is cancelled, so the lease is refreshed through
-another member well before it expires. A lease is given up when etcd answers TTL 0 (lost,
-``gone_at_etcd``), or when none of its keep-alives was answered for a whole TTL (lost, presumed:
-etcd Go's lessor rule, :meth:`KeepAlives._check_deadlines`, a timer of the loop that no stream
-task can fail to run; etcd is asked once first, so a process merely slow to read the answers keeps
-its lease). Nothing here blocks a caller: :meth:`KeepAlives.keep` and
-:meth:`KeepAlives.drop` only take a lock and wake the task. Callbacks into the sessions (lease
-lost, TTL learnt) run on the stream loop, outside the lock, and do not block (a session hands
-its ``on_lost`` to the client's callback thread). ``stopped`` runs in the thread that closes the
-client (or on the loop, when a stream fails for good).
+Nothing here blocks a caller: :meth:`KeepAlives.keep` and :meth:`KeepAlives.drop` only take a lock
+and wake the task. Callbacks into the sessions (lease lost, TTL learnt) run on the stream loop,
+outside the lock, and do not block (a session hands its ``on_lost`` to the client's callback
+thread). ``stopped`` runs in the thread that closes the client (or on the loop, when a stream fails
+for good).
 
-etcd answers the requests of one stream in order, and its leader holds each
-renewal until it has applied every committed entry (up to 1 s), so under a burst
-of writes one stream renews about one lease per apply: hundreds of leases on one
-stream would be renewed late, and expire. A client therefore opens another
-stream (:class:`KeepAlives`, on the same channel) for every
-:data:`LEASES_PER_STREAM` sessions: an agent's few leases share one stream, a
-process of simulated nodes spreads its leases over several.
+etcd answers the requests of one stream in order, and its leader holds each renewal until it has
+applied every committed entry (up to 1 s), so under a burst of writes one stream renews about one
+lease per apply: hundreds of leases on one stream would be renewed late, and expire. A client
+therefore opens another stream (on the same channel) for every :data:`LEASES_PER_STREAM` sessions
+(:meth:`~.calls.LeaseCalls.keep_alives`).
 """
 
 from __future__ import annotations
@@ -49,7 +35,6 @@ import contextvars
 import heapq
 import itertools
 import logging
-import secrets
 import threading
 import time
 from typing import Any, Protocol
@@ -57,7 +42,7 @@ from typing import Any, Protocol
 import grpc
 from etcd3.etcdrpc import rpc_pb2
 
-from ..errors import EtcdError, EtcdLeaseExists, EtcdLeaseNotFound, EtcdRequestError
+from ..errors import EtcdError, EtcdLeaseNotFound
 from .channels import Member
 from .reactor import started
 from .retry import stall_bound
@@ -66,7 +51,7 @@ from .transport import Transport
 
 log = logging.getLogger(__name__)
 
-__all__ = ["KeepAlives", "LeaseCalls", "LeaseSource"]
+__all__ = ["LEASES_PER_STREAM", "KeepAlives", "answer_bound", "refresh_interval"]
 
 #: The shortest pause between two keep-alives of one lease.
 MIN_INTERVAL = 0.2
@@ -75,11 +60,6 @@ MIN_INTERVAL = 0.2
 MIN_ANSWER_BOUND = 1.0
 #: Leases one keep-alive stream refreshes (or has promised to new sessions) before a client opens another.
 LEASES_PER_STREAM = 32
-
-
-def random_lease_id() -> int:
-    """A lease id no one can guess: a positive int64 with 62 random bits."""
-    return secrets.randbits(62) + 1
 
 
 def refresh_interval(ttl: float) -> float:
@@ -256,6 +236,15 @@ class KeepAlives:
             del kept.keepers[keeper]
             if not kept.keepers:
                 del self._leases[lease_id]
+
+    def _forget_locked(self, kept: _Kept) -> list[tuple[Keeper, bool]]:
+        """Drop a lost lease; a session that lost its own refreshes nothing more (its extra leases neither)."""
+        del self._leases[kept.id]
+        lost = list(kept.keepers.items())
+        for keeper, primary in lost:
+            if primary:
+                self._drop_locked(keeper)
+        return lost
 
     def _push(self, kept: _Kept) -> None:
         heapq.heappush(self._heap, (kept.due, next(self._ties), kept.id))
@@ -446,11 +435,7 @@ class KeepAlives:
             if kept is None:
                 return
             if ttl <= 0:
-                del self._leases[resp.ID]
-                lost = list(kept.keepers.items())
-                for keeper, primary in lost:
-                    if primary:  # a lost session refreshes nothing more (its extra leases neither)
-                        self._drop_locked(keeper)
+                lost = self._forget_locked(kept)
             else:
                 kept.deadline = time.monotonic() + ttl
                 kept.ttl_pace = refresh_interval(ttl)
@@ -529,11 +514,7 @@ class KeepAlives:
             if remaining is not None and remaining > 0:
                 kept.deadline = min(kept.deadline, time.monotonic() + remaining)
             else:
-                del self._leases[lease_id]
-                lost = list(kept.keepers.items())
-                for keeper, primary in lost:
-                    if primary:
-                        self._drop_locked(keeper)
+                lost = self._forget_locked(kept)
                 self.deadlines_passed += 1
         try:
             if lost:
@@ -557,96 +538,3 @@ class KeepAlives:
 def _resolve(future: asyncio.Future[None] | None) -> None:
     if future is not None and not future.done():
         future.set_result(None)
-
-
-class LeaseSource(Protocol):
-    """What a :class:`~etcd_store.client.session.Session` calls: grant, revoke, a keep-alive stream
-    (an :class:`~etcd_store.client.EtcdClient` or its :class:`LeaseCalls`)."""
-
-    def lease_grant(self, ttl: int, *, lease_id: int = 0, timeout: float | None = None) -> int: ...
-
-    def lease_revoke(self, lease_id: int, *, timeout: float | None = None) -> bool: ...
-
-    def keep_alives(self) -> KeepAlives: ...
-
-
-class LeaseCalls:
-    """The lease RPCs and keep-alive streams of one client, over its ``transport``.
-
-    Thread-safe. :meth:`close` stops the keep-alive streams (the transport's owner closes the
-    transport after it).
-    """
-
-    def __init__(self, transport: Transport) -> None:
-        self._transport = transport
-        self._lock = threading.Lock()
-        self._keep_alive_muxes: tuple[KeepAlives, ...] = ()
-
-    def lease_grant(self, ttl: int, *, lease_id: int = 0, timeout: float | None = None) -> int:
-        """Grant a lease of ``ttl`` seconds and return its id. One LeaseGrant RPC (two after a lost reply).
-
-        Without ``lease_id`` the id is drawn at random (62 bits), not left to etcd, whose ids are
-        sequential: another etcd user can then neither guess a job's lease ids from its own nor
-        attach a key to one (which would make every leased write of the owner fail with a
-        permission error), and a grant the retry policy resent after a lost reply cannot leave a
-        second lease behind: etcd refuses the resend (the id exists) and a lease with our id that
-        is alive is ours. Raises :class:`~etcd_store.errors.EtcdLeaseExists` for a given
-        ``lease_id`` that etcd already holds."""
-        chosen = lease_id or random_lease_id()
-        req = rpc_pb2.LeaseGrantRequest(TTL=int(ttl), ID=chosen)
-        deadline = time.monotonic() + (self._transport.timeout if timeout is None else timeout)
-        try:
-            resp = self._transport.call("Lease", "LeaseGrant", req, timeout=timeout, what=f"grant lease ttl={ttl}")
-        except EtcdLeaseExists:
-            if lease_id or self.lease_time_to_live(chosen, timeout=max(deadline - time.monotonic(), 0.001)) <= 0:
-                raise
-            log.debug("lease %x: our grant was applied by an earlier send", chosen)
-            return chosen
-        if resp.error:
-            raise EtcdRequestError(f"etcd at {self._transport.describe()} refused a lease: {resp.error}")
-        return int(resp.ID)
-
-    def lease_revoke(self, lease_id: int, *, timeout: float | None = None) -> bool:
-        """Revoke a lease (its keys are deleted). False if it had expired already."""
-        req = rpc_pb2.LeaseRevokeRequest(ID=lease_id)
-        try:
-            self._transport.call("Lease", "LeaseRevoke", req, timeout=timeout, what=f"revoke lease {lease_id:x}")
-        except EtcdLeaseNotFound:
-            return False
-        return True
-
-    def lease_time_to_live(self, lease_id: int, *, keys: bool = False, timeout: float | None = None) -> int:
-        """Seconds left on the lease, or -1 when it expired or never existed."""
-        return self._time_to_live(lease_id, keys, timeout)[0]
-
-    def lease_ttls(self, lease_id: int, *, timeout: float | None = None) -> tuple[int, int]:
-        """``(remaining, granted)``: the whole seconds left on the lease as etcd's leader counts
-        them (truncated; -1 when it expired or never existed) and the TTL it was granted with.
-        One LeaseTimeToLive RPC."""
-        return self._time_to_live(lease_id, False, timeout)
-
-    def _time_to_live(self, lease_id: int, keys: bool, timeout: float | None) -> tuple[int, int]:
-        req = rpc_pb2.LeaseTimeToLiveRequest(ID=lease_id, keys=keys)
-        resp = self._transport.call("Lease", "LeaseTimeToLive", req, timeout=timeout, what=f"lease {lease_id:x}")
-        return int(resp.TTL), int(resp.grantedTTL)
-
-    def keep_alives(self) -> KeepAlives:
-        """The keep-alive stream for a new session (no RPC): the first that keeps fewer than
-        :data:`LEASES_PER_STREAM` leases, or a new one (see the module docstring)."""
-        with self._lock:
-            for mux in self._keep_alive_muxes:
-                if mux.reserve(LEASES_PER_STREAM):
-                    return mux
-            mux = KeepAlives(self._transport)
-            mux.reserve(LEASES_PER_STREAM)
-            self._keep_alive_muxes += (mux,)
-            return mux
-
-    def kept_leases(self) -> int:
-        """How many leases the client's keep-alive streams refresh."""
-        return sum(mux.kept() for mux in self._keep_alive_muxes)
-
-    def close(self) -> None:
-        """Stop the keep-alive streams: every session ends, unrevoked (no RPC)."""
-        for mux in self._keep_alive_muxes:
-            mux.stop()

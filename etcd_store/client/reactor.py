@@ -3,11 +3,11 @@
 A watch or a keep-alive stream spends its life waiting for etcd's next answer. With gRPC's
 synchronous API each such wait holds a thread of its own, which gRPC wakes ten times a
 second, and each stream adds a request-sending thread: about five threads and 1.6 ms of CPU
-per second per idle client (issue 24, ``benchmarks/client_cost.py``). Here every stream of
+per second per idle client (``benchmarks/client_cost.py``). Here every stream of
 every client in the process is a coroutine on one asyncio loop (gRPC's ``grpc.aio`` API), run
 by one daemon thread that starts with the first stream; gRPC adds one poller thread of its own.
 An idle client then costs no thread. Unary calls stay on the synchronous channels (their
-caller's thread blocks, as before).
+caller's thread blocks).
 
 :func:`reactor` returns the process's :class:`Reactor`, started on first use. A process
 ``fork``-ed from one whose streams ran cannot run streams (gRPC's asyncio API does not survive

@@ -6,12 +6,9 @@ Contract:
   :class:`~etcd_store.errors.EtcdError` on failure). :meth:`Session.existing`
   keeps a lease granted elsewhere alive instead (no RPC).
 * The client's :class:`~etcd_store.client.leases.KeepAlives` refreshes the lease
-  every third of its TTL (the TTL etcd reports, so an adopted lease is refreshed
-  at its own pace), or every ``interval`` seconds when given, over the client's keep-alive stream, shared by its
-  sessions: a session costs no thread and no stream of its own; a client opens
-  one more stream (same channel) per ``LEASES_PER_STREAM`` (32) sessions, so
-  many nodes in one process renew in parallel. A broken
-  stream is reopened on the next reachable endpoint; nothing blocks the caller.
+  every third of its TTL (the TTL etcd reports, so an adopted lease is refreshed at its own
+  pace), or every ``interval`` seconds when given, over a keep-alive stream shared by the
+  client's sessions (no thread and no stream per session; see :mod:`.leases`). Nothing blocks the caller.
 * When etcd reports the lease gone (expired, or revoked by anyone), or answers none of its
   keep-alives for a whole TTL (etcd Go's lessor: the lease is then surely expired, unless etcd had
   no leader all that time), :attr:`lost` is set and ``on_lost`` runs once, in the client's
@@ -37,10 +34,10 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from ..errors import EtcdError, EtcdLeaseNotFound, EtcdPermissionDenied
-from .leases import LeaseSource, refresh_interval
+from .leases import KeepAlives, refresh_interval
 from .reactor import started
 
 log = logging.getLogger(__name__)
@@ -50,19 +47,30 @@ __all__ = ["Session", "renewing_lease"]
 _T = TypeVar("_T")
 
 
+class LeaseSource(Protocol):
+    """What a :class:`Session` calls: grant, revoke, a keep-alive stream (an
+    :class:`~etcd_store.client.EtcdClient` or its :class:`~.calls.LeaseCalls`)."""
+
+    def lease_grant(self, ttl: int, *, lease_id: int = 0, timeout: float | None = None) -> int: ...
+
+    def lease_revoke(self, lease_id: int, *, timeout: float | None = None) -> bool: ...
+
+    def keep_alives(self) -> KeepAlives: ...
+
+
 class Session:
     """A lease kept alive over the client's keep-alive stream until :meth:`close`.
 
     Args:
         client: the etcd client whose keep-alive stream refreshes the lease (an
-            :class:`~etcd_store.client.EtcdClient`, or any :class:`~.leases.LeaseSource`).
+            :class:`~etcd_store.client.EtcdClient`, or any :class:`LeaseSource`).
         ttl: seconds; the lease's TTL (at least 1).
         lease_id: the id to ask etcd for (0: etcd picks one).
         on_lost: called once, in the client's callback thread, when the lease is lost (see above).
         interval: seconds between two keep-alives (at least 0.2); None: a third of the TTL.
 
     Attributes: ``id`` (also :attr:`lease_id`), ``ttl`` (as etcd last reported it),
-    :attr:`lost` (a ``threading.Event``; ``expired`` is the same event).
+    :attr:`lost` (a ``threading.Event``).
 
     :meth:`keep_also` has other, already granted leases refreshed for this session
     too (a lease shared by several processes); they are refreshed at their own
@@ -151,11 +159,6 @@ class Session:
     @property
     def lease_id(self) -> int:
         return self.id
-
-    @property
-    def expired(self) -> threading.Event:
-        """The :attr:`lost` event (its former name)."""
-        return self.lost
 
     def done(self) -> threading.Event:
         """Set once this session no longer refreshes its lease (lost or closed)."""

@@ -8,7 +8,8 @@ Python objects (:mod:`.kv`) and :mod:`etcd_store.errors` exceptions, never a
 
 This module is the one place where etcd's errors are recognised: by gRPC status code and
 etcd's named errors (a code with an exact description, as etcd's own Go client matches
-them), never by a substring of the text; a failed TLS handshake by asking :mod:`.tls_probe`.
+them), never by a substring of the text; a failed TLS handshake by asking the standard library
+(:func:`~.channels.tls_failure`).
 What follows from a recognised failure (resend, next member, log in again, raise) is decided
 in :mod:`.retry`.
 
@@ -42,13 +43,12 @@ from ..errors import (
     EtcdTimeoutError,
     EtcdTLSError,
 )
-from .channels import Member, channel_credentials, check_options, open_aio_channel, open_channel
+from .channels import Member, channel_credentials, check_options, open_aio_channel, open_channel, tls_failure
 from .endpoints import Endpoint, client_endpoints
 from .kv import clip
 from .reactor import Reactor, reactor
 from .retry import Action, Attempts, Call, Failure, RetryPolicy, stream_reconnects
 from .stats import CallStats, counts_error
-from .tls_probe import tls_failure
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ __all__ = ["DEFAULT_CONNECT_TIMEOUT", "DEFAULT_TIMEOUT", "Transport"]
 DEFAULT_TIMEOUT = 30.0
 #: How long a client that never reached etcd keeps retrying refused connections.
 DEFAULT_CONNECT_TIMEOUT = 5.0
-#: The longest a TLS probe (:mod:`.tls_probe`) of a failed attempt may take.
+#: The longest a TLS probe (:func:`~.channels.tls_failure`) of a failed attempt may take.
 _PROBE_TIMEOUT = 2.0
 
 #: gRPC metadata on every stream (watch, keep-alive): etcd ends a stream whose member has had no
@@ -311,16 +311,8 @@ class Transport:
         with self._lock:
             self._current = index
 
-    def call(
-        self,
-        service: str,
-        method: str,
-        request: Any,
-        *,
-        timeout: float | None = None,
-        what: str = "",
-        idempotent: bool = True,
-    ) -> Any:
+    def call(self, service: str, method: str, request: Any, *, timeout: float | None = None, what: str = "",
+             idempotent: bool = True) -> Any:
         """Run one unary RPC under the client's one retry policy; translate errors.
 
         ``timeout`` (default: the client's) bounds the whole call, retries included. Each
@@ -412,7 +404,7 @@ class Transport:
 
     def _failed(self, member: Member, err: grpc.RpcError, deadline: float) -> _Failed:
         """Recognise a failed attempt on ``member``: by its status, and for an ``https`` member
-        that gRPC could not reach, by a TLS probe (:mod:`.tls_probe`, at most 2 s)."""
+        that gRPC could not reach, by a TLS probe (:func:`~.channels.tls_failure`, at most 2 s)."""
         status = _status(err)
         failure = failure_of(status)
         if failure is Failure.UNREACHED and member.endpoint.secure:

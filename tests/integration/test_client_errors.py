@@ -3,7 +3,7 @@
 Before, a substring of the error text decided: "tls" or "ssl" anywhere (a host named
 ``etcd-tls-0`` in a DNS failure) made a TLS error at once, "too large" anywhere (etcd's "too
 large lease TTL") blamed ``--max-request-bytes``. Now a TLS failure is one the standard
-library's handshake confirms (``etcd_store.client.tls_probe``), and etcd's errors are matched
+library's handshake confirms (``etcd_store.client.channels.tls_failure``), and etcd's errors are matched
 whole, with their code.
 """
 

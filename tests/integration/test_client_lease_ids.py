@@ -30,7 +30,7 @@ def test_a_resent_grant_is_taken_as_ours_and_a_given_id_that_exists_is_refused(
         etcd_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
     with EtcdClient(etcd_endpoint, timeout=10) as client:
         fixed = 0x1234_5678_9ABC
-        monkeypatch.setattr("etcd_store.client.leases.random_lease_id", lambda: fixed)
+        monkeypatch.setattr("etcd_store.client.calls.random_lease_id", lambda: fixed)
         assert client.lease_grant(5) == fixed
         try:
             assert client.lease_grant(5) == fixed  # etcd: "lease already exists"; alive: our earlier send

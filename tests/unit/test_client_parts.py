@@ -14,7 +14,7 @@ import pytest
 from etcd3.etcdrpc import rpc_pb2, rpc_pb2_grpc
 
 from etcd_store.client import EtcdClient, Session
-from etcd_store.client.leases import LeaseCalls
+from etcd_store.client.calls import LeaseCalls
 from etcd_store.client.transport import Transport
 from etcd_store.errors import EtcdConnectionError, EtcdError
 
