@@ -249,6 +249,7 @@ def make_finished_runs(cluster: Any, count: int, threads: int = 16) -> dict[str,
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
     from etcd_rdzv.conf import parse_v3_settings
+    from etcd_store.client import EtcdClient
 
     from .nodes import ours_creator
 
@@ -260,7 +261,7 @@ def make_finished_runs(cluster: Any, count: int, threads: int = 16) -> dict[str,
                                     run_id=f"b6-done-{tag}-{i:05d}", min_nodes=1, max_nodes=1,
                                     local_addr="127.0.0.1")
 
-    client = parse_v3_settings(params(0))[1].create_client()
+    client = EtcdClient.from_options(parse_v3_settings(params(0))[1])
 
     def one(i: int) -> str | None:
         try:

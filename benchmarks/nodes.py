@@ -171,10 +171,11 @@ class HandlerNode:
             self.handler = create_handler(store, backend_obj, params)
         elif self._shared is not None:
             from etcd_rdzv.conf import parse_v3_settings
+            from etcd_store.client import EtcdClient
 
             creator, _how = ours_creator(backend)
             _, options = parse_v3_settings(params)
-            client = self._shared.get(("etcd-v3", spec["endpoint"]), options.create_client,  # one conf per group
+            client = self._shared.get(("etcd-v3", spec["endpoint"]), lambda: EtcdClient.from_options(options),  # one conf per group
                                       int(spec.get("nodes_per_client", 0)))
             self.handler = creator(params, client=client)
         else:

@@ -4,7 +4,7 @@ Every backend reads its ``--rdzv-endpoint``, ``--rdzv-id``, ``--nnodes``, ``--lo
 ``--rdzv-conf`` here, in one call: :func:`parse_dynamic_settings` -> :class:`DynamicSettings`
 (``etcd-v2`` and ``etcd``: torch's ``DynamicRendezvousHandler`` over our backend),
 :func:`parse_v3_settings` -> :class:`~etcd_rdzv.native.settings.V3Settings` and
-:class:`EtcdClientOptions` (``etcd-v3``); both start from :func:`parse_rdzv_config` -> :class:`RdzvConfig`
+:class:`~etcd_store.options.EtcdClientOptions` (``etcd-v3``); both start from :func:`parse_rdzv_config` -> :class:`RdzvConfig`
 (client options, ``key_prefix``, ``state_ttl``). Each key's parser, default and meaning are its row of
 :data:`etcd_rdzv.conf_keys.KEYS`; what is here is what no single key decides: the endpoint, the TLS files
 and credentials with their environment fallbacks (:mod:`etcd_rdzv.conf_env`), the lease TTL of
@@ -20,14 +20,15 @@ import copy
 import logging
 import math
 import os
-from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass, fields
+from typing import Any, Protocol
+
+from etcd_store.options import EtcdClientOptions
 
 from . import conf_keys as K
 from .conf_env import Given, read_secret, resolve_connection
 from .conf_keys import (
     DEFAULT_KEY_PREFIX,
-    DEFAULT_READ_TIMEOUT,
     DEFAULT_STATE_TTL,
     LEGACY_ALIASES,
     LEGACY_KEY_PREFIX,
@@ -40,9 +41,6 @@ from .conf_keys import (
 )
 from .conf_keys import text as _text_value
 from .native.settings import V3Settings
-
-if TYPE_CHECKING:
-    from etcd_store.client import EtcdClient
 
 log = logging.getLogger(__name__)
 
@@ -81,40 +79,6 @@ class HandlerParams(RdzvParams, Protocol):
     local_addr: str | None
 
     def get_as_bool(self, key: str, default: bool | None = None) -> bool | None: ...
-
-
-@dataclass(frozen=True)
-class EtcdClientOptions:
-    """Everything needed to build an :class:`etcd_store.client.EtcdClient`."""
-
-    endpoints: str
-    read_timeout: float = DEFAULT_READ_TIMEOUT
-    protocol: str | None = None
-    ca_cert: str | None = None
-    cert: str | None = None
-    key: str | None = None
-    user: str | None = None
-    password: str | None = field(default=None, repr=False)
-    allow_insecure_auth: bool = False
-
-    def client_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of ``EtcdClient`` (endpoints excluded)."""
-        return {
-            "timeout": self.read_timeout,
-            "protocol": self.protocol,
-            "ca_cert": self.ca_cert,
-            "cert": self.cert,
-            "key": self.key,
-            "user": self.user,
-            "password": self.password,
-            "allow_insecure_auth": self.allow_insecure_auth,
-        }
-
-    def create_client(self, **extra: Any) -> EtcdClient:
-        """A new client (no RPC yet). ``extra`` overrides keyword arguments (e.g. interceptors)."""
-        from etcd_store.client import EtcdClient
-
-        return EtcdClient(self.endpoints, **{**self.client_kwargs(), **extra})
 
 
 #: Under an etcd-v2 run's state key, the directory of its backends' lease anchors
@@ -256,7 +220,7 @@ def parse_client_options(params: RdzvParams) -> EtcdClientOptions:
     )  # fmt: skip
     conn = resolve_connection(given, os.environ)
     options = EtcdClientOptions(
-        endpoints=conn.endpoints, read_timeout=read(params, "read_timeout"),
+        endpoints=conn.endpoints, timeout=read(params, "read_timeout"),
         protocol=_protocol(params), ca_cert=conn.ca_cert, cert=conn.cert, key=_client_key(conn.cert, conn.key),
         user=conn.user, password=conn.password, allow_insecure_auth=read(params, "allow_insecure_auth"),
     )  # fmt: skip

@@ -190,6 +190,8 @@ def create_etcd_v3_rdzv_handler(
     made here. ``client`` (an ``EtcdClient``) is used instead of a new one when
     given, and is then not closed by ``shutdown()``.
     """
+    from etcd_store.client import EtcdClient
+
     from .conf import parse_v3_settings
     from .metrics import maybe_start
     from .native.handler import EtcdV3RendezvousHandler
@@ -198,7 +200,7 @@ def create_etcd_v3_rdzv_handler(
     maybe_start(params)  # the optional metrics endpoint (rdzv-conf metrics_port)
     if client is not None:
         return EtcdV3RendezvousHandler(settings, client, owns_client=False)
-    return EtcdV3RendezvousHandler(settings, options.create_client(), owns_client=True)
+    return EtcdV3RendezvousHandler(settings, EtcdClient.from_options(options), owns_client=True)
 
 
 def create_etcd_v3_handler() -> Any:

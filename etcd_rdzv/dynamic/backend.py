@@ -268,7 +268,7 @@ def open_backend(
     one to three RPCs. Raises ``RendezvousConnectionError`` when etcd cannot be
     reached (or refuses the credentials) within ``read_timeout``.
     """
-    client = config.client.create_client()
+    client = EtcdClient.from_options(config.client)
     try:
         backend = EtcdRendezvousBackend(
             client, run_id, key_prefix=config.key_prefix, ttl=config.state_ttl, name=name

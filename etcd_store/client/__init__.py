@@ -17,6 +17,7 @@ from __future__ import annotations
 # also when its submodules are already imported.
 import grpc  # noqa: F401
 
+from ..options import DEFAULT_CONNECT_TIMEOUT, DEFAULT_TIMEOUT, EtcdClientOptions
 from .calls import EtcdClient
 from .endpoints import DEFAULT_PORT, Endpoint, client_endpoints, parse_endpoints
 from .kv import (
@@ -39,7 +40,6 @@ from .kv import (
 )
 from .session import Session, renewing_lease
 from .stats import CallStats
-from .transport import DEFAULT_CONNECT_TIMEOUT, DEFAULT_TIMEOUT
 from .watch import Watch
 
 __all__ = [
@@ -50,6 +50,7 @@ __all__ = [
     "DeleteResult",
     "Endpoint",
     "EtcdClient",
+    "EtcdClientOptions",
     "Event",
     "KeyValue",
     "MemberStatus",

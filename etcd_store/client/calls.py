@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from etcd3.etcdrpc import rpc_pb2
 
 from ..errors import EtcdLeaseExists, EtcdLeaseNotFound, EtcdRequestError
+from ..options import DEFAULT_CONNECT_TIMEOUT, DEFAULT_TIMEOUT, EtcdClientOptions
 from .endpoints import Endpoint
 from .kv import (
     DeleteResult,
@@ -43,7 +44,7 @@ from .kv import (
 from .leases import LEASES_PER_STREAM, KeepAlives
 from .retry import RetryPolicy
 from .stats import CallStats
-from .transport import DEFAULT_CONNECT_TIMEOUT, DEFAULT_TIMEOUT, Transport
+from .transport import Transport
 
 if TYPE_CHECKING:
     from .session import Session
@@ -96,12 +97,26 @@ class EtcdClient:
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         allow_insecure_auth: bool = False,
     ) -> None:
-        self._transport = Transport(
-            endpoints, timeout=timeout, ca_cert=ca_cert, cert=cert, key=key, user=user, password=password,
-            protocol=protocol, interceptors=interceptors, connect_timeout=connect_timeout,
-            allow_insecure_auth=allow_insecure_auth,
+        options = EtcdClientOptions(
+            endpoints, timeout=timeout, protocol=protocol, ca_cert=ca_cert, cert=cert, key=key, user=user,
+            password=password, allow_insecure_auth=allow_insecure_auth, connect_timeout=connect_timeout,
+            interceptors=interceptors,
         )  # fmt: skip
+        self._transport = Transport(options)
         self._leases = LeaseCalls(self._transport)
+
+    @classmethod
+    def from_options(cls, options: EtcdClientOptions, **changes: Any) -> EtcdClient:
+        """A client of ``options`` (with ``changes``, e.g. test ``interceptors``); no RPC yet."""
+        client = cls.__new__(cls)
+        client._transport = Transport(options.replace(**changes) if changes else options)
+        client._leases = LeaseCalls(client._transport)
+        return client
+
+    @property
+    def options(self) -> EtcdClientOptions:
+        """The options this client was made with."""
+        return self._transport.options
 
     # ---------------------------------------------------------------- the transport's settings
 

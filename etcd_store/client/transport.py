@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +43,7 @@ from ..errors import (
     EtcdTimeoutError,
     EtcdTLSError,
 )
+from ..options import EtcdClientOptions
 from .channels import Member, channel_credentials, check_options, open_aio_channel, open_channel, tls_failure
 from .endpoints import Endpoint, client_endpoints
 from .kv import clip
@@ -52,11 +53,8 @@ from .stats import CallStats, counts_error
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_CONNECT_TIMEOUT", "DEFAULT_TIMEOUT", "Transport"]
+__all__ = ["Transport"]
 
-DEFAULT_TIMEOUT = 30.0
-#: How long a client that never reached etcd keeps retrying refused connections.
-DEFAULT_CONNECT_TIMEOUT = 5.0
 #: The longest a TLS probe (:func:`~.channels.tls_failure`) of a failed attempt may take.
 _PROBE_TIMEOUT = 2.0
 
@@ -180,45 +178,34 @@ class Transport:
     parts that call etcd through it: the lease calls and keep-alive streams (:mod:`.leases`),
     watches (:mod:`.watch`) and the reconnecting stream they share (:mod:`.streams`). Unary
     calls go through :meth:`call` (or :meth:`call_member`); streams through the ``stream_*``
-    and ``cancel_*`` methods. Usable alone: ``Transport("h:2379").call("KV", "Range", req)``.
+    and ``cancel_*`` methods. Usable alone: ``Transport(EtcdClientOptions("h:2379")).call("KV", "Range", req)``.
     """
 
-    def __init__(
-        self,
-        endpoints: str | Sequence[str],
-        *,
-        timeout: float = DEFAULT_TIMEOUT,
-        ca_cert: str | None = None,
-        cert: str | None = None,
-        key: str | None = None,
-        user: str | None = None,
-        password: str | None = None,
-        protocol: str | None = None,
-        interceptors: Sequence[Any] = (),
-        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-        allow_insecure_auth: bool = False,
-    ) -> None:
-        check_options(protocol=protocol, ca_cert=ca_cert, cert=cert, key=key, user=user,
-                      password=password, timeout=timeout, connect_timeout=connect_timeout)  # fmt: skip
+    def __init__(self, options: EtcdClientOptions) -> None:
+        o = options
+        check_options(protocol=o.protocol, ca_cert=o.ca_cert, cert=o.cert, key=o.key, user=o.user,
+                      password=o.password, timeout=o.timeout, connect_timeout=o.connect_timeout)  # fmt: skip
+        self.options = options
         self.endpoints = client_endpoints(
-            endpoints, protocol=protocol, tls=bool(ca_cert or cert), user=user, password=password,
-            allow_insecure_auth=allow_insecure_auth,
+            o.endpoints, protocol=o.protocol, tls=bool(o.ca_cert or o.cert), user=o.user, password=o.password,
+            allow_insecure_auth=o.allow_insecure_auth,
         )
+        user, password = o.user, o.password
         if password and not all(ep.secure for ep in self.endpoints):
             log.warning(
                 "etcd user %r sends its password in plain text to %s (allow_insecure_auth is set): "
                 "anyone on the path can read it.", user, self.describe(),
             )
         self._auth_off_warned = False
-        self.timeout = float(timeout)
-        self.connect_timeout = float(connect_timeout)
+        self.timeout = float(o.timeout)
+        self.connect_timeout = float(o.connect_timeout)
         # Set once any member answered: from then on calls ride out outages until their deadline.
         self._reached = False
-        self._tls_files = (ca_cert, cert, key)
+        self._tls_files = (o.ca_cert, o.cert, o.key)
         self._credentials: grpc.ChannelCredentials | None = None
         self._user = user
         self._password = password
-        self._interceptors = list(interceptors)
+        self._interceptors = list(o.interceptors)
         self._members = [Member(ep, self._make_channel, self._make_aio_channel) for ep in self.endpoints]
         self._current = 0
         self._lock = threading.Lock()

@@ -103,7 +103,7 @@ class Nodes:
         if self.shared:
             client = self.client
         else:
-            client = parse_v3_settings(params)[1].create_client()
+            client = EtcdClient.from_options(parse_v3_settings(params)[1])
             self.own_clients.append(client)
         tap = WatchTap(client, keep)
         handler = create_etcd_v3_rdzv_handler(params, client=tap)

@@ -148,7 +148,7 @@ def test_a_password_over_http_needs_the_named_opt_in_and_is_warned_about(
     with pytest.raises(ValueError, match="allow_insecure_auth"):
         parse_rdzv_config(params)
     params.config["allow_insecure_auth"] = "1"
-    with parse_rdzv_config(params).client.create_client(timeout=10) as alice:
+    with EtcdClient.from_options(parse_rdzv_config(params).client, timeout=10) as alice:
         alice.put(b"/jobs/alice/k2", b"v")
 
 

@@ -28,6 +28,7 @@ from etcd_rdzv import EtcdRendezvousBackend, plugin
 from etcd_rdzv.conf import parse_rdzv_config
 from etcd_rdzv.conf_keys import PASSWORD_ENV, USER_ENV
 from etcd_server import AuthConfig, EtcdServer, TLSConfig
+from etcd_store.client import EtcdClient
 
 _ids = itertools.count()
 
@@ -176,7 +177,7 @@ def test_legacy_handler_reads_legacy_keys(etcd_endpoint: str) -> None:
 def test_several_endpoints_fail_over(etcd_endpoint: str) -> None:
     params = _params(endpoint=f"127.0.0.1:{closed_port()},{etcd_endpoint}", read_timeout="10")
     config = parse_rdzv_config(params)
-    with config.client.create_client() as client:
+    with EtcdClient.from_options(config.client) as client:
         backend = EtcdRendezvousBackend(client, params.run_id, config.key_prefix)
         state = pickle.dumps(_RendezvousState())  # the backend hands torch only torch's states
         result = backend.set_state(state)
@@ -206,7 +207,7 @@ def tls_server(etcd_binary: str, certs: CertPaths) -> Iterator[EtcdServer]:
 
 def _roundtrip(params: RendezvousParameters) -> None:
     config = parse_rdzv_config(params)
-    with config.client.create_client() as client:
+    with EtcdClient.from_options(config.client) as client:
         backend = EtcdRendezvousBackend(client, params.run_id, config.key_prefix)
         result = backend.set_state(pickle.dumps(_RendezvousState()))
         assert result is not None and result[2]
@@ -231,7 +232,7 @@ def test_tls_keys_as_torch_etcd_v2(tls_server: EtcdServer, certs: CertPaths, tmp
         _params(endpoint=endpoint, protocol="https", ca_cert=certs.other_ca,
                 ssl_cert=certs.client_cert, ssl_cert_key=certs.client_key, read_timeout="3")
     )  # fmt: skip
-    with config.client.create_client() as client:
+    with EtcdClient.from_options(config.client) as client:
         with pytest.raises(RendezvousConnectionError, match="(?i)tls|certificate"):
             EtcdRendezvousBackend(client, "tls-run").get_state()
 
@@ -248,7 +249,7 @@ def test_auth_user_and_password_from_environment(
         _roundtrip(_params(**local, key_prefix="/jobs/alice/rdzv", read_timeout="10"))
         monkeypatch.setenv(PASSWORD_ENV, "wrong-pw")
         config = parse_rdzv_config(_params(**local, key_prefix="/jobs/alice/rdzv", read_timeout="5"))
-        with config.client.create_client() as client:
+        with EtcdClient.from_options(config.client) as client:
             with pytest.raises(RendezvousConnectionError, match="alice"):
                 EtcdRendezvousBackend(client, "auth-run", config.key_prefix).get_state()
 

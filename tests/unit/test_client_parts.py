@@ -17,6 +17,7 @@ from etcd_store.client import EtcdClient, Session
 from etcd_store.client.calls import LeaseCalls
 from etcd_store.client.transport import Transport
 from etcd_store.errors import EtcdConnectionError, EtcdError
+from etcd_store.options import EtcdClientOptions
 
 _NOT_FOUND = (grpc.StatusCode.NOT_FOUND, "etcdserver: requested lease not found")
 
@@ -83,7 +84,7 @@ def test_no_client_part_inherits_from_another(cls: type) -> None:
 
 def test_the_lease_calls_work_over_a_transport_alone(serve: Any) -> None:
     lease = _Lease()
-    transport = Transport(serve(lease), timeout=5)
+    transport = Transport(EtcdClientOptions(serve(lease), timeout=5))
     try:
         leases = LeaseCalls(transport)
         assert leases.lease_grant(3) == 7
@@ -101,7 +102,7 @@ def test_the_lease_calls_work_over_a_transport_alone(serve: Any) -> None:
 
 def test_a_call_to_one_member_neither_retries_nor_fails_over(serve: Any) -> None:
     leaderless, healthy = _Status(None), _Status("3.7.0")
-    transport = Transport(serve(leaderless, healthy), timeout=5)
+    transport = Transport(EtcdClientOptions(serve(leaderless, healthy), timeout=5))
     try:
         with pytest.raises(EtcdConnectionError, match="status of 127.0.0.1"):
             transport.call_member(0, "Maintenance", "Status", rpc_pb2.StatusRequest(), what="status of 127.0.0.1")
@@ -117,7 +118,7 @@ def test_a_client_closed_during_a_call_raises_its_own_error_not_grpcs(
     """The client is closed between two attempts of a call (the first member had no leader): the next
     attempt's channel is closed and gRPC raises a bare ValueError ("Cannot invoke RPC on closed
     channel!"); the call must end with the client's own error."""
-    transport = Transport(serve(_Status(None), _Status("3.7.0")), timeout=5)
+    transport = Transport(EtcdClientOptions(serve(_Status(None), _Status("3.7.0")), timeout=5))
     metadata = transport._metadata
     attempts: list[int] = []
 

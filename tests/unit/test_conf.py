@@ -43,7 +43,7 @@ def _no_auth_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_defaults() -> None:
     config = parse_rdzv_config(_params(endpoint=""))
     assert config.client.endpoints == "localhost:2379"
-    assert config.client.read_timeout == DEFAULT_READ_TIMEOUT == 60
+    assert config.client.timeout == DEFAULT_READ_TIMEOUT == 60
     assert config.client.protocol is None
     assert (config.client.ca_cert, config.client.cert, config.client.key) == (None, None, None)
     assert (config.client.user, config.client.password) == (None, None)
@@ -66,7 +66,7 @@ def test_values_are_read() -> None:
         )
     )
     assert config.client.endpoints == "h1:1,https://h2:2"
-    assert config.client.read_timeout == 2.5
+    assert config.client.timeout == 2.5
     assert config.client.protocol == "https"
     assert config.key_prefix == "/my/prefix"
     assert config.state_ttl == 30

@@ -25,6 +25,7 @@ from etcd_store.client.retry import Backoff, Cause, Fate, StreamStep, stream_fat
 from etcd_store.client.streams import CallCancelled, SendFailed, StreamEnded, cause_of, send
 from etcd_store.client.transport import Transport
 from etcd_store.errors import EtcdAuthError, EtcdConnectionError, EtcdError, EtcdLeaseNotFound
+from etcd_store.options import EtcdClientOptions
 
 _RECEIVING = (StreamStep.OPEN, StreamStep.RECEIVE)
 
@@ -67,7 +68,7 @@ def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 
 @pytest.fixture
 def transport() -> Any:
-    t = Transport("127.0.0.1:1", timeout=5)
+    t = Transport(EtcdClientOptions("127.0.0.1:1", timeout=5))
     yield t
     t.close()
 

@@ -35,6 +35,7 @@ from etcd_store.client.retry import (
 )
 from etcd_store.client.transport import Transport, failure_of
 from etcd_store.errors import EtcdTimeoutError
+from etcd_store.options import EtcdClientOptions
 
 
 class _Txn(rpc_pb2_grpc.KVServicer):  # type: ignore[misc]
@@ -186,7 +187,7 @@ def test_a_keep_alive_stream_bound_comes_from_the_ttl_not_the_pace_and_doubles_a
     answer (a third of the TTL, at most ``first_attempt``), not 1 s: etcd's leader may hold a renewal
     about 1 s under a burst of writes (it was 1 s, and 1,024 clients' streams were cancelled over and
     over in B2). After a stall the bound doubles until an answer comes. No RPC is made here."""
-    transport = Transport("127.0.0.1:1", timeout=5)
+    transport = Transport(EtcdClientOptions("127.0.0.1:1", timeout=5))
     mux = KeepAlives(transport)
     try:
         mux.keep(_Keeper(), 7, 15, first_in=3600.0, interval=1.0)

@@ -1,0 +1,44 @@
+"""``EtcdClientOptions``: everything that makes an :class:`~etcd_store.client.EtcdClient`, frozen.
+
+One object, declared once: :class:`~etcd_store.client.EtcdClient` builds it from its keyword
+arguments (or takes it whole, :meth:`~etcd_store.client.EtcdClient.from_options`) and hands it to
+its :class:`~etcd_store.client.transport.Transport`; the rendezvous' configuration pass
+(:func:`etcd_rdzv.conf.parse_client_options`) builds one from torchrun's parameters. A leaf: the
+standard library only, so reading a configuration never imports gRPC. The meaning of each field
+is documented on ``EtcdClient``; the transport checks them (``ValueError`` naming the option).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["DEFAULT_CONNECT_TIMEOUT", "DEFAULT_TIMEOUT", "EtcdClientOptions"]
+
+#: The default deadline in seconds of every client call, retries included.
+DEFAULT_TIMEOUT = 30.0
+#: How long a client that never reached etcd keeps retrying refused connections.
+DEFAULT_CONNECT_TIMEOUT = 5.0
+
+
+@dataclass(frozen=True)
+class EtcdClientOptions:
+    """The endpoints, deadlines, TLS files and credentials of one client (``password`` out of ``repr``)."""
+
+    endpoints: str | Sequence[str]
+    timeout: float = DEFAULT_TIMEOUT
+    protocol: str | None = None
+    ca_cert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+    allow_insecure_auth: bool = False
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
+    interceptors: Sequence[Any] = ()
+
+    def replace(self, **changes: Any) -> EtcdClientOptions:
+        """A copy with ``changes`` (e.g. another ``timeout`` or test ``interceptors``)."""
+        return dataclasses.replace(self, **changes)
