@@ -2,7 +2,7 @@
 
 A node that joined round ``T`` waits on its watch until ``T`` is sealed, and
 seals it itself when due. What it knows of the round is a :class:`Tally`
-(taken from its :class:`~etcd_rdzv.native.view.RoundView`); what it remembers
+(taken from its :class:`~etcd_rdzv.native.wait.RoundView`); what it remembers
 between two looks is a :class:`Barrier`. :func:`decide` maps
 ``(barrier, tally, settings, now)`` to the next barrier and one action:
 
@@ -43,38 +43,29 @@ Nothing here reads a clock, contacts etcd, logs or raises: the loop
 depend on these decisions (every seal is a fenced transaction, see
 :mod:`etcd_rdzv.native.protocol`); they decide *when* a node tries, so that a
 round is sealed about once, soon after it is due.
+
+**Where a node stands.** :class:`Standing` is the bookkeeping a
+:class:`~etcd_rdzv.native.rounds.Participant` holds and updates as its joins and waits
+end: the join key it holds (:class:`Joined`), a join Txn sent whose answer is not recorded
+yet, the round it is a member of (its size, its rank, the revision that sealed it, rank 0's
+address) and the value of its latest join key. It makes the :class:`RoundResult` of an
+admission and the :class:`Prior` group a rendezvous leaves. No lock (one rendezvous at a
+time; ``forget`` may race it, as the participant's ``stop`` always could).
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from .records import Membership
+    from .records import Membership, Sealed
 
-log = logging.getLogger(__name__)
-
-__all__ = [
-    "SEAL_BACKUP_DELAY",
-    "Action",
-    "Admitted",
-    "Barrier",
-    "Check",
-    "JoinClock",
-    "Overflow",
-    "Seal",
-    "Tally",
-    "TimeOut",
-    "Void",
-    "WaitUntil",
-    "decide",
-    "resolved",
-    "verdict",
-]
+__all__ = ["SEAL_BACKUP_DELAY", "Action", "Admitted", "Barrier", "Check", "JoinClock", "Joined", "Overflow",
+           "Prior", "RoundResult", "Seal", "Standing", "Tally", "TimeOut", "Void", "WaitUntil", "decide",
+           "resolved", "verdict"]
 
 SEAL_BACKUP_DELAY = 1.0
 """Seconds between seal attempts by place: once the round is ready, the first
@@ -307,3 +298,106 @@ def verdict(membership: Membership, seq: int, create_revision: int, rules: Rules
         return Void(membership.world)
     rank = membership.rank_of(seq, create_revision)
     return Overflow() if rank is None else Admitted(rank, membership.world)
+
+
+# --------------------------------------------------------------------------- where a node stands
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """The outcome of the barrier for one node: its place in a sealed round.
+
+    ``seal_revision`` is the revision at which the round was sealed (the same
+    for every member; 0 when it was learnt from the members record).
+    """
+
+    round: int
+    rank: int
+    world_size: int
+    seal_revision: int
+    node_id: str
+
+
+@dataclass(frozen=True)
+class Joined:
+    """The join key this node holds in ``round``.
+
+    ``member``: True (member of the sealed round), False (the round was sealed
+    without us: over ``max_nodes`` or void), None (not known: still waiting, or
+    the wait ended with an error before the outcome was seen).
+    """
+
+    round: int
+    key: bytes
+    under: Sealed  # the sealed record the join was fenced on (round - 1 sealed at its revision)
+    member: bool | None = None
+
+
+@dataclass(frozen=True)
+class Prior:
+    """The group a node leaves at a rendezvous: its round (None: none) and size (read only with
+    a round), and whether this node observes it for dead members
+    (:func:`~etcd_rdzv.native.leases.observes`)."""
+
+    round: int | None
+    world: int
+    evicts: bool
+
+
+@dataclass
+class Standing:
+    """One node's place in the rounds (see the module docstring).
+
+    ``joined``: the join key it holds; ``joining``: a join Txn sent whose answer is not
+    recorded yet (a leave at exit withdraws it too); ``member_round``/``member_world``/
+    ``member_rank``: the round it is a member of, its size and our rank; ``member_seal``:
+    the revision that sealed it (0: not known); ``round_master``: rank 0's address from
+    that round's sealed record; ``join_value``: the value of our latest join key.
+    """
+
+    joined: Joined | None = None
+    joining: Joined | None = None
+    member_round: int | None = None
+    member_world: int = 0
+    member_rank: int = 0
+    member_seal: int = 0
+    round_master: tuple[str, int] | None = None
+    join_value: bytes = b""
+
+    def begin(self, value: bytes, observes: bool) -> Prior:
+        """A rendezvous starts with join value ``value``: forget the round we were a member of
+        (returned: a round that only re-forms that group may skip the last call, and its
+        observers evict its dead; ``observes``: whether our rank in it makes us one,
+        :func:`~etcd_rdzv.native.leases.observes`); take up a join of the last call that
+        ended in an error (it may have applied)."""
+        prior = Prior(self.member_round, self.member_world, self.member_round is not None and observes)
+        self.member_round, self.member_seal = None, 0
+        self.round_master = None
+        self.join_value = value
+        if self.joining is not None:
+            self.joined, self.joining = self.joining, None
+        return prior
+
+    def admit(self, round_: int, rank: int, world_size: int, sealed: Sealed, node_id: str) -> RoundResult:
+        """We are rank ``rank`` of ``round_``, sealed by ``sealed``: remember it; our result."""
+        self.member_round, self.member_world = round_, world_size
+        self.member_rank = rank
+        self.member_seal = sealed.revision
+        self.round_master = sealed.master
+        return RoundResult(round_, rank, world_size, sealed.revision, node_id)
+
+    def mark_joined(self, member: bool) -> None:
+        """The outcome of the round our join key is in: a member of it, or sealed without us."""
+        if self.joined is not None:
+            self.joined = replace(self.joined, member=member)
+
+    def pending(self) -> list[Joined]:
+        """The joins a leave withdraws: the one in flight, then the recorded one, unless we are
+        a member of its round (a signal may end the process between a join Txn and the
+        recording of its answer, so that the key exists though ``joined`` does not name it)."""
+        return [j for j in (self.joining, self.joined) if j is not None and not j.member]
+
+    def forget(self) -> None:
+        """Stopped for good: no join, no round."""
+        self.joined = self.joining = None
+        self.member_round = None

@@ -29,7 +29,6 @@ from etcd_rdzv.native.barrier import (
     resolved,
     verdict,
 )
-from etcd_rdzv.native.bootstrap import address_of
 from etcd_rdzv.native.records import (
     MAX_RECORD_BYTES,
     Joiner,
@@ -42,6 +41,7 @@ from etcd_rdzv.native.records import (
     lease_of,
 )
 from etcd_rdzv.native.settings import V3Settings
+from etcd_rdzv.native.start import address_of
 from etcd_store.client import KeyValue
 
 T0 = 1000.0  # any monotonic time

@@ -1,9 +1,9 @@
-"""Where an ``etcd-v3`` node stands (:class:`etcd_rdzv.native.standing.Standing`), without etcd."""
+"""Where an ``etcd-v3`` node stands (:class:`etcd_rdzv.native.barrier.Standing`), without etcd."""
 
 from __future__ import annotations
 
+from etcd_rdzv.native.barrier import Joined, Prior, RoundResult, Standing
 from etcd_rdzv.native.records import Sealed
-from etcd_rdzv.native.standing import Joined, Prior, RoundResult, Standing
 
 
 def test_an_admission_is_remembered_and_the_next_rendezvous_leaves_it() -> None:
