@@ -1,20 +1,12 @@
 """``EtcdV3RendezvousHandler``: torch's ``RendezvousHandler`` contract on etcd v3 primitives.
 
-One node = one handler = one lease (TTL ``lease_ttl``) refreshed over one
-keep-alive stream. Joining a round is one transaction that puts a join key
-bound to that lease and bumps the round's join counter; waiting is a watch on
-the run's ``ctl/`` keys (about one event a round), opened from now and confirmed by
-etcd before the join is sent, so that it starts below the join's revision (events
-at or below it are skipped); sealing a round is one transaction fenced by the ``sealed``
-record's mod revision, by "the previous round is empty" and by the join counter
-as the sealer read it.
-No node rewrites anything while a job runs: liveness is the lease alone (after an outage
-longer than the lease TTL a member re-attaches: one Txn, :class:`GroupCheck`, below).
+One node = one handler = one lease (TTL ``lease_ttl``) refreshed over one keep-alive stream; a
+join is one Txn, a wait one watch of the run's ``ctl/`` keys, a seal one fenced Txn
+(:mod:`~etcd_rdzv.native.protocol`, driven by :class:`~etcd_rdzv.native.rounds.Participant`; see
+docs/etcd-v3-design.md). No node rewrites anything while a job runs: liveness is the lease alone.
 This module is torch's interface, and the one place where the node's errors
-(:class:`~etcd_rdzv.native.records.NodeError`, ``ProtocolStateError``, ``EtcdError``) become torch's
-(:func:`torch_error`); one node's join, wait and seal are
-:class:`~etcd_rdzv.native.rounds.Participant`'s, the transactions
-:mod:`etcd_rdzv.native.protocol`'s; see docs/etcd-v3-design.md.
+(:class:`~etcd_rdzv.native.records.NodeError`, ``ProtocolStateError``, ``EtcdError``) become
+torch's (:func:`torch_error`).
 
 Cost of an uncontended ``next_rendezvous`` (node already holding its lease): one
 join Txn, one watch; a read Txn and a seal Txn for one node per round; plus
@@ -24,17 +16,17 @@ address and port (from the sealer's read, when rank 0 probed its port at most
 ``MASTER_PORT_MAX_AGE`` before the seal); else rank 0 probes a port once it
 knows its rank and the others read it from the store.
 
-**Liveness: ``num_nodes_waiting()`` and re-attach after an outage.** torch's agent calls ``num_nodes_waiting()`` every monitor interval while its workers are healthy and
-restarts them (a new round) when it is positive; it never calls ``is_closed()``. :class:`GroupCheck`
-answers it for one node with one read-only Txn (:func:`~etcd_rdzv.native.protocol.count_waiting`);
-:func:`nodes_waiting` is the pure decision on what that read found (no RPC, no clock of its own).
-
-A closed run answers 0, as torch's handlers do: torchrun's ``shutdown()`` closes the run at the normal
-end of each agent's job, and a node whose job runs longer (rank 0 writing a final checkpoint) must keep
-its workers; no new round can form anyway, and a later ``next_rendezvous`` raises
-``RendezvousClosedError``. The operator's stop (``etcd-rdzv close``, or ``set_closed()`` from outside the job:
-:func:`~etcd_rdzv.native.protocol.abort`) also writes the abort mark, and then the answer is positive for every node: each agent stops its
-workers and learns from ``next_rendezvous`` that the run is over.
+**Liveness.** torch's agent calls ``num_nodes_waiting()`` every monitor interval while its workers
+are healthy and restarts them (a new round) when it is positive; it never calls ``is_closed()``.
+:class:`GroupCheck` answers it for one node with one read-only Txn
+(:func:`~etcd_rdzv.native.protocol.count_waiting`); :func:`~etcd_rdzv.native.barrier.nodes_waiting` is the pure decision on
+what that read found. A closed run answers 0, as torch's handlers do: torchrun's ``shutdown()``
+closes the run at the normal end of each agent's job, and a node whose job runs longer (rank 0
+writing a final checkpoint) must keep its workers; no new round can form anyway, and a later
+``next_rendezvous`` raises ``RendezvousClosedError``. The operator's stop (``etcd-rdzv close``, or
+``set_closed()`` from outside the job: :func:`~etcd_rdzv.native.protocol.abort`) also writes the
+abort mark, and then the answer is positive for every node: each agent stops its workers and
+learns from ``next_rendezvous`` that the run is over.
 
 A member's liveness is its join key, bound to its lease. When etcd was out of reach for longer than
 the lease TTL, etcd expired every lease meanwhile although no node died. So:
@@ -49,12 +41,10 @@ the lease TTL, etcd expired every lease meanwhile although no node died. So:
   to re-attach before they count as lost, unless a node already waits in the next round. A live
   member re-attaches at its first poll that etcd answers; the poll it had in flight during the
   outage is answered within the client's timeout, or fails, and then its agent fails too. Without
-  such a sign a missing member counts at once, as before. (The sign needs a poll in flight during
-  the outage, which torch's agent has while its monitor interval, 0.1 s by default, is shorter than
-  the outage; an outage that expires leases lasts at least two thirds of the TTL.)
-
-Blocks: one read Txn; after an outage one LeaseGrant and one Txn more; each bounded by the client's
-timeout. Raises :class:`~etcd_store.errors.EtcdError` subclasses (the handler translates them).
+  such a sign a missing member counts at once. (The sign needs a poll in flight during the outage,
+  which torch's agent has while its monitor interval, 0.1 s by default, is shorter than the outage;
+  an outage that expires leases lasts at least two thirds of the TTL.) A check costs one read Txn;
+  after an outage one LeaseGrant and one Txn more, each bounded by the client's timeout.
 """
 
 from __future__ import annotations
@@ -69,8 +59,6 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from torch.distributed.elastic.rendezvous.api import (
@@ -90,8 +78,7 @@ from etcd_store.errors import EtcdConnectionError, EtcdError, EtcdTimeoutError
 from .. import metrics
 from ..ending import Ending, decide, exception_in_flight
 from . import protocol
-from .barrier import JoinClock, RoundResult
-from .protocol import Occupancy
+from .barrier import Group, JoinDeadline, RoundResult, nodes_waiting
 from .records import (
     ClosedWhileKeptOut,
     NodeError,
@@ -103,7 +90,7 @@ from .records import (
 )
 from .rounds import Participant
 from .settings import V3Settings
-from .start import bootstrap_info
+from .start import bootstrap_info, round_store
 from .telemetry import Telemetry
 
 if TYPE_CHECKING:
@@ -111,7 +98,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BACKEND_NAME", "EtcdV3RendezvousHandler", "Group", "GroupCheck", "RoundResult", "nodes_waiting"]
+__all__ = ["BACKEND_NAME", "EtcdV3RendezvousHandler", "GroupCheck", "RoundResult"]
 
 BACKEND_NAME = "etcd-v3"
 
@@ -157,43 +144,6 @@ def torch_error(e: NodeError | ProtocolStateError | EtcdError, run_id: str, *, c
 
 
 # --------------------------------------------------------------------------- liveness
-
-
-@dataclass(frozen=True)
-class Group:
-    """This node's group as :func:`nodes_waiting` sees it: ``world`` members (0: not a member of
-    the last sealed round), ``lease_ok`` (its own key and lease were intact, or it re-attached),
-    ``tolerate_until``: until when missing members are assumed to be re-attaching (monotonic)."""
-
-    world: int = 0
-    lease_ok: bool = True
-    tolerate_until: float = 0.0
-
-
-def nodes_waiting(occ: Occupancy, group: Group, max_nodes: int, now: float) -> int:
-    """The answer of ``num_nodes_waiting()`` for what a node read (see the module docstring).
-
-    * at least 1 once the run is aborted (the agent stops its workers, then learns from
-      ``next_rendezvous`` that the run is closed);
-    * 0 once the run is closed (no round can form any more: healthy workers run on, whoever
-      left the round);
-    * for a member: at least 1 when it could not keep its place (``lease_ok`` False), or its
-      round is short of its world size and somebody waits in the next round or the grace is
-      over; else 0 while the round is full (torch's redundancy list);
-    * otherwise the number of nodes joined in the next round.
-    """
-    if occ.aborted:
-        return max(occ.waiting, 1)
-    if occ.closed:
-        return 0
-    if group.world:
-        if not group.lease_ok:
-            return max(occ.waiting, 1)
-        if occ.active < group.world:
-            if occ.waiting > 0 or now >= group.tolerate_until:
-                return max(occ.waiting, 1)
-            return 0
-    return occ.waiting if occ.active < max_nodes else 0
 
 
 class GroupCheck:
@@ -380,7 +330,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             if self._node.shut_down:
                 raise RendezvousClosedError(f"the handler of node {self._node_id} was shut down")
             started = self._telemetry.attempt()
-            clock = JoinClock.start(self._settings.join_timeout, time.monotonic())
+            clock = JoinDeadline.start(self._settings.join_timeout, time.monotonic())
             try:
                 result = self._barrier(clock)
             except Exception as e:
@@ -394,7 +344,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             )
             return result
 
-    def _barrier(self, clock: JoinClock) -> RoundResult:
+    def _barrier(self, clock: JoinDeadline) -> RoundResult:
         """:meth:`Participant.rendezvous`, its errors translated to torch's (:func:`torch_error`)."""
         try:
             result = self._node.rendezvous(clock)
@@ -461,27 +411,14 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def num_nodes_waiting(self) -> int:
         """Nodes waiting to join the round after ours (one read-only Txn, no scan of keys).
 
-        torch's agent calls this every monitor interval while its workers are
-        healthy and re-rendezvous when it is positive. Returns:
-
-        * at least 1 when the run was aborted (``etcd-rdzv close`` or :meth:`set_closed`:
-          stop every agent now; the agent re-rendezvous and learns from ``next_rendezvous``
-          that the run is closed);
-        * 0 when the run is closed otherwise (a peer's :meth:`shutdown` at the end of its
-          job): no round can form any more, and healthy workers run on, as with torch's
-          handlers;
-        * 0 while our round is full and intact (newcomers could not be admitted:
-          torch's redundancy list);
-        * the number of nodes joined in the next round otherwise;
-        * at least 1 when our group lost a member (it died: its lease expired, or it
-          left to re-join): the group is broken, so re-rendezvous now instead of
-          waiting for the workers' collective timeout.
-
-        After etcd was out of reach for longer than the lease TTL (every lease
-        expired meanwhile), a member puts its key back with a new lease (one
-        LeaseGrant and one Txn, only if no later round was sealed; else at least 1)
-        and gives the other members one TTL to do the same before counting them
-        lost: :mod:`etcd_rdzv.native.handler`.
+        torch's agent calls this every monitor interval while its workers are healthy and
+        re-rendezvous when it is positive: at least 1 when the run was aborted or our group lost a
+        member (it died, or left to re-join: re-rendezvous now instead of waiting for the workers'
+        collective timeout); 0 when the run is closed otherwise, or while our round is full and
+        intact (torch's redundancy list); else the nodes joined in the next round
+        (:func:`~etcd_rdzv.native.barrier.nodes_waiting`). After an outage longer than the lease TTL a member re-attaches
+        first (one LeaseGrant and one Txn) and gives the others a grace to do the same (see the
+        module docstring).
         """
         if self._node.shut_down:
             return 0
@@ -511,11 +448,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         SIGTERM does: its join keys vanish at once, the other members re-form without it,
         and the run stays open. Returns whether the lease was revoked then.
 
-        On a normal end: the other members that still run
-        keep running (a closed run answers 0 in :meth:`num_nodes_waiting`) and end on
-        their own. Revoking the lease deletes this node's join keys at once. The last node to
-        leave also deletes the rounds' stores. Returns False if closing failed
-        (then the lease is left to expire). Takes at most about ``close_timeout``.
+        On a normal end: the other members that still run keep running (a closed run answers
+        0 in :meth:`num_nodes_waiting`) and end on their own. Revoking the lease deletes this
+        node's join keys at once. The last node to leave also deletes the rounds' stores.
+        Returns False if closing failed (then the lease is left to expire). Takes at most
+        about ``close_timeout``.
 
         Except after this node lost etcd (its last etcd call failed for want of etcd):
         torch's launcher calls ``shutdown()`` when its agent fails, also on the
@@ -550,12 +487,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if ok:  # etcd answers: release our keys now, and the rounds' records if we are last
             if session is not None:
                 session.close(revoke=True, timeout=max(deadline - time.monotonic(), 1.0))
-            try:
-                protocol.remove_round_records_if_idle(
-                    self._client, self._keys, timeout=max(deadline - time.monotonic(), 1.0)
-                )
-            except EtcdError as e:
-                log.info("could not remove the round records of %r: %s", self._settings.run_id, e)
+            self._remove_round_records(max(deadline - time.monotonic(), 1.0))
         elif session is not None:  # unreachable: our keys go when the lease expires
             session.close(revoke=False)
         if self._owns_client:
@@ -593,12 +525,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         ok = self._node.leave(deadline)
         self._close_store()
         if ok:
-            try:
-                protocol.remove_round_records_if_idle(
-                    self._client, self._keys, timeout=max(deadline - time.monotonic(), 0.1)
-                )
-            except EtcdError as e:
-                log.info("could not remove the round records of %r: %s", self._settings.run_id, e)
+            self._remove_round_records(max(deadline - time.monotonic(), 0.1))
         if self._owns_client:
             self._client.close()
         log.info("node %s left the rendezvous %r%s", self._node_id, self._settings.run_id,
@@ -606,27 +533,22 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._telemetry.left(ok)
         return ok
 
+    def _remove_round_records(self, timeout: float) -> None:
+        """The last node out removes the rounds' records (:func:`protocol.remove_round_records_if_idle`,
+        one Txn); best effort."""
+        try:
+            protocol.remove_round_records_if_idle(self._client, self._keys, timeout=timeout)
+        except EtcdError as e:
+            log.info("could not remove the round records of %r: %s", self._settings.run_id, e)
+
     # ------------------------------------------------------------------ the store
 
     def _round_store(self, round_: int) -> EtcdStore:
-        """The round's ``EtcdStore``; the store of our previous round is closed.
-
-        Its keys are bound to the run lease (they go when a later seal deletes old
-        rounds, when the last node leaves, or with the run lease); without a known
-        run lease the store keeps a namespace lease of TTL ``state_ttl`` instead."""
-        from etcd_store import EtcdStore
-
+        """The round's ``EtcdStore`` (:func:`~etcd_rdzv.native.start.round_store`); the store of our
+        previous round is closed."""
         self._close_store()
         try:
-            # The round's keys ride on the run lease, which every node keeps alive
-            # already: opening the store costs no RPC and no keep-alive of its own.
-            store = EtcdStore(
-                self._client,
-                prefix=self._keys.store_prefix(round_),
-                timeout=timedelta(seconds=self._client.timeout),
-                lease_ttl=max(self._settings.state_ttl, 2),
-                lease=self._node.run_lease,
-            )
+            store = round_store(self._client, self._keys, round_, self._settings.state_ttl, self._node.run_lease)
         except Exception as e:
             raise RendezvousConnectionError(
                 f"cannot open the store of round {round_} of {self._settings.run_id!r}: {e}"

@@ -36,12 +36,12 @@ from . import protocol
 from .barrier import (
     Admitted,
     Barrier,
-    JoinClock,
+    JoinDeadline,
     Joined,
-    Prior,
+    PreviousGroup,
     RoundResult,
     Standing,
-    Void,
+    Undersized,
     resolved,
     verdict,
 )
@@ -64,8 +64,8 @@ from .wait import (
     SealedMeanwhile,
     Signal,
     SignalKind,
+    join_counts,
     open_watch,
-    tally,
     watches_previous,
 )
 
@@ -84,7 +84,7 @@ class _Retry:
     ``clock`` is the ``join_timeout`` deadline as the wait left it."""
 
     sealed: Sealed | None
-    clock: JoinClock
+    clock: JoinDeadline
 
 
 class Participant:
@@ -211,7 +211,7 @@ class Participant:
 
     # ------------------------------------------------------------------ the rounds
 
-    def rendezvous(self, clock: JoinClock) -> RoundResult:
+    def rendezvous(self, clock: JoinDeadline) -> RoundResult:
         """Join rounds until one that includes us is sealed.
 
         The first join assumes the last sealed record this node saw; a stale guess
@@ -272,8 +272,8 @@ class Participant:
             return self._resolve(joined.round, sealed)
         return None
 
-    def _join_and_wait(self, sealed: Sealed, value: bytes, clock: JoinClock,
-                       prior: Prior) -> RoundResult | _Retry:
+    def _join_and_wait(self, sealed: Sealed, value: bytes, clock: JoinDeadline,
+                       prior: PreviousGroup) -> RoundResult | _Retry:
         """Join round ``sealed.round + 1`` and wait in it (:meth:`_wait`).
 
         The control watch opens before the join (while the lease is granted) and the join
@@ -303,7 +303,7 @@ class Participant:
             self.standing.joined = Joined(target, key, sealed, member=True)
         return waited
 
-    def _join_failed(self, outcome: protocol.JoinOutcome, sealed: Sealed, clock: JoinClock) -> _Retry:
+    def _join_failed(self, outcome: protocol.JoinOutcome, sealed: Sealed, clock: JoinDeadline) -> _Retry:
         """A join whose fences failed: join again from the record its answer carries; raises
         :class:`~etcd_rdzv.native.records.RunClosed` (after withdrawing) if the run is closed."""
         if outcome.joined_anyway:
@@ -339,7 +339,7 @@ class Participant:
         round_: int,
         outcome: protocol.JoinOutcome,
         previous: Sealed,
-        clock: JoinClock,
+        clock: JoinDeadline,
         recover_size: int | None = None,
         opened: Watch | None = None,
         evicts: bool = False,
@@ -363,7 +363,7 @@ class Participant:
             self._keys, round_, self._node_id, outcome.seq, outcome.create_revision, outcome.count,
             outcome.prev_count, outcome.revision,
         )
-        state = Barrier.start(clock, tally(view), s, recover_size)
+        state = Barrier.start(clock, join_counts(view), s, recover_size)
         wide = watches_previous(state, view, s)
         watch = open_watch(self._client, self._keys, round_, wide, opened)
         session = self.leases.hold_watch(watch)
@@ -417,7 +417,7 @@ class Participant:
         except EtcdError as e:
             log.info("node %s could not withdraw its join after an error: %s", self._node_id, e)
 
-    def _lease_lost(self, previous: Sealed, clock: JoinClock) -> _Retry:
+    def _lease_lost(self, previous: Sealed, clock: JoinDeadline) -> _Retry:
         """Our lease ended while we waited: its join key is gone; join again with a new one."""
         self.standing.joined = None
         self.leases.drop()
@@ -427,7 +427,7 @@ class Participant:
         s = self._settings
         if signal.kind is SignalKind.CLOSED:
             self._withdraw()
-            if tally(view).kept_out(s):
+            if join_counts(view).kept_out(s):
                 raise ClosedWhileKeptOut(
                     f"the rendezvous {s.run_id!r} was closed while node {self._node_id} waited "
                     "for room in a full group"
@@ -442,7 +442,7 @@ class Participant:
                 f"{self._keys.sealed.decode()} names no members for round {sealed.round}"
             )
         place = verdict(sealed.membership, view.seq, view.create_revision, s)
-        if isinstance(place, Void):
+        if isinstance(place, Undersized):
             log.warning(
                 "round %d of %r sealed with %d members (< min_nodes=%d): void, joining the next",
                 view.round, s.run_id, place.world_size, s.min_nodes,

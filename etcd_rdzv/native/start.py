@@ -40,7 +40,8 @@ it seals; while rank 0's probe is recent (:data:`MASTER_PORT_MAX_AGE`) it names 
 an RPC to learn them. Otherwise (rank 0 waited long: a port probed then may be taken
 now) the record names none; rank 0 then probes a port when it learns its rank, as
 torch does once the round is known, and publishes it in the round's store, where the
-other members read it (torch's ``RendezvousStoreInfo.build``) (:func:`bootstrap_info`).
+other members read it (torch's ``RendezvousStoreInfo.build``) (:func:`bootstrap_info`). The
+round's store (:func:`round_store`) rides on the run lease.
 
 Round trips are stated per function; every call is bounded by the client's timeout.
 """
@@ -55,6 +56,7 @@ import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
@@ -71,7 +73,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = ["GO", "MASTER_PORT_MAX_AGE", "VOID", "Fate", "StartRead", "address_of", "bootstrap_info", "decide",
-           "join_value", "master_of", "start_round"]
+           "join_value", "master_of", "round_store", "start_round"]
 
 GO = b"go"
 VOID = b"void"
@@ -274,3 +276,14 @@ def bootstrap_info(
         )
         return RendezvousStoreInfo(addr, port)
     return RendezvousStoreInfo.build(rank, store, local_addr=node_addr)
+
+
+def round_store(client: EtcdClient, keys: RunKeys, round_: int, state_ttl: int, run_lease: int | None) -> EtcdStore:
+    """The ``EtcdStore`` of ``round_``. No RPC: its keys ride on the run lease, which every node keeps
+    alive already (they go when a later seal deletes old rounds, when the last node leaves, or with the
+    run lease), so it needs no keep-alive of its own; without a known run lease the store keeps a
+    namespace lease of TTL ``state_ttl`` instead."""
+    from etcd_store import EtcdStore
+
+    return EtcdStore(client, prefix=keys.store_prefix(round_), timeout=timedelta(seconds=client.timeout),
+                     lease_ttl=max(state_ttl, 2), lease=run_lease)

@@ -65,7 +65,7 @@ from etcd_store.client.synced import SyncedWatch
 from etcd_store.errors import EtcdError
 
 from . import protocol, start
-from .barrier import Barrier, Check, Seal, Tally, TimeOut, WaitUntil, decide
+from .barrier import Barrier, Check, JoinCounts, Seal, TimeOut, WaitUntil, decide
 from .leases import SEAL_LOOKED, Evictor, NodeLeases, confirm, describe, own_pace, suspects
 from .protocol import CatchUp, RoundRead
 from .records import Membership, RoundTimeout, RunKeys, Sealed
@@ -73,7 +73,7 @@ from .settings import V3Settings
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RoundView", "RoundWait", "SealedMeanwhile", "Signal", "SignalKind", "open_watch", "tally",
+__all__ = ["RoundView", "RoundWait", "SealedMeanwhile", "Signal", "SignalKind", "open_watch", "join_counts",
            "watches_previous"]
 
 # --------------------------------------------------------------------------- the round view
@@ -222,9 +222,9 @@ class SealedMeanwhile(Exception):
     the node's place is to be read now, not awaited from the watch."""
 
 
-def tally(view: RoundView) -> Tally:
+def join_counts(view: RoundView) -> JoinCounts:
     """What :func:`~etcd_rdzv.native.barrier.decide` needs of the view."""
-    return Tally(view.count, view.prev_count, view.changes, fresh=view.read is not None)
+    return JoinCounts(view.count, view.prev_count, view.changes, fresh=view.read is not None)
 
 
 def _master_named(read: protocol.RoundRead) -> tuple[str, int] | None:
@@ -244,7 +244,7 @@ def watches_previous(state: Barrier, view: RoundView, settings: V3Settings) -> b
     not deliver it, and its catch-up signals only records newer than that read."""
     if state.settled:
         return False
-    return view.prev_count > 0 and (state.candidate or tally(view).kept_out(settings))
+    return view.prev_count > 0 and (state.candidate or join_counts(view).kept_out(settings))
 
 
 def open_watch(client: EtcdClient, keys: RunKeys, round_: int, wide: bool, opened: Watch | None) -> Watch:
@@ -300,7 +300,7 @@ class RoundWait:
                 signal = self.catch_up()
                 if signal is not None:
                     break
-            self.state, action = decide(self.state, tally(self.view), self._settings, time.monotonic())
+            self.state, action = decide(self.state, join_counts(self.view), self._settings, time.monotonic())
             signal = self.act(action)
         return signal
 
