@@ -49,7 +49,7 @@ from etcd_store.errors import EtcdLeaseNotFound
 from ..conf import V2_ANCHOR_DIR, V2_PRESENCE_DIR
 from ..conf_keys import DEFAULT_STATE_TTL
 from ..native import protocol
-from ..native.keys import RunKeys
+from ..native.records import RunKeys
 from ..v2state import NodeDesc, StateDecodeError, V2State, decode_state
 from .connect import CliError, Deadline
 from .runs import V2, V3, find_runs, state_key

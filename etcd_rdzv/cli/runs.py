@@ -5,7 +5,7 @@ Layouts read here (nothing is written):
 * ``etcd-v2``/``etcd``: the state key ``<prefix>/<run_id>`` (base64 of torch's pickled
   state, decoded by :mod:`etcd_rdzv.v2state` without unpickling arbitrary objects) and the run's
   ``EtcdStore`` under ``<prefix>/<run_id>/store``;
-* ``etcd-v3``: everything under ``<prefix>/<run_id>/v3/`` (:class:`~etcd_rdzv.native.keys.RunKeys`).
+* ``etcd-v3``: everything under ``<prefix>/<run_id>/v3/`` (:class:`~etcd_rdzv.native.records.RunKeys`).
 
 :func:`classify_keys` (pure) tells the runs and backends from key names. Reading one
 run costs one Range (v2: the state key; v3: ``ctl/``, join values included), one Txn
@@ -24,8 +24,7 @@ from typing import Any
 
 from etcd_store.client import EtcdClient, KeyValue, RangeResult, op_get, prefix_range_end
 
-from ..native.keys import RunKeys
-from ..native.records import ProtocolStateError, Sealed, decode_members, load_json
+from ..native.records import ProtocolStateError, RunKeys, Sealed, decode_members, load_json
 from ..v2state import StateDecodeError, V2State, decode_state
 from .connect import Deadline
 

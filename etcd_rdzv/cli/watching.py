@@ -20,8 +20,7 @@ from typing import Any
 
 from etcd_store.client import EtcdClient, Event
 
-from ..native.keys import RunKeys
-from ..native.records import ProtocolStateError, decode_sealed, load_json
+from ..native.records import ProtocolStateError, RunKeys, decode_sealed, load_json
 from ..v2state import StateDecodeError, V2State, decode_state
 from .connect import CliError, Deadline
 from .render import esc

@@ -3,15 +3,15 @@
 ``torchrun --rdzv-backend=etcd-v3 --rdzv-endpoint=HOST:2379 ...`` reaches it through
 the ``torchrun.handlers`` entry point :func:`etcd_rdzv.plugin.create_etcd_v3_handler`.
 
-Modules: :mod:`.settings` (the frozen settings, parsed by :mod:`etcd_rdzv.conf`),
-:mod:`.keys` (key layout), :mod:`.records` (what each key holds),
-:mod:`.queries` (the read-only RPCs), :mod:`.protocol` (one function per
-transition), :mod:`.view` (the round as a node's watch shows it), :mod:`.barrier`
-(the pure decision of the wait loop), :mod:`.bootstrap` (``MASTER_ADDR``/
-``MASTER_PORT`` of a round), :mod:`.rounds` (one node's join and the outcome of each wait),
-:mod:`.wait` (one wait, which acts on the decision), :mod:`.node_leases` (the
-node's leases, held by the participant), :mod:`.errors` (the node's own errors), :mod:`.handler`
-(torch's handler interface, the one place that translates them to torch's errors). Importing
+Modules, one room each, lower floors first: :mod:`.settings` (the frozen settings, parsed by
+:mod:`etcd_rdzv.conf`), :mod:`.records` (the key layout, what each key holds, the node's errors),
+:mod:`.protocol` (every etcd read and transition, one RPC each), :mod:`.telemetry` (torch events and
+metrics), :mod:`.barrier` (the pure decisions of a wait, and where a node stands), :mod:`.leases`
+(the node's leases, and the eviction of its old group's dead), :mod:`.start` (a sealed round's
+start: the members' acks, ``MASTER_ADDR``/``MASTER_PORT``), :mod:`.wait` (one wait: the round view
+folded from the watch, and the loop that acts on the decision), :mod:`.rounds` (one node's joins
+and waits), :mod:`.handler` (torch's handler interface and ``num_nodes_waiting()``, the one place
+that translates the node's errors to torch's). Importing
 this package is light; names load on first access.
 """
 
@@ -21,9 +21,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .barrier import RoundResult
     from .handler import EtcdV3RendezvousHandler
     from .settings import V3Settings
-    from .standing import RoundResult
 
 __all__ = [
     "EtcdV3RendezvousHandler",
@@ -33,7 +33,7 @@ __all__ = [
 
 _HOMES = {
     "EtcdV3RendezvousHandler": "handler",
-    "RoundResult": "standing",
+    "RoundResult": "barrier",
     "V3Settings": "settings",
 }
 

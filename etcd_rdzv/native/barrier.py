@@ -1,10 +1,10 @@
 """The decision of the ``etcd-v3`` wait loop: pure functions over explicit state.
 
 A node that joined round ``T`` waits on its watch until ``T`` is sealed, and
-seals it itself when due. What it knows of the round is a :class:`Tally`
-(taken from its :class:`~etcd_rdzv.native.view.RoundView`); what it remembers
+seals it itself when due. What it knows of the round is a :class:`JoinCounts`
+(taken from its :class:`~etcd_rdzv.native.wait.RoundView`); what it remembers
 between two looks is a :class:`Barrier`. :func:`decide` maps
-``(barrier, tally, settings, now)`` to the next barrier and one action:
+``(barrier, counts, settings, now)`` to the next barrier and one action:
 
 * :class:`Check`: read the round now (one read-only Txn), then decide again;
 * :class:`Seal`: try the seal transaction now, with that read (the loop then
@@ -34,7 +34,7 @@ round before it seals, and decides again on what it read.
 
 When the sealed event of ``T`` arrives, :func:`verdict` says what it means for
 this node (:func:`resolved`, when the wait ended without it and the node reads the
-round's members record instead): :class:`Admitted` (rank, world size), :class:`Void` (the record
+round's members record instead): :class:`Admitted` (rank, world size), :class:`Undersized` (the record
 names fewer than ``min_nodes`` members, which a seal never writes) or
 :class:`Overflow` (not named: over ``max_nodes``, or gone when the sealer read).
 
@@ -43,38 +43,34 @@ Nothing here reads a clock, contacts etcd, logs or raises: the loop
 depend on these decisions (every seal is a fenced transaction, see
 :mod:`etcd_rdzv.native.protocol`); they decide *when* a node tries, so that a
 round is sealed about once, soon after it is due.
+
+**Whether a running group is intact.** :func:`nodes_waiting` is the answer of
+``num_nodes_waiting()`` on what a member read (:class:`~etcd_rdzv.native.handler.GroupCheck`
+reads and re-attaches; the handler's docstring says why a closed run answers 0).
+
+**Where a node stands.** :class:`Standing` is the bookkeeping a
+:class:`~etcd_rdzv.native.rounds.Participant` holds and updates as its joins and waits
+end: the join key it holds (:class:`Joined`), a join Txn sent whose answer is not recorded
+yet, the round it is a member of (its size, its rank, the revision that sealed it, rank 0's
+address) and the value of its latest join key. It makes the :class:`RoundResult` of an
+admission and the :class:`PreviousGroup` group a rendezvous leaves. No lock (one rendezvous at a
+time; ``forget`` may race it, as the participant's ``stop`` always could).
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from .records import Membership
+    from .protocol import Occupancy
+    from .records import Membership, Sealed
 
-log = logging.getLogger(__name__)
-
-__all__ = [
-    "SEAL_BACKUP_DELAY",
-    "Action",
-    "Admitted",
-    "Barrier",
-    "Check",
-    "JoinClock",
-    "Overflow",
-    "Seal",
-    "Tally",
-    "TimeOut",
-    "Void",
-    "WaitUntil",
-    "decide",
-    "resolved",
-    "verdict",
-]
+__all__ = ["SEAL_BACKUP_DELAY", "Action", "Admitted", "Barrier", "Check", "Group", "JoinDeadline", "Joined", "Overflow",
+           "PreviousGroup", "RoundResult", "Seal", "Standing", "JoinCounts", "TimeOut", "Undersized", "WaitUntil", "decide",
+           "nodes_waiting", "resolved", "verdict"]
 
 SEAL_BACKUP_DELAY = 1.0
 """Seconds between seal attempts by place: once the round is ready, the first
@@ -103,7 +99,7 @@ class Rules(Protocol):
 
 
 @dataclass(frozen=True)
-class Tally:
+class JoinCounts:
     """What this node knows of its round.
 
     ``count``: join keys of the round, ours included (from our join's answer or our
@@ -128,7 +124,7 @@ class Tally:
 
 
 @dataclass(frozen=True)
-class JoinClock:
+class JoinDeadline:
     """The ``join_timeout`` deadline of one ``next_rendezvous``, across the rounds it joins.
 
     Suspended while a full group runs (torch's redundancy list); resuming starts
@@ -140,10 +136,10 @@ class JoinClock:
     suspended: bool = False
 
     @classmethod
-    def start(cls, seconds: float, now: float) -> JoinClock:
+    def start(cls, seconds: float, now: float) -> JoinDeadline:
         return cls(seconds, now + seconds)
 
-    def suspend(self, flag: bool, now: float) -> JoinClock:
+    def suspend(self, flag: bool, now: float) -> JoinDeadline:
         if flag == self.suspended:
             return self
         return replace(self, suspended=flag, at=self.at if flag else now + self.seconds)
@@ -160,14 +156,14 @@ class Barrier:
     docstring); ``place``: our place in the seal order (:data:`SEAL_BACKUP_DELAY`);
     ``last_call_at``: when the last call ends (set when ``min_nodes`` joined and the
     previous round is vacated; cleared when that stops holding); ``ready_since``:
-    since when the round is due; ``tried_at_change``: the ``Tally.changes`` of our
+    since when the round is due; ``tried_at_change``: the ``JoinCounts.changes`` of our
     last check or seal attempt (none twice on an unchanged view); ``sealed_by_me``:
     our seal transaction succeeded; ``settled``: the round was sealed (or the run
     closed) by someone, its event is on the way; ``timing_out``: ``join_timeout``
     passed but the round was sealed before we could withdraw.
     """
 
-    clock: JoinClock
+    clock: JoinDeadline
     recover_size: int | None = None
     candidate: bool = False
     place: int = 0
@@ -180,14 +176,14 @@ class Barrier:
 
     @classmethod
     def start(
-        cls, clock: JoinClock, tally: Tally, rules: Rules, recover_size: int | None = None
+        cls, clock: JoinDeadline, counts: JoinCounts, rules: Rules, recover_size: int | None = None
     ) -> Barrier:
-        """The state right after our join, whose answer gave ``tally``."""
-        candidate = tally.count >= rules.min_nodes
-        due_now = candidate and tally.vacated and (
-            tally.count >= rules.max_nodes or (recover_size is not None and tally.count <= recover_size)
+        """The state right after our join, whose answer gave ``counts``."""
+        candidate = counts.count >= rules.min_nodes
+        due_now = candidate and counts.vacated and (
+            counts.count >= rules.max_nodes or (recover_size is not None and counts.count <= recover_size)
         )
-        place = 0 if due_now else max(tally.count - rules.min_nodes, 0)
+        place = 0 if due_now else max(counts.count - rules.min_nodes, 0)
         return cls(clock, recover_size, candidate=candidate, place=place)
 
     def sealed(self, ok: bool) -> Barrier:
@@ -228,12 +224,12 @@ class WaitUntil:
 Action = Check | Seal | TimeOut | WaitUntil
 
 
-def decide(state: Barrier, tally: Tally, rules: Rules, now: float) -> tuple[Barrier, Action]:
+def decide(state: Barrier, counts: JoinCounts, rules: Rules, now: float) -> tuple[Barrier, Action]:
     """The next state and action of the wait loop (see the module docstring)."""
     seal_at = None
     ready = False
     if state.candidate and not state.settled:
-        barrier = tally.vacated and tally.count >= rules.min_nodes
+        barrier = counts.vacated and counts.count >= rules.min_nodes
         if not barrier:
             last_call_at = None
         elif state.last_call_at is None:
@@ -241,18 +237,18 @@ def decide(state: Barrier, tally: Tally, rules: Rules, now: float) -> tuple[Barr
         else:
             last_call_at = state.last_call_at
         ready = barrier and (
-            tally.count >= rules.max_nodes
-            or (state.recover_size is not None and tally.count <= state.recover_size)
+            counts.count >= rules.max_nodes
+            or (state.recover_size is not None and counts.count <= state.recover_size)
             or (last_call_at is not None and now >= last_call_at)
         )
         ready_since = (now if state.ready_since is None else state.ready_since) if ready else None
         state = replace(state, last_call_at=last_call_at, ready_since=ready_since)
-        if ready_since is not None and state.tried_at_change != tally.changes:
+        if ready_since is not None and state.tried_at_change != counts.changes:
             seal_at = ready_since + state.place * SEAL_BACKUP_DELAY
             if now >= seal_at:
-                return replace(state, tried_at_change=tally.changes), Seal() if tally.fresh else Check()
+                return replace(state, tried_at_change=counts.changes), Seal() if counts.fresh else Check()
 
-    clock = state.clock.suspend(tally.kept_out(rules), now)
+    clock = state.clock.suspend(counts.kept_out(rules), now)
     state = replace(state, clock=clock)
     if clock.expired(now) and not state.timing_out:
         return state, TimeOut()
@@ -273,7 +269,7 @@ class Admitted:
 
 
 @dataclass(frozen=True)
-class Void:
+class Undersized:
     """The round was sealed with fewer than ``min_nodes`` joiners: it forms no group."""
 
     world_size: int
@@ -301,9 +297,152 @@ def resolved(members: Sequence[str] | None, node_id: str, round_: int, sealed_ro
     return Admitted(list(members).index(node_id), len(members))
 
 
-def verdict(membership: Membership, seq: int, create_revision: int, rules: Rules) -> Admitted | Void | Overflow:
+def verdict(membership: Membership, seq: int, create_revision: int, rules: Rules) -> Admitted | Undersized | Overflow:
     """What the sealed record of our round means for us (``seq``, ``create_revision``: our join's)."""
     if membership.world < rules.min_nodes:
-        return Void(membership.world)
+        return Undersized(membership.world)
     rank = membership.rank_of(seq, create_revision)
     return Overflow() if rank is None else Admitted(rank, membership.world)
+
+
+
+# --------------------------------------------------------------------------- whether a running group is intact
+
+
+@dataclass(frozen=True)
+class Group:
+    """This node's group as :func:`nodes_waiting` sees it: ``world`` members (0: not a member of
+    the last sealed round), ``lease_ok`` (its own key and lease were intact, or it re-attached),
+    ``tolerate_until``: until when missing members are assumed to be re-attaching (monotonic)."""
+
+    world: int = 0
+    lease_ok: bool = True
+    tolerate_until: float = 0.0
+
+
+def nodes_waiting(occ: Occupancy, group: Group, max_nodes: int, now: float) -> int:
+    """The answer of ``num_nodes_waiting()`` for what a node read (see the module docstring).
+
+    * at least 1 once the run is aborted (the agent stops its workers, then learns from
+      ``next_rendezvous`` that the run is closed);
+    * 0 once the run is closed (no round can form any more: healthy workers run on, whoever
+      left the round);
+    * for a member: at least 1 when it could not keep its place (``lease_ok`` False), or its
+      round is short of its world size and somebody waits in the next round or the grace is
+      over; else 0 while the round is full (torch's redundancy list);
+    * otherwise the number of nodes joined in the next round.
+    """
+    if occ.aborted:
+        return max(occ.waiting, 1)
+    if occ.closed:
+        return 0
+    if group.world:
+        if not group.lease_ok:
+            return max(occ.waiting, 1)
+        if occ.active < group.world:
+            if occ.waiting > 0 or now >= group.tolerate_until:
+                return max(occ.waiting, 1)
+            return 0
+    return occ.waiting if occ.active < max_nodes else 0
+
+# --------------------------------------------------------------------------- where a node stands
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """The outcome of the barrier for one node: its place in a sealed round.
+
+    ``seal_revision`` is the revision at which the round was sealed (the same
+    for every member; 0 when it was learnt from the members record).
+    """
+
+    round: int
+    rank: int
+    world_size: int
+    seal_revision: int
+    node_id: str
+
+
+@dataclass(frozen=True)
+class Joined:
+    """The join key this node holds in ``round``.
+
+    ``member``: True (member of the sealed round), False (the round was sealed
+    without us: over ``max_nodes`` or void), None (not known: still waiting, or
+    the wait ended with an error before the outcome was seen).
+    """
+
+    round: int
+    key: bytes
+    under: Sealed  # the sealed record the join was fenced on (round - 1 sealed at its revision)
+    member: bool | None = None
+
+
+@dataclass(frozen=True)
+class PreviousGroup:
+    """The group a node leaves at a rendezvous: its round (None: none) and size (read only with
+    a round), and whether this node observes it for dead members
+    (:func:`~etcd_rdzv.native.leases.observes`)."""
+
+    round: int | None
+    world: int
+    evicts: bool
+
+
+@dataclass
+class Standing:
+    """One node's place in the rounds (see the module docstring).
+
+    ``joined``: the join key it holds; ``joining``: a join Txn sent whose answer is not
+    recorded yet (a leave at exit withdraws it too); ``member_round``/``member_world``/
+    ``member_rank``: the round it is a member of, its size and our rank; ``member_seal``:
+    the revision that sealed it (0: not known); ``round_master``: rank 0's address from
+    that round's sealed record; ``join_value``: the value of our latest join key.
+    """
+
+    joined: Joined | None = None
+    joining: Joined | None = None
+    member_round: int | None = None
+    member_world: int = 0
+    member_rank: int = 0
+    member_seal: int = 0
+    round_master: tuple[str, int] | None = None
+    join_value: bytes = b""
+
+    def begin(self, value: bytes, observes: bool) -> PreviousGroup:
+        """A rendezvous starts with join value ``value``: forget the round we were a member of
+        (returned: a round that only re-forms that group may skip the last call, and its
+        observers evict its dead; ``observes``: whether our rank in it makes us one,
+        :func:`~etcd_rdzv.native.leases.observes`); take up a join of the last call that
+        ended in an error (it may have applied)."""
+        prior = PreviousGroup(self.member_round, self.member_world, self.member_round is not None and observes)
+        self.member_round, self.member_seal = None, 0
+        self.round_master = None
+        self.join_value = value
+        if self.joining is not None:
+            self.joined, self.joining = self.joining, None
+        return prior
+
+    def admit(self, round_: int, rank: int, world_size: int, sealed: Sealed, node_id: str) -> RoundResult:
+        """We are rank ``rank`` of ``round_``, sealed by ``sealed``: remember it; our result."""
+        self.member_round, self.member_world = round_, world_size
+        self.member_rank = rank
+        self.member_seal = sealed.revision
+        self.round_master = sealed.master
+        return RoundResult(round_, rank, world_size, sealed.revision, node_id)
+
+    def mark_joined(self, member: bool) -> None:
+        """The outcome of the round our join key is in: a member of it, or sealed without us."""
+        if self.joined is not None:
+            self.joined = replace(self.joined, member=member)
+
+    def pending(self) -> list[Joined]:
+        """The joins a leave withdraws: the one in flight, then the recorded one, unless we are
+        a member of its round (a signal may end the process between a join Txn and the
+        recording of its answer, so that the key exists though ``joined`` does not name it)."""
+        return [j for j in (self.joining, self.joined) if j is not None and not j.member]
+
+    def forget(self) -> None:
+        """Stopped for good: no join, no round."""
+        self.joined = self.joining = None
+        self.member_round = None

@@ -1,20 +1,12 @@
 """``EtcdV3RendezvousHandler``: torch's ``RendezvousHandler`` contract on etcd v3 primitives.
 
-One node = one handler = one lease (TTL ``lease_ttl``) refreshed over one
-keep-alive stream. Joining a round is one transaction that puts a join key
-bound to that lease and bumps the round's join counter; waiting is a watch on
-the run's ``ctl/`` keys (about one event a round), opened from now and confirmed by
-etcd before the join is sent, so that it starts below the join's revision (events
-at or below it are skipped); sealing a round is one transaction fenced by the ``sealed``
-record's mod revision, by "the previous round is empty" and by the join counter
-as the sealer read it.
-No node rewrites anything while a job runs: liveness is the lease alone (after an outage
-longer than the lease TTL a member re-attaches: one Txn, :mod:`etcd_rdzv.native.liveness`).
+One node = one handler = one lease (TTL ``lease_ttl``) refreshed over one keep-alive stream; a
+join is one Txn, a wait one watch of the run's ``ctl/`` keys, a seal one fenced Txn
+(:mod:`~etcd_rdzv.native.protocol`, driven by :class:`~etcd_rdzv.native.rounds.Participant`; see
+docs/etcd-v3-design.md). No node rewrites anything while a job runs: liveness is the lease alone.
 This module is torch's interface, and the one place where the node's errors
-(:mod:`etcd_rdzv.native.errors`, ``ProtocolStateError``, ``EtcdError``) become torch's
-(:func:`torch_error`); one node's join, wait and seal are
-:class:`~etcd_rdzv.native.rounds.Participant`'s, the transactions
-:mod:`etcd_rdzv.native.protocol`'s; see docs/etcd-v3-design.md.
+(:class:`~etcd_rdzv.native.records.NodeError`, ``ProtocolStateError``, ``EtcdError``) become
+torch's (:func:`torch_error`).
 
 Cost of an uncontended ``next_rendezvous`` (node already holding its lease): one
 join Txn, one watch; a read Txn and a seal Txn for one node per round; plus
@@ -23,6 +15,36 @@ round's store), nothing for the others while the sealed record names rank 0's
 address and port (from the sealer's read, when rank 0 probed its port at most
 ``MASTER_PORT_MAX_AGE`` before the seal); else rank 0 probes a port once it
 knows its rank and the others read it from the store.
+
+**Liveness.** torch's agent calls ``num_nodes_waiting()`` every monitor interval while its workers
+are healthy and restarts them (a new round) when it is positive; it never calls ``is_closed()``.
+:class:`GroupCheck` answers it for one node with one read-only Txn
+(:func:`~etcd_rdzv.native.protocol.count_waiting`); :func:`~etcd_rdzv.native.barrier.nodes_waiting` is the pure decision on
+what that read found. A closed run answers 0, as torch's handlers do: torchrun's ``shutdown()``
+closes the run at the normal end of each agent's job, and a node whose job runs longer (rank 0
+writing a final checkpoint) must keep its workers; no new round can form anyway, and a later
+``next_rendezvous`` raises ``RendezvousClosedError``. The operator's stop (``etcd-rdzv close``, or
+``set_closed()`` from outside the job: :func:`~etcd_rdzv.native.protocol.abort`) also writes the
+abort mark, and then the answer is positive for every node: each agent stops its workers and
+learns from ``next_rendezvous`` that the run is over.
+
+A member's liveness is its join key, bound to its lease. When etcd was out of reach for longer than
+the lease TTL, etcd expired every lease meanwhile although no node died. So:
+
+* a member whose own key is gone (or whose lease session ended) **re-attaches**: a new lease and one
+  Txn putting its key back, fenced on "our round is still the last sealed one and the run is open"
+  (:meth:`~etcd_rdzv.native.rounds.Participant.reattach`). If that fails, a round was sealed without
+  it, or the run closed: its group is over (positive answer);
+* after such a sign of an outage (this node re-attached, or etcd took longer than a keep-alive
+  interval, a third of the TTL, to answer the read), members missing from the round are given
+  ``read_timeout + heartbeat`` (the client's timeout plus the lease TTL, :meth:`GroupCheck.grace`)
+  to re-attach before they count as lost, unless a node already waits in the next round. A live
+  member re-attaches at its first poll that etcd answers; the poll it had in flight during the
+  outage is answered within the client's timeout, or fails, and then its agent fails too. Without
+  such a sign a missing member counts at once. (The sign needs a poll in flight during the outage,
+  which torch's agent has while its monitor interval, 0.1 s by default, is shorter than the outage;
+  an outage that expires leases lasts at least two thirds of the TTL.) A check costs one read Txn;
+  after an outage one LeaseGrant and one Txn more, each bounded by the client's timeout.
 """
 
 from __future__ import annotations
@@ -36,7 +58,7 @@ import threading
 import time
 import uuid
 import weakref
-from datetime import timedelta
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from torch.distributed.elastic.rendezvous.api import (
@@ -55,16 +77,20 @@ from etcd_store.errors import EtcdConnectionError, EtcdError, EtcdTimeoutError
 
 from .. import metrics
 from ..ending import Ending, decide, exception_in_flight
-from . import protocol, queries
-from .barrier import JoinClock
-from .bootstrap import bootstrap_info
-from .errors import ClosedWhileKeptOut, NodeError, NodeShutDown, RoundTimeout, RunClosed
-from .keys import RunKeys
-from .liveness import GroupCheck
-from .records import ProtocolStateError
+from . import protocol
+from .barrier import Group, JoinDeadline, RoundResult, nodes_waiting
+from .records import (
+    ClosedWhileKeptOut,
+    NodeError,
+    NodeShutDown,
+    ProtocolStateError,
+    RoundTimeout,
+    RunClosed,
+    RunKeys,
+)
 from .rounds import Participant
 from .settings import V3Settings
-from .standing import RoundResult
+from .start import bootstrap_info, round_store
 from .telemetry import Telemetry
 
 if TYPE_CHECKING:
@@ -72,7 +98,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BACKEND_NAME", "EtcdV3RendezvousHandler", "RoundResult"]
+__all__ = ["BACKEND_NAME", "EtcdV3RendezvousHandler", "GroupCheck", "RoundResult"]
 
 BACKEND_NAME = "etcd-v3"
 
@@ -92,7 +118,7 @@ def torch_error(e: NodeError | ProtocolStateError | EtcdError, run_id: str, *, c
                 shut_down: bool = False) -> RendezvousError:
     """The one translation of an ``etcd-v3`` node's errors into torch's rendezvous errors.
 
-    The node's own (:mod:`etcd_rdzv.native.errors`): :class:`RunClosed` and
+    The node's own (:mod:`etcd_rdzv.native.records`): :class:`RunClosed` and
     :class:`NodeShutDown` → ``RendezvousClosedError``, :class:`ClosedWhileKeptOut` →
     ``RendezvousGracefulExitError``, :class:`RoundTimeout` → ``RendezvousTimeoutError``;
     ``ProtocolStateError`` → ``RendezvousStateError``. etcd's: while ``closing``, an
@@ -115,6 +141,74 @@ def torch_error(e: NodeError | ProtocolStateError | EtcdError, run_id: str, *, c
     if shut_down and not closing:
         return RendezvousClosedError("the handler was shut down")
     return RendezvousConnectionError(str(e))
+
+
+# --------------------------------------------------------------------------- liveness
+
+
+class GroupCheck:
+    """``num_nodes_waiting()`` of one node (see the module docstring); one call at a time."""
+
+    def __init__(
+        self, settings: V3Settings, client: EtcdClient, keys: RunKeys, node: Participant, node_id: str,
+        on_member_lost: Callable[[int, int, int], None] | None = None,
+    ) -> None:
+        """``on_member_lost(round, active, world)`` is called when the answer is positive
+        because members of our round are gone (telemetry; it must not raise)."""
+        self._settings = settings
+        self._on_member_lost = on_member_lost
+        self._node_id = node_id
+        self._client = client
+        self._keys = keys
+        self._node = node
+        self._tolerate_until = 0.0
+        self._tolerated_round: int | None = None
+        self._cannot_reattach: int | None = None  # a round whose re-attach failed: the group is over
+
+    @property
+    def grace(self) -> float:
+        """Seconds that members missing after an outage have to re-attach (see the module docstring)."""
+        return self._client.timeout + self._settings.lease_ttl
+
+    def nodes_waiting(self) -> int:
+        node, s = self._node, self._settings
+        member_round = node.standing.member_round
+        started = time.monotonic()
+        if member_round is None:
+            round_ = protocol.read_meta(self._client, self._keys).sealed.round
+            occ = protocol.count_waiting(self._client, self._keys, round_)
+            return nodes_waiting(occ, Group(), s.max_nodes, time.monotonic())
+        occ = protocol.count_waiting(
+            self._client, self._keys, member_round, node_key=self._keys.join_key(member_round, self._node_id)
+        )
+        now = time.monotonic()
+        if self._tolerated_round != member_round:  # a new group: forget an older outage
+            self._tolerated_round, self._tolerate_until = member_round, 0.0
+        outage = now - started > s.lease_ttl / 3.0  # etcd did not answer for a keep-alive interval
+        lease_ok = True
+        session = node.session
+        if not occ.closed and (not occ.mine or session is None or session.done().is_set()):
+            reattached = None if self._cannot_reattach == member_round else node.reattach()
+            lease_ok, outage = reattached is not None, True
+            if reattached is None:
+                self._cannot_reattach = member_round  # no second LeaseGrant for a group that is over
+            else:
+                occ = reattached
+            now = time.monotonic()
+        if outage:
+            self._tolerate_until = max(self._tolerate_until, now + self.grace)
+        group = Group(node.standing.member_world, lease_ok, self._tolerate_until)
+        answer = nodes_waiting(occ, group, s.max_nodes, now)
+        if answer > 0 and not occ.closed and occ.active < group.world and self._on_member_lost:
+            self._on_member_lost(member_round, occ.active, group.world)
+        if outage and answer == 0 and occ.active < group.world:
+            log.warning("node %s: %d of the %d members of round %d hold their key after etcd was out "
+                        "of reach; the others have %.1f s to re-attach", self._node_id, occ.active,
+                        group.world, member_round, self._tolerate_until - now)
+        return answer
+
+
+# --------------------------------------------------------------------------- the handler
 
 
 class EtcdV3RendezvousHandler(RendezvousHandler):
@@ -236,7 +330,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             if self._node.shut_down:
                 raise RendezvousClosedError(f"the handler of node {self._node_id} was shut down")
             started = self._telemetry.attempt()
-            clock = JoinClock.start(self._settings.join_timeout, time.monotonic())
+            clock = JoinDeadline.start(self._settings.join_timeout, time.monotonic())
             try:
                 result = self._barrier(clock)
             except Exception as e:
@@ -250,7 +344,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             )
             return result
 
-    def _barrier(self, clock: JoinClock) -> RoundResult:
+    def _barrier(self, clock: JoinDeadline) -> RoundResult:
         """:meth:`Participant.rendezvous`, its errors translated to torch's (:func:`torch_error`)."""
         try:
             result = self._node.rendezvous(clock)
@@ -284,7 +378,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if self._closed_run:
             return True
         try:
-            closed = queries.is_closed(self._client, self._keys)
+            closed = protocol.is_closed(self._client, self._keys)
         except EtcdError as e:
             raise self._etcd_failed("is_closed", e) from e
         self._etcd_lost = False
@@ -317,27 +411,14 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def num_nodes_waiting(self) -> int:
         """Nodes waiting to join the round after ours (one read-only Txn, no scan of keys).
 
-        torch's agent calls this every monitor interval while its workers are
-        healthy and re-rendezvous when it is positive. Returns:
-
-        * at least 1 when the run was aborted (``etcd-rdzv close`` or :meth:`set_closed`:
-          stop every agent now; the agent re-rendezvous and learns from ``next_rendezvous``
-          that the run is closed);
-        * 0 when the run is closed otherwise (a peer's :meth:`shutdown` at the end of its
-          job): no round can form any more, and healthy workers run on, as with torch's
-          handlers;
-        * 0 while our round is full and intact (newcomers could not be admitted:
-          torch's redundancy list);
-        * the number of nodes joined in the next round otherwise;
-        * at least 1 when our group lost a member (it died: its lease expired, or it
-          left to re-join): the group is broken, so re-rendezvous now instead of
-          waiting for the workers' collective timeout.
-
-        After etcd was out of reach for longer than the lease TTL (every lease
-        expired meanwhile), a member puts its key back with a new lease (one
-        LeaseGrant and one Txn, only if no later round was sealed; else at least 1)
-        and gives the other members one TTL to do the same before counting them
-        lost: :mod:`etcd_rdzv.native.liveness`.
+        torch's agent calls this every monitor interval while its workers are healthy and
+        re-rendezvous when it is positive: at least 1 when the run was aborted or our group lost a
+        member (it died, or left to re-join: re-rendezvous now instead of waiting for the workers'
+        collective timeout); 0 when the run is closed otherwise, or while our round is full and
+        intact (torch's redundancy list); else the nodes joined in the next round
+        (:func:`~etcd_rdzv.native.barrier.nodes_waiting`). After an outage longer than the lease TTL a member re-attaches
+        first (one LeaseGrant and one Txn) and gives the others a grace to do the same (see the
+        module docstring).
         """
         if self._node.shut_down:
             return 0
@@ -367,11 +448,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         SIGTERM does: its join keys vanish at once, the other members re-form without it,
         and the run stays open. Returns whether the lease was revoked then.
 
-        On a normal end: the other members that still run
-        keep running (a closed run answers 0 in :meth:`num_nodes_waiting`) and end on
-        their own. Revoking the lease deletes this node's join keys at once. The last node to
-        leave also deletes the rounds' stores. Returns False if closing failed
-        (then the lease is left to expire). Takes at most about ``close_timeout``.
+        On a normal end: the other members that still run keep running (a closed run answers
+        0 in :meth:`num_nodes_waiting`) and end on their own. Revoking the lease deletes this
+        node's join keys at once. The last node to leave also deletes the rounds' stores.
+        Returns False if closing failed (then the lease is left to expire). Takes at most
+        about ``close_timeout``.
 
         Except after this node lost etcd (its last etcd call failed for want of etcd):
         torch's launcher calls ``shutdown()`` when its agent fails, also on the
@@ -406,12 +487,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if ok:  # etcd answers: release our keys now, and the rounds' records if we are last
             if session is not None:
                 session.close(revoke=True, timeout=max(deadline - time.monotonic(), 1.0))
-            try:
-                protocol.remove_round_records_if_idle(
-                    self._client, self._keys, timeout=max(deadline - time.monotonic(), 1.0)
-                )
-            except EtcdError as e:
-                log.info("could not remove the round records of %r: %s", self._settings.run_id, e)
+            self._remove_round_records(max(deadline - time.monotonic(), 1.0))
         elif session is not None:  # unreachable: our keys go when the lease expires
             session.close(revoke=False)
         if self._owns_client:
@@ -449,12 +525,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         ok = self._node.leave(deadline)
         self._close_store()
         if ok:
-            try:
-                protocol.remove_round_records_if_idle(
-                    self._client, self._keys, timeout=max(deadline - time.monotonic(), 0.1)
-                )
-            except EtcdError as e:
-                log.info("could not remove the round records of %r: %s", self._settings.run_id, e)
+            self._remove_round_records(max(deadline - time.monotonic(), 0.1))
         if self._owns_client:
             self._client.close()
         log.info("node %s left the rendezvous %r%s", self._node_id, self._settings.run_id,
@@ -462,27 +533,22 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._telemetry.left(ok)
         return ok
 
+    def _remove_round_records(self, timeout: float) -> None:
+        """The last node out removes the rounds' records (:func:`protocol.remove_round_records_if_idle`,
+        one Txn); best effort."""
+        try:
+            protocol.remove_round_records_if_idle(self._client, self._keys, timeout=timeout)
+        except EtcdError as e:
+            log.info("could not remove the round records of %r: %s", self._settings.run_id, e)
+
     # ------------------------------------------------------------------ the store
 
     def _round_store(self, round_: int) -> EtcdStore:
-        """The round's ``EtcdStore``; the store of our previous round is closed.
-
-        Its keys are bound to the run lease (they go when a later seal deletes old
-        rounds, when the last node leaves, or with the run lease); without a known
-        run lease the store keeps a namespace lease of TTL ``state_ttl`` instead."""
-        from etcd_store import EtcdStore
-
+        """The round's ``EtcdStore`` (:func:`~etcd_rdzv.native.start.round_store`); the store of our
+        previous round is closed."""
         self._close_store()
         try:
-            # The round's keys ride on the run lease, which every node keeps alive
-            # already: opening the store costs no RPC and no keep-alive of its own.
-            store = EtcdStore(
-                self._client,
-                prefix=self._keys.store_prefix(round_),
-                timeout=timedelta(seconds=self._client.timeout),
-                lease_ttl=max(self._settings.state_ttl, 2),
-                lease=self._node.run_lease,
-            )
+            store = round_store(self._client, self._keys, round_, self._settings.state_ttl, self._node.run_lease)
         except Exception as e:
             raise RendezvousConnectionError(
                 f"cannot open the store of round {round_} of {self._settings.run_id!r}: {e}"

@@ -1,16 +1,14 @@
-"""The ``etcd-v3`` rendezvous protocol: one function per transition.
+"""The ``etcd-v3`` rendezvous protocol: every etcd call of it, one function per read and per transition.
 
-Each function below is one etcd RPC (a transaction unless said otherwise) and
-returns plain data; none of them sleeps or loops. The records they write are
-defined in :mod:`etcd_rdzv.native.records`, the read-only queries are in
-:mod:`etcd_rdzv.native.queries`. Every transaction here may be
-replayed when its outcome is unknown (``idempotent=True``): a replayed join
-re-puts the same key (its create revision, hence its place, is kept; the join
-counter counts it twice, which only makes the seal name the members by create
+Each function is one etcd RPC (a Range or a Txn) and returns plain data decoded by
+:mod:`~etcd_rdzv.native.records`; none sleeps or loops. The reads (:func:`read_meta`,
+:func:`count_waiting`, :func:`read_round`, ...) write nothing and are safe to resend.
+Every transaction may be replayed when its outcome is unknown (``idempotent=True``): a
+replayed join re-puts the same key (its create revision, hence its place, is kept; the
+join counter counts it twice, which only makes the seal name the members by create
 revision), a replayed seal or close fails its compare, deletes are idempotent.
-The participant (:mod:`etcd_rdzv.native.rounds`) strings them together and waits
-on watches. Key names come from :class:`~etcd_rdzv.native.keys.RunKeys`; see
-docs/etcd-v3-design.md for why each compare makes its transition safe.
+The participant (:mod:`~etcd_rdzv.native.rounds`) strings them together and waits
+on watches; see docs/etcd-v3-design.md for why each compare makes its transition safe.
 
 Membership rule (the single source of truth): round ``T`` is sealed by the
 transaction that writes ``ctl/sealed = T``; that record names the members
@@ -26,10 +24,12 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 from etcd_store.client import (
     DeleteResult,
     EtcdClient,
+    RangeResult,
     TxnResult,
     compare_lease,
     compare_mod,
@@ -41,26 +41,169 @@ from etcd_store.client import (
     renewing_lease,
 )
 
-from .keys import RunKeys
-from .queries import Occupancy, RoundRead, parse_round, round_ops
-from .records import Membership, Sealed, count_of, encode_sealed, first_kv, lease_of
+from .records import (
+    Joiner,
+    Membership,
+    Meta,
+    RunKeys,
+    Sealed,
+    count_of,
+    decode_members,
+    encode_sealed,
+    first_kv,
+    lease_of,
+)
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "AbortOutcome",
-    "JoinOutcome",
-    "SealOutcome",
-    "abort",
-    "close",
-    "ensure_run_lease",
-    "evict_joiners",
-    "join",
-    "leave_if_unsealed",
-    "reattach",
-    "remove_round_records_if_idle",
-    "seal",
-]
+__all__ = ["AbortOutcome", "CatchUp", "JoinOutcome", "Occupancy", "RoundRead", "SealOutcome", "abort",
+           "catch_up", "close", "count_waiting", "ensure_run_lease", "evict_joiners", "is_closed", "join",
+           "leave_if_unsealed", "read_members", "read_meta", "read_round", "reattach",
+           "remove_round_records_if_idle", "round_ops", "seal"]
+
+# --------------------------------------------------------------------------- reads
+
+def read_meta(client: EtcdClient, keys: RunKeys, *, timeout: float | None = None) -> Meta:
+    """``closed``, ``run`` and ``sealed`` at one revision. One read-only Txn."""
+    res = client.txn([], [op_get(keys.closed), op_get(keys.run), op_get(keys.sealed)], timeout=timeout,
+                     idempotent=True)
+    closed_kv, run_kv, sealed_kv = (first_kv(r) for r in res.responses)
+    return Meta(closed_kv is not None, Sealed.from_kv(sealed_kv), lease_of(run_kv), res.revision)
+
+
+def is_closed(client: EtcdClient, keys: RunKeys, *, timeout: float | None = None) -> bool:
+    """Whether ``ctl/closed`` exists. One Range."""
+    return client.range(keys.closed, count_only=True, timeout=timeout).count > 0
+
+
+@dataclass(frozen=True)
+class Occupancy:
+    """The answer of :func:`count_waiting`."""
+
+    waiting: int  # join keys of round_ + 1
+    active: int  # join keys of round_ (its members that are alive and still in it)
+    closed: bool
+    mine: bool | None = None  # whether the asking node's own join key of round_ exists (if asked)
+    aborted: bool = False  # the abort mark exists (the operator stopped the run; see protocol.abort)
+
+
+def count_waiting(
+    client: EtcdClient,
+    keys: RunKeys,
+    round_: int,
+    *,
+    node_key: bytes | None = None,
+    timeout: float | None = None,
+) -> Occupancy:
+    """Join keys of ``round_ + 1`` and of ``round_``, ``closed``, ``abort`` and, if given,
+    whether ``node_key`` exists. One read-only Txn of four or five count-only ranges (no
+    revision, O(1) bytes)."""
+    ops = [
+        op_get(keys.join_prefix(round_ + 1), prefix=True, count_only=True),
+        op_get(keys.join_prefix(round_), prefix=True, count_only=True),
+        op_get(keys.closed, count_only=True),
+        op_get(keys.abort, count_only=True),
+    ]
+    if node_key is not None:
+        ops.append(op_get(node_key, count_only=True))
+    res = client.txn([], ops, timeout=timeout, idempotent=True)
+    counts = [count_of(r) for r in res.responses]
+    return Occupancy(counts[0], counts[1], counts[2] > 0, None if node_key is None else counts[4] > 0,
+                     aborted=counts[3] > 0)
+
+
+def read_members(
+    client: EtcdClient, keys: RunKeys, round_: int, *, timeout: float | None = None
+) -> tuple[list[str] | None, int]:
+    """The members record of ``round_`` (None if absent) and the read revision. One Range."""
+    res = client.range(keys.members(round_), timeout=timeout)
+    return (decode_members(res.kvs[0].value, res.kvs[0].key) if res.kvs else None), res.revision
+
+
+@dataclass(frozen=True)
+class RoundRead:
+    """One look at round ``T`` as a seal candidate takes it, at one revision.
+
+    ``joiners``: the join keys of ``T`` in create order; ``joins`` and ``seq_mod``: the
+    version and mod revision of ``seq/<T>`` (0 and 0 if absent); ``prev_count``: join
+    keys left in ``T - 1``; ``sealed``, ``closed``: the control records.
+    """
+
+    revision: int
+    joiners: list[Joiner]
+    joins: int
+    seq_mod: int
+    prev_count: int
+    sealed: Sealed
+    closed: bool
+
+    @property
+    def count(self) -> int:
+        return len(self.joiners)
+
+
+def round_ops(keys: RunKeys, round_: int) -> list[Any]:
+    """The ranges of a :class:`RoundRead` (also the failure branch of a seal)."""
+    return [
+        op_get(keys.sealed),
+        op_get(keys.closed, count_only=True),
+        op_get(keys.seq(round_), keys_only=True),
+        op_get(keys.join_prefix(round_), prefix=True),
+        op_get(keys.join_prefix(round_ - 1), prefix=True, count_only=True),
+    ]
+
+
+def parse_round(keys: RunKeys, res: TxnResult, *, skip: int = 0) -> RoundRead:
+    """The :class:`RoundRead` of a transaction whose responses after the first ``skip`` are
+    :func:`round_ops`'."""
+    sealed_r, closed_r, seq_r, joins_r, prev_r = res.responses[skip:]
+    seq = first_kv(seq_r)
+    assert isinstance(joins_r, RangeResult)
+    joiners = []
+    for kv in sorted(joins_r.kvs, key=lambda kv: kv.create_revision):
+        parsed = keys.parse_join_key(kv.key)
+        if parsed is not None:
+            joiners.append(Joiner(parsed[1], kv.create_revision, kv.value, kv.key, kv.mod_revision, kv.lease))
+    return RoundRead(
+        res.revision, joiners, seq.version if seq else 0, seq.mod_revision if seq else 0,
+        count_of(prev_r), Sealed.from_kv(first_kv(sealed_r)), count_of(closed_r) > 0,
+    )
+
+
+def read_round(client: EtcdClient, keys: RunKeys, round_: int, *, timeout: float | None = None) -> RoundRead:
+    """Everything a seal of ``round_`` depends on, at one revision. One read-only Txn
+    (O(joiners) bytes: only seal candidates call it)."""
+    res = client.txn([], round_ops(keys, round_), timeout=timeout, idempotent=True)
+    return parse_round(keys, res)
+
+
+@dataclass(frozen=True)
+class CatchUp:
+    """What a waiting node missed between its join and its watch's start, read at ``revision``.
+
+    ``control``: the key-values under ``ctl/`` (``sealed``, ``closed``); ``prev_count``: join keys
+    left in round ``T - 1``.
+    """
+
+    revision: int
+    control: list[Any]
+    prev_count: int
+
+
+def catch_up(client: EtcdClient, keys: RunKeys, round_: int, *, timeout: float | None = None) -> CatchUp:
+    """One read-only Txn: ``ctl/`` (two small keys) and the count of round ``T - 1``'s join keys.
+
+    O(1) bytes whatever the number of nodes (no join key is listed).
+    """
+    res = client.txn(
+        [],
+        [op_get(keys.ctl, keys.ctl_end), op_get(keys.join_prefix(round_ - 1), prefix=True, count_only=True)],
+        timeout=timeout,
+        idempotent=True,
+    )
+    control = res.responses[0]
+    assert isinstance(control, RangeResult)
+    return CatchUp(res.revision, list(control.kvs), count_of(res.responses[1]))
 
 
 # --------------------------------------------------------------------------- run lease
@@ -267,7 +410,7 @@ def evict_joiners(
 ) -> SealOutcome:
     """Delete the join keys ``victims`` (``(key, mod_revision, lease)``, as read) of the unsealed
     ``round_`` (= ``previous.round + 1``): the dead joiners a sealer found (see
-    :mod:`~etcd_rdzv.native.eviction`). One Txn::
+    :mod:`~etcd_rdzv.native.leases`). One Txn::
 
         if   mod(sealed) == previous.revision          (round_ still unsealed)
              and, for each victim, mod(key) == m and lease(key) == l   (unchanged since the read)

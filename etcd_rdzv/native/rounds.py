@@ -1,9 +1,9 @@
 """One node's part in the rounds of an ``etcd-v3`` run: join, wait, seal, close.
 
 :class:`Participant` holds what a node knows of the run (the last sealed record it
-saw), where it stands in the rounds (a :class:`~etcd_rdzv.native.standing.Standing`:
+saw), where it stands in the rounds (a :class:`~etcd_rdzv.native.barrier.Standing`:
 the join it holds, the round it is a member of) and its leases (a
-:class:`~etcd_rdzv.native.node_leases.NodeLeases`), which it holds and calls, and strings
+:class:`~etcd_rdzv.native.leases.NodeLeases`), which it holds and calls, and strings
 the transactions of :mod:`etcd_rdzv.native.protocol` together:
 :meth:`Participant.rendezvous` joins rounds until one that includes this node is
 sealed; each wait on the watch of the run's ``ctl/`` keys is a
@@ -18,7 +18,7 @@ Blocks: :meth:`~Participant.rendezvous` (until sealed, closed, or
 (at most until their deadline).
 Raises :class:`~etcd_store.errors.EtcdError` subclasses,
 :class:`~etcd_rdzv.native.records.ProtocolStateError` and the node's own errors
-(:mod:`etcd_rdzv.native.errors`: run closed, ``join_timeout``, shut down) where the
+(:class:`~etcd_rdzv.native.records.NodeError`: run closed, ``join_timeout``, shut down) where the
 run's state decides the outcome; only the handler translates them to torch's.
 """
 
@@ -32,27 +32,42 @@ from dataclasses import dataclass
 from etcd_store.client import EtcdClient, Session, Watch, renewing_lease
 from etcd_store.errors import EtcdCompactedError, EtcdError
 
-from . import protocol, queries
+from . import protocol
 from .barrier import (
     Admitted,
     Barrier,
-    JoinClock,
-    Void,
+    JoinDeadline,
+    Joined,
+    PreviousGroup,
+    RoundResult,
+    Standing,
+    Undersized,
     resolved,
     verdict,
 )
-from .bootstrap import join_value
-from .errors import ClosedWhileKeptOut, NodeShutDown, RoundTimeout, RunClosed
-from .eviction import Evictor, observes, own_pace
-from .keys import RunKeys
-from .node_leases import NodeLeases
-from .records import ProtocolStateError, Sealed
+from .leases import Evictor, NodeLeases, confirm, observes, own_pace
+from .records import (
+    ClosedWhileKeptOut,
+    NodeShutDown,
+    ProtocolStateError,
+    RoundTimeout,
+    RunClosed,
+    RunKeys,
+    Sealed,
+)
 from .settings import V3Settings
-from .standing import Joined, Prior, RoundResult, Standing
-from .start import start_round
+from .start import join_value, start_round
 from .telemetry import RoundObserver, SilentObserver
-from .view import RoundView, Signal, SignalKind
-from .wait import RoundWait, SealedMeanwhile, confirm, open_watch, tally, watches_previous
+from .wait import (
+    RoundView,
+    RoundWait,
+    SealedMeanwhile,
+    Signal,
+    SignalKind,
+    join_counts,
+    open_watch,
+    watches_previous,
+)
 
 log = logging.getLogger(__name__)
 
@@ -69,15 +84,15 @@ class _Retry:
     ``clock`` is the ``join_timeout`` deadline as the wait left it."""
 
     sealed: Sealed | None
-    clock: JoinClock
+    clock: JoinDeadline
 
 
 class Participant:
     """One node of the run: its place in the rounds (see the module docstring).
 
-    ``leases`` (its :class:`~etcd_rdzv.native.node_leases.NodeLeases`; ``session``,
+    ``leases`` (its :class:`~etcd_rdzv.native.leases.NodeLeases`; ``session``,
     ``run_lease`` and ``shut_down`` read through to it) and ``standing`` (its
-    :class:`~etcd_rdzv.native.standing.Standing`: the round this node is a member of, its
+    :class:`~etcd_rdzv.native.barrier.Standing`: the round this node is a member of, its
     size, rank 0's address from its sealed record) are read by the handler.
     One :meth:`rendezvous` at a time; :meth:`stop` may be called from any thread.
     """
@@ -147,7 +162,7 @@ class Participant:
         """:meth:`NodeLeases.close_run` (raises ``EtcdError`` subclasses)."""
         self.leases.close_run(deadline, abort=abort)
 
-    def reattach(self) -> queries.Occupancy | None:
+    def reattach(self) -> protocol.Occupancy | None:
         """Put our join key back into the round we are a member of, with a new lease.
 
         For a member whose lease ended (etcd was out of reach for longer than its TTL)
@@ -157,7 +172,7 @@ class Participant:
         the node cannot re-attach (sealed over, closed, or its round's seal revision
         is not known): its group is over. A lease etcd refuses is replaced once
         (:func:`~etcd_store.client.renewing_lease`). Raises ``EtcdError`` if etcd fails and
-        :class:`~etcd_rdzv.native.errors.NodeShutDown` once stopped.
+        :class:`~etcd_rdzv.native.records.NodeShutDown` once stopped.
         """
         st = self.standing
         joined, round_ = st.joined, st.member_round
@@ -166,7 +181,7 @@ class Participant:
         self.leases.renew()
         used: list[int] = []
 
-        def put_back(lease: int) -> queries.Occupancy | None:
+        def put_back(lease: int) -> protocol.Occupancy | None:
             used.append(lease)
             return protocol.reattach(self._client, self._keys, round_, joined.key, st.join_value, lease,
                                      st.member_seal)
@@ -196,14 +211,14 @@ class Participant:
 
     # ------------------------------------------------------------------ the rounds
 
-    def rendezvous(self, clock: JoinClock) -> RoundResult:
+    def rendezvous(self, clock: JoinDeadline) -> RoundResult:
         """Join rounds until one that includes us is sealed.
 
         The first join assumes the last sealed record this node saw; a stale guess
         costs one failed join, whose answer carries the current record. Raises
-        :class:`~etcd_rdzv.native.errors.RunClosed` (also :class:`ClosedWhileKeptOut`),
-        :class:`~etcd_rdzv.native.errors.RoundTimeout`,
-        :class:`~etcd_rdzv.native.errors.NodeShutDown`, ``ProtocolStateError`` and
+        :class:`~etcd_rdzv.native.records.RunClosed` (also :class:`ClosedWhileKeptOut`),
+        :class:`~etcd_rdzv.native.records.RoundTimeout`,
+        :class:`~etcd_rdzv.native.records.NodeShutDown`, ``ProtocolStateError`` and
         ``EtcdError`` subclasses.
         """
         # one free port per next_round call; our pace, which observers of our group read (eviction)
@@ -227,7 +242,7 @@ class Participant:
         (:func:`~etcd_rdzv.native.start.start_round`): True once every member confirmed it, False
         when it was voided (a member left first: the next :meth:`rendezvous` re-joins as a member of
         it). Waits at most ``join_timeout``, and at least two lease TTLs (a dead member's key goes
-        within one); raises :class:`~etcd_rdzv.native.errors.RoundTimeout` (after withdrawing) when
+        within one); raises :class:`~etcd_rdzv.native.records.RoundTimeout` (after withdrawing) when
         that passes undecided, and ``EtcdError`` subclasses."""
         wait = max(self._settings.join_timeout, 2.0 * self._settings.lease_ttl)
         fate = start_round(self._client, self._keys, admitted.round, admitted.world_size, self._node_id,
@@ -242,8 +257,8 @@ class Participant:
 
     def _read_sealed(self) -> Sealed:
         """The run's current sealed record (one read-only Txn); raises
-        :class:`~etcd_rdzv.native.errors.RunClosed` (after withdrawing) if the run is closed."""
-        meta = queries.read_meta(self._client, self._keys)
+        :class:`~etcd_rdzv.native.records.RunClosed` (after withdrawing) if the run is closed."""
+        meta = protocol.read_meta(self._client, self._keys)
         if meta.closed:
             self._withdraw()
             raise RunClosed(f"the rendezvous {self._settings.run_id!r} is closed")
@@ -257,8 +272,8 @@ class Participant:
             return self._resolve(joined.round, sealed)
         return None
 
-    def _join_and_wait(self, sealed: Sealed, value: bytes, clock: JoinClock,
-                       prior: Prior) -> RoundResult | _Retry:
+    def _join_and_wait(self, sealed: Sealed, value: bytes, clock: JoinDeadline,
+                       prior: PreviousGroup) -> RoundResult | _Retry:
         """Join round ``sealed.round + 1`` and wait in it (:meth:`_wait`).
 
         The control watch opens before the join (while the lease is granted) and the join
@@ -288,9 +303,9 @@ class Participant:
             self.standing.joined = Joined(target, key, sealed, member=True)
         return waited
 
-    def _join_failed(self, outcome: protocol.JoinOutcome, sealed: Sealed, clock: JoinClock) -> _Retry:
+    def _join_failed(self, outcome: protocol.JoinOutcome, sealed: Sealed, clock: JoinDeadline) -> _Retry:
         """A join whose fences failed: join again from the record its answer carries; raises
-        :class:`~etcd_rdzv.native.errors.RunClosed` (after withdrawing) if the run is closed."""
+        :class:`~etcd_rdzv.native.records.RunClosed` (after withdrawing) if the run is closed."""
         if outcome.joined_anyway:
             # A lost answer hid a join that did apply; its round is sealed now.
             target = sealed.round + 1
@@ -324,7 +339,7 @@ class Participant:
         round_: int,
         outcome: protocol.JoinOutcome,
         previous: Sealed,
-        clock: JoinClock,
+        clock: JoinDeadline,
         recover_size: int | None = None,
         opened: Watch | None = None,
         evicts: bool = False,
@@ -339,7 +354,7 @@ class Participant:
         ``opened``: a watch of ``ctl/`` alone, opened before the join; used when that
         range suffices, else cancelled (this method owns it either way). ``evicts``: this
         node was a member of the previous round, one of its observers, and evicts dead
-        members of it while it waits (:mod:`~etcd_rdzv.native.eviction`). An etcd failure
+        members of it while it waits (:mod:`~etcd_rdzv.native.leases`). An etcd failure
         that is not a lost lease, a cancelled watch or a compaction withdraws the join
         (:meth:`_withdraw_after_error`) and is raised.
         """
@@ -348,7 +363,7 @@ class Participant:
             self._keys, round_, self._node_id, outcome.seq, outcome.create_revision, outcome.count,
             outcome.prev_count, outcome.revision,
         )
-        state = Barrier.start(clock, tally(view), s, recover_size)
+        state = Barrier.start(clock, join_counts(view), s, recover_size)
         wide = watches_previous(state, view, s)
         watch = open_watch(self._client, self._keys, round_, wide, opened)
         session = self.leases.hold_watch(watch)
@@ -380,7 +395,7 @@ class Participant:
     def _retry_after_error(self, w: RoundWait) -> _Retry | None:
         """After an etcd failure of the wait: join again if it only means our lease ended
         (the join key is gone) or a stale lease's ``on_lost`` cancelled the watch; None if
-        the failure is to be raised. Raises :class:`~etcd_rdzv.native.errors.NodeShutDown`
+        the failure is to be raised. Raises :class:`~etcd_rdzv.native.records.NodeShutDown`
         if the node was stopped (that cancelled the watch)."""
         if self.shut_down:
             raise NodeShutDown(f"the handler of node {self._node_id} was shut down") from None
@@ -402,7 +417,7 @@ class Participant:
         except EtcdError as e:
             log.info("node %s could not withdraw its join after an error: %s", self._node_id, e)
 
-    def _lease_lost(self, previous: Sealed, clock: JoinClock) -> _Retry:
+    def _lease_lost(self, previous: Sealed, clock: JoinDeadline) -> _Retry:
         """Our lease ended while we waited: its join key is gone; join again with a new one."""
         self.standing.joined = None
         self.leases.drop()
@@ -412,7 +427,7 @@ class Participant:
         s = self._settings
         if signal.kind is SignalKind.CLOSED:
             self._withdraw()
-            if tally(view).kept_out(s):
+            if join_counts(view).kept_out(s):
                 raise ClosedWhileKeptOut(
                     f"the rendezvous {s.run_id!r} was closed while node {self._node_id} waited "
                     "for room in a full group"
@@ -427,7 +442,7 @@ class Participant:
                 f"{self._keys.sealed.decode()} names no members for round {sealed.round}"
             )
         place = verdict(sealed.membership, view.seq, view.create_revision, s)
-        if isinstance(place, Void):
+        if isinstance(place, Undersized):
             log.warning(
                 "round %d of %r sealed with %d members (< min_nodes=%d): void, joining the next",
                 view.round, s.run_id, place.world_size, s.min_nodes,
@@ -448,7 +463,7 @@ class Participant:
         it, read now (one read Txn and one Range), not awaited from the watch, which may hear nothing
         for long (a stream on a member that answers nothing). :class:`RoundTimeout` (withdrawn
         first) if we are no member of it."""
-        sealed = queries.read_meta(self._client, self._keys).sealed
+        sealed = protocol.read_meta(self._client, self._keys).sealed
         self._learn(sealed)
         place = self._resolve(round_, sealed)
         if place is not None:
@@ -467,7 +482,7 @@ class Participant:
         record is written by the seal transaction itself. One Range (none when sealed over)."""
         members = None
         if sealed.round == round_:
-            members, _ = queries.read_members(self._client, self._keys, round_)
+            members, _ = protocol.read_members(self._client, self._keys, round_)
         place = resolved(members, self._node_id, round_, sealed.round, self._settings)
         if place is None:
             return None

@@ -226,7 +226,7 @@ def test_a_node_that_ends_leaves_and_the_others_train_again(
 ) -> None:
     """One of three agents ends: SIGTERM (torchrun skips shutdown(), the handler
     leaves at exit: its lease is revoked at once) or SIGKILL of its whole process
-    group (nothing revoked: a survivor evicts it, native/eviction.py). The other two
+    group (nothing revoked: a survivor evicts it, native/leases.py). The other two
     re-form a group and train again; the figure is recorded (tests/elastic.py
     ``record_timing``). heartbeat is 30 s for SIGTERM (so only the leave can explain
     a fast recovery); SIGKILL runs with the default settings (heartbeat 15 s, last

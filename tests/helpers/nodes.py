@@ -141,7 +141,7 @@ class Nodes:
     @property
     def keys(self) -> Any:
         """The etcd-v3 run's key layout."""
-        from etcd_rdzv.native.keys import RunKeys
+        from etcd_rdzv.native.records import RunKeys
 
         return RunKeys.for_run(self.prefix, self.run_id)
 

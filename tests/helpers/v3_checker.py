@@ -32,8 +32,7 @@ from dataclasses import dataclass
 
 from etcd_rdzv.cli.actions import close_v3
 from etcd_rdzv.cli.connect import CliError, Deadline
-from etcd_rdzv.native.keys import RunKeys
-from etcd_rdzv.native.records import Sealed
+from etcd_rdzv.native.records import RunKeys, Sealed
 from etcd_store.client import EtcdClient
 from etcd_store.errors import EtcdCompactedError, EtcdError
 

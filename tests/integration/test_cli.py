@@ -33,7 +33,7 @@ from etcd_rdzv.cli.connect import CliError, connect_options
 from etcd_rdzv.cli.render import format_seconds, render_list
 from etcd_rdzv.cli.runs import RunInfo, classify_keys, v2_info
 from etcd_rdzv.cli.watching import describe_v3, diff_v2
-from etcd_rdzv.native.keys import RunKeys
+from etcd_rdzv.native.records import RunKeys
 from etcd_rdzv.v2state import NodeDesc, StateDecodeError, V2State, decode_state
 from etcd_server import AuthConfig, EtcdServer
 from etcd_store.client import Event, KeyValue

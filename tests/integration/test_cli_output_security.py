@@ -20,7 +20,7 @@ from helpers import REPO_ROOT
 from etcd_rdzv.cli import main
 from etcd_rdzv.cli.render import EscapingFormatter, esc, esc_lines
 from etcd_rdzv.cli.watching import format_change
-from etcd_rdzv.native.keys import RunKeys
+from etcd_rdzv.native.records import RunKeys
 from etcd_server import AuthConfig, EtcdServer
 from etcd_store.client import EtcdClient
 

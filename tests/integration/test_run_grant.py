@@ -34,7 +34,7 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousPa
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
 from etcd_rdzv.cli import main
-from etcd_rdzv.native.keys import RunKeys
+from etcd_rdzv.native.records import RunKeys
 from etcd_rdzv.plugin import create_etcd_v2_rdzv_handler, create_etcd_v3_rdzv_handler
 from etcd_server import AuthConfig, EtcdServer
 from etcd_store import EtcdStore

@@ -28,8 +28,8 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from etcd_rdzv.cli import main
 from etcd_rdzv.cli.actions import close_v3
 from etcd_rdzv.cli.connect import Deadline
-from etcd_rdzv.native import protocol, queries
-from etcd_rdzv.native.keys import RunKeys
+from etcd_rdzv.native import protocol
+from etcd_rdzv.native.records import RunKeys
 from etcd_store.client import EtcdClient
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.etcd_matrix]
@@ -162,7 +162,7 @@ def test_the_operators_close_also_stops_a_run_that_ended_normally(make_run: Call
         assert (again.closed, again.aborted) == (False, False)
         after = client.get(keys.closed)
         assert after is not None and after.mod_revision == closed_at.mod_revision  # closed once
-        assert queries.count_waiting(client, keys, 1).aborted
+        assert protocol.count_waiting(client, keys, 1).aborted
 
 
 def test_abort_is_one_transaction_that_also_closes(etcd_endpoint: str) -> None:

@@ -17,9 +17,9 @@ from collections.abc import Iterator
 import pytest
 from helpers.nodes import ETCD_V3, Nodes, lease_of
 
-from etcd_rdzv.native import protocol, queries
-from etcd_rdzv.native.eviction import SEAL_LOOKED
+from etcd_rdzv.native import protocol
 from etcd_rdzv.native.handler import EtcdV3RendezvousHandler
+from etcd_rdzv.native.leases import SEAL_LOOKED
 from etcd_store.errors import EtcdError
 
 pytestmark = pytest.mark.timeout(120)
@@ -95,8 +95,8 @@ def test_an_eviction_fences_a_seal_prepared_from_an_older_read(run: Run) -> None
     waiting = run.start(a, b, c)
     run.until_joined(1, 3)
     keys, client = run.keys, run.client
-    meta = queries.read_meta(client, keys)
-    old = queries.read_round(client, keys, 1)
+    meta = protocol.read_meta(client, keys)
+    old = protocol.read_round(client, keys, 1)
     victim = next(j for j in old.joiners if j.node_id == c.node_id)
     out = protocol.evict_joiners(client, keys, 1, meta.sealed, [(victim.key, victim.mod_revision, victim.lease)])
     assert out.ok and out.read is not None
@@ -116,11 +116,11 @@ def test_the_sealer_evicts_as_many_joiners_as_it_looks_at_in_one_txn(run: Run) -
     SEAL_LOOKED was 64: a sealer whose 64 named joiners were all dead had its eviction refused and
     sealed them all in."""
     keys, client = run.keys, run.client
-    meta = queries.read_meta(client, keys)
+    meta = protocol.read_meta(client, keys)
     lease = client.lease_grant(TTL)
     for i in range(SEAL_LOOKED + 1):
         client.put(keys.join_prefix(1) + b"dead%03d" % i, b"{}", lease=lease)
-    joiners = queries.read_round(client, keys, 1).joiners
+    joiners = protocol.read_round(client, keys, 1).joiners
     victims = [(j.key, j.mod_revision, j.lease) for j in joiners]
     assert len(victims) == SEAL_LOOKED + 1
     with pytest.raises(EtcdError, match="too many operations"):

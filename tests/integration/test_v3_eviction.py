@@ -1,4 +1,4 @@
-"""Suspicion-based eviction in ``etcd-v3`` against a real etcd (:mod:`etcd_rdzv.native.eviction`).
+"""Suspicion-based eviction in ``etcd-v3`` against a real etcd (:mod:`etcd_rdzv.native.leases`).
 
 Three handlers in this process, each with its own client (its own keep-alive stream, as a host
 has). A node "dies" when its client closes without revoking its lease: its keep-alives stop and

@@ -158,10 +158,10 @@ def test_the_checker_sees_a_live_member_dropped(fresh_etcd: EtcdServer, monkeypa
     failover (2 renewals: 2 s), a stall of 3 s (about a client's failover off a frozen etcd member,
     2.98 s measured) lets b evict a and seal round 2 alone (the stall recorded as spared, as the old
     rule claimed it was), and the checker reports a, a live member that nothing sent off, dropped."""
-    from etcd_rdzv.native import eviction
+    from etcd_rdzv.native import leases
 
     if rule != "the product's":
-        monkeypatch.setattr(eviction, "condemned_after", lambda member, own, misses: misses * member.renew)
+        monkeypatch.setattr(leases, "condemned_after", lambda member, own, misses: misses * member.renew)
     node = NodeConf(min_nodes=1, max_nodes=2, heartbeat=6, read_timeout=8.0, join_timeout=20.0,
                     last_call_timeout=0.3, fast_recovery=False)
     checker = Checker(Etcd(fresh_etcd), CheckConf(seed=0, steps=0, slots=2, node=node))

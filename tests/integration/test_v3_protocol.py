@@ -33,11 +33,10 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from etcd_rdzv.conf import parse_v3_settings
 from etcd_rdzv.conf_keys import DEFAULT_LEASE_TTL
-from etcd_rdzv.native import protocol, queries, records, rounds
+from etcd_rdzv.native import protocol, records, rounds
 from etcd_rdzv.native import wait as round_wait
 from etcd_rdzv.native.handler import EtcdV3RendezvousHandler, RoundResult
-from etcd_rdzv.native.keys import RunKeys
-from etcd_rdzv.native.records import Sealed
+from etcd_rdzv.native.records import RunKeys, Sealed
 from etcd_rdzv.plugin import create_etcd_v3_handler, create_etcd_v3_rdzv_handler
 from etcd_store.client import EtcdClient, Watch
 from etcd_store.client.testing import RpcCounter, WatchTap
@@ -291,7 +290,7 @@ def test_a_re_rendezvous_costs_each_node_the_departures_it_waits_for(nodes: Node
 def _fake_join(nodes: Nodes, round_: int, name: str, ttl: int, value: bytes = b"{}") -> int:
     """A node that joins (the join transaction) and then dies: its lease is never refreshed."""
     lease = nodes.client.lease_grant(ttl)
-    sealed = queries.read_meta(nodes.client, nodes.keys).sealed
+    sealed = protocol.read_meta(nodes.client, nodes.keys).sealed
     assert sealed.round == round_ - 1
     assert protocol.join(nodes.client, nodes.keys, name, value, lease, sealed).ok
     return lease
@@ -300,7 +299,7 @@ def _fake_join(nodes: Nodes, round_: int, name: str, ttl: int, value: bytes = b"
 def seal_now(nodes: Nodes, keys: RunKeys, round_: int, previous: Sealed, lease: int,
              max_nodes: int = 8) -> protocol.SealOutcome:
     """Read round ``round_`` and seal it with what was read (as a candidate does)."""
-    read = queries.read_round(nodes.client, keys, round_)
+    read = protocol.read_round(nodes.client, keys, round_)
     return protocol.seal(nodes.client, keys, round_, previous, read, lease, max_nodes)
 
 
@@ -470,10 +469,10 @@ def test_concurrent_seal_transactions_have_one_winner(nodes: Nodes) -> None:
         barrier.wait()
         return protocol.seal(nodes.client, h.keys, 1, Sealed(), read, lease, 8).ok
 
-    read = queries.read_round(nodes.client, h.keys, 1)
+    read = protocol.read_round(nodes.client, h.keys, 1)
     outcomes = [f.result(timeout=WAIT) for f in [nodes.pool.submit(attempt) for _ in range(8)]]
     assert outcomes.count(True) == 1
-    meta = queries.read_meta(nodes.client, h.keys)
+    meta = protocol.read_meta(nodes.client, h.keys)
     assert meta.sealed.round == 1
 
 
@@ -520,7 +519,7 @@ def test_previous_round_must_be_empty_to_seal(nodes: Nodes) -> None:
     keys = h.keys
     assert protocol.join(nodes.client, keys, "member", b"{}", node_lease, Sealed()).ok
     assert seal_now(nodes, keys, 1, Sealed(), run_lease).ok
-    sealed = queries.read_meta(nodes.client, keys).sealed
+    sealed = protocol.read_meta(nodes.client, keys).sealed
     out = seal_now(nodes, keys, 2, sealed, run_lease)
     assert not out.ok and out.read is not None and out.read.prev_count == 1
     nodes.client.lease_revoke(node_lease)
@@ -537,7 +536,7 @@ def test_a_seal_is_fenced_on_the_joins_it_read(nodes: Nodes) -> None:
     value = json.dumps({"addr": "10.0.0.7", "port": 29500}).encode()
     first = protocol.join(nodes.client, keys, "first", value, node_lease, Sealed())
     assert (first.ok, first.seq, first.count) == (True, 1, 1)
-    read = queries.read_round(nodes.client, keys, 1)
+    read = protocol.read_round(nodes.client, keys, 1)
     assert (read.count, read.joins) == (1, 1)
     second = protocol.join(nodes.client, keys, "second", b"{}", node_lease, Sealed())
     assert (second.seq, second.count) == (2, 2)
@@ -549,7 +548,7 @@ def test_a_seal_is_fenced_on_the_joins_it_read(nodes: Nodes) -> None:
     assert not out2.ok and out2.read is not None and (out2.read.count, out2.read.joins) == (1, 3)
     assert protocol.seal(nodes.client, keys, 1, Sealed(), out2.read, run_lease, 8,
                          master=("10.0.0.7", 29500)).ok  # fmt: skip
-    sealed = queries.read_meta(nodes.client, keys).sealed
+    sealed = protocol.read_meta(nodes.client, keys).sealed
     assert (sealed.round, sealed.master) == (1, ("10.0.0.7", 29500))
     # One left, so the members are named by create revision, not by sequence number.
     assert sealed.membership == records.Membership(1, created=(first.create_revision,))
@@ -561,7 +560,7 @@ def test_members_take_master_from_the_sealed_record(nodes: Nodes) -> None:
     address and port in the sealed record; every member's bootstrap info is that."""
     hs = nodes.many(3, 3, 3)
     infos = rendezvous_all(nodes, hs)
-    sealed = queries.read_meta(nodes.client, nodes.keys).sealed
+    sealed = protocol.read_meta(nodes.client, nodes.keys).sealed
     rank0 = next(h for h, i in zip(hs, infos, strict=True) if i.rank == 0)
     assert sealed.master == joined_address(nodes, rank0)
     assert masters(infos) == {sealed.master}
@@ -569,7 +568,7 @@ def test_members_take_master_from_the_sealed_record(nodes: Nodes) -> None:
 
 def _numbered_ports(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Make every port probe of the handlers return the next of 41000, 41001, ... (recorded)."""
-    from etcd_rdzv.native import bootstrap
+    from etcd_rdzv.native import start
 
     issued: list[int] = []
     numbers = itertools.count(41000)
@@ -578,7 +577,7 @@ def _numbered_ports(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         issued.append(next(numbers))
         return issued[-1]
 
-    monkeypatch.setattr(bootstrap, "get_free_port", probe)
+    monkeypatch.setattr(start, "get_free_port", probe)
     return issued
 
 
@@ -590,9 +589,9 @@ def test_master_port_is_probed_once_the_round_is_known_after_a_long_wait(
     sealer names no master, rank 0 probes a port when it learns its rank (as torch does) and
     publishes it in the round's store, and every member takes that one, not the port rank 0
     probed when it joined."""
-    from etcd_rdzv.native import bootstrap
+    from etcd_rdzv.native import start
 
-    monkeypatch.setattr(bootstrap, "MASTER_PORT_MAX_AGE", 1.0)
+    monkeypatch.setattr(start, "MASTER_PORT_MAX_AGE", 1.0)
     issued = _numbered_ports(monkeypatch)
     a, b, c = nodes.many(3, 3, 3)
     futures = [nodes.pool.submit(a.next_rendezvous)]
@@ -602,7 +601,7 @@ def test_master_port_is_probed_once_the_round_is_known_after_a_long_wait(
     futures += [nodes.pool.submit(h.next_rendezvous) for h in (b, c)]
     infos = [f.result(timeout=WAIT) for f in futures]
     assert infos[0].rank == 0
-    assert queries.read_meta(nodes.client, nodes.keys).sealed.master is None
+    assert protocol.read_meta(nodes.client, nodes.keys).sealed.master is None
     ((addr, port),) = masters(infos)
     assert addr == "127.0.0.1" and port != joined_port
     assert port == max(issued)  # the last probe: rank 0's, after the seal
@@ -619,7 +618,7 @@ def test_without_master_in_the_sealed_record_members_read_rank0s_store(
     monkeypatch.setattr(round_wait, "_master_named", lambda read: None)
     hs = nodes.many(3, 3, 3)
     infos = rendezvous_all(nodes, hs)
-    assert queries.read_meta(nodes.client, nodes.keys).sealed.master is None
+    assert protocol.read_meta(nodes.client, nodes.keys).sealed.master is None
     rank0 = next(h for h, i in zip(hs, infos, strict=True) if i.rank == 0)
     assert masters(infos) == {("127.0.0.1", max(issued))}
     assert max(issued) != joined_address(nodes, rank0)[1]
@@ -672,16 +671,16 @@ def test_seal_and_close_after_the_run_lease_expired(nodes: Nodes) -> None:
     a close, each write again with a new run lease."""
     (a,) = nodes.many(1, 1, 1)
     assert a.next_round().round == 1
-    first = queries.read_meta(nodes.client, nodes.keys).run_lease
+    first = protocol.read_meta(nodes.client, nodes.keys).run_lease
     assert first is not None
     nodes.client.lease_revoke(first)
     r = a.next_round()
     assert (r.round, r.rank, r.world_size) == (1, 0, 1)  # the run starts over
-    second = queries.read_meta(nodes.client, nodes.keys).run_lease
+    second = protocol.read_meta(nodes.client, nodes.keys).run_lease
     assert second not in (None, first)
     nodes.client.lease_revoke(second)
     a.set_closed()
-    meta = queries.read_meta(nodes.client, nodes.keys)
+    meta = protocol.read_meta(nodes.client, nodes.keys)
     assert meta.closed and meta.run_lease not in (None, first, second)
 
 
@@ -865,7 +864,7 @@ def test_bootstrap_is_rank0s_join_value_and_the_store_rides_the_run_lease(nodes:
     # Rank 0 also published both in the store, where torch's build() would look.
     assert int(infos[0].store.get("MASTER_PORT")) == address[1]
     infos[1].store.set("mine", "1")
-    run_lease = queries.read_meta(nodes.client, nodes.keys).run_lease
+    run_lease = protocol.read_meta(nodes.client, nodes.keys).run_lease
     assert run_lease is not None
     res = nodes.client.range(nodes.keys.store_prefix(1).encode(), prefix=True)
     assert res.kvs and {kv.lease for kv in res.kvs} == {run_lease}
@@ -982,10 +981,10 @@ def test_a_close_seen_by_the_read_that_widens_the_watch_still_ends_the_wait(
     assert a.next_round().round == 1
     nodes.client.lease_revoke(lease_of(a))
     wait_count(nodes.client, nodes.join_prefix(1), 0)
-    real_read = queries.read_round
+    real_read = protocol.read_round
     done: list[bool] = []
 
-    def read_after_a_re_attach_and_a_close(*args: Any, **kwargs: Any) -> queries.RoundRead:
+    def read_after_a_re_attach_and_a_close(*args: Any, **kwargs: Any) -> protocol.RoundRead:
         if not done:
             done.append(True)
             a.num_nodes_waiting()  # a re-attaches into round 1
@@ -993,7 +992,7 @@ def test_a_close_seen_by_the_read_that_widens_the_watch_still_ends_the_wait(
             a.set_closed()
         return real_read(*args, **kwargs)
 
-    monkeypatch.setattr(queries, "read_round", read_after_a_re_attach_and_a_close)
+    monkeypatch.setattr(protocol, "read_round", read_after_a_re_attach_and_a_close)
     b = nodes.new(1, 1, join_timeout="600")
     (fb,) = nodes.start(b)
     with pytest.raises(RendezvousGracefulExitError, match="closed while node .* waited for room in a full group"):
@@ -1105,7 +1104,7 @@ def test_a_signal_right_after_the_join_applied_still_withdraws_it(
         a.next_round()
     key = nodes.keys.join_key(1, a.node_id)
     assert nodes.client.get(key) is not None
-    read = queries.read_round(nodes.client, nodes.keys, 1)
+    read = protocol.read_round(nodes.client, nodes.keys, 1)
     assert [j.node_id for j in read.joiners] == ["other", a.node_id]
     assert a.leave() is True
     assert nodes.client.get(key) is None

@@ -14,9 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from etcd_rdzv.native import protocol, queries
-from etcd_rdzv.native.keys import RunKeys
-from etcd_rdzv.native.records import Sealed
+from etcd_rdzv.native import protocol
+from etcd_rdzv.native.records import RunKeys, Sealed
 from etcd_rdzv.native.settings import V3Settings, node_id_bytes
 from etcd_server import EtcdServer
 from etcd_store.client import EtcdClient
@@ -67,16 +66,16 @@ def test_the_largest_accepted_round_seals_and_twice_that_is_refused(small_etcd: 
     keys = RunKeys.for_run(prefix, "fits")
     run_lease = small_etcd.lease_grant(60)
     lease = fill_round(small_etcd, keys, fit)
-    read = queries.read_round(small_etcd, keys, 1)
+    read = protocol.read_round(small_etcd, keys, 1)
     out = protocol.seal(small_etcd, keys, 1, Sealed(), read, run_lease, fit)
     assert out.ok
-    sealed = queries.read_meta(small_etcd, keys).sealed
+    sealed = protocol.read_meta(small_etcd, keys).sealed
     assert sealed.membership is not None and len(sealed.membership.created) == fit
     small_etcd.lease_revoke(lease)
 
     keys = RunKeys.for_run(prefix, "too-many")
     lease = fill_round(small_etcd, keys, 2 * fit)
-    read = queries.read_round(small_etcd, keys, 1)
+    read = protocol.read_round(small_etcd, keys, 1)
     with pytest.raises(EtcdRequestError, match="too large"):
         protocol.seal(small_etcd, keys, 1, Sealed(), read, run_lease, 2 * fit)
     small_etcd.lease_revoke(lease)

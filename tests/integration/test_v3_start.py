@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from etcd_rdzv.native import start
-from etcd_rdzv.native.keys import RunKeys
+from etcd_rdzv.native.records import RunKeys
 from etcd_server import EtcdServer
 from etcd_store.client import EtcdClient
 

@@ -42,9 +42,9 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousGracefulExitError,
 )
 
-from etcd_rdzv.native import protocol, queries
+from etcd_rdzv.native import protocol
 from etcd_rdzv.native.handler import EtcdV3RendezvousHandler, RoundResult
-from etcd_rdzv.native.keys import RunKeys
+from etcd_rdzv.native.records import RunKeys
 from etcd_rdzv.plugin import create_etcd_v3_rdzv_handler
 from etcd_store.client import EtcdClient
 
@@ -180,7 +180,7 @@ class Stress:
         name = f"fake-{i}"
         lease = self.client.lease_grant(30)
         self.fakes.add(name)
-        sealed = queries.read_meta(self.client, self.keys).sealed
+        sealed = protocol.read_meta(self.client, self.keys).sealed
         protocol.join(self.client, self.keys, name, b"{}", lease, sealed)  # may fail: sealed since
         self.stop.wait(rng.uniform(0.0, 0.2))
         self.client.lease_revoke(lease)

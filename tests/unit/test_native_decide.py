@@ -18,18 +18,17 @@ from etcd_rdzv.native.barrier import (
     Admitted,
     Barrier,
     Check,
-    JoinClock,
+    JoinCounts,
+    JoinDeadline,
     Overflow,
     Seal,
-    Tally,
     TimeOut,
-    Void,
+    Undersized,
     WaitUntil,
     decide,
     resolved,
     verdict,
 )
-from etcd_rdzv.native.bootstrap import address_of
 from etcd_rdzv.native.records import (
     MAX_RECORD_BYTES,
     Joiner,
@@ -42,6 +41,7 @@ from etcd_rdzv.native.records import (
     lease_of,
 )
 from etcd_rdzv.native.settings import V3Settings
+from etcd_rdzv.native.start import address_of
 from etcd_store.client import KeyValue
 
 T0 = 1000.0  # any monotonic time
@@ -54,24 +54,24 @@ def rules(min_nodes: int = 2, max_nodes: int = 4, last_call: float = 30.0, join:
     )  # fmt: skip
 
 
-def start(s: V3Settings, tally: Tally, *, recover_size: int | None = None, now: float = T0) -> Barrier:
-    return Barrier.start(JoinClock.start(s.join_timeout, now), tally, s, recover_size)
+def start(s: V3Settings, tally: JoinCounts, *, recover_size: int | None = None, now: float = T0) -> Barrier:
+    return Barrier.start(JoinDeadline.start(s.join_timeout, now), tally, s, recover_size)
 
 
 def test_a_joiner_below_min_nodes_is_no_candidate_and_waits_for_the_join_deadline_only() -> None:
     s = rules(min_nodes=3)
-    tally = Tally(count=2, prev_count=0)
+    tally = JoinCounts(count=2, prev_count=0)
     state, action = decide(start(s, tally), tally, s, T0)
     assert not state.candidate
     assert action == WaitUntil(T0 + s.join_timeout)
     # It never seals, whatever it is told later: only candidates read the round.
-    _, action = decide(state, Tally(count=5, prev_count=0, changes=1, fresh=True), s, T0 + 40)
+    _, action = decide(state, JoinCounts(count=5, prev_count=0, changes=1, fresh=True), s, T0 + 40)
     assert action == WaitUntil(T0 + s.join_timeout)
 
 
 def test_a_candidate_reads_the_round_when_the_last_call_ends_then_seals() -> None:
     s = rules(min_nodes=2, max_nodes=4, last_call=30.0)
-    tally = Tally(count=2, prev_count=0)
+    tally = JoinCounts(count=2, prev_count=0)
     state, action = decide(start(s, tally), tally, s, T0)
     assert state.candidate and state.place == 0
     assert action == WaitUntil(T0 + 30.0)  # the last call, before the join deadline
@@ -79,7 +79,7 @@ def test_a_candidate_reads_the_round_when_the_last_call_ends_then_seals() -> Non
     assert action == WaitUntil(T0 + 30.0)  # unchanged: not restarted by a later look
     state, action = decide(state, tally, s, T0 + 30.0)
     assert action == Check()
-    read = Tally(count=3, prev_count=0, changes=1, fresh=True)
+    read = JoinCounts(count=3, prev_count=0, changes=1, fresh=True)
     state, action = decide(state, read, s, T0 + 30.01)
     assert action == Seal()
     assert state.tried_at_change == read.changes
@@ -87,28 +87,28 @@ def test_a_candidate_reads_the_round_when_the_last_call_ends_then_seals() -> Non
 
 def test_a_candidate_that_reads_fewer_than_min_nodes_steps_down() -> None:
     s = rules(min_nodes=2, last_call=30.0)
-    two = Tally(2, 0)
+    two = JoinCounts(2, 0)
     state, action = decide(start(s, two), two, s, T0)
     state, action = decide(state, two, s, T0 + 30)
     assert action == Check()
-    state, action = decide(state, Tally(1, 0, changes=1, fresh=True), s, T0 + 30.1)  # one left
+    state, action = decide(state, JoinCounts(1, 0, changes=1, fresh=True), s, T0 + 30.1)  # one left
     assert state.last_call_at is None and action == WaitUntil(T0 + s.join_timeout)
 
 
 def test_max_nodes_in_the_join_answer_seals_at_once_others_stand_back_by_place() -> None:
     s = rules(min_nodes=2, max_nodes=3)
     # The joiner whose join filled the round: due at once, first in line.
-    filler = Tally(count=3, prev_count=0)
+    filler = JoinCounts(count=3, prev_count=0)
     state = start(s, filler)
     assert state.place == 0
     state, action = decide(state, filler, s, T0)
     assert action == Check()
-    _, action = decide(state, Tally(3, 0, changes=1, fresh=True), s, T0)
+    _, action = decide(state, JoinCounts(3, 0, changes=1, fresh=True), s, T0)
     assert action == Seal()
     # The candidate that saw min_nodes + 1 (but not the round due) stands one place back.
-    third = start(s, Tally(count=3, prev_count=1))
+    third = start(s, JoinCounts(count=3, prev_count=1))
     assert third.place == 1
-    vacated = Tally(count=3, prev_count=0, changes=1)
+    vacated = JoinCounts(count=3, prev_count=0, changes=1)
     state, action = decide(third, vacated, s, T0 + 5)
     assert action == WaitUntil(T0 + 5 + SEAL_BACKUP_DELAY)
     _, action = decide(state, vacated, s, T0 + 5 + SEAL_BACKUP_DELAY)
@@ -119,35 +119,35 @@ def test_a_check_or_seal_is_not_repeated_on_an_unchanged_view() -> None:
     """Sealed by another node (or lost to a change): the next attempt waits for the
     view to change (a failed seal's answer is such a change)."""
     s = rules(min_nodes=1, max_nodes=1)
-    tally = Tally(count=1, prev_count=0, changes=1, fresh=True)
-    state, action = decide(start(s, Tally(1, 0)), tally, s, T0)
+    tally = JoinCounts(count=1, prev_count=0, changes=1, fresh=True)
+    state, action = decide(start(s, JoinCounts(1, 0)), tally, s, T0)
     assert action == Seal()
     state = state.sealed(False)
     state, action = decide(state, tally, s, T0 + 0.1)
     assert action == WaitUntil(T0 + s.join_timeout)  # only the join deadline remains
-    _, action = decide(state, Tally(1, 0, changes=2, fresh=True), s, T0 + 0.2)
+    _, action = decide(state, JoinCounts(1, 0, changes=2, fresh=True), s, T0 + 0.2)
     assert action == Seal()
     # Once a read showed the round sealed by someone else: no more attempts.
-    _, action = decide(state.settle(), Tally(1, 0, changes=3, fresh=True), s, T0 + 0.3)
+    _, action = decide(state.settle(), JoinCounts(1, 0, changes=3, fresh=True), s, T0 + 0.3)
     assert action == WaitUntil(T0 + s.join_timeout)
 
 
 def test_after_our_seal_succeeded_we_only_wait_for_its_event() -> None:
     s = rules(min_nodes=1, max_nodes=1)
-    tally = Tally(count=1, prev_count=0, fresh=True)
+    tally = JoinCounts(count=1, prev_count=0, fresh=True)
     state, _ = decide(start(s, tally), tally, s, T0)
     state = state.sealed(True)
-    _, action = decide(state, Tally(1, 0, changes=5, fresh=True), s, T0 + 1)
+    _, action = decide(state, JoinCounts(1, 0, changes=5, fresh=True), s, T0 + 1)
     assert action == WaitUntil(T0 + s.join_timeout)
 
 
 def test_a_running_previous_round_blocks_the_seal() -> None:
     s = rules(min_nodes=1, max_nodes=2)
-    tally = Tally(count=2, prev_count=1)
+    tally = JoinCounts(count=2, prev_count=1)
     state, action = decide(start(s, tally), tally, s, T0)
     assert state.candidate and state.place == 1  # not due from its answer
     assert action == WaitUntil(T0 + s.join_timeout) and state.ready_since is None
-    vacated = Tally(count=2, prev_count=0, changes=1)
+    vacated = JoinCounts(count=2, prev_count=0, changes=1)
     state, action = decide(state, vacated, s, T0 + 5)
     assert action == WaitUntil(T0 + 5 + SEAL_BACKUP_DELAY)
     _, action = decide(state, vacated, s, T0 + 5 + SEAL_BACKUP_DELAY)
@@ -157,7 +157,7 @@ def test_a_running_previous_round_blocks_the_seal() -> None:
 @pytest.mark.parametrize(("count", "due"), [(2, True), (3, True), (4, False)])
 def test_fast_recovery_skips_the_last_call_unless_the_round_grows(count: int, due: bool) -> None:
     s = rules(min_nodes=2, max_nodes=8, last_call=30.0)
-    tally = Tally(count=count, prev_count=0)
+    tally = JoinCounts(count=count, prev_count=0)
     state, action = decide(start(s, tally, recover_size=3), tally, s, T0)
     assert (action == Check()) is due
     if not due:
@@ -169,17 +169,17 @@ def test_fast_recovery_skips_the_last_call_unless_the_round_grows(count: int, du
 
 def test_fast_recovery_read_finds_a_newcomer_and_waits_for_the_last_call() -> None:
     s = rules(min_nodes=2, max_nodes=8, last_call=30.0)
-    state, action = decide(start(s, Tally(3, 0), recover_size=3), Tally(3, 0), s, T0)
+    state, action = decide(start(s, JoinCounts(3, 0), recover_size=3), JoinCounts(3, 0), s, T0)
     assert action == Check()
-    state, action = decide(state, Tally(4, 0, changes=1, fresh=True), s, T0 + 0.1)
+    state, action = decide(state, JoinCounts(4, 0, changes=1, fresh=True), s, T0 + 0.1)
     assert action == WaitUntil(T0 + 30.0)
-    _, action = decide(state, Tally(4, 0, changes=1, fresh=True), s, T0 + 30.0)
+    _, action = decide(state, JoinCounts(4, 0, changes=1, fresh=True), s, T0 + 30.0)
     assert action == Seal()
 
 
 def test_join_timeout_times_out_and_a_late_seal_is_awaited_without_a_deadline() -> None:
     s = rules(min_nodes=3, join=10.0)
-    tally = Tally(count=1, prev_count=0)
+    tally = JoinCounts(count=1, prev_count=0)
     state, action = decide(start(s, tally), tally, s, T0 + 9.9)
     assert action == WaitUntil(T0 + 10.0)
     state, action = decide(state, tally, s, T0 + 10.0)
@@ -191,12 +191,12 @@ def test_join_timeout_times_out_and_a_late_seal_is_awaited_without_a_deadline() 
 
 def test_join_timeout_is_suspended_while_a_full_group_runs_and_restarts_after() -> None:
     s = rules(min_nodes=1, max_nodes=2, join=10.0)
-    kept_out = Tally(count=1, prev_count=2)
+    kept_out = JoinCounts(count=1, prev_count=2)
     state, action = decide(start(s, kept_out), kept_out, s, T0)
     assert state.clock.suspended and action == WaitUntil(None)
     state, action = decide(state, kept_out, s, T0 + 100.0)  # long past join_timeout
     assert action == WaitUntil(None)
-    one_left = Tally(count=1, prev_count=1, changes=1)
+    one_left = JoinCounts(count=1, prev_count=1, changes=1)
     state, action = decide(state, one_left, s, T0 + 200.0)
     assert not state.clock.suspended and action == WaitUntil(T0 + 210.0)
 
@@ -212,7 +212,7 @@ def test_verdict_of_the_sealed_round() -> None:
     assert verdict(named, seq=9, create_revision=55, rules=s) == Admitted(1, 2)
     assert verdict(named, seq=3, create_revision=47, rules=s) == Overflow()  # gone when read
     # A record naming fewer than min_nodes (never written by a seal) forms no group.
-    assert verdict(Membership(1, joins=1), seq=1, create_revision=1, rules=s) == Void(1)
+    assert verdict(Membership(1, joins=1), seq=1, create_revision=1, rules=s) == Undersized(1)
 
 
 def test_membership_encoding_round_trips() -> None:
@@ -229,7 +229,7 @@ def test_membership_encoding_round_trips() -> None:
 
 
 def test_join_clock() -> None:
-    clock = JoinClock.start(5.0, T0)
+    clock = JoinDeadline.start(5.0, T0)
     assert not clock.expired(T0 + 4.9) and clock.expired(T0 + 5.0)
     paused = clock.suspend(True, T0 + 1)
     assert paused.suspend(True, T0 + 2) is paused and not paused.expired(T0 + 99)

@@ -12,14 +12,14 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousTimeoutError,
 )
 
-from etcd_rdzv.native.errors import (
+from etcd_rdzv.native.handler import torch_error
+from etcd_rdzv.native.records import (
     ClosedWhileKeptOut,
     NodeShutDown,
     ProtocolStateError,
     RoundTimeout,
     RunClosed,
 )
-from etcd_rdzv.native.handler import torch_error
 from etcd_store.errors import EtcdConnectionError, EtcdError, EtcdTimeoutError
 
 

@@ -1,4 +1,4 @@
-"""The eviction rule of ``etcd-v3`` (:mod:`etcd_rdzv.native.eviction`) without etcd.
+"""The eviction rule of ``etcd-v3`` (:mod:`etcd_rdzv.native.leases`) without etcd.
 
 ``to_evict`` is a pure function of what a survivor read (the leases left in its previous
 round, as etcd's leader counts them), of when its own renewals were answered, and of the
@@ -12,8 +12,7 @@ import pytest
 
 from etcd_rdzv.conf import parse_v3_settings
 from etcd_rdzv.conf_keys import DEFAULT_EVICT_MISSES, DEFAULT_RENEW_INTERVAL
-from etcd_rdzv.native.bootstrap import address_of, join_value
-from etcd_rdzv.native.eviction import (
+from etcd_rdzv.native.leases import (
     MARGIN,
     OBSERVERS,
     MemberLease,
@@ -28,6 +27,7 @@ from etcd_rdzv.native.eviction import (
     tolerated,
 )
 from etcd_rdzv.native.settings import V3Settings
+from etcd_rdzv.native.start import address_of, join_value
 
 TTL = 15
 NOW = 1000.0
@@ -231,11 +231,11 @@ def test_the_evictor_looks_again_when_the_previous_round_refills(monkeypatch: py
     group waited for its lease. An empty look is now followed by another one an interval later."""
     from types import SimpleNamespace
 
-    from etcd_rdzv.native import eviction
-    from etcd_rdzv.native.keys import RunKeys
+    from etcd_rdzv.native import leases
+    from etcd_rdzv.native.records import RunKeys
 
     clock = [NOW]
-    monkeypatch.setattr(eviction.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(leases.time, "monotonic", lambda: clock[0])
     kvs: list[object] = []
     looks: list[float] = []
 
@@ -247,7 +247,7 @@ def test_the_evictor_looks_again_when_the_previous_round_refills(monkeypatch: py
                              lease_ttls=lambda lease: (TTL - 5 - 1, TTL),
                              txn=lambda *_a, **_k: SimpleNamespace(succeeded=True))
     session = SimpleNamespace(id=0x99, renewed_at=lambda: renewals(clock[0] - 60, until=clock[0]))
-    ev = eviction.Evictor(V3Settings("r", 2, 3), client, RunKeys.for_run("", "r"), 2, session)  # type: ignore[arg-type]
+    ev = leases.Evictor(V3Settings("r", 2, 3), client, RunKeys.for_run("", "r"), 2, session)  # type: ignore[arg-type]
     assert ev.poll(None) == pytest.approx(1.0)  # T-1 empty: the next look in an interval, not never
     clock[0] += 1.0
     kvs.append(SimpleNamespace(key=b"join/1/c", mod_revision=9, lease=0x10, value=join_value("c", ONE.fields())))

@@ -1,11 +1,11 @@
-"""The pure decision of ``num_nodes_waiting()`` (etcd_rdzv.native.liveness.nodes_waiting): no etcd."""
+"""The pure decision of ``num_nodes_waiting()`` (etcd_rdzv.native.barrier.nodes_waiting): no etcd."""
 
 from __future__ import annotations
 
 import pytest
 
-from etcd_rdzv.native.liveness import Group, nodes_waiting
-from etcd_rdzv.native.queries import Occupancy
+from etcd_rdzv.native.barrier import Group, nodes_waiting
+from etcd_rdzv.native.protocol import Occupancy
 
 MAX = 4
 NOW = 100.0

@@ -12,9 +12,8 @@ from collections.abc import Callable
 
 import pytest
 
-from etcd_rdzv.native.errors import NodeShutDown
-from etcd_rdzv.native.keys import RunKeys
-from etcd_rdzv.native.node_leases import NodeLeases
+from etcd_rdzv.native.leases import NodeLeases
+from etcd_rdzv.native.records import NodeShutDown, RunKeys
 from etcd_rdzv.native.settings import V3Settings
 
 

@@ -17,9 +17,8 @@ from etcd3.etcdrpc import rpc_pb2
 from etcd_rdzv.conf_keys import DEFAULT_MAX_REQUEST_BYTES
 from etcd_rdzv.native import protocol
 from etcd_rdzv.native.handler import EtcdV3RendezvousHandler
-from etcd_rdzv.native.keys import RunKeys
-from etcd_rdzv.native.queries import RoundRead
-from etcd_rdzv.native.records import Joiner, Sealed
+from etcd_rdzv.native.protocol import RoundRead
+from etcd_rdzv.native.records import Joiner, RunKeys, Sealed
 from etcd_rdzv.native.settings import V3Settings, node_id_bytes, seal_request_bytes
 from etcd_store.client import EtcdClient
 

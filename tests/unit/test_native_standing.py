@@ -1,9 +1,9 @@
-"""Where an ``etcd-v3`` node stands (:class:`etcd_rdzv.native.standing.Standing`), without etcd."""
+"""Where an ``etcd-v3`` node stands (:class:`etcd_rdzv.native.barrier.Standing`), without etcd."""
 
 from __future__ import annotations
 
+from etcd_rdzv.native.barrier import Joined, PreviousGroup, RoundResult, Standing
 from etcd_rdzv.native.records import Sealed
-from etcd_rdzv.native.standing import Joined, Prior, RoundResult, Standing
 
 
 def test_an_admission_is_remembered_and_the_next_rendezvous_leaves_it() -> None:
@@ -13,7 +13,7 @@ def test_an_admission_is_remembered_and_the_next_rendezvous_leaves_it() -> None:
     assert (st.member_round, st.member_world, st.member_rank, st.member_seal) == (3, 2, 0, 12)
     assert st.round_master == ("h", 29500)
     prior = st.begin(b"v2", observes=True)
-    assert prior == Prior(3, 2, evicts=True)
+    assert prior == PreviousGroup(3, 2, evicts=True)
     assert (st.member_round, st.member_seal, st.round_master, st.join_value) == (None, 0, None, b"v2")
     again = st.begin(b"v3", observes=True)  # no group left this time
     assert (again.round, again.evicts) == (None, False)

@@ -37,7 +37,7 @@ def test_a_member_hears_the_fate_and_departures_not_every_ack() -> None:
     """The start wait watches ``[join/T/, rounds/T/start]``; the acks sort outside it, so a round of W
     members costs each of them one event (the fate), not W (before: B2's 4-node round delivered 6 events
     per waiting node, over its budget of 3)."""
-    from etcd_rdzv.native.keys import RunKeys
+    from etcd_rdzv.native.records import RunKeys
 
     keys = RunKeys.for_run("/torchelastic/p2p", "job")
     lo, hi = keys.join_prefix(7), keys.start(7) + b"\0"

@@ -1,4 +1,4 @@
-"""The round view of ``etcd-v3`` (:class:`etcd_rdzv.native.view.RoundView`) without etcd.
+"""The round view of ``etcd-v3`` (:class:`etcd_rdzv.native.wait.RoundView`) without etcd.
 
 A view folds a node's watch events and the reads it takes into what it knows of its
 round. Every event at or below the revision of something the view already holds (the
@@ -7,10 +7,9 @@ join, a catch-up read, a seal candidate's read of the round) must count once.
 
 from __future__ import annotations
 
-from etcd_rdzv.native.keys import RunKeys
-from etcd_rdzv.native.queries import RoundRead
-from etcd_rdzv.native.records import Joiner, Membership, Sealed, encode_sealed
-from etcd_rdzv.native.view import RoundView, SignalKind
+from etcd_rdzv.native.protocol import RoundRead
+from etcd_rdzv.native.records import Joiner, Membership, RunKeys, Sealed, encode_sealed
+from etcd_rdzv.native.wait import RoundView, SignalKind
 from etcd_store.client import Event, KeyValue
 
 KEYS = RunKeys.for_run("/p", "r")

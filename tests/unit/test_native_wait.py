@@ -10,11 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from etcd_rdzv.native.barrier import WaitUntil
-from etcd_rdzv.native.keys import RunKeys
-from etcd_rdzv.native.records import Membership, Sealed, encode_sealed
+from etcd_rdzv.native.records import Membership, RunKeys, Sealed, encode_sealed
 from etcd_rdzv.native.settings import V3Settings
-from etcd_rdzv.native.view import RoundView
-from etcd_rdzv.native.wait import RoundWait
+from etcd_rdzv.native.wait import RoundView, RoundWait
 from etcd_store.client import Event, KeyValue, RangeResult
 from etcd_store.client.kv import TxnResult
 
