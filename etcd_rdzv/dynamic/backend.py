@@ -1,45 +1,27 @@
 """``EtcdRendezvousBackend``: torch's ``RendezvousBackend`` contract over etcd v3.
 
-The rendezvous state is one key, ``<key_prefix>/<run_id>``, whose value is the
-base64 of the state bytes (as torch's ``etcd-v2`` and ``c10d`` backends store it).
-The bytes are opaque, as torch's ``RendezvousBackend`` contract has them: what
-:meth:`set_state` stores, :meth:`get_state` returns unchanged, whatever it is. The
-fencing token is the key's ``mod_revision``, an opaque ``int``.
+The state is one key, ``<key_prefix>/<run_id>``, holding the base64 of the state bytes (as torch's
+``etcd-v2`` and ``c10d`` backends store it); the fencing token is its ``mod_revision``. The bytes
+are opaque, per torch's contract, so the backend does not guard torch's ``pickle.loads`` of them:
+our handler's holder (:class:`etcd_rdzv.dynamic.state.SealedRoundStateHolder`) does. A torch
+``DynamicRendezvousHandler`` built directly on this backend unpickles whatever the key holds: use
+the registered ``etcd-v2``/``etcd`` handler where its writers are not all trusted (docs/security.md).
 
-The backend does not interpret the state, so it does not guard torch's ``pickle.loads``
-of it either: :class:`etcd_rdzv.dynamic.state.SealedRoundStateHolder`, the state holder of
-our handler, reads every state through the restricted reader :mod:`etcd_rdzv.v2state`
-and hands torch a state built from the checked values. A torch
-``DynamicRendezvousHandler`` built directly on this backend (torch's own holder)
-unpickles whatever the key holds: use the registered ``etcd-v2``/``etcd`` handler
-(:func:`etcd_rdzv.dynamic.handler.create_handler`) where the writers of the key are not
-all trusted (docs/security.md).
+Round trips: ``get_state`` is one Range; ``set_state`` one Txn, ``if mod_revision(key) == token
+(version == 0 without a token) then put else range``, so a lost race returns the winner's state in
+the same RPC. Both are safe to retry: a replayed Txn that had applied fails its compare and
+returns ``has_set=False``, which the handler treats as any lost race.
 
-Round trips (healthy etcd): :meth:`get_state` is one Range; :meth:`set_state` is
-one Txn, ``if mod_revision(key) == token (version == 0 without a token) then put
-else range``, so a lost race returns the winner's state in the same RPC. Both
-calls are safe to retry on another endpoint: a replayed Txn that had been
-applied fails its compare and returns the (our) current state with
-``has_set=False``, which the handler treats like any lost race.
+Expiry: every write binds the key to this object's lease, granted for ``state_ttl + state_ttl // 2``
+(at least ``state_ttl + 1``) and replaced before a write once less than ``state_ttl`` remain: the
+key lives ``state_ttl`` to ~1.5 x ``state_ttl`` after its last write, and costs one LeaseGrant per
+``state_ttl / 2`` per process. Leases are never revoked (that would delete the state if we wrote
+last).
 
-Expiry: every successful write attaches the key to a lease held by this backend
-object. The lease is granted with ``state_ttl + state_ttl // 2`` seconds (at
-least ``state_ttl + 1``) and replaced by a fresh one before a write once less
-than ``state_ttl`` seconds of it remain, so the key lives at least ``state_ttl``
-and at most ~1.5 x ``state_ttl`` seconds after its last write, and never
-expires while some node keeps writing it (the handler's heartbeats write every
-``keep_alive_interval``). This costs one LeaseGrant RPC per ``state_ttl / 2``
-per process instead of one per write. Leases are never revoked (that would
-delete the state if we were the last writer); they run out on their own.
-
-Anchors: the first write with a lease also puts a key of the run, ``<state key>/lease/<lease
-hex>`` (empty; in the same Txn, in either branch: no RPC more), which the lease keeps until it
-runs out. etcd lets a put attach a lease only if its user may write every key already attached to
-it, and any etcd user can list lease ids: a lease of ours that held no key (one agent's,
-whenever another agent wrote the state last) would take another job's key, after which
-every write of ours with it is refused. An anchored lease cannot take one (that job's user
-may not write our anchor). A lease refused all the same (a key attached between the grant
-and the anchor) is replaced once per write (:func:`~etcd_store.client.renewing_lease`).
+Anchors: the first write with a lease also puts ``<state key>/lease/<lease hex>`` (same Txn, either
+branch). etcd attaches a lease to a put only if the user may write every key already on it, and any
+user can list lease ids: an unanchored lease of ours could take another job's key and then refuse
+our writes; an anchored one cannot. A lease refused anyway is replaced once per write.
 """
 
 from __future__ import annotations
@@ -90,20 +72,13 @@ STORE_TIMEOUT = timedelta(seconds=300)
 class EtcdRendezvousBackend(RendezvousBackend):
     """A rendezvous backend that keeps the state in etcd (v3 API).
 
-    Args:
-        client: the :class:`~etcd_store.client.EtcdClient` to use; its ``timeout``
-            (rdzv-conf ``read_timeout``) bounds every call, retries included.
-        run_id: the run id of the rendezvous (non-empty).
-        key_prefix: the state key is ``<key_prefix>/<run_id>`` (``run_id`` when empty).
-        ttl: seconds the state outlives its last write (default two hours).
-        name: what :attr:`name` reports: the rendezvous backend name this
-            backend was created for (``etcd-v2`` or ``etcd``).
+    ``client``'s ``timeout`` (rdzv-conf ``read_timeout``) bounds every call, retries included; the
+    key is ``<key_prefix>/<run_id>`` (``run_id`` when the prefix is empty); ``ttl``: seconds the state
+    outlives its last write; ``name``: the backend name reported (``etcd-v2`` or ``etcd``).
 
-    Every method raises ``RendezvousConnectionError`` when etcd cannot be reached
-    (or refuses the credentials) within the client's timeout, and
-    ``RendezvousStateError`` naming the key when the stored value is not base64 (not
-    written by a backend); ``set_state`` writes ``state`` as given and the state read
-    back is those bytes (opaque: the module docstring says who checks them).
+    Every method raises ``RendezvousConnectionError`` when etcd cannot be reached (or refuses the
+    credentials) within the client's timeout, and ``RendezvousStateError`` naming the key when the
+    stored value is not base64.
     """
 
     def __init__(
@@ -151,9 +126,8 @@ class EtcdRendezvousBackend(RendezvousBackend):
     ) -> tuple[bytes, Token, bool] | None:
         """See base class. One Txn RPC (plus a LeaseGrant every ``ttl / 2`` seconds).
 
-        ``token`` None (or 0) writes only if no state exists. A token that is not
-        an integer, or one no etcd revision can be (below 1, over 64 bits), writes
-        nothing and returns the current state (one Range RPC).
+        ``token`` None (or 0) writes only if no state exists. A token no etcd revision can be (not an
+        integer, below 1, over 64 bits) writes nothing and returns the current state (one Range).
         """
         if token is None or token == 0 or token == "":
             compare = compare_version(self._key, "==", 0)
@@ -184,7 +158,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
             return result
 
         try:
-            # Someone revoked our lease (or etcd lost it): take a new one, once.
+            # A lease revoked or lost: take a new one, once.
             result = renewing_lease(write, lambda: self._lease(deadline), self._forget_lease, renewals=1)
         except EtcdError as e:
             raise self._connection_error(e) from e
@@ -249,11 +223,8 @@ class EtcdRendezvousBackend(RendezvousBackend):
 
 
 def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend, Store]:
-    """Create the backend and the run's store from torchrun's parameters.
-
-    rdzv-conf keys: see :func:`etcd_rdzv.conf.parse_rdzv_config`; then as
-    :func:`open_backend`, named ``params.backend``. Raises ``ValueError`` naming a bad key.
-    """
+    """The backend and the run's store from torchrun's parameters
+    (:func:`etcd_rdzv.conf.parse_rdzv_config`, then :func:`open_backend`). ``ValueError`` names a bad key."""
     return open_backend(parse_rdzv_config(params), params.run_id, name=params.backend)
 
 
@@ -262,11 +233,9 @@ def open_backend(
 ) -> tuple[EtcdRendezvousBackend, Store]:
     """The backend of ``run_id`` and the run's store, sharing one new client.
 
-    The store is an :class:`etcd_store.EtcdStore` with keys under
-    ``<key_prefix>/<run_id>/store``; its blocking reads wait up to
-    :data:`STORE_TIMEOUT`. Creating it reads (or creates) its namespace lease:
-    one to three RPCs. Raises ``RendezvousConnectionError`` when etcd cannot be
-    reached (or refuses the credentials) within ``read_timeout``.
+    The store is an :class:`etcd_store.EtcdStore` under ``<key_prefix>/<run_id>/store`` whose blocking
+    reads wait up to :data:`STORE_TIMEOUT`; opening it costs one to three RPCs. Raises
+    ``RendezvousConnectionError`` when etcd cannot be reached within ``read_timeout``.
     """
     client = EtcdClient.from_options(config.client)
     try:
@@ -281,11 +250,8 @@ def open_backend(
 
 
 def _create_store(client: EtcdClient, prefix: str, ttl: int) -> Store:
-    """The run's ``EtcdStore``; its constructor's RPCs are bounded by the client's timeout.
-
-    Its namespace lease has the TTL ``ttl`` (``state_ttl``, at least 2 s): the store's keys
-    go ``state_ttl`` after the last agent, as the state does (they stayed an hour before,
-    the store's default)."""
+    """The run's ``EtcdStore`` (RPCs bounded by the client's timeout); its namespace lease has TTL
+    ``max(ttl, 2)``, so its keys go ``state_ttl`` after the last agent, as the state does."""
     import torch.distributed as dist
 
     from etcd_store import EtcdStore

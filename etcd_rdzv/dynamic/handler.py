@@ -1,42 +1,24 @@
 """``EtcdRendezvousHandler``: torch's ``DynamicRendezvousHandler`` with a fresh agent store per round.
 
-With agent-store sharing on (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` unset, torch's
-default), torch's handler hosts one TCPStore in the rank-0 agent, hands its
-address to the workers as ``MASTER_ADDR``/``MASTER_PORT``, and caches that
-address after the first round. Two things then go wrong when membership
-changes: a node that was not rank 0 keeps the old address (possibly of a node
-that left), and the store keeps the keys of earlier attempts while workers in
-that mode use no per-attempt prefix, so a restarted gloo group can read a dead
-peer's address ("Connection refused" in connectFullMesh).
+With agent-store sharing on (torch's default), torch's handler hosts one TCPStore in the rank-0
+agent, hands its address to the workers as ``MASTER_ADDR``/``MASTER_PORT`` and caches it after the
+first round: when membership changes, a former non-rank-0 node keeps an old (possibly departed)
+address, and the store keeps earlier attempts' keys with no per-attempt prefix, so a restarted gloo
+group can read a dead peer's address ("Connection refused" in connectFullMesh). This subclass
+forgets both before every round (torch's ``_shared_tcp_store_server`` and
+``_bootstrap_store_info``, present since torch 2.4): the new rank 0 starts a new TCPStore and every
+node reads the round's address from the round's own etcd store. It also reports
+:mod:`etcd_rdzv.metrics`.
 
-This subclass forgets both before every round: the rank-0 node of the new round
-starts a new TCPStore server (the previous one, if this node hosted it, is
-closed first; the agent has already stopped the workers that used it) and every
-node reads the round's ``MASTER_ADDR``/``MASTER_PORT`` from the round's own
-(per-round prefixed) etcd store. It relies on two attributes of torch's handler,
-``_shared_tcp_store_server`` and ``_bootstrap_store_info`` (present since torch
-2.4). It also reports the metrics of :mod:`etcd_rdzv.metrics` (torch's handler
-records the rendezvous events itself).
-
-It also fixes torch's sealed-round defects (:mod:`etcd_rdzv.dynamic.state`):
-the state holder is a :class:`~etcd_rdzv.dynamic.state.SealedRoundStateHolder`, which
-never removes a member of a live completed round on one reader's clock; a heartbeat that
-aged while the round sealed is refreshed as soon as the join ends; and
-:meth:`EtcdRendezvousHandler.num_nodes_waiting` reports a waiting node when a member
-of this node's round is dead or this node's own entry was removed, so the agents
-re-rendezvous (and admit a replacement) instead of training on without it; a member
-that left the round counts the same. A member is also dead once its presence key, on a lease of
-``presence_ttl`` (3 s) that etcd's leader expires, is gone (:mod:`etcd_rdzv.dynamic.presence`):
-a hung node is dropped seconds after it stopped, not after its heartbeat window. Its op executor
-(:class:`~etcd_rdzv.dynamic.state.SealedRoundExecutor`) ends a completed round at the first
-member's exit, in the same fenced write, so the survivors of a dead member re-form
-at once instead of waiting for its heartbeat to expire. And ``shutdown()`` closes the
-rendezvous only on a normal end: called while an exception propagates (torchrun's agent
-failed) it removes this node instead (:mod:`etcd_rdzv.ending`).
-Its rendezvous events (and those of its holder and executor) are torch's, named without torch's
-``inspect.stack()``, whose cost sat inside every compare-and-swap window
-(:func:`~etcd_rdzv.dynamic.state.record_event`).
-Everything else is torch's handler unchanged.
+It fixes torch's sealed-round defects (:mod:`etcd_rdzv.dynamic.state`; docs/operations.md): a
+:class:`~etcd_rdzv.dynamic.state.SealedRoundStateHolder` never removes a member of a live completed
+round on one reader's clock; a heartbeat that aged while the round sealed is refreshed when the
+join ends; :meth:`EtcdRendezvousHandler.num_nodes_waiting` is positive when a member of our round is
+dead or gone (heartbeat, or its presence key, :mod:`etcd_rdzv.dynamic.presence`) or our own entry
+was removed; :class:`~etcd_rdzv.dynamic.state.SealedRoundExecutor` ends a completed round at the
+first member's exit. ``shutdown()`` closes the rendezvous only on a normal end, else leaves
+(:mod:`etcd_rdzv.ending`). Events are torch's, named in O(1)
+(:func:`~etcd_rdzv.dynamic.state.record_event`). Everything else is torch's handler unchanged.
 """
 
 from __future__ import annotations
@@ -82,8 +64,8 @@ __all__ = ["EtcdRendezvousHandler", "create_handler", "create_handler_from_param
 
 
 class EtcdRendezvousHandler(DynamicRendezvousHandler):
-    """torch's dynamic rendezvous handler whose shared agent store is new every round
-    and whose completed rounds keep their members (module docstring)."""
+    """torch's dynamic rendezvous handler with a fresh agent store per round and sealed rounds that
+    keep their members (module docstring)."""
 
     def __init__(
         self,
@@ -93,9 +75,8 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         store: Store,
         state_holder: _RendezvousStateHolder,
     ) -> None:
-        """See base class; torch's backend state holder (``from_backend``'s) is replaced by a
-        :class:`SealedRoundStateHolder` on the same backend. Raises ``EtcdRdzvPluginError``
-        when torch lacks the private torch names this relies on."""
+        """See base class; torch's backend state holder is replaced by a :class:`SealedRoundStateHolder`
+        on the same backend. Raises ``EtcdRdzvPluginError`` when torch lacks the private names used."""
         check_torch_internals()
         if type(state_holder) is _dr._BackendRendezvousStateHolder:
             state_holder = SealedRoundStateHolder.adopt(state_holder, node)
@@ -108,24 +89,21 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         self._presence: Presence | None = None  # create_handler's (presence_ttl > 0), else heartbeats only
 
     def keep_presence(self, presence: Presence) -> None:
-        """Judge the members of this node's rounds by ``presence`` too, and keep this node's key
-        there from its next join on (:mod:`etcd_rdzv.dynamic.presence`). No RPC."""
+        """Judge our rounds' members by ``presence`` too, and keep this node's key from its next join on.
+        No RPC."""
         self._presence = presence
         if isinstance(self._state_holder, SealedRoundStateHolder):
             self._state_holder.presence = presence
 
     def _record(self, message: str, node_state: NodeState = NodeState.RUNNING, rank: int | None = None) -> None:
-        """torch's event of this handler (same fields), named in O(1) (:func:`~etcd_rdzv.dynamic.state.record_event`:
-        torch's ``inspect.stack()`` costs milliseconds per event, and one is recorded per heartbeat, with the
-        heartbeat lock held)."""
+        """torch's event of this handler, named in O(1) (one is recorded per heartbeat, lock held)."""
         record_event(self, self._settings.run_id, message, node_state, self._this_node, rank)
 
     def next_rendezvous(self) -> RendezvousInfo:
         """See base class. Blocks until this node is in a complete round (or raises).
 
-        Before joining, drops the previous round's shared TCPStore server and
-        bootstrap info, so the round's rank 0 serves a fresh store and every node
-        learns its address from this round. Reports the ``rendezvous.*`` metrics.
+        First drops the previous round's shared TCPStore server and bootstrap info, so the round's rank 0
+        serves a fresh store. Reports the ``rendezvous.*`` metrics.
         """
         backend = self.get_backend()
         self._drop_shared_store()
@@ -148,24 +126,15 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
     def num_nodes_waiting(self) -> int:
         """See base class; at least 1 when this node's round must be re-formed. At most one Range.
 
-        torch's agent polls only this method while its workers are healthy;
-        reporting a waiting node makes it stop its workers and call
-        :meth:`next_rendezvous`. That happens when the run is closed from outside
-        (``next_rendezvous`` then raises ``RendezvousClosedError``: every agent ends
-        within one monitor interval instead of training on), when this node's entry
-        is no longer in its round (another node removed it), and when a member of
-        the completed round has sent no heartbeat for
-        :attr:`SealedRoundStateHolder.member_expiry` (pytorch#111646: the survivors
-        re-form the round, admitting a waiting replacement) or, seen by a member of rank below
-        :data:`~etcd_rdzv.dynamic.presence.OBSERVERS`, whose presence key is gone. The state was
-        synced by the base class in this same call; the presence keys cost an observer one Range
-        per :attr:`~etcd_rdzv.dynamic.presence.Presence.period` (0.5 s by default).
+        Positive when the run is closed (every agent then ends within one monitor interval), when our entry
+        left the round, when a member sent no heartbeat for :attr:`SealedRoundStateHolder.member_expiry`
+        (pytorch#111646), or, seen by a member of rank below :data:`~etcd_rdzv.dynamic.presence.OBSERVERS`,
+        when a member's presence key is gone (one Range per :attr:`~etcd_rdzv.dynamic.presence.Presence.period`).
         """
         waiting = super().num_nodes_waiting()
         if self._presence is not None and self._round_joined is not None:
-            # No RPC while its lease lives; after it was lost (cut off from etcd for a TTL, a quorum
-            # loss the client sat out) the key is put anew at the first poll etcd answers, before the
-            # old lease, which etcd's new leader extended by a TTL, expires: the others see no gap.
+            # No RPC while its lease lives; a lost key is put anew at the first poll etcd answers,
+            # before the old lease (extended by a new leader) expires: the others see no gap.
             self._presence.ensure(str(self._this_node))
         with self._heartbeat_lock:
             state = self._state_holder.state
@@ -205,16 +174,15 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         return ""
 
     def _observed(self, state: _RendezvousState) -> list[str]:
-        """The other members whose presence this node judges (it is a member of the completed round
-        of rank below :data:`~etcd_rdzv.dynamic.presence.OBSERVERS`), by name; call with the lock held."""
+        """The other members whose presence we judge (we are a member of rank below
+        :data:`~etcd_rdzv.dynamic.presence.OBSERVERS`); call with the lock held."""
         rank = state.participants.get(self._this_node)
         if self._presence is None or not state.complete or rank is None or rank >= OBSERVERS:
             return []
         return [str(n) for n in state.participants if n != self._this_node]
 
     def _absent_reason(self, observed: list[str]) -> str:
-        """Why the round must re-form when a member's presence key is gone ("" if none); at most one
-        Range (:meth:`~etcd_rdzv.dynamic.presence.Presence.departed`)."""
+        """Why the round must re-form when a member's presence key is gone ("" if none); at most one Range."""
         presence = self._presence
         assert presence is not None
         gone = presence.departed(observed)
@@ -224,15 +192,13 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
                 f"(no renewal for {presence.ttl} s)")
 
     def _start_heartbeats(self) -> None:
-        """See base class (called when a join succeeded); also records the round joined and
-        refreshes this node's heartbeat at once if it aged while the round sealed
-        (one write then; none when it is fresh).
+        """See base class (a join succeeded); records the round joined and refreshes our heartbeat at once
+        (one write if it aged while the round sealed).
 
-        The refresh comes *before* torch's keep-alive timer starts: the timer waits one
-        interval from its start, so its first tick finds a heartbeat at least one interval
-        old and sends it. (Refreshing after the start left a heartbeat a little younger than
-        the interval at the first tick, which torch's keep-alive then skipped: a live node's
-        stored heartbeat reached two intervals.)"""
+        The refresh comes *before* torch's keep-alive timer starts: its first tick, one interval later,
+        then finds a heartbeat at least one interval old and sends it. Refreshed after, the heartbeat
+        would be just under an interval old at that tick, skipped, and reach two intervals.
+        """
         state = self._state_holder.state
         self._round_joined = state.round
         self._round_members = frozenset(state.participants)
@@ -240,19 +206,13 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         super()._start_heartbeats()
 
     def shutdown(self) -> bool:
-        """End this node: close the rendezvous on a normal end, else only leave it
-        (:mod:`etcd_rdzv.ending`); also closes the shared TCPStore server this node hosted.
+        """End this node: close the rendezvous on a normal end, else only leave it (:mod:`etcd_rdzv.ending`);
+        also closes the shared TCPStore server this node hosted.
 
-        torchrun's launcher calls it in a ``finally`` after its agent ran, also when the agent
-        failed. With no exception in flight (the workers all succeeded) it closes the
-        rendezvous, as torch's handler does. While an exception propagates (the restarts ran
-        out, a store barrier timed out, any error of the agent) it does NOT close it (torch's
-        handler does: pytorch/pytorch#67616): it stops the heartbeats and removes this node
-        from the state (participants, wait list, redundancy list: :class:`_RendezvousLeaveOp`,
-        compare-and-swap writes of the state, within ``close_timeout``), so the other members re-form without
-        it (:meth:`num_nodes_waiting` reports the departure) and a restarted node can join.
-        Returns False if that removal failed (then the node's heartbeat ages out). A no-op
-        (True) after it left.
+        With an exception in flight it does NOT close (torch does: pytorch/pytorch#67616): it stops the
+        heartbeats and removes this node from the participants, wait and redundancy lists
+        (:class:`_RendezvousLeaveOp`, within ``close_timeout``), so the others re-form without it and a
+        restarted node can join. False if that failed (the heartbeat then ages out); True once left.
         """
         if self._left:
             return True
@@ -267,7 +227,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
                 self._presence.leave()
 
     def _leave(self, in_flight: BaseException | None) -> bool:
-        """:meth:`shutdown`'s ending for a failed node: remove this node from the state, never close."""
+        """:meth:`shutdown` for a failed node: remove this node from the state, never close."""
         self._stop_heartbeats()
         self._left = True
         run_id = self._settings.run_id
@@ -291,9 +251,8 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
 
 
 class _RendezvousLeaveOp:
-    """torch's ``_RendezvousExitOp`` for a node that leaves for good: removes it from the
-    participants, and also from the wait list and the redundancy list (torch's exit op runs
-    before a re-join, which puts the node on those lists again, so it leaves them alone)."""
+    """torch's ``_RendezvousExitOp`` for a node leaving for good: also removes it from the wait and
+    redundancy lists (torch's exit op precedes a re-join, which re-adds it there)."""
 
     def __call__(self, ctx: _dr._RendezvousContext, deadline: float) -> _dr._Action:
         state = ctx.state
@@ -313,13 +272,11 @@ class _RendezvousLeaveOp:
 def create_handler_from_params(
     params: RendezvousParameters, *, legacy: bool = False
 ) -> EtcdRendezvousHandler:
-    """Build backend, store and handler from torchrun's parameters.
+    """Build backend, store and handler from torchrun's parameters
+    (:func:`etcd_rdzv.conf.parse_dynamic_settings`; ``legacy``: torch's ``etcd`` keys too).
 
-    The settings come from :func:`etcd_rdzv.conf.parse_dynamic_settings` (``legacy``:
-    read torch's legacy ``etcd`` keys too); handler keys as torch's ``create_handler``.
-    Raises ``ValueError`` naming a bad key (before any RPC),
-    ``RendezvousConnectionError`` when the run's store cannot be opened within
-    ``read_timeout``.
+    Raises ``ValueError`` naming a bad key (before any RPC), ``RendezvousConnectionError`` when the
+    run's store cannot be opened within ``read_timeout``.
     """
     from ..metrics import maybe_start
 
@@ -353,11 +310,10 @@ def _from_backend(
 ) -> DynamicRendezvousHandler:
     """torch's ``from_backend`` with our keep-alive settings.
 
-    Newer torch takes ``keep_alive_interval`` (seconds)/``keep_alive_max_attempt``; torch 2.6 (the floor) fixes them
-    at 5 s x 3 inside ``from_backend``, so there the handler is built the way its ``from_backend`` builds
-    it, with our values in the frozen ``RendezvousSettings`` (its public fields) that the state holder and
-    the handler share. ``cas_backoff_max_seconds`` goes to a torch whose ``from_backend`` takes it
-    (2.15 and later); an older torch has no such setting: a non-zero value is logged and ignored there.
+    Newer torch takes ``keep_alive_interval``/``keep_alive_max_attempt``; torch 2.6 (the floor) fixes
+    5 s x 3 inside ``from_backend``, so there the handler is built as ``from_backend`` builds it, with
+    our values in the shared ``RendezvousSettings``. ``cas_backoff_max_seconds`` goes to a torch that
+    takes it (2.15+); elsewhere a non-zero value is logged and ignored.
     """
     args = (settings.run_id, store, backend, settings.min_nodes, settings.max_nodes, settings.local_addr, timeout)
     interval = timedelta(seconds=settings.keep_alive_interval)

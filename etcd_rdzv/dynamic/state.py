@@ -1,52 +1,31 @@
 """``SealedRoundStateHolder``: torch's backend state holder without its sealed-round defects.
 
-torch's ``_BackendRendezvousStateHolder._sanitize()`` runs after every read and
-removes every node whose heartbeat looks older than ``keep_alive_interval x
-keep_alive_max_attempt`` *to the reading node's clock*, members of a completed
-round included, then lets the reader's next write store that copy:
+torch's ``_BackendRendezvousStateHolder._sanitize()`` runs after every read and removes every node
+whose heartbeat looks older than ``keep_alive_interval x keep_alive_max_attempt`` *to the reader's
+clock*, members of a completed round included, and the reader's next write stores that copy: a late
+reader strands a member (A), a stalled member re-opens the round while the others train (B), and a
+dead member never makes ``num_nodes_waiting()`` positive (C, pytorch#111646). docs/operations.md
+("etcd-v2's sealed rounds") has the cases and the safety argument.
 
-* case A: a member whose heartbeat aged while the round sealed finishes its join
-  with world N, a later reader drops it and finishes with world N-1; that reader's
-  next heartbeat stores the round without the member, which stops heartbeating
-  (its entry is gone) and is in no wait list, so nobody ever re-rendezvouses;
-* case B: a member stalled between its read and ``_sanitize`` sees every heartbeat
-  as old, removes everyone, the epilogue re-opens the round, and its write makes a
-  new round global while the others train in the old one;
-* case C (pytorch#111646): a dead member of a completed round never makes
-  ``num_nodes_waiting()`` positive, so the survivors never re-rendezvous.
+This holder keeps torch's state format and its pruning of a forming round and of the wait and
+redundancy lists. A *completed* round keeps its members while one is alive: the reader itself if it
+is a member (a member that can read proves the round alive, whatever its clock says), else any
+member younger than :attr:`SealedRoundStateHolder.member_expiry`. Only a round whose members all
+look dead to a reader outside it is pruned, by torch's rule. Which members are dead is the
+handler's business (:meth:`SealedRoundStateHolder.dead_members`).
 
-This holder keeps torch's state format and torch's pruning of a round that is
-still forming, of the wait list and of the redundancy list. A *completed* round
-keeps its members while one of them is alive: the reader itself when it is a
-member (a member that can read is proof that the round is alive, whatever its
-clock says about the others), else any member whose heartbeat is younger than
-:attr:`SealedRoundStateHolder.member_expiry` (the heartbeat window plus one
-read-cache period). Only a round whose members all look dead to a reader outside
-it is pruned, by torch's rule, so that the round advances (the survivors of a
-member that died have left it and wait for the next round). That a member is
-dead is the handler's business: :meth:`SealedRoundStateHolder.dead_members`
-tells it, and it reports a waiting node so that the survivors re-rendezvous.
+torch's ``sync`` ``pickle.loads`` what the backend returns, so it reads through
+:class:`CheckedStates`: every stored state is decoded by :func:`etcd_rdzv.v2state.load_state` (a
+restricted reader that runs nothing) and torch gets the pickle of a fresh ``_RendezvousState``.
 
-The holder is also where the stored state is checked. torch's ``sync``
-``pickle.loads`` what the backend returns, and the backend returns the stored bytes as torch's
-``RendezvousBackend`` contract says (opaque). So torch's holder reads through
-:class:`CheckedStates`: every state read (``get_state``, a lost ``set_state``) is read by
-:func:`etcd_rdzv.v2state.load_state`, the restricted reader that runs nothing, and torch gets the
-pickle of a fresh ``_RendezvousState`` built from the checked values (:func:`torch_state`), never
-the stored bytes. A value that is not torch's state raises ``RendezvousStateError`` naming the key
-before anything unpickles it. Only a write that succeeded hands torch back its own pickle unread.
-
-torch private names this module relies on (checked by :func:`check_torch_internals`,
-which raises :class:`~etcd_rdzv.plugin.EtcdRdzvPluginError` when one is missing):
-``_BackendRendezvousStateHolder`` (``__init__(backend, settings, cache_duration)``,
-``_backend``, ``_settings``, ``_cache_duration``, ``_state``, ``_dead_nodes``, and
-``sync`` calling ``_sanitize``), the fields of ``_RendezvousState`` (exactly those
-:mod:`etcd_rdzv.v2state` checks, so that a state built from them lacks none) and of ``_NodeDesc``, and,
-in :mod:`etcd_rdzv.dynamic.handler`,
-``DynamicRendezvousHandler.__init__``'s parameters, ``_state_holder``, ``_op_executor``,
-``_this_node``, ``_heartbeat_lock``, ``_keep_alive`` and ``_start_heartbeats``, and
-``_DistributedRendezvousOpExecutor`` (``__init__(node, state_holder, settings)``, ``_node``,
-``_state``, ``_settings`` and ``_remove_from_participants``) for :class:`SealedRoundExecutor`.
+torch private names relied on (checked by :func:`check_torch_internals`):
+``_BackendRendezvousStateHolder`` (``__init__(backend, settings, cache_duration)``, ``_backend``,
+``_settings``, ``_cache_duration``, ``_state``, ``_dead_nodes``, ``sync`` calling ``_sanitize``),
+the fields of ``_RendezvousState`` (those :mod:`etcd_rdzv.v2state` checks) and ``_NodeDesc``; in
+:mod:`etcd_rdzv.dynamic.handler`, ``DynamicRendezvousHandler.__init__``'s parameters,
+``_state_holder``, ``_op_executor``, ``_this_node``, ``_heartbeat_lock``, ``_keep_alive`` and
+``_start_heartbeats``; and ``_DistributedRendezvousOpExecutor`` (``__init__(node, state_holder,
+settings)``, ``_node``, ``_state``, ``_settings``, ``_remove_from_participants``).
 """
 
 from __future__ import annotations
@@ -157,18 +136,11 @@ def record_event(
     owner: object, run_id: str, message: str, node_state: NodeState, node: _NodeDesc | None = None,
     rank: int | None = None,
 ) -> None:
-    """Record torch's rendezvous event of ``owner``'s ``_record`` (same name and fields as torch's),
-    naming it in O(1): ``<owner's class>.<the function that called _record>``.
-
-    That name is what torch's ``get_method_name()`` gives, without its two ``inspect.stack()``
-    calls: those read the source file of every frame and, for frames of no module file
-    (``<frozen runpy>``, under torchrun), scan ``sys.modules`` once more each; about 10 ms of CPU
-    per event in a torchrun agent, seconds on a loaded host. torch records an event between the
-    read and the write of every state change (each sync that wrote, each action), so that time is
-    inside the compare-and-swap window: a node that must win a write against the members' 1 s
-    heartbeats (joining the wait list of a sealed round) lost every race for tens of seconds, or
-    until its join timed out, on a loaded host. Call it from ``_record`` only (it names the frame
-    two above itself). ``node`` adds hostname, pid and local id; ``rank`` the rank."""
+    """Record torch's rendezvous event of ``owner``'s ``_record`` (torch's fields), named in O(1) as
+    ``<owner's class>.<caller of _record>``; call it from ``_record`` only. ``node`` adds hostname, pid
+    and local id. Not torch's ``get_method_name()``: its ``inspect.stack()`` costs ~10 ms of CPU per
+    event (seconds on a loaded host) inside the CAS window of every state change, where a node joining
+    a sealed round's wait list then lost every race to the members' heartbeats."""
     construct_and_record_rdzv_event(
         name=f"{type(owner).__name__}.{sys._getframe(2).f_code.co_name}",
         run_id=run_id,
@@ -182,11 +154,8 @@ def record_event(
 
 
 def check_torch_internals() -> None:
-    """Return if torch has the private names this module and the etcd-v2 handler use.
-
-    Raises :class:`EtcdRdzvPluginError` naming the torch version and each difference
-    (no RPC, no side effect).
-    """
+    """Return if torch has the private names this module and the etcd-v2 handler use; else raise
+    :class:`EtcdRdzvPluginError` naming the torch version and each difference. No side effect."""
     found = _problems()
     if found:
         raise EtcdRdzvPluginError(
@@ -197,11 +166,8 @@ def check_torch_internals() -> None:
 
 
 def torch_state(checked: V2State) -> _RendezvousState:
-    """torch's ``_RendezvousState`` holding the values of ``checked``, made of fresh torch objects.
-
-    Unknown attributes of the stored state (``checked.unknown``) are left out; the wait and
-    redundancy lists are torch's mutable sets (v2state admits only the set torch writes). No I/O.
-    """
+    """torch's ``_RendezvousState`` holding ``checked``'s values, made of fresh torch objects (unknown
+    attributes left out; the lists are torch's mutable sets). No I/O."""
     nodes: dict[NodeDesc, _NodeDesc] = {}
 
     def node(n: NodeDesc) -> _NodeDesc:
@@ -223,15 +189,13 @@ def torch_state(checked: V2State) -> _RendezvousState:
 
 
 class CheckedStates(RendezvousBackend):
-    """What :class:`SealedRoundStateHolder` hands torch's ``sync`` as its backend: ``backend``'s
-    states, each read by the restricted reader and pickled anew from the checked values.
+    """The backend :class:`SealedRoundStateHolder` hands torch's ``sync``: ``backend``'s states, checked
+    and pickled anew.
 
-    ``get_state`` and a ``set_state`` that lost return the pickle of :func:`torch_state` of the
-    stored value; a ``set_state`` that succeeded returns what torch wrote (the very object it
-    passed, so not stored bytes: torch's own pickle of a state built from checked values). A
-    stored value that is not torch's rendezvous state raises ``RendezvousStateError`` naming
-    the key (``backend.key`` when it has one) before anything unpickles it. Tokens and the
-    backend's errors pass unchanged; no RPC of its own.
+    ``get_state`` and a losing ``set_state`` return the pickle of :func:`torch_state` of the stored
+    value; a winning ``set_state`` returns the object torch passed (its own pickle of a checked state).
+    A stored value that is not torch's state raises ``RendezvousStateError`` naming the key before
+    anything unpickles it. Tokens and the backend's errors pass unchanged; no RPC of its own.
     """
 
     def __init__(self, backend: RendezvousBackend) -> None:
@@ -275,11 +239,9 @@ _NEVER = datetime.min.replace(tzinfo=timezone.utc)
 class SealedRoundStateHolder(_Holder):
     """torch's backend state holder whose ``_sanitize`` leaves a live completed round alone.
 
-    Args are torch's plus ``node``, the descriptor of the handler this holder serves.
-    The state format, the CAS writes and the read cache are torch's; what ``_sanitize``
-    removes differs, and torch's ``sync`` reads ``backend`` through :class:`CheckedStates`
-    (module docstring): ``sync`` raises ``RendezvousStateError`` naming the key for a stored
-    value that is not torch's rendezvous state, and never unpickles the stored bytes.
+    Args are torch's plus ``node``, the handler's own descriptor. State format, CAS writes and read
+    cache are torch's; ``sync`` reads through :class:`CheckedStates` (raises ``RendezvousStateError``
+    for a stored value that is not torch's state).
     """
 
     def __init__(
@@ -293,28 +255,23 @@ class SealedRoundStateHolder(_Holder):
         self._node = node
         window = settings.keep_alive_interval * settings.keep_alive_max_attempt
         self.member_expiry: timedelta = window + timedelta(seconds=max(cache_duration, 0))
-        """A completed round's member is dead once its heartbeat is older than this: torch's
-        heartbeat window plus one read-cache period (our copy may be that much older).
-        Defaults: 15 + 1 = 16 s. (A live node's stored heartbeat is at most one interval plus
-        one keep-alive call old: the handler refreshes it before torch's timer starts, so no
-        tick is skipped; the window leaves two more intervals for a slow call.)"""
+        """A completed round's member is dead once its heartbeat is older than this: torch's window
+        plus one read-cache period (our copy may be that old); 16 s by default. A live node's stored
+        heartbeat is at most one interval plus one keep-alive call old."""
         #: When this node's contact with etcd last resumed after a failed sync (never: the distant past).
         self._reachable_since = _NEVER
         self._unreachable = False
         self.presence: Presence | None = None
         """The run's presence keys (:mod:`etcd_rdzv.dynamic.presence`), set by the handler; None: off."""
         self.fast_recovery = False
-        """rdzv-conf ``fast_recovery`` (needs :attr:`presence`): a forming round's last call ends once
-        every live node it knows has joined (:meth:`_end_last_call`)."""
+        """rdzv-conf ``fast_recovery`` (needs :attr:`presence`): :meth:`_end_last_call`."""
 
     def sync(self) -> bool | None:
         """See base class; also notes when this node's contact with etcd last resumed.
 
-        Raises what torch's ``sync`` raises. A sync that failed, or that took longer than one
-        keep-alive interval (the client rides out an etcd outage until its deadline, so an outage
-        shows as a slow call), starts a new contact period when a later sync (or this one) ends: no
-        member counts as dead until it lasted :attr:`member_expiry`, since nobody could write a
-        heartbeat meanwhile (the problem was etcd, not them). One monotonic clock read more per sync.
+        A sync that failed, or took longer than one keep-alive interval (the client rides out an outage
+        until its deadline), starts a new contact period: no member counts as dead until it lasted
+        :attr:`member_expiry`, since nobody could write a heartbeat meanwhile.
         """
         started = time.monotonic()
         try:
@@ -329,9 +286,9 @@ class SealedRoundStateHolder(_Holder):
         return has_set
 
     def _may_judge(self, now: datetime) -> bool:
-        """Whether this node may call members dead: it has been in contact with etcd for
-        :attr:`member_expiry` and its own stored heartbeat is fresh (a stalled observer, or one
-        whose writes etcd delays, sees everyone old: then nobody is evicted)."""
+        """Whether this node may call members dead: in contact with etcd for :attr:`member_expiry` and its
+        own stored heartbeat fresh (a stalled observer, or one whose writes etcd delays, sees everyone old).
+        """
         if now - self._reachable_since < self.member_expiry:
             return False
         own = self._state.last_heartbeats.get(self._node)
@@ -348,9 +305,8 @@ class SealedRoundStateHolder(_Holder):
         return cls(holder._backend, holder._settings, node, holder._cache_duration)
 
     def dead_members(self) -> list[_NodeDesc]:
-        """Members of the local copy's completed round, other than this node, whose heartbeat
-        is older than :attr:`member_expiry` now (or missing), sorted; ``[]`` while the round
-        forms. No RPC."""
+        """Members of the local copy's completed round, other than this node, whose heartbeat is older
+        than :attr:`member_expiry` (or missing), sorted; ``[]`` while the round forms. No RPC."""
         state = self._state
         now = datetime.now(timezone.utc)
         if not state.complete or not self._may_judge(now):
@@ -360,12 +316,8 @@ class SealedRoundStateHolder(_Holder):
         return sorted(n for n in state.participants if n != self._node and beats.get(n, limit) <= limit)
 
     def _sanitize(self) -> None:
-        """Prune dead nodes from the local copy after a read or write (torch's hook).
-
-        A forming round, or a completed round none of whose members is alive (the
-        module docstring): torch's ``_sanitize``. Otherwise only the wait-list and
-        redundancy-list nodes that are dead by torch's rule.
-        """
+        """Prune dead nodes from the local copy (torch's hook): torch's rule for a forming round or a
+        completed one whose members all look dead; else only dead wait-list and redundancy-list nodes."""
         state = self._state
         if not state.complete or self._round_is_dead(state):
             super()._sanitize()
@@ -383,16 +335,11 @@ class SealedRoundStateHolder(_Holder):
             log.debug("round %s: removed dead waiting node(s) %s", state.round, pruned)
 
     def _end_last_call(self, state: Any) -> None:
-        """``fast_recovery``: in the local copy, move the last-call deadline of a forming round that
-        ``min_nodes`` joined, other than the first, into the past once no live node it knows is still out, so that torch's
-        join op of a participant completes the round now (its next write stores that decision).
-
-        A node it knows is one with a heartbeat in the state (the members of the round that ended,
-        the wait list; not the redundancy list, which a round does not admit); live is a presence
-        key in etcd (one keys-only Range per presence period, only while such a node is out). A
-        node with no key (presence off, an older etcd-rdzv) is not waited for: it joins the next
-        round. Without a fresh presence read nothing changes (torch's last call runs).
-        """
+        """``fast_recovery``: end the last call of a forming round (not the first) in the local copy once
+        no live node it knows is still out, so torch's join op completes the round now. Known: a heartbeat
+        in the state, outside the redundancy list; live: a presence key (one keys-only Range per presence
+        period, only while such a node is out). Nodes without a key are not waited for; without a fresh
+        presence read nothing changes."""
         if state.complete or state.deadline is None or self.presence is None or state.round == 0:
             return  # (round 0, the job's first: no group re-forms, torch's last call gathers it)
         out = [n for n in state.last_heartbeats if n not in state.participants and n not in state.redundancy_list]
@@ -421,21 +368,12 @@ class SealedRoundStateHolder(_Holder):
 class SealedRoundExecutor(_Executor):
     """torch's op executor whose exit from a completed round ends that round.
 
-    torch's ``_remove_from_participants`` removes only the exiting node from a completed round
-    and moves to the next round once the last member has left (``_remove_participant_epilogue``),
-    so the survivors of a dead member wait in the wait list until its heartbeat is old enough to
-    prune. Here the first member that leaves a completed round ends it in the same fenced write:
-    ``participants={}``, ``complete=False``, ``round+1``, ``deadline=None`` (torch's epilogue,
-    applied at the first exit instead of the last); the exiting node's heartbeat is removed as
-    torch does; the other nodes' heartbeats, the wait list and the redundancy list are kept, so
-    the next round admits them at once. A member still training in the ended round sees the round
-    move on in its ``num_nodes_waiting()`` (:class:`~etcd_rdzv.dynamic.handler.EtcdRendezvousHandler`
-    reports a waiting node) and joins the next one; one that had not yet read the sealed round
-    never gets a world from it. A round that is still forming is left as torch leaves it. No RPC.
-
-    Its events are torch's, named in O(1) (:func:`record_event`): torch records one between the
-    read and the write of every state change, and its ``inspect.stack()`` made that window long
-    enough on a loaded host for a joining node to lose every compare-and-swap to the heartbeats.
+    torch moves to the next round only once the last member left, so the survivors of a dead member
+    wait until its heartbeat ages out. Here the first member to leave ends the round in the same fenced
+    write (torch's epilogue: ``participants={}``, ``complete=False``, ``round+1``, ``deadline=None``),
+    keeping the others' heartbeats and the wait and redundancy lists, so the next round admits them at
+    once; a member still training sees it in ``num_nodes_waiting()``. A forming round is left as torch
+    leaves it. No RPC.
     """
 
     def _record(self, message: str, node_state: NodeState = NodeState.RUNNING) -> None:

@@ -1,60 +1,26 @@
 """The decision of the ``etcd-v3`` wait loop: pure functions over explicit state.
 
-A node that joined round ``T`` waits on its watch until ``T`` is sealed, and
-seals it itself when due. What it knows of the round is a :class:`JoinCounts`
-(taken from its :class:`~etcd_rdzv.native.wait.RoundView`); what it remembers
-between two looks is a :class:`Barrier`. :func:`decide` maps
-``(barrier, counts, settings, now)`` to the next barrier and one action:
+A node that joined round ``T`` waits on its watch until ``T`` is sealed, and seals it itself when
+due. :func:`decide` maps ``(Barrier, JoinCounts, settings, now)`` to the next :class:`Barrier` and
+one action: :class:`Check`, :class:`Seal`, :class:`TimeOut` or :class:`WaitUntil`. No clock, no
+etcd, no logging, no raising: the loop (:mod:`etcd_rdzv.native.rounds`) acts. Safety does not
+depend on these decisions (every seal is a fenced Txn, :mod:`etcd_rdzv.native.protocol`); they
+decide *when* a node tries, so a round is sealed about once, soon after it is due.
 
-* :class:`Check`: read the round now (one read-only Txn), then decide again;
-* :class:`Seal`: try the seal transaction now, with that read (the loop then
-  records the outcome with :meth:`Barrier.sealed`);
-* :class:`TimeOut`: ``join_timeout`` passed; withdraw (if the round is still
-  unsealed) and raise, or, if it was sealed meanwhile, read this node's place in it
-  (the loop does, from the round's members record: a watch may hear nothing for long;
-  :meth:`Barrier.timed_out_late` is the state of a loop that awaits the event instead);
-* :class:`WaitUntil`: wait for the next watch event, at most until ``at``
-  (``None``: no deadline).
+**Candidates.** A node never sees the other joins of its round (that would be N events per node).
+A joiner whose join answer showed at least ``min_nodes`` joiners is a seal *candidate*; the others
+only wait for the sealed record. The latest joiner of any ``min_nodes`` present joiners saw all of
+them, so whenever a seal could be due some present node is a candidate. A candidate that reads
+fewer than ``min_nodes`` steps down (only a later joiner, itself a candidate, can raise the count).
 
-**Candidates.** A node never sees the other joins of its round (that would be
-N events per node). A joiner whose join answer showed at least ``min_nodes``
-joiners is a seal *candidate*; the others only wait for the sealed record. The
-latest joiner of any set of at least ``min_nodes`` present joiners saw all of
-them in its answer, so whenever a seal could be due some present node is a
-candidate. A candidate's count is its join answer's until it reads the round
-(:class:`Check`); one that reads fewer than ``min_nodes`` steps down (it is not
-ready on that count, and only a later joiner, itself a candidate, can raise it).
+A round is due when the previous round is vacated, ``min_nodes`` joined, and either ``max_nodes``
+joined, ``last_call_timeout`` passed since the barrier was met, or (``fast_recovery``) it has no
+more joiners than the group this node left. A candidate reads before it seals. The sealed record
+then gives a :func:`verdict` (or :func:`resolved`, from the members record).
 
-When a round is due (for a candidate, on what it knows): the previous round is
-vacated, ``min_nodes`` joined, and either ``max_nodes`` joined, or
-``last_call_timeout`` passed since the barrier was first met, or
-(``fast_recovery``: ``recover_size`` is the size of the group this node left)
-the round has no more joiners than that group had. A candidate always reads the
-round before it seals, and decides again on what it read.
-
-When the sealed event of ``T`` arrives, :func:`verdict` says what it means for
-this node (:func:`resolved`, when the wait ended without it and the node reads the
-round's members record instead): :class:`Admitted` (rank, world size), :class:`Undersized` (the record
-names fewer than ``min_nodes`` members, which a seal never writes) or
-:class:`Overflow` (not named: over ``max_nodes``, or gone when the sealer read).
-
-Nothing here reads a clock, contacts etcd, logs or raises: the loop
-(:mod:`etcd_rdzv.native.rounds`) acts, this module decides. Safety does not
-depend on these decisions (every seal is a fenced transaction, see
-:mod:`etcd_rdzv.native.protocol`); they decide *when* a node tries, so that a
-round is sealed about once, soon after it is due.
-
-**Whether a running group is intact.** :func:`nodes_waiting` is the answer of
-``num_nodes_waiting()`` on what a member read (:class:`~etcd_rdzv.native.handler.GroupCheck`
-reads and re-attaches; the handler's docstring says why a closed run answers 0).
-
-**Where a node stands.** :class:`Standing` is the bookkeeping a
-:class:`~etcd_rdzv.native.rounds.Participant` holds and updates as its joins and waits
-end: the join key it holds (:class:`Joined`), a join Txn sent whose answer is not recorded
-yet, the round it is a member of (its size, its rank, the revision that sealed it, rank 0's
-address) and the value of its latest join key. It makes the :class:`RoundResult` of an
-admission and the :class:`PreviousGroup` group a rendezvous leaves. No lock (one rendezvous at a
-time; ``forget`` may race it, as the participant's ``stop`` always could).
+Also here: :func:`nodes_waiting`, ``num_nodes_waiting()``'s answer on what a member read, and
+:class:`Standing`, a participant's bookkeeping of its joins and rounds (no lock: one rendezvous at
+a time; ``forget`` may race it, as ``stop`` always could).
 """
 
 from __future__ import annotations
@@ -73,20 +39,15 @@ __all__ = ["SEAL_BACKUP_DELAY", "Action", "Admitted", "Barrier", "Check", "Group
            "nodes_waiting", "resolved", "verdict"]
 
 SEAL_BACKUP_DELAY = 1.0
-"""Seconds between seal attempts by place: once the round is ready, the first
-candidate (the joiner that saw ``min_nodes``) tries at once, the one that saw
-``min_nodes + k`` after ``k * SEAL_BACKUP_DELAY`` (it stands in for earlier
-candidates that are alive but slow). This keeps a round at about one seal
-transaction, not one per candidate.
-
-One exception: a joiner whose own join answer showed the round due at once (the
-previous round empty and ``max_nodes`` joined, or no more than its old group:
-``fast_recovery``) tries at once, from that answer: it is the only node that
-knows."""
+"""Seconds between seal attempts by place: the candidate that saw ``min_nodes`` tries at once, the
+one that saw ``min_nodes + k`` after ``k * SEAL_BACKUP_DELAY`` (standing in for slow earlier
+ones), so a round costs about one seal Txn. Exception: a joiner whose own answer showed the round
+due (previous round empty, and ``max_nodes`` joined or no more than its old group) tries at once:
+it is the only node that knows."""
 
 
 class Rules(Protocol):
-    """The settings :func:`decide` reads (``NativeSettings`` has them)."""
+    """The settings :func:`decide` reads (``V3Settings`` has them)."""
 
     @property
     def min_nodes(self) -> int: ...
@@ -102,10 +63,9 @@ class Rules(Protocol):
 class JoinCounts:
     """What this node knows of its round.
 
-    ``count``: join keys of the round, ours included (from our join's answer or our
-    latest read); ``prev_count``: join keys left in the previous round;
-    ``changes``: how many times the view changed; ``fresh``: ``count`` and
-    ``prev_count`` come from a read with nothing seen since (a seal may use it).
+    ``count``: join keys of the round, ours included; ``prev_count``: join keys left in the previous
+    round; ``changes``: how often the view changed; ``fresh``: both come from a read with nothing seen
+    since (a seal may use it).
     """
 
     count: int
@@ -125,11 +85,8 @@ class JoinCounts:
 
 @dataclass(frozen=True)
 class JoinDeadline:
-    """The ``join_timeout`` deadline of one ``next_rendezvous``, across the rounds it joins.
-
-    Suspended while a full group runs (torch's redundancy list); resuming starts
-    a full ``seconds`` again.
-    """
+    """The ``join_timeout`` deadline of one ``next_rendezvous``, across its rounds; suspended while a
+    full group runs (torch's redundancy list), and a full ``seconds`` again on resuming."""
 
     seconds: float
     at: float
@@ -152,15 +109,12 @@ class JoinDeadline:
 class Barrier:
     """What the wait loop remembers between two looks at its round.
 
-    ``candidate``: our join answer showed ``min_nodes`` joiners (see the module
-    docstring); ``place``: our place in the seal order (:data:`SEAL_BACKUP_DELAY`);
-    ``last_call_at``: when the last call ends (set when ``min_nodes`` joined and the
-    previous round is vacated; cleared when that stops holding); ``ready_since``:
-    since when the round is due; ``tried_at_change``: the ``JoinCounts.changes`` of our
-    last check or seal attempt (none twice on an unchanged view); ``sealed_by_me``:
-    our seal transaction succeeded; ``settled``: the round was sealed (or the run
-    closed) by someone, its event is on the way; ``timing_out``: ``join_timeout``
-    passed but the round was sealed before we could withdraw.
+    ``candidate``: see the module docstring; ``place``: our place in the seal order
+    (:data:`SEAL_BACKUP_DELAY`); ``last_call_at``: when the last call ends (while ``min_nodes`` joined
+    and the previous round is vacated); ``ready_since``: since when the round is due;
+    ``tried_at_change``: ``JoinCounts.changes`` at our last check or seal (never twice on one view);
+    ``sealed_by_me``; ``settled``: sealed (or the run closed) by someone, its event on the way;
+    ``timing_out``: ``join_timeout`` passed but the round was sealed before we could withdraw.
     """
 
     clock: JoinDeadline
@@ -277,19 +231,17 @@ class Undersized:
 
 @dataclass(frozen=True)
 class Overflow:
-    """The round was sealed without this node (``max_nodes`` came before it, or it had
-    left when the sealer read the round)."""
+    """The round was sealed without this node (``max_nodes`` came first, or it had left at the read)."""
 
 
 def resolved(members: Sequence[str] | None, node_id: str, round_: int, sealed_round: int,
              rules: Rules) -> Admitted | None:
-    """Our place in ``round_``, read from its members record after our wait ended without its
-    outcome (a compacted watch history, a lost join answer); None if we are no member of it.
+    """Our place in ``round_`` from its members record, after the wait ended without its outcome (a
+    compacted watch history, a lost join answer); None if we are no member.
 
-    Only while ``round_`` is the last sealed round (``sealed_round``): a later round was
-    sealed with ``round_`` empty, so our key had gone by then (our lease ended) and that
-    group re-formed without us; its rank 0's address is not in the sealed record we hold
-    either. A record naming fewer than ``min_nodes`` forms no group (void)."""
+    Only while ``round_`` is the last sealed round: a later seal means our key was gone by then and
+    the group re-formed without us. A record naming fewer than ``min_nodes`` is void.
+    """
     if sealed_round != round_ or members is None or len(members) < rules.min_nodes:
         return None
     if node_id not in members:
@@ -311,9 +263,9 @@ def verdict(membership: Membership, seq: int, create_revision: int, rules: Rules
 
 @dataclass(frozen=True)
 class Group:
-    """This node's group as :func:`nodes_waiting` sees it: ``world`` members (0: not a member of
-    the last sealed round), ``lease_ok`` (its own key and lease were intact, or it re-attached),
-    ``tolerate_until``: until when missing members are assumed to be re-attaching (monotonic)."""
+    """This node's group for :func:`nodes_waiting`: ``world`` members (0: not a member of the last
+    sealed round), ``lease_ok`` (own key and lease intact, or re-attached), ``tolerate_until``
+    (monotonic): until when missing members are assumed to be re-attaching."""
 
     world: int = 0
     lease_ok: bool = True
@@ -321,16 +273,12 @@ class Group:
 
 
 def nodes_waiting(occ: Occupancy, group: Group, max_nodes: int, now: float) -> int:
-    """The answer of ``num_nodes_waiting()`` for what a node read (see the module docstring).
+    """``num_nodes_waiting()`` for what a node read (pure).
 
-    * at least 1 once the run is aborted (the agent stops its workers, then learns from
-      ``next_rendezvous`` that the run is closed);
-    * 0 once the run is closed (no round can form any more: healthy workers run on, whoever
-      left the round);
-    * for a member: at least 1 when it could not keep its place (``lease_ok`` False), or its
-      round is short of its world size and somebody waits in the next round or the grace is
-      over; else 0 while the round is full (torch's redundancy list);
-    * otherwise the number of nodes joined in the next round.
+    At least 1 once the run is aborted; 0 once it is closed (no round can form; healthy workers run
+    on). For a member: at least 1 when it lost its place (``lease_ok`` False), or its round is short
+    and somebody waits in the next round or the grace is over; else 0 while the round is full
+    (torch's redundancy list). Otherwise the number of nodes joined in the next round.
     """
     if occ.aborted:
         return max(occ.waiting, 1)
@@ -350,11 +298,8 @@ def nodes_waiting(occ: Occupancy, group: Group, max_nodes: int, now: float) -> i
 
 @dataclass(frozen=True)
 class RoundResult:
-    """The outcome of the barrier for one node: its place in a sealed round.
-
-    ``seal_revision`` is the revision at which the round was sealed (the same
-    for every member; 0 when it was learnt from the members record).
-    """
+    """One node's place in a sealed round; ``seal_revision`` is the same for every member (0 when
+    learnt from the members record)."""
 
     round: int
     rank: int
@@ -365,12 +310,8 @@ class RoundResult:
 
 @dataclass(frozen=True)
 class Joined:
-    """The join key this node holds in ``round``.
-
-    ``member``: True (member of the sealed round), False (the round was sealed
-    without us: over ``max_nodes`` or void), None (not known: still waiting, or
-    the wait ended with an error before the outcome was seen).
-    """
+    """The join key this node holds in ``round``; ``member``: True, False (sealed without us), or None
+    (not known yet, or the wait failed before the outcome)."""
 
     round: int
     key: bytes
@@ -380,9 +321,8 @@ class Joined:
 
 @dataclass(frozen=True)
 class PreviousGroup:
-    """The group a node leaves at a rendezvous: its round (None: none) and size (read only with
-    a round), and whether this node observes it for dead members
-    (:func:`~etcd_rdzv.native.leases.observes`)."""
+    """The group a node leaves at a rendezvous: round (None: none), size, and whether this node
+    observes it for dead members (:func:`~etcd_rdzv.native.leases.observes`)."""
 
     round: int | None
     world: int
@@ -391,13 +331,12 @@ class PreviousGroup:
 
 @dataclass
 class Standing:
-    """One node's place in the rounds (see the module docstring).
+    """One node's place in the rounds.
 
-    ``joined``: the join key it holds; ``joining``: a join Txn sent whose answer is not
-    recorded yet (a leave at exit withdraws it too); ``member_round``/``member_world``/
-    ``member_rank``: the round it is a member of, its size and our rank; ``member_seal``:
-    the revision that sealed it (0: not known); ``round_master``: rank 0's address from
-    that round's sealed record; ``join_value``: the value of our latest join key.
+    ``joined``: the join key it holds; ``joining``: a join Txn whose answer is not recorded yet (a
+    leave at exit withdraws it too); ``member_*``: the round it is a member of, its size, our rank and
+    the revision that sealed it (0: unknown); ``round_master``: rank 0's address from that record;
+    ``join_value``: our latest join key's value.
     """
 
     joined: Joined | None = None
@@ -410,11 +349,9 @@ class Standing:
     join_value: bytes = b""
 
     def begin(self, value: bytes, observes: bool) -> PreviousGroup:
-        """A rendezvous starts with join value ``value``: forget the round we were a member of
-        (returned: a round that only re-forms that group may skip the last call, and its
-        observers evict its dead; ``observes``: whether our rank in it makes us one,
-        :func:`~etcd_rdzv.native.leases.observes`); take up a join of the last call that
-        ended in an error (it may have applied)."""
+        """Start a rendezvous with join value ``value``: forget our round and return it (a round that only
+        re-forms that group may skip the last call, and its observers evict its dead); take up a join of
+        the last call that ended in an error (it may have applied)."""
         prior = PreviousGroup(self.member_round, self.member_world, self.member_round is not None and observes)
         self.member_round, self.member_seal = None, 0
         self.round_master = None
@@ -437,9 +374,8 @@ class Standing:
             self.joined = replace(self.joined, member=member)
 
     def pending(self) -> list[Joined]:
-        """The joins a leave withdraws: the one in flight, then the recorded one, unless we are
-        a member of its round (a signal may end the process between a join Txn and the
-        recording of its answer, so that the key exists though ``joined`` does not name it)."""
+        """The joins a leave withdraws: the one in flight, then the recorded one, unless we are a member of
+        its round (a signal may land between a join Txn and recording its answer)."""
         return [j for j in (self.joining, self.joined) if j is not None and not j.member]
 
     def forget(self) -> None:

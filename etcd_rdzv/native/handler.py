@@ -1,50 +1,30 @@
 """``EtcdV3RendezvousHandler``: torch's ``RendezvousHandler`` contract on etcd v3 primitives.
 
-One node = one handler = one lease (TTL ``lease_ttl``) refreshed over one keep-alive stream; a
-join is one Txn, a wait one watch of the run's ``ctl/`` keys, a seal one fenced Txn
-(:mod:`~etcd_rdzv.native.protocol`, driven by :class:`~etcd_rdzv.native.rounds.Participant`; see
-docs/etcd-v3-design.md). No node rewrites anything while a job runs: liveness is the lease alone.
-This module is torch's interface, and the one place where the node's errors
-(:class:`~etcd_rdzv.native.records.NodeError`, ``ProtocolStateError``, ``EtcdError``) become
-torch's (:func:`torch_error`).
+One node = one handler = one lease (TTL ``lease_ttl``) on one keep-alive stream; a join is one Txn,
+a wait one watch of the run's ``ctl/`` keys, a seal one fenced Txn (:mod:`~etcd_rdzv.native.protocol`,
+driven by :class:`~etcd_rdzv.native.rounds.Participant`; docs/etcd-v3-design.md). No node writes
+while a job runs: liveness is the lease alone. This module is the one place where the node's errors
+become torch's (:func:`torch_error`).
 
-Cost of an uncontended ``next_rendezvous`` (node already holding its lease): one
-join Txn, one watch; a read Txn and a seal Txn for one node per round; plus
-the store bootstrap: one Txn for rank 0 (it publishes MASTER_ADDR/PORT in the
-round's store), nothing for the others while the sealed record names rank 0's
-address and port (from the sealer's read, when rank 0 probed its port at most
-``MASTER_PORT_MAX_AGE`` before the seal); else rank 0 probes a port once it
-knows its rank and the others read it from the store.
+Cost of an uncontended ``next_rendezvous``: one join Txn, one watch; a read Txn and a seal Txn for
+one node per round; plus one store Txn for rank 0 (MASTER_ADDR/PORT), nothing for the others while
+the sealed record names rank 0's port (probed at most ``MASTER_PORT_MAX_AGE`` before the seal).
 
-**Liveness.** torch's agent calls ``num_nodes_waiting()`` every monitor interval while its workers
-are healthy and restarts them (a new round) when it is positive; it never calls ``is_closed()``.
-:class:`GroupCheck` answers it for one node with one read-only Txn
-(:func:`~etcd_rdzv.native.protocol.count_waiting`); :func:`~etcd_rdzv.native.barrier.nodes_waiting` is the pure decision on
-what that read found. A closed run answers 0, as torch's handlers do: torchrun's ``shutdown()``
-closes the run at the normal end of each agent's job, and a node whose job runs longer (rank 0
-writing a final checkpoint) must keep its workers; no new round can form anyway, and a later
-``next_rendezvous`` raises ``RendezvousClosedError``. The operator's stop (``etcd-rdzv close``, or
-``set_closed()`` from outside the job: :func:`~etcd_rdzv.native.protocol.abort`) also writes the
-abort mark, and then the answer is positive for every node: each agent stops its workers and
-learns from ``next_rendezvous`` that the run is over.
+**Liveness.** torch's agent polls ``num_nodes_waiting()`` while its workers are healthy and restarts
+them when it is positive; it never calls ``is_closed()``. A closed run answers 0, as torch's
+handlers do (torchrun closes the run at each agent's normal end, and a node still running, e.g.
+rank 0 writing a checkpoint, must keep its workers); an aborted run (``etcd-rdzv close``,
+:meth:`~EtcdV3RendezvousHandler.set_closed`) answers positive for every node.
 
-A member's liveness is its join key, bound to its lease. When etcd was out of reach for longer than
-the lease TTL, etcd expired every lease meanwhile although no node died. So:
-
-* a member whose own key is gone (or whose lease session ended) **re-attaches**: a new lease and one
-  Txn putting its key back, fenced on "our round is still the last sealed one and the run is open"
-  (:meth:`~etcd_rdzv.native.rounds.Participant.reattach`). If that fails, a round was sealed without
-  it, or the run closed: its group is over (positive answer);
-* after such a sign of an outage (this node re-attached, or etcd took longer than a keep-alive
-  interval, a third of the TTL, to answer the read), members missing from the round are given
-  ``read_timeout + heartbeat`` (the client's timeout plus the lease TTL, :meth:`GroupCheck.grace`)
-  to re-attach before they count as lost, unless a node already waits in the next round. A live
-  member re-attaches at its first poll that etcd answers; the poll it had in flight during the
-  outage is answered within the client's timeout, or fails, and then its agent fails too. Without
-  such a sign a missing member counts at once. (The sign needs a poll in flight during the outage,
-  which torch's agent has while its monitor interval, 0.1 s by default, is shorter than the outage;
-  an outage that expires leases lasts at least two thirds of the TTL.) A check costs one read Txn;
-  after an outage one LeaseGrant and one Txn more, each bounded by the client's timeout.
+An etcd outage longer than the TTL expires every lease, and with them the members' join keys,
+although no node died. So a member whose key (or lease session) is gone **re-attaches** with one
+Txn fenced on "our round is still the last sealed one and the run is open"
+(:meth:`~etcd_rdzv.native.rounds.Participant.reattach`; if that fails its group is over). After a
+sign of an outage (this node re-attached, or the read took over a third of the TTL), missing members
+get :attr:`GroupCheck.grace` to re-attach before they count as lost, unless a node already waits in
+the next round; without such a sign a missing member counts at once. Why this drops no live member:
+docs/etcd-v3-design.md (Transitions, "num_nodes_waiting()"). A check costs one read Txn; after an
+outage one LeaseGrant and one Txn more, each bounded by the client's timeout.
 """
 
 from __future__ import annotations
@@ -103,28 +83,24 @@ __all__ = ["BACKEND_NAME", "EtcdV3RendezvousHandler", "GroupCheck", "RoundResult
 BACKEND_NAME = "etcd-v3"
 
 LEAVE_TIMEOUT = 2.0
-"""Seconds :meth:`EtcdV3RendezvousHandler.leave` may take (all its RPCs together):
-it runs at interpreter exit, which it must never hold up for long."""
+"""Seconds :meth:`EtcdV3RendezvousHandler.leave` may take (all RPCs): it runs at interpreter exit."""
 
 OUTAGE_CLOSE_TIMEOUT = LEAVE_TIMEOUT
-"""Seconds :meth:`EtcdV3RendezvousHandler.shutdown` may take when the handler's last
-etcd call failed because etcd was unreachable: it then leaves (never closes the run), so
-an agent that lost etcd exits about ``read_timeout`` + 2 s after its failing call began."""
+"""Seconds :meth:`EtcdV3RendezvousHandler.shutdown` may take after etcd was unreachable (it then
+only leaves): the agent exits about ``read_timeout`` + 2 s after its failing call began."""
 
 _local_ids = itertools.count()
 
 
 def torch_error(e: NodeError | ProtocolStateError | EtcdError, run_id: str, *, closing: bool = False,
                 shut_down: bool = False) -> RendezvousError:
-    """The one translation of an ``etcd-v3`` node's errors into torch's rendezvous errors.
+    """The one translation of an ``etcd-v3`` node's errors into torch's (pure).
 
-    The node's own (:mod:`etcd_rdzv.native.records`): :class:`RunClosed` and
-    :class:`NodeShutDown` → ``RendezvousClosedError``, :class:`ClosedWhileKeptOut` →
-    ``RendezvousGracefulExitError``, :class:`RoundTimeout` → ``RendezvousTimeoutError``;
-    ``ProtocolStateError`` → ``RendezvousStateError``. etcd's: while ``closing``, an
-    ``EtcdTimeoutError`` (``close_timeout`` passed) → ``RendezvousTimeoutError``; after the
-    node was ``shut_down`` (its stop cancelled the wait) → ``RendezvousClosedError``; else
-    ``RendezvousConnectionError`` (etcd failed or was out of reach). Pure: no I/O.
+    :class:`RunClosed`, :class:`NodeShutDown` → ``RendezvousClosedError``; :class:`ClosedWhileKeptOut`
+    → ``RendezvousGracefulExitError``; :class:`RoundTimeout` → ``RendezvousTimeoutError``;
+    ``ProtocolStateError`` → ``RendezvousStateError``. etcd's: ``EtcdTimeoutError`` while ``closing``
+    → ``RendezvousTimeoutError``; after ``shut_down`` → ``RendezvousClosedError``; else
+    ``RendezvousConnectionError``.
     """
     if isinstance(e, ClosedWhileKeptOut):
         return RendezvousGracefulExitError(str(e))
@@ -153,8 +129,7 @@ class GroupCheck:
         self, settings: V3Settings, client: EtcdClient, keys: RunKeys, node: Participant, node_id: str,
         on_member_lost: Callable[[int, int, int], None] | None = None,
     ) -> None:
-        """``on_member_lost(round, active, world)`` is called when the answer is positive
-        because members of our round are gone (telemetry; it must not raise)."""
+        """``on_member_lost(round, active, world)``: telemetry when members are gone; must not raise."""
         self._settings = settings
         self._on_member_lost = on_member_lost
         self._node_id = node_id
@@ -167,7 +142,7 @@ class GroupCheck:
 
     @property
     def grace(self) -> float:
-        """Seconds that members missing after an outage have to re-attach (see the module docstring)."""
+        """Seconds missing members have after an outage to re-attach: client timeout + lease TTL."""
         return self._client.timeout + self._settings.lease_ttl
 
     def nodes_waiting(self) -> int:
@@ -214,14 +189,9 @@ class GroupCheck:
 class EtcdV3RendezvousHandler(RendezvousHandler):
     """A rendezvous over etcd v3 leases, transactions and watches (``--rdzv-backend=etcd-v3``).
 
-    Args:
-        settings: the rendezvous settings (:func:`~etcd_rdzv.conf.parse_v3_settings`).
-        client: the etcd client. Several handlers may share one; each keeps its own
-            lease and watch on it, and the client's keep-alive stream(s) refresh them all.
-        owns_client: close ``client`` in :meth:`shutdown`.
-
-    Thread safety: one ``next_rendezvous`` runs at a time per handler; the other
-    methods may be called from any thread, also while it blocks.
+    ``client`` may be shared by several handlers (each keeps its own lease and watch); ``owns_client``:
+    close it in :meth:`shutdown`. Thread safety: one ``next_rendezvous`` at a time per handler; the
+    other methods may be called from any thread, also while it blocks.
     """
 
     def __init__(self, settings: V3Settings, client: EtcdClient, *, owns_client: bool = False) -> None:
@@ -241,8 +211,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._store: EtcdStore | None = None
         self._closed_run = False  # shutdown() closed the run
         self._etcd_lost = False  # the last etcd call failed for want of etcd (see shutdown())
-        # A process that exits without shutdown() (torchrun's agent on SIGTERM/SIGINT
-        # deliberately skips it: it would close the run) leaves its round at exit.
+        # torchrun skips shutdown() on SIGTERM/SIGINT: leave at exit instead.
         self._at_exit = functools.partial(_leave_at_exit, weakref.ref(self))
         atexit.register(self._at_exit)
 
@@ -274,13 +243,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         return self._settings.run_id
 
     def next_rendezvous(self) -> RendezvousInfo:
-        """Block until this node is a member of a sealed round that every member confirmed; see
-        :meth:`next_round` and :mod:`etcd_rdzv.native.start` (a round a member left before every
-        member confirmed it is voided, and this node joins the next one as a member of it).
+        """Block until this node is a member of a sealed round every member confirmed (:meth:`next_round`;
+        a round voided before that is re-formed, :mod:`etcd_rdzv.native.start`).
 
-        Then returns the round's ``EtcdStore`` (prefix ``rounds/<T>/store/``) and
-        ``bootstrap_store_info`` built in that store (rank 0 publishes
-        ``MASTER_ADDR`` and a free port of its own host, every round: the one it probed
+        Returns the round's ``EtcdStore`` (prefix ``rounds/<T>/store/``) and ``bootstrap_store_info``:
+        rank 0 publishes ``MASTER_ADDR`` and a free port of its host every round (the one it probed
         when joining if the sealed record names it, else one probed now).
         """
         while True:  # a round some member left before all confirmed it is re-formed without it
@@ -304,8 +271,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         return RendezvousInfo(store, result.rank, result.world_size, bootstrap)
 
     def _started(self, result: RoundResult) -> bool:
-        """:meth:`Participant.start` of the round :meth:`next_round` returned, its errors translated
-        to torch's (:func:`torch_error`): whether every member confirmed it (False: it was voided)."""
+        """:meth:`Participant.start`, errors translated: whether every member confirmed the round."""
         try:
             return self._node.start(result)
         except EtcdError as e:
@@ -318,13 +284,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def next_round(self) -> RoundResult:
         """The barrier of :meth:`next_rendezvous`, without the store (tests, benchmarks).
 
-        Leaves the node's current round (if any) and blocks until a round that
-        includes it is sealed. Raises ``RendezvousClosedError`` (run closed),
-        ``RendezvousTimeoutError`` (``join_timeout``), ``RendezvousConnectionError``
-        (etcd unreachable within ``read_timeout``), ``RendezvousStateError``
-        (records this protocol never writes), ``RendezvousGracefulExitError``
-        (closed while kept out by a full group). Records torch rendezvous events and
-        metrics (:mod:`etcd_rdzv.native.telemetry`).
+        Leaves the node's current round and blocks until a round including it is sealed. Raises
+        ``RendezvousClosedError`` (run closed), ``RendezvousTimeoutError`` (``join_timeout``),
+        ``RendezvousConnectionError`` (etcd unreachable within ``read_timeout``), ``RendezvousStateError``
+        (foreign records), ``RendezvousGracefulExitError`` (closed while kept out by a full group).
         """
         with self._rdzv_lock:
             if self._node.shut_down:
@@ -359,8 +322,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         return result
 
     def _etcd_failed(self, what: str, e: EtcdError) -> RendezvousError:
-        """torch's error for a failed etcd call of ``what`` (:func:`torch_error`), recorded as a
-        failure event; notes whether etcd was out of reach (what :meth:`shutdown` decides on)."""
+        """torch's error for a failed etcd call, recorded; notes whether etcd was out of reach (for
+        :meth:`shutdown`)."""
         self._etcd_lost = isinstance(e, EtcdConnectionError)
         error = torch_error(e, self._settings.run_id)
         self._telemetry.failed(what, error)
@@ -385,19 +348,13 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         return closed
 
     def set_closed(self) -> None:
-        """Close the run and stop every agent of it now, as ``etcd-rdzv close`` does: one Txn
-        that puts ``ctl/closed`` and the abort mark ``ctl/abort`` (:func:`protocol.abort`;
-        plus a Range, or a LeaseGrant and a Txn, if this node does not know the run lease yet).
+        """Close the run and stop every agent now, as ``etcd-rdzv close`` does (:func:`protocol.abort`).
 
-        Waiting nodes raise ``RendezvousClosedError``; every running member's
-        :meth:`num_nodes_waiting` turns positive, so its agent stops its workers and learns
-        from ``next_rendezvous`` that the run is over. torchrun's agents never call this
-        (they call :meth:`shutdown` when their job ends, which closes the run without
-        stopping the members that still run): it is the stop of a process outside the job.
-
-        Raises ``RendezvousTimeoutError`` if etcd does not confirm within
-        ``close_timeout`` (all calls together), ``RendezvousConnectionError`` on other
-        etcd failures. A no-op after :meth:`shutdown` (which closed the run).
+        One Txn (plus a Range, or a LeaseGrant and a Txn, if the run lease is unknown). Waiting nodes raise
+        ``RendezvousClosedError``; every member's :meth:`num_nodes_waiting` turns positive. torchrun never
+        calls this (its :meth:`shutdown` closes without stopping running members). Raises
+        ``RendezvousTimeoutError`` past ``close_timeout``, ``RendezvousConnectionError`` on other etcd
+        failures. A no-op after :meth:`shutdown`.
         """
         if self._node.shut_down:
             return
@@ -409,23 +366,16 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._telemetry.closed()
 
     def num_nodes_waiting(self) -> int:
-        """Nodes waiting to join the round after ours (one read-only Txn, no scan of keys).
+        """Nodes waiting to join the round after ours (one read-only Txn, no key scan).
 
-        torch's agent calls this every monitor interval while its workers are healthy and
-        re-rendezvous when it is positive: at least 1 when the run was aborted or our group lost a
-        member (it died, or left to re-join: re-rendezvous now instead of waiting for the workers'
-        collective timeout); 0 when the run is closed otherwise, or while our round is full and
-        intact (torch's redundancy list); else the nodes joined in the next round
-        (:func:`~etcd_rdzv.native.barrier.nodes_waiting`). After an outage longer than the lease TTL a member re-attaches
-        first (one LeaseGrant and one Txn) and gives the others a grace to do the same (see the
-        module docstring).
+        At least 1 when the run was aborted or our group lost a member (re-rendezvous now rather than
+        after the workers' collective timeout); 0 when the run is closed otherwise or our round is full
+        and intact; else the nodes joined in the next round (:func:`~etcd_rdzv.native.barrier.nodes_waiting`).
+        After an outage a member re-attaches first (see the module docstring).
         """
         if self._node.shut_down:
             return 0
         try:
-            # torch's agent polls only this while its workers run: a positive count for an
-            # aborted run makes it stop them and call next_rendezvous(), which raises
-            # RendezvousClosedError, so the operator's stop ends every agent.
             waiting = self._group.nodes_waiting()
         except EtcdError as e:
             raise self._etcd_failed("num_nodes_waiting", e) from e
@@ -437,33 +387,16 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def shutdown(self) -> bool:
         """End this node: close the run on a normal end, else only leave it (:mod:`etcd_rdzv.ending`).
 
-        torchrun's launcher calls it in a ``finally`` after its agent ran, also when the
-        agent failed. Called with no exception in flight (the agent's workers all
-        succeeded), it closes the run, revokes this node's lease and releases resources,
-        as torch's handlers do. Called while an exception propagates (``ChildFailedError``
-        after the restarts ran out, a store barrier timeout, any error of the agent), it
-        does NOT close the run: one node's failure must not end the job of the others, nor
-        keep a restarted node out (torch's handlers close it; pytorch/pytorch#67616). It
-        leaves instead (:meth:`leave`, within ``close_timeout``), as an agent ended by
-        SIGTERM does: its join keys vanish at once, the other members re-form without it,
-        and the run stays open. Returns whether the lease was revoked then.
+        torchrun calls it in a ``finally``, also when its agent failed. With no exception in flight it
+        closes the run (running members keep running: a closed run answers 0), revokes the lease and, as
+        the last node, deletes the rounds' stores; False if closing failed (the lease then expires). At
+        most about ``close_timeout``.
 
-        On a normal end: the other members that still run keep running (a closed run answers
-        0 in :meth:`num_nodes_waiting`) and end on their own. Revoking the lease deletes this
-        node's join keys at once. The last node to leave also deletes the rounds' stores.
-        Returns False if closing failed (then the lease is left to expire). Takes at most
-        about ``close_timeout``.
-
-        Except after this node lost etcd (its last etcd call failed for want of etcd):
-        torch's launcher calls ``shutdown()`` when its agent fails, also on the
-        ``RendezvousConnectionError`` of a node cut off from etcd. The other nodes may
-        still reach etcd and re-form without it; closing the run (which would succeed
-        as soon as the link heals) would end their job, and waiting ``close_timeout``
-        for an etcd that just failed for a whole ``read_timeout`` only delays the
-        exit. So it only leaves (:meth:`leave`), within :data:`OUTAGE_CLOSE_TIMEOUT`, and
-        returns False: the agent exits about ``read_timeout`` + 2 s after its failing
-        call began, the run stays open, and the node's keys go with its lease (revoked
-        if etcd answers, else after its TTL).
+        With an exception in flight it only leaves (:meth:`leave`), as a SIGTERM'd agent does: one node's
+        failure must not end the others' job nor keep a restarted node out (torch's handlers close;
+        pytorch/pytorch#67616). After this node lost etcd it also only leaves, within
+        :data:`OUTAGE_CLOSE_TIMEOUT`, and returns False: the others may still reach etcd and re-form, and
+        waiting on an etcd that just failed only delays the exit.
         """
         if self._node.shut_down:
             return True
@@ -495,7 +428,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         return ok
 
     def _leave_on_failure(self, in_flight: BaseException | None) -> bool:
-        """:meth:`shutdown`'s ending for a failed node (:data:`Ending.LEAVE`): leave, never close."""
+        """:meth:`shutdown` for a failed node: leave, never close."""
         if self._etcd_lost:
             log.warning("node %s lost etcd: leaving the rendezvous %r without closing it",
                         self._node_id, self._settings.run_id)
@@ -508,14 +441,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def leave(self, timeout: float = LEAVE_TIMEOUT) -> bool:
         """Leave the rendezvous for good WITHOUT closing the run; the handler is done after.
 
-        What a node does when its process ends without :meth:`shutdown` (registered
-        with ``atexit``; torchrun's agent skips ``shutdown()`` on SIGTERM/SIGINT, as
-        that would close the run for every node): it withdraws from the round it
-        waits in, then revokes its lease, so its join keys vanish at once and the
-        members of its running round see a lost member in :meth:`num_nodes_waiting`
-        now, not one lease TTL later. The last node out also removes the rounds'
-        records. At most about ``timeout`` seconds (all RPCs together), never
-        raises for etcd failures (the lease then expires by itself); returns
+        Registered with ``atexit`` (torchrun skips ``shutdown()`` on SIGTERM/SIGINT, since it would close
+        the run): withdraws from the round it waits in and revokes its lease, so its running round sees
+        the lost member now, not a TTL later; the last node out removes the rounds' records. At most
+        about ``timeout`` (all RPCs); never raises for etcd failures (the lease then expires); returns
         whether the lease was revoked. A no-op (True) after :meth:`shutdown`.
         """
         if self._node.shut_down:
@@ -534,8 +463,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         return ok
 
     def _remove_round_records(self, timeout: float) -> None:
-        """The last node out removes the rounds' records (:func:`protocol.remove_round_records_if_idle`,
-        one Txn); best effort."""
+        """Last node out removes the rounds' records (one Txn); best effort."""
         try:
             protocol.remove_round_records_if_idle(self._client, self._keys, timeout=timeout)
         except EtcdError as e:
@@ -544,8 +472,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     # ------------------------------------------------------------------ the store
 
     def _round_store(self, round_: int) -> EtcdStore:
-        """The round's ``EtcdStore`` (:func:`~etcd_rdzv.native.start.round_store`); the store of our
-        previous round is closed."""
+        """The round's ``EtcdStore`` (:func:`~etcd_rdzv.native.start.round_store`); closes the previous one."""
         self._close_store()
         try:
             store = round_store(self._client, self._keys, round_, self._settings.state_ttl, self._node.run_lease)

@@ -1,62 +1,31 @@
-"""The leases of an ``etcd-v3`` node: its own (:class:`NodeLeases`), the run's, and the
-dead members of its old group, whose keys it evicts (:class:`Evictor`).
+"""The leases of an ``etcd-v3`` node: its own (:class:`NodeLeases`), the run's, and the dead members
+of its old group, whose keys it evicts (:class:`Evictor`).
 
-:class:`NodeLeases` is an object that :class:`~etcd_rdzv.native.rounds.Participant`
-holds and calls (as etcd's ``Mutex`` holds its ``Session``); it knows nothing of
-rounds. It keeps the node's lease :class:`~etcd_store.client.Session` (granted at the
-first join, replaced when etcd reports it gone; it also keeps the run lease alive),
-the run lease that holds the round records (created by the first sealer or closer),
-whether the node was stopped for good, and the watch of the wait in progress, which
-it cancels when the lease ends or the node stops (that wakes the waiting node).
-:meth:`NodeLeases.close_run` closes the run (or aborts it: also stops the members
-that run).
+:class:`NodeLeases` is held by :class:`~etcd_rdzv.native.rounds.Participant` (as etcd's ``Mutex``
+holds its ``Session``) and knows nothing of rounds: the node's lease session (granted at the first
+join, replaced when etcd reports it gone; it also keeps the run lease alive), the run lease of the
+round records (created by the first sealer or closer), whether the node stopped, and the wait's
+watch, which it cancels when the lease ends or the node stops (that wakes the waiting node).
+Raises :class:`~etcd_rdzv.native.records.NodeShutDown` once stopped (where named) and
+``EtcdError`` subclasses. :func:`confirm` is the one wait for etcd to confirm a watch.
 
-Blocks: :meth:`~NodeLeases.close_run` and :meth:`~NodeLeases.revoke` at most until
-their deadline; the others make at most the RPCs their docstrings name. Raises
-:class:`~etcd_rdzv.native.records.NodeShutDown` once stopped (where named) and
-:class:`~etcd_store.errors.EtcdError` subclasses when etcd fails.
-
-:func:`confirm` is the one wait for etcd to confirm a watch before the node relies on it
-(the join's control watch, the wait's, the start's).
-
-**Eviction.** A member of round ``T`` that calls ``next_rendezvous`` (its group failed: a worker failed, or
-``num_nodes_waiting()`` said so) joins ``T + 1``, leaving ``T`` in the same transaction.
-A member that died without leaving still holds its join key in ``T`` until its lease expires
-(``lease_ttl``, 15 s by default), and until then ``T + 1`` waits for it. While a survivor waits
-in ``T + 1`` it looks at the leases of the keys left in ``T`` (one Range, one LeaseTimeToLive
-each, every half keep-alive interval; every interval while ``T`` is empty, since a member that
-re-attaches refills it) and deletes the join key of a member
-whose lease is **suspect** (one Txn fenced on that key's revision and lease). The rule, its
-false-positive bound and why it is safe are in docs/etcd-v3-design.md ("Eviction").
-
-**The rule** (:func:`to_evict`, pure): each member says in its join value how often it renews
-(``renew``: ``i_m``) and how long its client's keep-alive stream may hear nothing before it
-moves to another etcd member (``failover``: ``a_m``, :func:`~etcd_store.client.leases.answer_bound`);
-a value without them (an older version) is taken to carry the observer's own. With ``k`` the
-misses (``evict_misses``), :data:`MARGIN` ``M`` and the observer's own pace ``i_o``, a member is
-evicted when etcd's leader counts at least (:func:`condemned_after`)::
+**Eviction** (docs/etcd-v3-design.md, "Eviction", has the full argument). A dead member of round
+``T`` keeps its join key until its lease expires, and ``T + 1`` waits for it. So an observer (a
+member of ``T`` of rank below :data:`OBSERVERS`, waiting in ``T + 1``; never a spare or new node)
+looks at the leases of the keys left in ``T`` (one Range, one LeaseTimeToLive each, none while
+more than :data:`MAX_LOOKED` are left; every half keep-alive interval, every interval while ``T``
+is empty since a re-attach refills it) and deletes a suspect's key (one Txn fenced on its revision
+and lease). The rule (:func:`to_evict`, pure): with the member's pace from its join value
+(``renew`` ``i_m``, ``failover`` ``a_m``; the observer's own if absent), ``k`` = ``evict_misses``,
+``M`` = :data:`MARGIN` and the observer's interval ``i_o``, evict when etcd's leader has not renewed
+the member's lease for (:func:`condemned_after`)::
 
     L_m = max(k * i_m,  i_m + a_m + M,  g + i_m + M),   g = i_o + M
 
-seconds since it last renewed the member's lease (``granted - remaining - 1``: ``remaining`` is
-in whole seconds), *and* the observer's own renewals were answered with no gap over ``g`` (the
-silence it tolerates in itself, :func:`tolerated`) for at least that long, the last one at most
-``g`` ago. A live member whose stream sits on an etcd member that stopped answering is silent
-for up to ``i_m + a_m`` (its last renewal, the next one unanswered, the move) plus the
-reconnect: the second term. If etcd, not the member, is slow by ``D``, the member is silent at
-most ``D + i_m`` and the observer's own renewals see a gap of at least ``D``: the third term
-keeps ``M`` between the two, so nobody is evicted; after an etcd outage the observer evicts
-nobody who went silent before it could renew again.
-
-Only a member of ``T`` evicts (:class:`Evictor` is made for one that was): a node waiting
-outside a running group (a spare, a new node) never removes members of that group. So that a
-large group re-forming costs etcd little, only the members of ranks below :data:`OBSERVERS` in
-``T`` look (:func:`observes`), and a look reads no lease while more than :data:`MAX_LOOKED`
-keys are left in ``T`` (live members are still leaving; if that many died, their leases expire).
-
-Blocks: :meth:`Evictor.poll` makes at most one Range, one LeaseTimeToLive per key left in the
-previous round and one Txn per eviction, each bounded by the client's timeout; etcd errors
-are logged and end the look (eviction is an optimisation: the lease expires anyway).
+seconds, *and* the observer's own renewals came with no gap over ``g`` (:func:`tolerated`) for at
+least as long. The second term covers a live member failing over from a mute etcd member; the
+third means a slow etcd (which delays the observer's renewals too) evicts nobody. Etcd errors are
+logged and end the look: eviction is an optimisation, the lease expires anyway.
 """
 
 from __future__ import annotations
@@ -94,12 +63,11 @@ __all__ = ["MARGIN", "MAX_LOOKED", "OBSERVERS", "SEAL_LOOKED", "Evictor", "Keyed
            "steady_for", "suspects", "to_evict", "tolerated"]
 
 class NodeLeases:
-    """The lease part of one node of the run (see the module docstring).
+    """The lease part of one node (see the module docstring).
 
-    ``session`` (this node's lease; None before the first :meth:`ensure` and after
-    :meth:`stop`), ``run_lease`` (None while not known) and ``shut_down`` are read by
-    the participant and the handler. Thread safe: :meth:`stop` and a lost lease's
-    callback may run in any thread while the participant waits.
+    ``session`` (None before the first :meth:`ensure` and after :meth:`stop`), ``run_lease`` (None
+    while unknown) and ``shut_down`` are read by the participant and the handler. Thread safe:
+    :meth:`stop` and a lost lease's callback may run in any thread while the participant waits.
     """
 
     def __init__(self, settings: V3Settings, client: EtcdClient, keys: RunKeys, node_id: str,
@@ -140,9 +108,8 @@ class NodeLeases:
         return session
 
     def ensure(self) -> tuple[int, bool]:
-        """This node's lease and whether it is new (a new session if there is none or it
-        ended: keys bound to an old lease are gone). 0-1 LeaseGrant; raises
-        :class:`~etcd_rdzv.native.records.NodeShutDown` once stopped."""
+        """This node's lease and whether it is new (keys bound to an ended one are gone). 0-1
+        LeaseGrant; raises :class:`~etcd_rdzv.native.records.NodeShutDown` once stopped."""
         with self._lock:
             self.check_not_shut_down()
             session = self.session
@@ -154,9 +121,8 @@ class NodeLeases:
             return self._new_session_locked().id, True
 
     def renew(self) -> Session:
-        """A new lease session in place of the current one, whose lease etcd no longer holds
-        (closed without a revoke). One LeaseGrant; raises
-        :class:`~etcd_rdzv.native.records.NodeShutDown` once stopped."""
+        """A new lease session in place of one etcd no longer holds (closed without a revoke). One
+        LeaseGrant; raises :class:`~etcd_rdzv.native.records.NodeShutDown` once stopped."""
         with self._lock:
             self.check_not_shut_down()
             old = self.session
@@ -176,8 +142,7 @@ class NodeLeases:
         return session
 
     def forget(self, lease: int) -> None:
-        """End the session of a lease etcd no longer knows, so the next :meth:`ensure` grants
-        a new one (no RPC)."""
+        """End the session of a lease etcd no longer knows, so :meth:`ensure` grants a new one (no RPC)."""
         session = self.session
         if session is not None and session.id == lease:
             session.close(revoke=False)
@@ -189,9 +154,8 @@ class NodeLeases:
             self.forget(session.id)
 
     def revoke(self, session: Session, deadline: float) -> bool:
-        """Stop refreshing ``session`` (from :meth:`stop`) and revoke its lease (one
-        LeaseRevoke bounded by ``deadline``); whether etcd confirmed it, or the lease had
-        ended already. Never raises for etcd failures."""
+        """Stop refreshing ``session`` and revoke its lease (one LeaseRevoke bounded by ``deadline``);
+        whether etcd confirmed it or the lease had ended. Never raises for etcd failures."""
         session.close(revoke=False)  # stop refreshing; the revoke below says whether it worked
         remaining = deadline - time.monotonic()
         if remaining <= 0 or session.gone_at_etcd:  # (a lost presumed from silence is revoked all the same)
@@ -206,9 +170,9 @@ class NodeLeases:
     # ------------------------------------------------------------------ the wait's watch
 
     def hold_watch(self, watch: Watch) -> Session | None:
-        """Make ``watch`` the one :meth:`stop` and a lost lease cancel; the lease it waits
-        under. If the lease ended already, ``watch`` is cancelled and None returned; once
-        stopped, it is cancelled and :class:`~etcd_rdzv.native.records.NodeShutDown` raised."""
+        """Make ``watch`` the one :meth:`stop` and a lost lease cancel; returns the lease session it waits
+        under. If the lease ended, ``watch`` is cancelled and None returned; once stopped, it is
+        cancelled and :class:`~etcd_rdzv.native.records.NodeShutDown` raised."""
         with self._lock:
             session = self.session
             if self.shut_down or session is None or session.done().is_set():
@@ -219,8 +183,8 @@ class NodeLeases:
             return session
 
     def swap_watch(self, old: Watch, new: Watch, session: Session) -> None:
-        """Hold ``new`` in place of ``old`` (cancelled); ``new`` is cancelled too if the node
-        stopped or ``session`` ended meanwhile (the wait then ends as a cancelled watch ends it)."""
+        """Hold ``new`` in place of ``old`` (cancelled); ``new`` is cancelled too if the node stopped or
+        ``session`` ended meanwhile."""
         with self._lock:
             if self._watch is old:
                 self._watch = new
@@ -260,10 +224,9 @@ class NodeLeases:
             self.run_lease = None
 
     def close_run(self, deadline: float, *, abort: bool = False) -> None:
-        """Close the run (:func:`protocol.close`: no new round; members that run keep running),
-        or with ``abort`` also stop every agent now (:func:`protocol.abort`). Every RPC
-        bounded by ``deadline``: raises ``EtcdTimeoutError`` when it passes, other
-        ``EtcdError`` subclasses when etcd fails."""
+        """Close the run (:func:`protocol.close`), or with ``abort`` also stop every agent
+        (:func:`protocol.abort`). Every RPC bounded by ``deadline``: raises ``EtcdTimeoutError`` when it
+        passes, other ``EtcdError`` subclasses when etcd fails."""
         def left() -> float:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -283,16 +246,11 @@ class NodeLeases:
 
 
 def confirm(client: EtcdClient, watch: Watch, node_id: str, *, before_join: bool = False) -> None:
-    """Wait for etcd to confirm ``watch``, by the client's rule
-    (:func:`~etcd_store.client.synced.confirmed`): ``WatchNotConfirmed`` (an
-    ``EtcdTimeoutError``) after the client's timeout; a watch that failed before etcd
-    confirmed it raises its error here. With ``before_join`` (the
-    control watch, opened before the join), one look at what it delivered so far also
-    catches a refusal in the confirming answer itself (etcd refuses a watch, for instance
-    without read permission, with a "created" answer that also cancels it): its events
-    so far precede the join, and the view would skip them anyway. A failure that comes
-    later still raises from the wait, which then withdraws the join.
-    """
+    """Wait for etcd to confirm ``watch`` (:func:`~etcd_store.client.synced.confirmed`): raises
+    ``WatchNotConfirmed`` (an ``EtcdTimeoutError``) after the client's timeout, or the error of a watch
+    that failed first. With ``before_join`` one look at what it delivered also catches a refusal in the
+    confirming answer itself (e.g. no read permission: "created" and cancelled at once); a later
+    failure raises from the wait, which then withdraws the join."""
     confirmed(watch, client.timeout, f"the watch of node {node_id} (etcd at {client.describe()})")
     if before_join:
         watch.get(timeout=0)
@@ -307,25 +265,22 @@ MAX_LOOKED = 16
 """A look reads the leases of at most this many keys left in the previous round (else none)."""
 
 SEAL_LOOKED = 63
-"""A sealer reads the leases of at most this many of the joiners it is about to name (the first
-ones in rank order): a larger round's dead joiners are found after the seal instead. 63 keeps the
-eviction Txn within etcd's default ``--max-txn-ops`` (128), which bounds its compares too: one on
-the sealed record plus two per victim (:func:`~etcd_rdzv.native.protocol.evict_joiners`)."""
+"""A sealer reads the leases of at most this many joiners it is about to name (the first in rank
+order; a larger round's dead are found after the seal). 63 keeps the eviction Txn within etcd's
+default ``--max-txn-ops`` (128): one compare on the sealed record plus two per victim."""
 
 
 MARGIN = 1.0
-"""Seconds of slack on both sides of the rule (:func:`condemned_after`, :func:`tolerated`): what
-a healthy member's renewal may take beyond its own failover bound (the reconnect to a ready
-etcd member, milliseconds, but up to 1 s when the client waits for a member that is not ready;
-the renewal's forward to the leader; the leader's hold of a renewal until it has applied every
-committed entry, up to about 1 s under a burst of writes; the host's scheduling), and what a
-healthy observer's own renewal answers may come later than its interval."""
+"""Seconds of slack on both sides of the rule: what a healthy member's renewal may take beyond its
+failover bound (a reconnect, up to 1 s to a member that is not ready; the forward to the leader;
+the leader holding a renewal until it applied every committed entry, about 1 s under a write
+burst; scheduling), and how late a healthy observer's own renewal answers may come."""
 
 
 @dataclass(frozen=True)
 class Pace:
-    """How a node renews its lease: every ``renew`` seconds, and its keep-alive stream moves to
-    another etcd member after hearing nothing for ``failover`` seconds (its answer bound)."""
+    """How a node renews its lease: every ``renew`` seconds; its stream moves to another etcd member after
+    hearing nothing for ``failover`` seconds."""
 
     renew: float
     failover: float
@@ -336,15 +291,13 @@ class Pace:
 
 
 def own_pace(settings: V3Settings, first_attempt: float) -> Pace:
-    """This node's :class:`Pace`: ``renew_every``, and its client's answer bound for a lease of
-    ``lease_ttl`` (:func:`~etcd_store.client.leases.answer_bound` of a third of the TTL and the
-    client's ``first_attempt``: an upper bound, since a shorter lease on the stream only shortens it)."""
+    """This node's :class:`Pace`: ``renew_every`` and the client's answer bound for a third of
+    ``lease_ttl`` (an upper bound: a shorter lease on the stream only shortens it)."""
     return Pace(settings.renew_every, answer_bound(settings.lease_ttl / 3.0, first_attempt))
 
 
 def pace_in(value: bytes, default: Pace) -> Pace:
-    """The :class:`Pace` a join value names; ``default`` (the observer's own) for a value without
-    one (written by an older version) or a malformed one."""
+    """The :class:`Pace` a join value names; ``default`` (the observer's) if it names none or is malformed."""
     try:
         doc = load_json(value)
     except ValueError:
@@ -363,17 +316,13 @@ def _seconds(value: object) -> bool:
 
 
 def tolerated(own: Pace) -> float:
-    """The longest gap between two of its own renewal answers after which the observer still
-    counts itself steady: its interval plus :data:`MARGIN` (a healthy stream answers each renewal
-    within milliseconds; etcd's leader may hold one up to about a second)."""
+    """The longest gap between its own renewal answers after which the observer still counts itself
+    steady: its interval plus :data:`MARGIN`."""
     return own.renew + MARGIN
 
 
 def condemned_after(member: Pace, own: Pace, misses: int) -> float:
-    """The silence (seconds since etcd last renewed the lease) that condemns a member of pace
-    ``member`` (see the module docstring): ``misses`` of its renewals, its client's failover
-    (``renew + failover``) plus :data:`MARGIN`, and the observer's own tolerance
-    (:func:`tolerated`) plus the member's interval plus :data:`MARGIN`, whichever is longest."""
+    """The silence that condemns a member of pace ``member``: ``L_m`` of the module docstring."""
     return max(misses * member.renew, member.renew + member.failover + MARGIN,
                tolerated(own) + member.renew + MARGIN)
 
@@ -386,8 +335,7 @@ def observes(settings: V3Settings, rank: int) -> bool:
 @dataclass(frozen=True)
 class MemberLease:
     """A join key left in the previous round and its lease as etcd's leader reported it:
-    ``remaining`` whole seconds (-1: gone), ``granted`` its TTL, ``pace`` the one its join value
-    names (:func:`pace_in`)."""
+    ``remaining`` whole seconds (-1: gone), ``granted`` TTL, ``pace`` from its join value."""
 
     key: bytes
     mod_revision: int
@@ -398,15 +346,14 @@ class MemberLease:
 
 
 def silent_for(member: MemberLease) -> float:
-    """A lower bound of the seconds since etcd last renewed ``member``'s lease (its TTL minus
-    what is left, minus 1 for the whole seconds etcd reports); negative right after a renewal
-    or a leader change (a new leader extends every lease)."""
+    """A lower bound of the seconds since etcd last renewed ``member``'s lease; negative right after a
+    renewal or a leader change (a new leader extends every lease)."""
     return float(member.granted - member.remaining - 1)
 
 
 def steady_for(renewed_at: Sequence[float], now: float, limit: float) -> float:
-    """How long the observer's own renewals (answer times, oldest first) have come with no gap
-    over ``limit`` seconds, the last one at most ``limit`` ago; 0 when the last one is older."""
+    """How long the observer's own renewals (answer times, oldest first) came with no gap over
+    ``limit``, the last at most ``limit`` ago; 0 otherwise."""
     if not renewed_at or now - renewed_at[-1] > limit:
         return 0.0
     start = renewed_at[-1]
@@ -419,12 +366,8 @@ def steady_for(renewed_at: Sequence[float], now: float, limit: float) -> float:
 
 def to_evict(members: Sequence[MemberLease], renewed_at: Sequence[float], now: float, own: Pace,
              misses: int, read_for: float = 0.0) -> list[MemberLease]:
-    """The members to evict (see the module docstring): none when ``misses`` is 0; else those
-    whose lease etcd has not renewed for at least :func:`condemned_after` seconds (at their own
-    pace, the observer's ``own`` for a member whose value names none), while the observer's own
-    renewals were answered with no gap over :func:`tolerated` for as long (plus ``read_for``, the
-    seconds the reads took that ended just before ``now``: the silence was counted at some moment
-    within them)."""
+    """The members to evict by the module docstring's rule (none when ``misses`` is 0). ``read_for``: the
+    seconds the lease reads took, ending at ``now`` (the silence was counted within them)."""
     if misses <= 0:
         return []
     steady = steady_for(renewed_at, now, tolerated(own))
@@ -436,8 +379,7 @@ def to_evict(members: Sequence[MemberLease], renewed_at: Sequence[float], now: f
 
 
 class Keyed(Protocol):
-    """A join key as a read found it: an etcd ``KeyValue``, or a
-    :class:`~etcd_rdzv.native.records.Joiner` of a round read."""
+    """A join key as a read found it: an etcd ``KeyValue`` or a :class:`~etcd_rdzv.native.records.Joiner`."""
 
     @property
     def key(self) -> bytes: ...
@@ -454,11 +396,9 @@ class Keyed(Protocol):
 
 def suspects(client: EtcdClient, kvs: Sequence[Keyed], session: Session, own: Pace,
              misses: int) -> tuple[tuple[float, ...], float, list[MemberLease]]:
-    """One look at the leases of ``kvs`` (one LeaseTimeToLive each; none for a key of ``session``'s
-    own lease or of none) and the verdict of :func:`to_evict` on them: ``(renewed_at, now, condemned)``,
-    the observer's renewal times and the moment of the verdict (for the log) with the members to
-    evict. The observer's renewals are read after the lease reads: etcd must still be answering it.
-    Raises ``EtcdError`` subclasses."""
+    """One look at the leases of ``kvs`` (one LeaseTimeToLive each; none for our own lease or none) and
+    :func:`to_evict`'s verdict: ``(renewed_at, now, condemned)``. Our renewals are read after the
+    lease reads (etcd must still be answering us). Raises ``EtcdError`` subclasses."""
     started = time.monotonic()
     members = [MemberLease(kv.key, kv.mod_revision, kv.lease, *client.lease_ttls(kv.lease),
                            pace=pace_in(kv.value, own))
@@ -478,8 +418,7 @@ def describe(member: MemberLease, own: Pace, misses: int, renewed: Sequence[floa
 
 
 class Evictor:
-    """The evictions of one wait in ``round_`` by a member of ``round_ - 1`` (see the module
-    docstring); ``session`` is the observer's own lease session."""
+    """The evictions of one wait in ``round_`` by a member of ``round_ - 1``; ``session`` is its own."""
 
     def __init__(self, settings: V3Settings, client: EtcdClient, keys: RunKeys, round_: int,
                  session: Session) -> None:
@@ -494,9 +433,8 @@ class Evictor:
         self.evicted: list[bytes] = []
 
     def poll(self, timeout: float | None) -> float | None:
-        """Look at the previous round's leases if a look is due, and evict; returns ``timeout``
-        (seconds, None: none) shortened to the next look: in half an interval, or in one while
-        the round is empty (a member that re-attaches refills it, and may die after all)."""
+        """Look and evict if a look is due; returns ``timeout`` (None: none) shortened to the next look
+        (half an interval, or one while the round is empty: a re-attached member may die after all)."""
         now = time.monotonic()
         if now >= self._next:
             empty = self._look()

@@ -1,22 +1,18 @@
 """The ``etcd-v3`` rendezvous protocol: every etcd call of it, one function per read and per transition.
 
-Each function is one etcd RPC (a Range or a Txn) and returns plain data decoded by
-:mod:`~etcd_rdzv.native.records`; none sleeps or loops. The reads (:func:`read_meta`,
-:func:`count_waiting`, :func:`read_round`, ...) write nothing and are safe to resend.
-Every transaction may be replayed when its outcome is unknown (``idempotent=True``): a
-replayed join re-puts the same key (its create revision, hence its place, is kept; the
-join counter counts it twice, which only makes the seal name the members by create
-revision), a replayed seal or close fails its compare, deletes are idempotent.
-The participant (:mod:`~etcd_rdzv.native.rounds`) strings them together and waits
-on watches; see docs/etcd-v3-design.md for why each compare makes its transition safe.
+Each function is one etcd RPC (a Range or a Txn), returns plain data (:mod:`~etcd_rdzv.native.records`)
+and never sleeps or loops. Reads write nothing. Every Txn may be replayed when its outcome is
+unknown (``idempotent=True``): a replayed join re-puts the same key (its create revision, hence its
+place, is kept; the counter counts it twice, which is why the seal names members by create
+revision), a replayed seal or close fails its compare, deletes are idempotent. The participant
+(:mod:`~etcd_rdzv.native.rounds`) strings them together; docs/etcd-v3-design.md says why each
+compare makes its transition safe.
 
-Membership rule (the single source of truth): round ``T`` is sealed by the
-transaction that writes ``ctl/sealed = T``; that record names the members
-(:class:`~etcd_rdzv.native.records.Membership`): the first ``max_nodes`` join
-keys of ``T`` in create order as the sealer read them, a read the seal is fenced
-on (``seq/<T>`` unchanged: nobody joined or withdrew since). Every member learns
-its rank from that one record, which every waiting node receives on its watch of
-``ctl/``.
+Membership rule (the single source of truth): round ``T`` is sealed by the Txn that writes
+``ctl/sealed = T``, and that record names the members
+(:class:`~etcd_rdzv.native.records.Membership`): the first ``max_nodes`` join keys of ``T`` in
+create order as the sealer read them, a read the seal is fenced on (``seq/<T>`` unchanged). Every
+member learns its rank from that one record, which every waiting node gets on its ``ctl/`` watch.
 """
 
 from __future__ import annotations
@@ -95,9 +91,8 @@ def count_waiting(
     node_key: bytes | None = None,
     timeout: float | None = None,
 ) -> Occupancy:
-    """Join keys of ``round_ + 1`` and of ``round_``, ``closed``, ``abort`` and, if given,
-    whether ``node_key`` exists. One read-only Txn of four or five count-only ranges (no
-    revision, O(1) bytes)."""
+    """Join keys of ``round_ + 1`` and ``round_``, ``closed``, ``abort`` and, if given, whether
+    ``node_key`` exists. One read-only Txn of count-only ranges (O(1) bytes)."""
     ops = [
         op_get(keys.join_prefix(round_ + 1), prefix=True, count_only=True),
         op_get(keys.join_prefix(round_), prefix=True, count_only=True),
@@ -122,11 +117,10 @@ def read_members(
 
 @dataclass(frozen=True)
 class RoundRead:
-    """One look at round ``T`` as a seal candidate takes it, at one revision.
+    """One look at round ``T`` by a seal candidate, at one revision.
 
-    ``joiners``: the join keys of ``T`` in create order; ``joins`` and ``seq_mod``: the
-    version and mod revision of ``seq/<T>`` (0 and 0 if absent); ``prev_count``: join
-    keys left in ``T - 1``; ``sealed``, ``closed``: the control records.
+    ``joiners``: join keys of ``T`` in create order; ``joins``/``seq_mod``: version and mod revision
+    of ``seq/<T>`` (0 if absent); ``prev_count``: join keys left in ``T - 1``.
     """
 
     revision: int
@@ -154,8 +148,7 @@ def round_ops(keys: RunKeys, round_: int) -> list[Any]:
 
 
 def parse_round(keys: RunKeys, res: TxnResult, *, skip: int = 0) -> RoundRead:
-    """The :class:`RoundRead` of a transaction whose responses after the first ``skip`` are
-    :func:`round_ops`'."""
+    """The :class:`RoundRead` of a Txn whose responses after the first ``skip`` are :func:`round_ops`'."""
     sealed_r, closed_r, seq_r, joins_r, prev_r = res.responses[skip:]
     seq = first_kv(seq_r)
     assert isinstance(joins_r, RangeResult)
@@ -171,19 +164,16 @@ def parse_round(keys: RunKeys, res: TxnResult, *, skip: int = 0) -> RoundRead:
 
 
 def read_round(client: EtcdClient, keys: RunKeys, round_: int, *, timeout: float | None = None) -> RoundRead:
-    """Everything a seal of ``round_`` depends on, at one revision. One read-only Txn
-    (O(joiners) bytes: only seal candidates call it)."""
+    """Everything a seal of ``round_`` depends on, at one revision. One read-only Txn (O(joiners)
+    bytes: only seal candidates call it)."""
     res = client.txn([], round_ops(keys, round_), timeout=timeout, idempotent=True)
     return parse_round(keys, res)
 
 
 @dataclass(frozen=True)
 class CatchUp:
-    """What a waiting node missed between its join and its watch's start, read at ``revision``.
-
-    ``control``: the key-values under ``ctl/`` (``sealed``, ``closed``); ``prev_count``: join keys
-    left in round ``T - 1``.
-    """
+    """What a waiting node missed before its watch's start, read at ``revision``: ``control`` (the
+    ``ctl/`` key-values), ``prev_count`` (join keys left in ``T - 1``)."""
 
     revision: int
     control: list[Any]
@@ -191,10 +181,7 @@ class CatchUp:
 
 
 def catch_up(client: EtcdClient, keys: RunKeys, round_: int, *, timeout: float | None = None) -> CatchUp:
-    """One read-only Txn: ``ctl/`` (two small keys) and the count of round ``T - 1``'s join keys.
-
-    O(1) bytes whatever the number of nodes (no join key is listed).
-    """
+    """``ctl/`` and the count of round ``T - 1``'s join keys. One read-only Txn, O(1) bytes."""
     res = client.txn(
         [],
         [op_get(keys.ctl, keys.ctl_end), op_get(keys.join_prefix(round_ - 1), prefix=True, count_only=True)],
@@ -214,11 +201,9 @@ def ensure_run_lease(
 ) -> int:
     """The run lease named by ``run``, created (with ``run``) if absent.
 
-    One Range when it exists; else LeaseGrant + one Txn ``[version(run) == 0] ->
-    put run (bound to the lease)``, and a node that loses that race revokes its
-    own lease and returns the winner's. Only sealers and closers call this. A lease
-    etcd refuses (another user attached a key to it before ours: see
-    :func:`~etcd_store.client.renewing_lease`) is replaced once.
+    One Range when it exists; else LeaseGrant + one Txn ``[version(run) == 0] -> put run``, and a
+    loser revokes its lease and returns the winner's. Only sealers and closers call this. A lease
+    etcd refuses (:func:`~etcd_store.client.renewing_lease`) is replaced once.
     """
     existing = lease_of(client.get(keys.run, timeout=timeout))
     if existing is not None:
@@ -252,13 +237,10 @@ def ensure_run_lease(
 class JoinOutcome:
     """The answer of :func:`join`.
 
-    On success: ``revision`` is the join's revision, ``create_revision`` our key's
-    (= ``revision`` unless the key already existed), ``seq`` this join's sequence
-    number in the round (the version of ``seq/<T>`` after it), ``count`` the join
-    keys of the round (ours included), ``prev_count`` those of the previous round.
-    On failure: the current ``sealed`` and ``closed``, and ``joined_anyway``: our key
-    exists in the round (an earlier attempt of this Txn, whose answer was lost, did
-    apply, and the round was sealed since).
+    On success: the join's ``revision``; ``create_revision`` of our key (older if it existed); ``seq``,
+    our sequence number (version of ``seq/<T>``); ``count`` and ``prev_count``, the join keys of ``T``
+    and ``T - 1``. On failure: the current ``sealed`` and ``closed``, and ``joined_anyway``: our key
+    is in the round (a lost answer of an earlier attempt that applied, and the round sealed since).
     """
 
     ok: bool
@@ -336,8 +318,8 @@ def join(
 
 @dataclass(frozen=True)
 class SealOutcome:
-    """The answer of :func:`seal`: ``read``, on failure, is a fresh look at the round
-    (at the failed Txn's revision), so the caller may try again without a read."""
+    """The answer of :func:`seal`; on failure ``read`` is a fresh look at the round, so the caller may
+    retry without a read."""
 
     ok: bool
     revision: int
@@ -367,8 +349,7 @@ def seal(
              delete rounds/ older than T-1; delete seq/ up to T
         else the ranges of a RoundRead
 
-    The members are the first ``max_nodes`` joiners of ``read`` (create order);
-    ``master`` is rank 0's address and port (from its join value).
+    Members: the first ``max_nodes`` joiners of ``read``; ``master``: rank 0's address and port.
     """
     if round_ != previous.round + 1:
         raise ValueError(f"cannot seal round {round_} after round {previous.round}")
@@ -408,9 +389,8 @@ def evict_joiners(
     *,
     timeout: float | None = None,
 ) -> SealOutcome:
-    """Delete the join keys ``victims`` (``(key, mod_revision, lease)``, as read) of the unsealed
-    ``round_`` (= ``previous.round + 1``): the dead joiners a sealer found (see
-    :mod:`~etcd_rdzv.native.leases`). One Txn::
+    """Delete the dead joiners ``victims`` (``(key, mod_revision, lease)`` as read) of the unsealed
+    ``round_`` (:mod:`~etcd_rdzv.native.leases`). One Txn::
 
         if   mod(sealed) == previous.revision          (round_ still unsealed)
              and, for each victim, mod(key) == m and lease(key) == l   (unchanged since the read)
@@ -418,10 +398,9 @@ def evict_joiners(
              + the ranges of a RoundRead                (after the deletes: a fresh read)
         else the ranges of a RoundRead
 
-    The bump of ``seq/T`` makes a seal prepared from any read taken before it fail its
-    compare (``mod(seq/T) == read.seq_mod``), as a voluntary withdrawal does: no seal names
-    an evicted joiner. ``ok`` is whether the keys were deleted; ``read`` is the round after the
-    Txn either way. A replay fails its compares (the keys are gone) and returns a read.
+    The ``seq/T`` bump fails any seal prepared from an older read, so no seal names an evicted
+    joiner. ``ok``: the keys were deleted; ``read``: the round after the Txn either way. A replay
+    fails its compares and returns a read.
     """
     if round_ != previous.round + 1:
         raise ValueError(f"cannot evict from round {round_} after round {previous.round}")
@@ -453,19 +432,16 @@ def reattach(
     *,
     timeout: float | None = None,
 ) -> Occupancy | None:
-    """Put a member's join key of ``round_`` back, bound to a new ``lease``, if ``round_``
-    is still the last sealed round and the run is open. One Txn::
+    """Put a member's join key of ``round_`` back on a new ``lease`` if ``round_`` is still the last
+    sealed round and the run is open. One Txn::
 
         if   mod(sealed) == seal_revision and version(closed) == 0
         then put join/R/<node> (new lease); count join/(R+1)/; count join/R/
         else (nothing)
 
-    For a member whose lease ended while its group still runs (etcd was out of
-    reach for longer than the TTL). ``seal_revision`` is the revision that sealed
-    ``round_``: no later seal happened, so no group formed without this node, and
-    from the put on its key keeps the next round from being sealed again. Returns
-    the counts after the put (``mine`` True), or None when the compare failed.
-    A replay re-puts the same key with the same lease (or fails the same compare).
+    For a member whose lease expired in an etcd outage while its group runs: no later seal happened,
+    so no group formed without it, and the put keeps the next round from being sealed. Returns the
+    counts after the put (``mine`` True), or None. A replay re-puts the same key and lease.
     """
     prefix = keys.join_prefix(round_)
     res = client.txn(
@@ -496,8 +472,7 @@ def leave_if_unsealed(
 
         if mod(sealed) == sealed.revision then delete join_key; put seq/T
 
-    The bump of ``seq/T`` makes any seal prepared before this withdrawal fail its
-    fence, so no seal names a node that left of its own accord.
+    The ``seq/T`` bump fails any seal prepared before it: no seal names a node that left.
     """
     res = client.txn(
         [compare_mod(keys.sealed, "==", sealed.revision)],
@@ -511,9 +486,8 @@ def leave_if_unsealed(
 def close(client: EtcdClient, keys: RunKeys, run_lease: int, *, timeout: float | None = None) -> bool:
     """Mark the run closed once: ``[version(closed) == 0] -> put closed``. One Txn.
 
-    No round forms after it (every join compares ``version(closed) == 0``); members of a
-    running round keep running (:func:`abort` stops them too). Returns whether this call
-    closed it (False: it was closed already).
+    No round forms after it (every join compares ``closed``); running members keep running
+    (:func:`abort` stops them too). Whether this call closed it.
     """
     res = client.txn(
         [compare_version(keys.closed, "==", 0)],
@@ -526,30 +500,24 @@ def close(client: EtcdClient, keys: RunKeys, run_lease: int, *, timeout: float |
 
 @dataclass(frozen=True)
 class AbortOutcome:
-    """The answer of :func:`abort`: whether this call closed the run, and whether it wrote
-    the abort mark (both False: the run was aborted already)."""
+    """The answer of :func:`abort`: whether this call closed the run, and whether it wrote the mark."""
 
     closed: bool
     aborted: bool
 
 
 def abort(client: EtcdClient, keys: RunKeys, run_lease: int, *, timeout: float | None = None) -> AbortOutcome:
-    """Close the run and stop every agent of it now (the operator's ``etcd-rdzv close``).
-
-    :func:`close` only ends the run's rendezvous: no new round forms, and members that
-    still run keep running (``shutdown()`` closes the run at the normal end of every
-    agent's job, which must not stop a slower node's workers). The abort mark
-    ``ctl/abort`` also makes every member's ``num_nodes_waiting()`` positive, so each
-    agent stops its workers and learns from ``next_rendezvous`` that the run is closed.
-    One Txn, two when the run was closed but not aborted::
+    """Close the run and stop every agent now (``etcd-rdzv close``): unlike :func:`close` (each agent's
+    normal end, which must not stop a slower node's workers), ``ctl/abort`` makes every member's
+    ``num_nodes_waiting()`` positive. One Txn, two when the run was closed but not aborted::
 
         if   version(closed) == 0 and version(abort) == 0
         then put closed; put abort                  (run lease; one revision)
         else count abort
         [closed, not aborted:] if version(abort) == 0 then put abort
 
-    The mark is never written without ``closed`` (so no node sees an aborted run open),
-    and ``closed`` is never written twice. Replays fail their compare.
+    The mark is never written without ``closed`` (no node sees an aborted run open), ``closed`` never
+    twice; replays fail their compare.
     """
     res = client.txn(
         [compare_version(keys.closed, "==", 0), compare_version(keys.abort, "==", 0)],
@@ -576,9 +544,8 @@ def remove_round_records_if_idle(
 ) -> bool:
     """Delete every ``rounds/`` and ``seq/`` key if no node holds a join key. One Txn.
 
-    Called by a node that leaves for good: the last one to go removes what the
-    run-lease TTL does not cover (the stores of the last rounds, the join
-    counter of the open round, which has no lease).
+    The last node to leave removes what the run-lease TTL does not cover (the last rounds' stores,
+    the open round's counter).
     """
     root = keys.join_root
     start, end = keys.rounds, prefix_range_end(keys.rounds)

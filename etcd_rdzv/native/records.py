@@ -1,55 +1,25 @@
 """The records of one ``etcd-v3`` run: its key layout, what each key holds, and the node's errors (no I/O).
 
-Every key lives under ``<key_prefix>/<run_id>/v3/`` (:class:`RunKeys`)::
+Every key lives under ``<key_prefix>/<run_id>/v3/`` (:class:`RunKeys`; the table of keys, values
+and leases is in docs/etcd-v3-design.md, "Key layout"). ``ctl/`` (``sealed``, ``closed``,
+``abort``, on the run lease) is exactly what a waiting node watches; the mod revision of
+``ctl/sealed`` is the fencing token. ``join/<T>/<node_id>`` (node lease) says node_id waits for or
+belongs to round ``T``, its create revision orders joins; ``seq/<T>`` (no lease) counts the joins
+and withdrawals of ``T`` by its version; ``rounds/<T>/`` (run lease) holds the members record, the
+start acks and fate, and the round's store. ``<round>`` is zero-padded to 10 digits, so byte order
+is round order; as ``ctl/`` sorts just before ``join/``, one watch on ``[ctl/, join/<T>/)``
+(:meth:`RunKeys.watch_range`) also covers the join keys of ``T - 1``.
 
-    ctl/abort                     "1" once the run is aborted: closed,  (run lease)
-                                  and every running agent stops now
-    ctl/closed                    "1" once the run is closed            (run lease)
-    ctl/sealed                    JSON: last sealed round, its members; (run lease)
-                                  its mod_revision is the fencing token
-    join/<round>/<node_id>        JSON {addr, pid, port}: node_id waits (node lease)
-                                  for or belongs to <round>; create_revision orders joins
-    rounds/<round>/members        JSON list of node ids, rank order     (run lease)
-    rounds/<round>/start-acks/<node_id> empty: a member confirmed the round   (run lease)
-    rounds/<round>/start          "go" or "void": the round's fate      (run lease)
-    rounds/<round>/store/...      the round's EtcdStore
-    run                           hex id of the run lease               (run lease)
-    seq/<round>                   empty; its version counts the joins   (no lease)
-                                  and withdrawals of <round>
+**Membership** (every waiting node receives it, so it is compact): ``{"joins": V, "world": W}``
+when the seal's read found exactly ``V`` joiners and ``V`` joins counted (nobody left: a member's
+rank is its sequence number - 1); else ``{"world": W, "created": [r0, d1, ...]}``, the members'
+create revisions in rank order, delta-encoded (each member knows its own from its join).
 
-``<round>`` is zero-padded to 10 digits so that byte order is round order and a
-whole range of rounds is one ``[start, end)`` interval. ``ctl/`` holds exactly what
-a waiting node watches; joins, stores and the join counter live outside it. As
-``ctl/`` sorts just before ``join/``, one watch on ``[ctl/, join/<T>/)``
-(:meth:`RunKeys.watch_range`) covers the control records and the join keys of the
-rounds before ``T`` (only ``T - 1`` can hold any): what a seal candidate of ``T``
-watches while ``T - 1`` still has members.
-
-**Values.** ``ctl/sealed`` is a :class:`Sealed` (the last sealed round, its fencing
-revision, the run lease, rank 0's address, and the round's :class:`Membership`), ``run``
-the run lease id (:func:`lease_of`), ``rounds/<T>/members`` a list of node ids
-(:func:`decode_members`); :class:`Meta` and :class:`Joiner` are what the reads answer.
-Decoding a value this protocol never writes raises :class:`ProtocolStateError` naming the key.
-
-The membership of a sealed round is named compactly (every waiting node receives
-it): ``{"joins": V, "world": W}`` when the seal's read found exactly ``V`` joiners
-present and ``V`` joins counted (nobody left, so the joiners hold the sequence
-numbers ``1..V`` in create order and a member's rank is its number - 1); else
-``{"world": W, "created": [r0, d1, d2, ...]}``, the create revisions of the ``W``
-members in rank order, delta-encoded (``r_i = r_{i-1} + d_i``); each member knows
-its own key's create revision from its join.
-
-Every JSON value read from etcd goes through :func:`load_json`: larger than
-:data:`MAX_RECORD_BYTES` or nested too deeply for the parser (``RecursionError``)
-is a ``ValueError`` like any malformed value, which the decoders turn into a
-bounded :class:`ProtocolStateError` (or ignore, for optional fields).
-
-**Errors.** The node (:mod:`~etcd_rdzv.native.rounds`, :mod:`~etcd_rdzv.native.leases`
-and what they call) raises its own (:class:`NodeError` subclasses),
-:class:`ProtocolStateError` and the client's :class:`~etcd_store.errors.EtcdError`
-subclasses (etcd failed or was out of reach). Only the handler
-(:func:`~etcd_rdzv.native.handler.torch_error`) turns them into torch's rendezvous errors.
-This module imports no torch: the CLI reads runs through it.
+Every JSON value goes through :func:`load_json` (size and nesting bounded); a value this protocol
+never writes raises :class:`ProtocolStateError` naming the key. The node raises its own
+:class:`NodeError` subclasses, ``ProtocolStateError`` and ``EtcdError``; only the handler
+(:func:`~etcd_rdzv.native.handler.torch_error`) turns them into torch's. No torch import: the CLI
+reads runs through this module.
 """
 
 from __future__ import annotations
@@ -105,8 +75,7 @@ class RunKeys:
 
     @property
     def abort(self) -> bytes:
-        """Written with (or after) ``closed`` by the operator's stop (``etcd-rdzv close``):
-        the run is over for the members that still run too (see ``protocol.abort``)."""
+        """Written with (or after) ``closed`` by ``etcd-rdzv close``: running members stop too."""
         return f"{self.root}/ctl/abort".encode()
 
     @property
@@ -140,9 +109,8 @@ class RunKeys:
         return int(number), node_id
 
     def watch_range(self, round_: int, previous: bool) -> tuple[bytes, bytes]:
-        """``[start, end)`` a node waiting in ``round_`` watches: ``ctl/`` alone, or with
-        ``previous`` also the join keys of the rounds before ``round_`` (see the module
-        docstring)."""
+        """``[start, end)`` a node waiting in ``round_`` watches: ``ctl/``, plus with ``previous`` the join
+        keys of earlier rounds."""
         return self.ctl, (self.join_prefix(round_) if previous else self.ctl_end)
 
     # ------------------------------------------------------------------ seq/
@@ -198,8 +166,8 @@ MAX_RECORD_BYTES = 16 * 1024 * 1024
 
 
 def load_json(value: bytes) -> Any:
-    """``json.loads(value)``, but a value over :data:`MAX_RECORD_BYTES` or nested too deeply
-    raises ``ValueError`` (with a short message) instead of exhausting memory or the stack."""
+    """``json.loads(value)``, but a value over :data:`MAX_RECORD_BYTES` or nested too deeply raises
+    ``ValueError`` instead of exhausting memory or the stack."""
     if len(value) > MAX_RECORD_BYTES:
         raise ValueError(f"a {len(value)}-byte value, more than the {MAX_RECORD_BYTES} bytes of a record")
     try:
@@ -214,12 +182,8 @@ class ProtocolStateError(Exception):
 
 @dataclass(frozen=True)
 class Sealed:
-    """The ``ctl/sealed`` record: the last sealed round, its fencing revision, the run lease.
-
-    ``round == 0`` and ``revision == 0`` when no round was sealed yet. The record
-    names the run lease it is bound to, so every node that sees a round sealed
-    learns which lease to help keep alive, at no extra cost.
-    """
+    """The ``ctl/sealed`` record: the last sealed round (0 if none), its fencing revision, the run lease
+    (so every node that sees a seal learns which lease to help keep alive, at no extra cost)."""
 
     round: int = 0
     revision: int = 0
@@ -237,8 +201,8 @@ class Sealed:
 
 @dataclass(frozen=True)
 class Joiner:
-    """One join key of a round as a read found it (``key``, ``mod_revision`` and ``lease``: what
-    a fenced eviction of it compares; empty/0 where the reader did not keep them)."""
+    """One join key of a round as read (``key``, ``mod_revision``, ``lease``: what a fenced eviction
+    compares; empty/0 where not kept)."""
 
     node_id: str
     create_revision: int
@@ -250,11 +214,7 @@ class Joiner:
 
 @dataclass(frozen=True)
 class Membership:
-    """Who the members of a sealed round are (see the module docstring).
-
-    ``joins`` set: the joiners with sequence numbers ``1..world``; else ``created``:
-    the members' create revisions in rank order.
-    """
+    """Who the members of a sealed round are (see the module docstring): ``joins``, or ``created``."""
 
     world: int
     joins: int | None = None
@@ -262,17 +222,16 @@ class Membership:
 
     @classmethod
     def of(cls, joiners: list[Joiner], joins: int, max_nodes: int) -> Membership:
-        """The membership a seal records, from the round's present joiners in create
-        order and the join count ``joins`` (the version of ``seq/<T>``), read together."""
+        """The membership a seal records, from the present joiners (create order) and ``joins`` (the version
+        of ``seq/<T>``), read together."""
         world = min(len(joiners), max_nodes)
         if len(joiners) == joins:
             return cls(world, joins=joins)
         return cls(world, created=tuple(j.create_revision for j in joiners[:world]))
 
     def rank_of(self, seq: int, create_revision: int) -> int | None:
-        """The rank of the joiner with sequence number ``seq`` and that create revision;
-        None when it is not a member (it came after ``max_nodes`` others, or it had
-        left when the sealer read the round)."""
+        """The rank of the joiner ``(seq, create_revision)``; None when not a member (after ``max_nodes``
+        others, or gone at the sealer's read)."""
         if self.joins is not None:
             return seq - 1 if 1 <= seq <= self.world else None
         try:
@@ -316,9 +275,8 @@ def _count(value: object) -> bool:
 
 
 def decode_sealed(value: bytes, key: bytes = b"ctl/sealed") -> tuple[int, int | None, tuple[str, int] | None]:
-    """``(round, run lease, rank 0's (addr, port) or None)`` of a ``ctl/sealed`` value;
-    errors name ``key`` (the full etcd key). A malformed ``master`` is ignored (the
-    members then read rank 0's join key instead)."""
+    """``(round, run lease, rank 0's (addr, port) or None)`` of a ``ctl/sealed`` value; errors name
+    ``key``. A malformed ``master`` is ignored (members then read rank 0's join key)."""
     where = key.decode("utf-8", "replace")
     try:
         record = load_json(value)
@@ -337,9 +295,8 @@ _HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
 
 
 def _lease_id(text: object) -> int:
-    """The lease id ``text`` names in hex digits, as written (``f"{lease:x}"``): no sign,
-    prefix, space or underscore (which ``int(text, 16)`` would take), less than 2**63
-    (etcd's int64); else ``ValueError``."""
+    """The lease id in hex, as written (``f"{lease:x}"``): no sign, prefix, space or underscore (which
+    ``int(text, 16)`` would take), below 2**63 (etcd's int64); else ``ValueError``."""
     if isinstance(text, bytes):
         text = text.decode("ascii")  # UnicodeDecodeError is a ValueError
     if not isinstance(text, str) or not 0 < len(text) <= 16 or not set(text) <= _HEX_DIGITS:

@@ -1,25 +1,17 @@
 """One node's part in the rounds of an ``etcd-v3`` run: join, wait, seal, close.
 
-:class:`Participant` holds what a node knows of the run (the last sealed record it
-saw), where it stands in the rounds (a :class:`~etcd_rdzv.native.barrier.Standing`:
-the join it holds, the round it is a member of) and its leases (a
-:class:`~etcd_rdzv.native.leases.NodeLeases`), which it holds and calls, and strings
-the transactions of :mod:`etcd_rdzv.native.protocol` together:
-:meth:`Participant.rendezvous` joins rounds until one that includes this node is
-sealed; each wait on the watch of the run's ``ctl/`` keys is a
-:class:`~etcd_rdzv.native.wait.RoundWait` (which acts on
-:func:`~etcd_rdzv.native.barrier.decide`), and the participant acts on the signal
-that ends it. A lease etcd reports gone is replaced and the write sent again, through
-:func:`~etcd_store.client.renewing_lease`. The torch-facing handler
-(:mod:`etcd_rdzv.native.handler`) owns one and translates its errors.
+:class:`Participant` holds the last sealed record the node saw, its
+:class:`~etcd_rdzv.native.barrier.Standing` and its :class:`~etcd_rdzv.native.leases.NodeLeases`,
+and strings the Txns of :mod:`etcd_rdzv.native.protocol` together: :meth:`Participant.rendezvous`
+joins rounds until one including this node is sealed; each wait is a
+:class:`~etcd_rdzv.native.wait.RoundWait`, and the participant acts on the signal that ends it. A
+lease etcd reports gone is replaced and the write resent (:func:`~etcd_store.client.renewing_lease`).
+The handler (:mod:`etcd_rdzv.native.handler`) owns one.
 
-Blocks: :meth:`~Participant.rendezvous` (until sealed, closed, or
-``join_timeout``), :meth:`~Participant.leave` and :meth:`~Participant.close_run`
-(at most until their deadline).
-Raises :class:`~etcd_store.errors.EtcdError` subclasses,
-:class:`~etcd_rdzv.native.records.ProtocolStateError` and the node's own errors
-(:class:`~etcd_rdzv.native.records.NodeError`: run closed, ``join_timeout``, shut down) where the
-run's state decides the outcome; only the handler translates them to torch's.
+Blocks: :meth:`~Participant.rendezvous` (until sealed, closed, or ``join_timeout``),
+:meth:`~Participant.leave` and :meth:`~Participant.close_run` (until their deadline). Raises
+``EtcdError`` subclasses, ``ProtocolStateError`` and the node's own
+:class:`~etcd_rdzv.native.records.NodeError`; only the handler translates them to torch's.
 """
 
 from __future__ import annotations
@@ -74,27 +66,22 @@ log = logging.getLogger(__name__)
 __all__ = ["WITHDRAW_TIMEOUT", "Participant", "RoundResult"]
 
 WITHDRAW_TIMEOUT = 2.0
-"""Seconds the withdrawal of a join may take when a wait ended with an error (the error
-is raised after it: a longer bound would only delay it)."""
+"""Seconds a withdrawal may take when a wait ended with an error (raised after it)."""
 
 
 @dataclass(frozen=True)
 class _Retry:
-    """Join again: from ``sealed`` when known, else after re-reading the run's records;
-    ``clock`` is the ``join_timeout`` deadline as the wait left it."""
+    """Join again: from ``sealed`` when known, else after re-reading; ``clock`` as the wait left it."""
 
     sealed: Sealed | None
     clock: JoinDeadline
 
 
 class Participant:
-    """One node of the run: its place in the rounds (see the module docstring).
+    """One node of the run (see the module docstring).
 
-    ``leases`` (its :class:`~etcd_rdzv.native.leases.NodeLeases`; ``session``,
-    ``run_lease`` and ``shut_down`` read through to it) and ``standing`` (its
-    :class:`~etcd_rdzv.native.barrier.Standing`: the round this node is a member of, its
-    size, rank 0's address from its sealed record) are read by the handler.
-    One :meth:`rendezvous` at a time; :meth:`stop` may be called from any thread.
+    ``leases`` (``session``, ``run_lease`` and ``shut_down`` read through to it) and ``standing`` are
+    read by the handler. One :meth:`rendezvous` at a time; :meth:`stop` may be called from any thread.
     """
 
     def __init__(self, settings: V3Settings, client: EtcdClient, keys: RunKeys, node_id: str,
@@ -126,8 +113,7 @@ class Participant:
     # ------------------------------------------------------------------ stopping, leaving, closing
 
     def stop(self) -> Session | None:
-        """Stop for good: cancel a wait's watch, forget the round; returns the lease session to
-        close (no RPC)."""
+        """Stop for good: cancel a wait's watch, forget the round; returns the session to close (no RPC)."""
         session = self.leases.stop()
         self.standing.forget()
         return session
@@ -135,10 +121,9 @@ class Participant:
     def leave(self, deadline: float) -> bool:
         """Stop for good and release this node's keys now, without closing the run.
 
-        Withdraws a join from a round that may be unsealed (one Txn each, see
-        :func:`protocol.leave_if_unsealed`), then revokes the node's lease (one
-        LeaseRevoke: its join key vanishes with it), every RPC bounded by ``deadline``.
-        Returns whether etcd confirmed the revoke; never raises for etcd failures.
+        Withdraws a join from a round that may be unsealed (one Txn each,
+        :func:`protocol.leave_if_unsealed`), then revokes the lease (its join key goes with it), every
+        RPC bounded by ``deadline``. Whether etcd confirmed the revoke; never raises for etcd failures.
         """
         pending = self.standing.pending()  # the join in flight first
         session = self.stop()
@@ -149,8 +134,7 @@ class Participant:
             if joined.key in withdrawn or time.monotonic() >= deadline:
                 continue
             withdrawn.add(joined.key)
-            # Waiting in a round that may be unsealed: withdraw with a bump of its join
-            # counter, so that no seal prepared before names us (a bare revoke would not).
+            # Bump the join counter so no seal prepared before names us (a bare revoke would not).
             try:
                 protocol.leave_if_unsealed(self._client, self._keys, joined.round, joined.key,
                                            joined.under, timeout=deadline - time.monotonic())
@@ -163,16 +147,12 @@ class Participant:
         self.leases.close_run(deadline, abort=abort)
 
     def reattach(self) -> protocol.Occupancy | None:
-        """Put our join key back into the round we are a member of, with a new lease.
+        """Put our join key back into our round with a new lease, after an outage expired it.
 
-        For a member whose lease ended (etcd was out of reach for longer than its TTL)
-        while its group still runs: one LeaseGrant and one Txn
-        (:func:`protocol.reattach`), which succeeds only if no round was sealed since
-        ours and the run is open. Returns the group's counts after it, or None when
-        the node cannot re-attach (sealed over, closed, or its round's seal revision
-        is not known): its group is over. A lease etcd refuses is replaced once
-        (:func:`~etcd_store.client.renewing_lease`). Raises ``EtcdError`` if etcd fails and
-        :class:`~etcd_rdzv.native.records.NodeShutDown` once stopped.
+        One LeaseGrant and one Txn (:func:`protocol.reattach`), which succeeds only if no round was sealed
+        since ours and the run is open. The group's counts after it, or None when the node cannot
+        re-attach (sealed over, closed, or seal revision unknown): its group is over. Raises
+        ``EtcdError``, and :class:`~etcd_rdzv.native.records.NodeShutDown` once stopped.
         """
         st = self.standing
         joined, round_ = st.joined, st.member_round
@@ -197,8 +177,7 @@ class Participant:
         return occ
 
     def _ensure_lease(self) -> int:
-        """This node's lease (:meth:`NodeLeases.ensure`); a new one forgets our join key
-        (it went with the old lease). 0-1 LeaseGrant."""
+        """This node's lease; a new one forgets our join key (gone with the old lease). 0-1 LeaseGrant."""
         lease, new = self.leases.ensure()
         if new:
             self.standing.joined = None
@@ -214,12 +193,10 @@ class Participant:
     def rendezvous(self, clock: JoinDeadline) -> RoundResult:
         """Join rounds until one that includes us is sealed.
 
-        The first join assumes the last sealed record this node saw; a stale guess
-        costs one failed join, whose answer carries the current record. Raises
-        :class:`~etcd_rdzv.native.records.RunClosed` (also :class:`ClosedWhileKeptOut`),
-        :class:`~etcd_rdzv.native.records.RoundTimeout`,
-        :class:`~etcd_rdzv.native.records.NodeShutDown`, ``ProtocolStateError`` and
-        ``EtcdError`` subclasses.
+        The first join assumes the last sealed record this node saw; a stale guess costs one failed join,
+        whose answer carries the current record. Raises :class:`~etcd_rdzv.native.records.RunClosed`
+        (also :class:`ClosedWhileKeptOut`), ``RoundTimeout``, ``NodeShutDown``, ``ProtocolStateError``
+        and ``EtcdError`` subclasses.
         """
         # one free port per next_round call; our pace, which observers of our group read (eviction)
         value = join_value(self._settings.node_addr, own_pace(self._settings, self._client.retry_policy.first_attempt).fields())
@@ -238,12 +215,10 @@ class Participant:
             clock, sealed = step.clock, step.sealed
 
     def start(self, admitted: RoundResult) -> bool:
-        """Confirm the round :meth:`rendezvous` admitted us to and wait for its fate
-        (:func:`~etcd_rdzv.native.start.start_round`): True once every member confirmed it, False
-        when it was voided (a member left first: the next :meth:`rendezvous` re-joins as a member of
-        it). Waits at most ``join_timeout``, and at least two lease TTLs (a dead member's key goes
-        within one); raises :class:`~etcd_rdzv.native.records.RoundTimeout` (after withdrawing) when
-        that passes undecided, and ``EtcdError`` subclasses."""
+        """Confirm the round :meth:`rendezvous` admitted us to (:func:`~etcd_rdzv.native.start.start_round`):
+        True once every member confirmed it, False when it was voided (a member left first; the next
+        :meth:`rendezvous` re-joins). Waits at most ``max(join_timeout, 2 * lease_ttl)`` (a dead member's
+        key goes within one TTL); then raises ``RoundTimeout`` after withdrawing."""
         wait = max(self._settings.join_timeout, 2.0 * self._settings.lease_ttl)
         fate = start_round(self._client, self._keys, admitted.round, admitted.world_size, self._node_id,
                            self.run_lease or 0, time.monotonic() + wait)
@@ -256,8 +231,7 @@ class Participant:
         return fate
 
     def _read_sealed(self) -> Sealed:
-        """The run's current sealed record (one read-only Txn); raises
-        :class:`~etcd_rdzv.native.records.RunClosed` (after withdrawing) if the run is closed."""
+        """The current sealed record (one read-only Txn); ``RunClosed`` (after withdrawing) if closed."""
         meta = protocol.read_meta(self._client, self._keys)
         if meta.closed:
             self._withdraw()
@@ -265,8 +239,7 @@ class Participant:
         return meta.sealed
 
     def _resolve_unseen(self, sealed: Sealed) -> RoundResult | None:
-        """Our place in the round we joined if it was sealed while we were not watching
-        (watch lost, error): :meth:`_resolve`. None if not known to be sealed, or not ours."""
+        """Our place in the round we joined if it was sealed while we were not watching (:meth:`_resolve`)."""
         joined = self.standing.joined
         if joined is not None and joined.member is None and joined.round <= sealed.round:
             return self._resolve(joined.round, sealed)
@@ -276,11 +249,8 @@ class Participant:
                        prior: PreviousGroup) -> RoundResult | _Retry:
         """Join round ``sealed.round + 1`` and wait in it (:meth:`_wait`).
 
-        The control watch opens before the join (while the lease is granted) and the join
-        waits for etcd to confirm it, so the watch starts below the join's revision and no
-        catch-up read is needed (see :meth:`RoundWait.catch_up
-        <etcd_rdzv.native.wait.RoundWait.catch_up>`). A lease etcd reports gone is
-        replaced and the join sent again (:func:`~etcd_store.client.renewing_lease`).
+        The control watch opens before the join and the join waits for etcd to confirm it, so the watch
+        starts below the join's revision and needs no catch-up read.
         """
         keys, target = self._keys, sealed.round + 1
         with self._client.watch(*keys.watch_range(target, previous=False)) as ctl_watch:
@@ -304,8 +274,8 @@ class Participant:
         return waited
 
     def _join_failed(self, outcome: protocol.JoinOutcome, sealed: Sealed, clock: JoinDeadline) -> _Retry:
-        """A join whose fences failed: join again from the record its answer carries; raises
-        :class:`~etcd_rdzv.native.records.RunClosed` (after withdrawing) if the run is closed."""
+        """A join whose fences failed: join again from the record its answer carries; ``RunClosed``
+        (after withdrawing) if the run is closed."""
         if outcome.joined_anyway:
             # A lost answer hid a join that did apply; its round is sealed now.
             target = sealed.round + 1
@@ -317,13 +287,12 @@ class Participant:
         return _Retry(outcome.sealed, clock)
 
     def _join(self, sealed: Sealed, value: bytes, lease: int, *, ready: Watch | None = None) -> protocol.JoinOutcome:
-        """One join Txn with ``lease``, leaving our previous key (if its lease is still ours);
-        first waits (at most the client's timeout) for etcd to confirm the watch ``ready``,
-        and sends nothing if that watch failed.
+        """One join Txn with ``lease``, deleting our previous key; first waits (at most the client's
+        timeout) for etcd to confirm ``ready``, and sends nothing if that watch failed.
 
-        The join is recorded as in flight (``Standing.joining``) before it is sent: a leave at exit
-        (a signal may end the process between the Txn and the recording of its answer)
-        withdraws it with a bump of the join counter, as it withdraws a recorded join."""
+        The join is recorded as in flight (``Standing.joining``) before it is sent, so a leave at exit
+        between the Txn and recording its answer still withdraws it with a counter bump.
+        """
         if ready is not None:
             confirm(self._client, ready, self._node_id, before_join=True)
         joined = self.standing.joined
@@ -344,19 +313,14 @@ class Participant:
         opened: Watch | None = None,
         evicts: bool = False,
     ) -> RoundResult | _Retry:
-        """Wait on the watch until round ``round_`` is sealed; seal it when due.
+        """Wait on the watch until round ``round_`` is sealed; seal it when due
+        (:func:`~etcd_rdzv.native.barrier.decide`).
 
-        Acts on what :func:`~etcd_rdzv.native.barrier.decide` says (when a round
-        is due is defined there); ``recover_size`` is the size of the group this
-        node was a member of in the previous round (``fast_recovery``). The watch
-        covers ``ctl/``, and the join keys of the previous round while this node
-        must tell when it empties (a candidate, or kept out by a full group).
-        ``opened``: a watch of ``ctl/`` alone, opened before the join; used when that
-        range suffices, else cancelled (this method owns it either way). ``evicts``: this
-        node was a member of the previous round, one of its observers, and evicts dead
-        members of it while it waits (:mod:`~etcd_rdzv.native.leases`). An etcd failure
-        that is not a lost lease, a cancelled watch or a compaction withdraws the join
-        (:meth:`_withdraw_after_error`) and is raised.
+        ``recover_size``: the size of our group in the previous round (``fast_recovery``). ``opened``: a
+        ``ctl/`` watch opened before the join, used if it suffices, else cancelled (owned either way).
+        ``evicts``: we observe the previous round for dead members (:mod:`~etcd_rdzv.native.leases`). An
+        etcd failure other than a lost lease, a cancelled watch or a compaction withdraws the join and
+        is raised.
         """
         s = self._settings
         view = RoundView(
@@ -393,10 +357,8 @@ class Participant:
             self.leases.release_watch(w.watch)
 
     def _retry_after_error(self, w: RoundWait) -> _Retry | None:
-        """After an etcd failure of the wait: join again if it only means our lease ended
-        (the join key is gone) or a stale lease's ``on_lost`` cancelled the watch; None if
-        the failure is to be raised. Raises :class:`~etcd_rdzv.native.records.NodeShutDown`
-        if the node was stopped (that cancelled the watch)."""
+        """After an etcd failure of the wait: join again if our lease ended or a stale lease's ``on_lost``
+        cancelled the watch; None to raise it. ``NodeShutDown`` if the node was stopped."""
         if self.shut_down:
             raise NodeShutDown(f"the handler of node {self._node_id} was shut down") from None
         if w.session.lost.is_set() or w.session.done().is_set():  # our lease ended: the join key is gone
@@ -407,18 +369,17 @@ class Participant:
         return None
 
     def _withdraw_after_error(self) -> None:
-        """The wait ends with an error: withdraw our join if the round is still unsealed (one
-        fenced Txn with a bump of the join counter, at most :data:`WITHDRAW_TIMEOUT`), so that
-        no seal names a node that no longer waits. Best effort: if etcd does not answer, the
-        key goes with the lease, at the next join (it deletes it) or at exit (leave); if the
-        round was sealed meanwhile, the next rendezvous reads our place in it."""
+        """Withdraw our join if the round is unsealed (fenced Txn with a counter bump, at most
+        :data:`WITHDRAW_TIMEOUT`), so no seal names a node that no longer waits. Best effort: else the
+        key goes with the lease, at the next join or at exit; if sealed meanwhile, the next rendezvous
+        reads our place."""
         try:
             self._withdraw_if_unsealed(timeout=WITHDRAW_TIMEOUT)
         except EtcdError as e:
             log.info("node %s could not withdraw its join after an error: %s", self._node_id, e)
 
     def _lease_lost(self, previous: Sealed, clock: JoinDeadline) -> _Retry:
-        """Our lease ended while we waited: its join key is gone; join again with a new one."""
+        """Our lease ended while we waited (the join key is gone): join again with a new one."""
         self.standing.joined = None
         self.leases.drop()
         return _Retry(previous, clock)
@@ -459,10 +420,9 @@ class Participant:
         return _Retry(sealed, state.clock)
 
     def _timed_out_late(self, round_: int) -> RoundResult:
-        """``join_timeout`` passed, but ``round_`` was sealed before we could withdraw: our place in
-        it, read now (one read Txn and one Range), not awaited from the watch, which may hear nothing
-        for long (a stream on a member that answers nothing). :class:`RoundTimeout` (withdrawn
-        first) if we are no member of it."""
+        """``join_timeout`` passed but ``round_`` was sealed before we could withdraw: read our place now
+        (one read Txn and one Range; the watch may hang on a mute member). ``RoundTimeout`` (withdrawn
+        first) if we are no member."""
         sealed = protocol.read_meta(self._client, self._keys).sealed
         self._learn(sealed)
         place = self._resolve(round_, sealed)
@@ -477,9 +437,9 @@ class Participant:
     def _resolve(self, round_: int, sealed: Sealed) -> RoundResult | None:
         """Our place in ``round_``, sealed while we were not watching; None if not a member.
 
-        Only while ``round_`` is the last sealed round (:func:`~etcd_rdzv.native.barrier.resolved`:
-        a later seal found ``round_`` empty, so our group re-formed without us). The members
-        record is written by the seal transaction itself. One Range (none when sealed over)."""
+        Only while ``round_`` is the last sealed round (:func:`~etcd_rdzv.native.barrier.resolved`). The
+        members record is written by the seal Txn itself. One Range (none when sealed over).
+        """
         members = None
         if sealed.round == round_:
             members, _ = protocol.read_members(self._client, self._keys, round_)
@@ -490,8 +450,8 @@ class Participant:
         return self.standing.admit(round_, place.rank, place.world_size, sealed, self._node_id)
 
     def _withdraw(self) -> None:
-        """Delete our join key (the run is closed or we gave up). One DeleteRange,
-        best effort: if it fails, the key goes with our lease at shutdown."""
+        """Delete our join key (run closed, or we gave up). One DeleteRange, best effort (else it goes
+        with our lease)."""
         joined, self.standing.joined = self.standing.joined, None
         self.standing.member_round = None
         if joined is not None:
@@ -501,8 +461,7 @@ class Participant:
                 log.info("node %s could not withdraw %r: %s", self._node_id, joined.key, e)
 
     def _withdraw_if_unsealed(self, timeout: float | None = None) -> bool:
-        """Withdraw from the round we wait in unless it was sealed since we joined (one Txn
-        that also bumps the round's join counter, see :func:`protocol.leave_if_unsealed`)."""
+        """Withdraw unless our round was sealed since we joined (:func:`protocol.leave_if_unsealed`)."""
         joined = self.standing.joined
         if joined is None:
             return True

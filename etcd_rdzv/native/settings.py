@@ -1,9 +1,7 @@
 """``V3Settings``: the frozen settings of one ``etcd-v3`` rendezvous.
 
-Read from torchrun's parameters by :func:`etcd_rdzv.conf.parse_v3_settings`
-(the one configuration pass, shared with ``etcd-v2``, so both backends accept
-the same connection keys). Constructing one checks the values that depend on
-each other and raises ``ValueError`` naming them. Nothing here contacts etcd.
+Parsed by :func:`etcd_rdzv.conf.parse_v3_settings` (the configuration pass shared with ``etcd-v2``).
+Construction checks interdependent values and raises ``ValueError`` naming them; no etcd contact.
 """
 
 from __future__ import annotations
@@ -29,26 +27,21 @@ __all__ = ["SEAL_DELTA_BYTES", "V3Settings", "node_id_bytes", "seal_request_byte
 _WORST_ADDR_BYTES = 253  # the longest host name
 
 SEAL_DELTA_BYTES = 12
-"""Bytes a member's create revision may take in a ``"created"`` membership: a delta
-from the previous member's, up to 11 digits, and a comma (revisions of one round's
-joins lie far closer together; the first is absolute, up to 19 digits, in the fixed part)."""
+"""Bytes per member in a ``"created"`` membership: a delta of up to 11 digits and a comma (the
+first revision, absolute, is in the fixed part)."""
 
 
 def node_id_bytes(node_addr: str) -> int:
-    """The most bytes a node id of a handler advertising ``node_addr`` takes: the address
-    (``/`` replaced), ``_pid`` (up to 7 digits), ``_`` and a local counter (3), ``_`` and
-    6 hex digits (``EtcdV3RendezvousHandler.node_id``)."""
+    """The most bytes a node id advertising ``node_addr`` takes: the address, ``_pid`` (7 digits),
+    ``_`` + counter (3), ``_`` + 6 hex digits (``EtcdV3RendezvousHandler.node_id``)."""
     return len(node_addr.replace("/", "_").encode()) + 19
 
 
 def seal_request_bytes(root: str, members: int, node_id_size: int) -> int:
-    """An upper estimate of the size of the seal Txn (:func:`~etcd_rdzv.native.protocol.seal`)
-    of a round of ``members`` nodes whose ids take ``node_id_size`` bytes, under the run root
-    ``root``: what etcd's
-    ``--max-request-bytes`` (1.5 MiB by default) bounds. The seal names every member twice
-    (``rounds/T/members``: the node ids, JSON; ``ctl/sealed``: their create revisions when
-    somebody left), about 64 bytes a node for a 45-byte id; the rest (keys, the sealed
-    record's fixed fields, protobuf and raft framing) is under 2 KiB."""
+    """An upper estimate of the seal Txn's size (:func:`~etcd_rdzv.native.protocol.seal`), which etcd's
+    ``--max-request-bytes`` (1.5 MiB by default) bounds. The seal names every member twice (node ids
+    in ``rounds/T/members``, create revisions in ``ctl/sealed`` when somebody left): about 64 bytes a
+    node for a 45-byte id; the rest is under 2 KiB."""
     per_member = node_id_size + 4 + SEAL_DELTA_BYTES + 2  # '"id", ' in the members list, the delta
     return 2048 + 8 * len(root.encode()) + members * per_member
 
@@ -57,11 +50,10 @@ def seal_request_bytes(root: str, members: int, node_id_size: int) -> int:
 class V3Settings:
     """Everything the ``etcd-v3`` handler needs besides the etcd client (seconds).
 
-    Each field is the rdzv-conf key of its name (torch's names and defaults for the timeouts; every
-    meaning and default in :data:`etcd_rdzv.conf_keys.KEYS`), but ``lease_ttl``: the TTL of each node's
-    lease (``heartbeat``, else ``keep_alive_interval`` x ``keep_alive_max_attempt``), how long after its
-    last keep-alive a node counts as dead. Construction checks the values that depend on each other
-    (the seal of a round of ``max_nodes`` must fit ``max_request_bytes``: the seal names every member).
+    Each field is the rdzv-conf key of its name (meanings and defaults: :data:`etcd_rdzv.conf_keys.KEYS`),
+    but ``lease_ttl``: each node's lease TTL (``heartbeat``, else ``keep_alive_interval`` x
+    ``keep_alive_max_attempt``), after which a silent node counts as dead. Construction also checks
+    that the seal of ``max_nodes`` members fits ``max_request_bytes``.
     """
 
     run_id: str
@@ -108,9 +100,8 @@ class V3Settings:
         self._check_seal_fits()
 
     def _check_seal_fits(self) -> None:
-        """``ValueError`` when a round of ``max_nodes`` could not be sealed within etcd's
-        request limit (see the class docstring; the node ids are estimated from this
-        node's address, resolved only when a long address would not fit)."""
+        """``ValueError`` when a round of ``max_nodes`` could not be sealed within etcd's request limit
+        (node ids estimated from this node's address, resolved only if a long address would not fit)."""
         # RunKeys.root's length (keys.py imports the client; settings stay import-light)
         root = f"{self.key_prefix.rstrip('/')}/{self.run_id}/v3" if self.key_prefix else f"{self.run_id}/v3"
         worst = node_id_bytes("x" * _WORST_ADDR_BYTES)
@@ -135,8 +126,8 @@ class V3Settings:
 
     @property
     def renew_every(self) -> float:
-        """Seconds between two keep-alives of a node's lease: ``renew_interval``, at most a third
-        of ``lease_ttl`` (so that a live node always has two renewals in flight within its TTL)."""
+        """Seconds between keep-alives: ``renew_interval``, at most a third of ``lease_ttl`` (a live node
+        always has two renewals within its TTL)."""
         return min(self.renew_interval, self.lease_ttl / 3.0)
 
     @property

@@ -1,49 +1,26 @@
-"""The start of a sealed ``etcd-v3`` round: every member confirms it before any member returns
-it, and the members learn ``MASTER_ADDR``/``MASTER_PORT``.
+"""The start of a sealed ``etcd-v3`` round: every member confirms it before any member returns it,
+and the members learn ``MASTER_ADDR``/``MASTER_PORT``.
 
-A seal names the joiners of round ``T`` that the sealer read. One of them may be dead already (killed
-less than its eviction bound before the seal, or between the sealer's read and its seal Txn) or die
-right after. torch's agent, once ``next_rendezvous`` returns, waits in a store barrier over every
-named rank (``_assign_worker_ranks``) and polls nothing meanwhile: with a dead member named it waits
-until the store's timeout, then its agent fails. So no member returns ``T`` until every member has
-confirmed it:
+A seal may name a joiner that is dead already (killed less than its eviction bound before the seal)
+or dies right after. Once ``next_rendezvous`` returns, torch's agent waits in a store barrier over
+every rank and polls nothing, so a dead member named makes it wait the store's timeout and fail.
+Hence no member returns ``T`` until every member confirmed it (docs/etcd-v3-design.md, Transitions, "Start"):
+each member **acks** (``if version(join/T/<me>) > 0 and version(rounds/T/start) == 0 then put
+rounds/T/start-acks/<me>``, reading acks, join keys and fate); the fate ``rounds/T/start`` is put
+once: ``go`` by a member that counted every ack, ``void`` by one that saw a join key of ``T`` (or
+its own) gone first; otherwise a member watches the join keys of ``T`` and the start key and looks
+again on a departure. ``void`` makes every member re-join ``T + 1`` as a member of ``T``.
 
-* each member, once admitted, **acks**: ``if version(join/T/<me>) > 0 and version(rounds/T/start) == 0
-  then put rounds/T/start-acks/<me>`` (run lease), reading in the same Txn the number of acks, the number of
-  join keys of ``T`` and ``rounds/T/start``;
-* the fate of the round is one key, ``rounds/T/start``, put once (``if version == 0``; run lease):
-  ``go`` by a member that counted every member's ack, ``void`` by a member that saw a join key of
-  ``T`` gone (a member's lease expired, or it withdrew) before every member acked, or whose own key is
-  gone (its lease was lost: it cannot take part);
-* a member that can decide neither waits on one watch (from the ack's revision on) of the join keys of
-  ``T`` and the start key, and looks again on a departure (the acks, under ``start-acks/``, sort after
-  the start key, outside the watched range: a member hears the fate, not every other member's ack); ``go`` returns the round, ``void`` makes
-  every member re-join ``T + 1`` as a member of ``T`` (the old group re-forms without the gone member,
-  skipping the last call with ``fast_recovery``).
+Why it is safe: an ack is fenced on the member's own key and on no fate decided, and a gone key
+never comes back, so once a key is gone the acks cannot reach the world size: ``go`` and ``void``
+are exclusive, decided once by etcd, seen alike by all. Cost per member and round: one watch, one
+ack Txn, at most one more Txn; a dead member is found within its lease TTL.
 
-Why it is safe: an ack is fenced on the member's own join key and on no fate being decided, and a
-gone key never comes back (a member leaves ``T`` only by joining a later round), so once a member's key
-is gone the acks cannot reach the world size: ``go`` and ``void`` are exclusive, decided once by etcd,
-and every member sees the same fate. A member that dies after ``go`` is torch's ordinary failure (its
-peers' collectives fail, ``num_nodes_waiting()`` reports it); the window in which its death strands
-the others in torch's rank barrier is from its ack to its role write, milliseconds (without the
-acks it would be from the seal to the role write, up to ``last_call_timeout``).
-
-Costs per member and round: one Txn (the ack), one watch opened before it, and at most one more Txn
-(``go`` by the last acker, ``void`` by the first to see a departure). A dead member is found when its
-key goes: its lease TTL (``heartbeat``) after its death at most.
-
-**MASTER_ADDR/MASTER_PORT.** Every join key holds its node's address, a free port of its host and when that port
-was probed (:func:`join_value`). The sealer reads every join key of the round before
-it seals; while rank 0's probe is recent (:data:`MASTER_PORT_MAX_AGE`) it names rank
-0's address and port in the ``sealed`` record (:func:`master_of`), and no member makes
-an RPC to learn them. Otherwise (rank 0 waited long: a port probed then may be taken
-now) the record names none; rank 0 then probes a port when it learns its rank, as
-torch does once the round is known, and publishes it in the round's store, where the
-other members read it (torch's ``RendezvousStoreInfo.build``) (:func:`bootstrap_info`). The
-round's store (:func:`round_store`) rides on the run lease.
-
-Round trips are stated per function; every call is bounded by the client's timeout.
+**MASTER_ADDR/MASTER_PORT.** Every join value holds the node's address and a free port with its
+probe time (:func:`join_value`). While rank 0's probe is recent (:data:`MASTER_PORT_MAX_AGE`) the
+sealer names them in the ``sealed`` record (:func:`master_of`): no RPC for them; else rank 0 probes
+once it knows its rank, as torch does, and publishes in the round's store (:func:`bootstrap_info`,
+:func:`round_store`). Every call is bounded by the client's timeout.
 """
 
 from __future__ import annotations
@@ -102,8 +79,8 @@ class StartRead:
 
 
 def decide(read: StartRead, world: int) -> Fate:
-    """The member's next step (pure). A decided fate wins; then every ack counted means go; then
-    a gone key (ours, or one of ``T``'s: fewer join keys than members) means void; else wait."""
+    """The member's next step (pure): a decided fate wins; every ack counted means go; a gone key (ours,
+    or fewer join keys than members) means void; else wait."""
     if read.start == GO:
         return Fate.STARTED
     if read.start is not None:
@@ -160,9 +137,8 @@ def settle(client: EtcdClient, keys: RunKeys, round_: int, fate: bytes, run_leas
 
 def start_round(client: EtcdClient, keys: RunKeys, round_: int, world: int, node_id: str, run_lease: int,
                 deadline: float) -> bool | None:
-    """Ack round ``round_`` of ``world`` members and wait for its fate: True (go), False (void: re-join
-    the next round), None (``deadline``, a monotonic time, passed undecided: the caller gives up as a
-    join timeout). Blocks until one of them; raises ``EtcdError`` from a call that failed."""
+    """Ack round ``round_`` of ``world`` members and wait for its fate: True (go), False (void: re-join),
+    None (``deadline``, monotonic, passed undecided). Raises ``EtcdError`` from a failed call."""
     lo = keys.join_prefix(round_)
     hi = keys.start(round_) + b"\0"
     with client.watch(lo, hi) as watch:
@@ -201,21 +177,16 @@ def _departure_or_fate(events: list[Event], join_prefix: bytes, start_key: bytes
 # --------------------------------------------------------------------------- MASTER_ADDR/MASTER_PORT
 
 MASTER_PORT_MAX_AGE = 60.0
-"""Seconds a port probed at join time may be old when the round is sealed and still be
-named as ``MASTER_PORT`` (older: rank 0 probes a new one once it learns its rank). The
-age is the sealer's wall clock minus the joiner's (hosts of one job keep their clocks
-within far less than that; a probe stamped more than this far in the future is not
-trusted either). torch's agent probes the port once the round is known and its workers
-bind it seconds later; a round's rank 0 is its earliest joiner, which usually joined
-well within a minute before the seal (a re-rendezvous), but may have waited for hours
-(a full group kept it out)."""
+"""Seconds a port probed at join time may be old at the seal and still be named ``MASTER_PORT``
+(else rank 0 probes a new one once it knows its rank). The age is the sealer's wall clock minus
+the joiner's (a job's hosts agree far better than that; a probe this far in the future is not
+trusted either). Rank 0 usually joined well within a minute of the seal, but may have waited for
+hours, kept out by a full group."""
 
 
 def join_value(node_addr: str, pace: Mapping[str, float] | None = None) -> bytes:
-    """What this node's join key holds: its address, pid, a free port of its host probed
-    now and when (``probed``, wall-clock seconds), and ``pace``'s fields (how it renews its
-    lease, which eviction reads: :meth:`~etcd_rdzv.native.leases.Pace.fields`). If it becomes
-    rank 0 of a round sealed soon enough, that port is the round's ``MASTER_PORT`` (:func:`master_of`)."""
+    """This node's join value: address, pid, a free port of its host probed now and when (``probed``,
+    wall clock), and ``pace``'s fields (read by eviction, :meth:`~etcd_rdzv.native.leases.Pace.fields`)."""
     return json.dumps(
         {"addr": node_addr, "pid": os.getpid(), "port": get_free_port(), "probed": round(time.time(), 3),
          **(pace or {})}
@@ -231,10 +202,9 @@ def address_of(value: bytes) -> tuple[str | None, int | None]:
 
 
 def master_of(value: bytes, now: float, max_age: float | None = None) -> tuple[str, int] | None:
-    """Rank 0's ``(addr, port)`` for the sealed record, from its join value, when its port
-    was probed at most ``max_age`` (default :data:`MASTER_PORT_MAX_AGE`) seconds before
-    ``now`` (wall clock); None when it is older, its time is unknown, or the value lacks
-    an address or port (the members then learn rank 0's fresh port from the store)."""
+    """Rank 0's ``(addr, port)`` from its join value, when the port was probed at most ``max_age``
+    (default :data:`MASTER_PORT_MAX_AGE`) from ``now`` (wall clock); else None (members then read rank
+    0's fresh port from the store)."""
     limit = MASTER_PORT_MAX_AGE if max_age is None else max_age
     addr, port = address_of(value)
     probed = _doc(value).get("probed")
@@ -259,12 +229,10 @@ def bootstrap_info(
 ) -> RendezvousStoreInfo:
     """``MASTER_ADDR``/``MASTER_PORT`` of the round.
 
-    ``master`` (rank 0's address and recently probed port, from the sealed record): every
-    member takes it, no RPC; rank 0 also publishes both in the round's store (one Txn),
-    where torch's ``RendezvousStoreInfo.build`` looks. Without it, rank 0 probes a free
-    port of its host now (the round is known: as torch does) and publishes it with its
-    address (one Txn); the others wait for that in the store (torch's ``build``: a read,
-    and a watch until rank 0 wrote it, within the store's timeout).
+    With ``master`` (from the sealed record) every member takes it with no RPC, and rank 0 also
+    publishes it in the round's store (one Txn). Without it rank 0 probes a free port now and
+    publishes it with its address (one Txn); the others wait for it in the store (torch's
+    ``RendezvousStoreInfo.build``, within the store's timeout).
     """
     if master is not None and rank != 0:
         return RendezvousStoreInfo(*master)
@@ -280,9 +248,8 @@ def bootstrap_info(
 
 def round_store(client: EtcdClient, keys: RunKeys, round_: int, state_ttl: int, run_lease: int | None) -> EtcdStore:
     """The ``EtcdStore`` of ``round_``. No RPC: its keys ride on the run lease, which every node keeps
-    alive already (they go when a later seal deletes old rounds, when the last node leaves, or with the
-    run lease), so it needs no keep-alive of its own; without a known run lease the store keeps a
-    namespace lease of TTL ``state_ttl`` instead."""
+    alive (they go with a later seal's cleanup, the last node's leave, or the run lease); without a
+    known run lease the store keeps its own lease of TTL ``state_ttl``."""
     from etcd_store import EtcdStore
 
     return EtcdStore(client, prefix=keys.store_prefix(round_), timeout=timedelta(seconds=client.timeout),

@@ -1,33 +1,14 @@
 """torch rendezvous events and etcd-rdzv metrics of one ``etcd-v3`` node.
 
-:class:`RoundObserver` is what :class:`~etcd_rdzv.native.rounds.Participant`
-tells about a node's rounds (a protocol; :class:`SilentObserver` ignores it all, for
-a participant without one); :class:`Telemetry`, which implements it, is the handler's: it records each as a torch rendezvous
-event (``construct_and_record_rdzv_event``, the API torch's own handlers use,
-so the events reach torch's ``dynamic_rendezvous`` event destination) and as
-the metrics of :mod:`etcd_rdzv.metrics`.
+:class:`RoundObserver` is what :class:`~etcd_rdzv.native.rounds.Participant` reports about its
+rounds (:class:`SilentObserver` ignores it); :class:`Telemetry`, the handler's, records each as a
+torch rendezvous event (``construct_and_record_rdzv_event``, as torch's handlers do, so events
+reach torch's ``dynamic_rendezvous`` destination) and as :mod:`etcd_rdzv.metrics`. Events are
+named ``EtcdV3RendezvousHandler.<method>``; their list is in docs/operations.md ("Events and
+metrics").
 
-Events (``name`` is ``EtcdV3RendezvousHandler.<method>``, as torch's handlers
-name theirs; ``hostname`` the node's address, ``pid`` its process, ``local_id``
-the handler's number in the process):
-
-=====================  ==========  ======================================================
-method                 node_state  when
-=====================  ==========  ======================================================
-``next_rendezvous``    RUNNING     the node starts to join the next round
-``join``               RUNNING     its join key is in round T (each join transaction)
-``next_rendezvous``    RUNNING     round T sealed with the node in it (``rank`` set)
-``next_rendezvous``    FAILED      it raised (timeout, closed, etcd error; with the trace)
-``lease``              RUNNING     its lease was lost and replaced by a new one
-``num_nodes_waiting``  RUNNING     a member of its running round went (once per round)
-``set_closed``         SUCCEEDED   the node closed the run (also from ``shutdown``)
-``leave``              SUCCEEDED   the node left the rendezvous without closing it
-``<method>``           FAILED      any other torch-facing method raised
-=====================  ==========  ======================================================
-
-Recording never raises and costs nothing (one ``isinstance``) while torch's
-event destination is its default null handler. No secret is in any event: the
-messages name the run, the node, rounds, ranks and addresses only.
+Recording never raises and costs one ``isinstance`` while torch's destination is its default null
+handler. No event holds a secret: only the run, node, rounds, ranks and addresses.
 """
 
 from __future__ import annotations

@@ -1,55 +1,26 @@
 """One wait of an ``etcd-v3`` node in a round: decide, act, until a signal ends it.
 
-:class:`RoundWait` is the executor of the wait loop of
-:meth:`Participant._wait <etcd_rdzv.native.rounds.Participant._wait>`: it holds the
-round's :class:`RoundView`, the
-:class:`~etcd_rdzv.native.barrier.Barrier` state and the watch it waits on; it asks
-:func:`~etcd_rdzv.native.barrier.decide` (the pure decision) what to do and does it
-(read the round, seal it, time out, or wait on the watch), and returns the
-:class:`Signal` that ended the wait. What a signal means for
-the node (its place, a retry, a closed run) is the participant's.
+:class:`RoundWait` executes the wait loop of :meth:`Participant._wait
+<etcd_rdzv.native.rounds.Participant._wait>`: it asks :func:`~etcd_rdzv.native.barrier.decide`
+what to do, does it (read the round, seal it, time out, or wait on the watch) and returns the
+:class:`Signal` that ended the wait; what that means for the node is the participant's. Blocks
+until a signal or ``join_timeout``; raises :class:`~etcd_rdzv.native.records.RoundTimeout`,
+``ProtocolStateError`` and ``EtcdError``; never cancels its watch (the participant does).
 
-The synced-wait rule is the client's (:mod:`etcd_store.client.synced`): the watch opens
-from now and etcd confirms it (:func:`~etcd_rdzv.native.leases.confirm`, the client's
-:func:`~etcd_store.client.synced.confirmed`); the wait reads its events through a
-:class:`~etcd_store.client.synced.SyncedWatch` whose read is the view's revision (the
-join's, or the view's latest when the watch is widened); a gap between that revision and
-the watch's start is covered by one read (:meth:`RoundWait.catch_up`, recorded with
-``SyncedWatch.read_at``), and only events above the last such read reach the view.
+**The round view.** A node in round ``T`` watches ``ctl/`` on a watch confirmed before its join
+Txn, and, while it may have to tell when ``T - 1`` empties (a candidate, or kept out by a full
+group), the join keys of ``T - 1`` too, on a watch opened after the join. It never watches its own
+round's joins: about one event per round (the ``sealed`` record naming the members), plus one per
+departure from ``T - 1``. :class:`RoundView` folds them in order (no RPC, no clock).
 
-Blocks: :meth:`RoundWait.run` until a signal, or ``join_timeout``. Raises
-:class:`~etcd_rdzv.native.records.RoundTimeout`, ``ProtocolStateError`` and
-``EtcdError`` subclasses; never cancels its watch (the participant does).
+Two rules count every revision once; only the second is the view's own:
 
-**The round view.** A node that joins round ``T`` watches the run's ``ctl/`` keys from "now", on a
-watch that etcd confirmed before the join Txn was sent (so it starts below the join's
-revision; its events at or below that revision are not folded in: the join's compares
-saw that state). While it may have to tell when ``T - 1`` empties (a seal candidate,
-or a node kept out by a full group), it watches the join keys of ``T - 1`` too
-(:meth:`~etcd_rdzv.native.records.RunKeys.watch_range`), on a watch opened after the
-join, whose gap one read covers (:meth:`RoundView.catch_up`). It never watches the
-joins of its own round: it sees about one event per round (the ``sealed``
-record, which names the members), plus one per departure from ``T - 1`` when it
-watches those. :class:`RoundView` starts from the join's answer and folds
-every event in order (no RPC, no clock), and takes in the reads of a seal
-candidate (:meth:`RoundView.update`). Events that end the wait come back as a
-:class:`Signal`. Raises :class:`~etcd_rdzv.native.records.ProtocolStateError`
-on records the protocol never writes.
-
-Two rules keep every revision counted once, and only the second is the view's own:
-
-* **The synced rule** (the client's :class:`~etcd_store.client.synced.SyncedWatch`,
-  applied by :class:`RoundWait`): the events a watch delivers at
-  or below the last read that covered its gap (the join, or a catch-up read) never reach
-  :meth:`RoundView.apply`. That read stands for every key the watch covers, control
-  records included.
-* **Absolute counts** (``counted_through``): a read of the round at revision X
-  (:meth:`RoundView.update`: a seal candidate's, or a failed seal's answer) holds the
-  number of join keys of ``T - 1`` at X, so join-key events at or below X are not
-  counted again. It is not a synced read: the watch was confirmed long before it, and
-  the wait does not take ``sealed``/``closed`` from it but waits for their events, so
-  control events at or below X must still reach the view. Hence a revision of its own
-  next to the synced watch's, for the counts only.
+* **The synced rule** (:class:`~etcd_store.client.synced.SyncedWatch`, :meth:`RoundWait.catch_up`):
+  events at or below the last read that covered the watch's gap (the join, or a catch-up read)
+  never reach :meth:`RoundView.apply`; that read stands for every key watched, control included.
+* **Absolute counts** (``counted_through``): a later read of the round at X (:meth:`RoundView.update`)
+  holds the count of ``T - 1`` at X, so join-key events at or below X are not counted again. Not a
+  synced read: the wait takes ``sealed``/``closed`` from their events, so those still get through.
 """
 
 from __future__ import annotations
@@ -101,12 +72,10 @@ class Signal:
 class RoundView:
     """What a node waiting in round ``T`` knows (see the module docstring).
 
-    ``seq`` and ``create_revision``: this node's sequence number and key create
-    revision in ``T`` (from its join; with the sealed record they give its rank).
-    ``count``: join keys of ``T`` as of the join or the latest read;
-    ``prev_count``: join keys left in ``T - 1`` (kept current by the watch when it
-    covers them); ``changes``: how many times the view changed; ``read``: the
-    latest read of the round, while nothing changed since (else None).
+    ``seq``/``create_revision``: this node's join in ``T`` (with the sealed record, its rank);
+    ``count``: join keys of ``T`` at the join or latest read; ``prev_count``: join keys left in
+    ``T - 1``; ``changes``: how often the view changed; ``read``: the latest read while nothing
+    changed since (else None).
     """
 
     def __init__(
@@ -130,9 +99,7 @@ class RoundView:
         self.revision = revision
         self.changes = 0
         self.read: RoundRead | None = None
-        # Join-key events of the previous round at or below this revision are already counted:
-        # the join's or a catch-up read's (the synced watch skips those anyway), or a later read
-        # of the round (update) whose counts are absolute (see the module docstring).
+        # Join-key events of T-1 at or below it are counted (absolute counts: module docstring).
         self.counted_through = revision
 
     @property
@@ -143,10 +110,8 @@ class RoundView:
     def update(self, read: RoundRead) -> None:
         """Take in a read of the round (a candidate's, or a failed seal's answer).
 
-        Its counts are absolute at its revision X: join-key events at or below X that the watch
-        delivers later are already in them (skipped, and the read stays fresh). Control events
-        are not skipped: the caller settles on what the read shows of ``sealed`` and ``closed``
-        and waits for their events, which the watch delivers whatever their revision.
+        Its counts are absolute at its revision: later join-key events at or below it are skipped.
+        Control events are not: the caller waits for the ``sealed``/``closed`` events the read shows.
         """
         self.count, self.prev_count, self.read = read.count, read.prev_count, read
         self.revision = max(self.revision, read.revision)
@@ -154,14 +119,11 @@ class RoundView:
         self.changes += 1
 
     def catch_up(self, read: CatchUp, *, expect_sealed: bool) -> Signal | None:
-        """Take in a read that covers the gap between the view's revision and the start of a
-        watch opened after it (read, not watched: the wider watch opened after the join).
+        """Take in a read covering the gap between the view's revision and a watch opened after it.
 
-        A ``sealed`` or ``closed`` record written after the view's revision (the join's, or a
-        later read's) gives its signal, as its event would have (a ``sealed`` record gone
-        since, when the join saw one, is the RESET its delete would have given); the previous
-        round's count is taken as read. The caller's synced watch skips the events at or
-        below the read's revision from now on (``SyncedWatch.read_at``): the read holds them.
+        A ``sealed`` or ``closed`` record newer than the view's revision gives its signal, as its event
+        would have (a ``sealed`` record gone since the join saw it gives RESET); the previous round's
+        count is taken as read. The caller's synced watch then skips events at or below the read.
         """
         since = self.revision  # everything at or below it is in the view already
         self.prev_count = read.prev_count
@@ -183,10 +145,8 @@ class RoundView:
         return self._control(Event("PUT", sealed)) if sealed.mod_revision > since else None
 
     def apply(self, event: Event) -> Signal | None:
-        """Fold one watch event into the view; a :class:`Signal` when it ends the wait.
-
-        ``event`` is above the last synced read (the caller's
-        :class:`~etcd_store.client.synced.SyncedWatch` skipped the others)."""
+        """Fold one watch event (above the last synced read) into the view; a :class:`Signal` if it ends
+        the wait."""
         kv = event.kv
         key = kv.key
         parsed = self.keys.parse_join_key(key)
@@ -218,8 +178,8 @@ class RoundView:
 
 
 class SealedMeanwhile(Exception):
-    """``join_timeout`` passed, but the round was sealed before the node could withdraw its join:
-    the node's place is to be read now, not awaited from the watch."""
+    """``join_timeout`` passed, but the round was sealed before the node could withdraw: read its place
+    now."""
 
 
 def join_counts(view: RoundView) -> JoinCounts:
@@ -228,28 +188,25 @@ def join_counts(view: RoundView) -> JoinCounts:
 
 
 def _master_named(read: protocol.RoundRead) -> tuple[str, int] | None:
-    """Rank 0's address and port for the sealed record: from the first joiner's value, while
-    its port is recent (:func:`~etcd_rdzv.native.start.master_of`)."""
+    """Rank 0's address and port for the sealed record, while the first joiner's port is recent."""
     return start.master_of(read.joiners[0].value, time.time())
 
 
 def watches_previous(state: Barrier, view: RoundView, settings: V3Settings) -> bool:
-    """Whether this node must watch the previous round's join keys: it may have to tell
-    when that round empties (a candidate still trying, or kept out by a full group) and,
-    as far as it knows, it is not empty. Decided after the join and again after each read
-    of the round: a member of the previous round may re-attach after an outage.
+    """Whether this node must watch the previous round's join keys: it may have to tell when that round
+    empties (a candidate, or kept out by a full group) and it is not empty as far as it knows.
+    Decided after the join and after each read (a member of it may re-attach after an outage).
 
-    Never once the wait is settled: a read showed the round sealed or the run closed, and
-    that record's event is on the watch the node has (``ctl/``); a wider watch from now would
-    not deliver it, and its catch-up signals only records newer than that read."""
+    Never once the wait is settled: the record that settled it is on the ``ctl/`` watch already,
+    and a wider watch from now would not deliver it.
+    """
     if state.settled:
         return False
     return view.prev_count > 0 and (state.candidate or join_counts(view).kept_out(settings))
 
 
 def open_watch(client: EtcdClient, keys: RunKeys, round_: int, wide: bool, opened: Watch | None) -> Watch:
-    """The wait's watch from now: ``opened`` if it covers the range the wait needs
-    (:meth:`~etcd_rdzv.native.records.RunKeys.watch_range`), else a new one (``opened``
+    """The wait's watch from now: ``opened`` if it covers the needed range, else a new one (``opened``
     cancelled). No RPC but the watch's creation."""
     start, end = keys.watch_range(round_, previous=wide)
     if opened is not None and (opened.key, opened.range_end) == (start, end):
@@ -262,9 +219,9 @@ def open_watch(client: EtcdClient, keys: RunKeys, round_: int, wide: bool, opene
 class RoundWait:
     """One wait in ``round_`` (see the module docstring); one :meth:`run` per instance.
 
-    ``state`` and ``watch`` are current after :meth:`run` returns or raises (the wait may
-    widen its watch: the participant cancels the one it ends with). ``give_up(timeout)``
-    withdraws the node's join unless the round was sealed meanwhile (whether it did).
+    ``state`` and ``watch`` are current after :meth:`run` returns or raises (the wait may widen its
+    watch; the participant cancels the one it ends with). ``give_up()`` withdraws the join unless
+    the round was sealed meanwhile, and says whether it did.
     """
 
     def __init__(self, settings: V3Settings, client: EtcdClient, keys: RunKeys, node_id: str,
@@ -289,13 +246,11 @@ class RoundWait:
         self._looked_at = -1  # the revision of the last read whose joiners' leases we judged
 
     def run(self) -> Signal:
-        """The wait loop: catch up, then decide (:func:`~etcd_rdzv.native.barrier.decide`) and
-        act (:meth:`act`) until a signal ends the wait; that signal."""
+        """The wait loop: catch up, then decide and :meth:`act` until a signal ends the wait."""
         signal = self.catch_up()
         while signal is None:
             if not self.wide and watches_previous(self.state, self.view, self._settings):
-                # A read found the previous round occupied again (a member re-attached
-                # after an outage): watch its departures from now on.
+                # T-1 occupied again (a member re-attached after an outage): watch its departures.
                 self.widen()
                 signal = self.catch_up()
                 if signal is not None:
@@ -305,10 +260,9 @@ class RoundWait:
         return signal
 
     def act(self, action: Check | Seal | TimeOut | WaitUntil) -> Signal | None:
-        """Carry out one decision of the wait: read the round, try to seal it, time out
-        (raises :class:`~etcd_rdzv.native.records.RoundTimeout` after withdrawing, or
-        :class:`SealedMeanwhile` when the round was sealed meanwhile), or wait on the watch until ``action.at``; the signal
-        that ends the wait, if one came."""
+        """Carry out one decision: read the round, try to seal, time out (raises
+        :class:`~etcd_rdzv.native.records.RoundTimeout` after withdrawing, or :class:`SealedMeanwhile`),
+        or wait on the watch until ``action.at``; the signal that ends the wait, if one came."""
         if isinstance(action, Check):
             read = protocol.read_round(self._client, self._keys, self.round)
             self.view.update(read)
@@ -327,8 +281,7 @@ class RoundWait:
                     f"({view.count} of min_nodes={s.min_nodes} joined when last known"
                     f"{'' if view.vacated else ', previous round still running'})"
                 )
-            # Sealed meanwhile: the participant reads its place at once (its watch may hear nothing
-            # for long: a stream on a member that answers nothing).
+            # Sealed meanwhile: read the place now (the watch's stream may hang on a mute member).
             raise SealedMeanwhile(self.round)
         timeout = None if action.at is None else max(action.at - time.monotonic(), 0.0)
         if self._evictor is not None:
@@ -342,32 +295,25 @@ class RoundWait:
         return None
 
     def widen(self) -> None:
-        """A watch of ``ctl/`` and the previous round's join keys, from now, in place of
-        the current one (cancelled). The caller catches up on the gap (:meth:`catch_up`), which
-        is sound because everything at or below the view's revision is in the view: the read
-        that asked for the wider watch showed the control records unchanged. If the lease
-        ended or the node was shut down meanwhile, the new watch is cancelled too, and the
-        wait ends the way a cancelled watch ends it."""
+        """Replace the watch by one of ``ctl/`` and the previous round's join keys, from now.
+
+        The caller covers the gap (:meth:`catch_up`), sound because the read that asked for the wider
+        watch showed the control records unchanged. If the lease ended or the node was shut down
+        meanwhile, the new watch is cancelled too and the wait ends as on any cancelled watch.
+        """
         wide = self._client.watch(*self._keys.watch_range(self.round, previous=True))
         self._leases.swap_watch(self.watch, wide, self.session)
         self.watch, self.wide = wide, True
 
     def catch_up(self) -> Signal | None:
-        """Read what happened between our join and the watch's start; a signal if that ended the wait.
+        """Cover the gap between the view's revision and the watch's start; a signal if that ended the wait.
 
-        The watch opens from "now", because etcd holds back events for a watcher whose start
-        revision is already in the past until its 100 ms catch-up tick, while a watcher that starts
-        at the current revision gets them at once. etcd confirms the watch with the revision W it
-        starts after. The ``ctl/`` watch is confirmed before the join Txn is sent, so W is below
-        the join's revision J; events up to J are skipped (the join's compares saw that state).
-        A node that must also watch the previous round opens that watch after the join. If
-        W <= J the watch covers everything after the join; else one read-only Txn at a revision
-        R >= W (ctl/ and the count of round T-1, O(1) bytes) covers the gap, and watch events
-        at or below R are skipped. So every revision after the join is seen once, by the read
-        or by the watch: no lost wake-up. This is the client's synced rule
-        (:class:`~etcd_store.client.synced.SyncedWatch`, ``behind`` and ``read_at``) with the
-        view's revision as the caller's read: J at the start, the view's latest revision for a
-        widened watch (everything at or below it is in the view, see :meth:`widen`).
+        The watch opens from "now": etcd holds back events for a watcher starting in the past until its
+        100 ms catch-up tick, but delivers at once from the current revision. etcd confirms the revision
+        W it starts after (the ``ctl/`` watch before the join Txn, so W < the join's J). If W <= the
+        view's revision nothing is missing; else one read-only Txn at R >= W (``ctl/`` and the count of
+        ``T - 1``, O(1) bytes) covers it and watch events at or below R are skipped. Every revision after
+        the join is seen once, by the read or the watch: no lost wake-up.
         """
         confirm(self._client, self.watch, self._node_id)
         synced = self._synced = SyncedWatch(self.watch, self.view.revision)
@@ -378,15 +324,13 @@ class RoundWait:
         return self.view.catch_up(read, expect_sealed=self.previous.revision > 0)
 
     def evict_dead_joiners(self, read: protocol.RoundRead) -> Barrier | None:
-        """Before a seal: evict the joiners of ``read`` that are dead by eviction's rule (one
-        LeaseTimeToLive per joiner to be named, at most :data:`~etcd_rdzv.native.leases.SEAL_LOOKED`;
-        then, if any is condemned, one Txn, :func:`protocol.evict_joiners`). None when nobody was
-        condemned (seal with ``read``); else the state after taking in the fresh read that Txn
-        returned (the wait decides again on it, and a seal from that read looks at the leases again:
-        joiners that moved into the named window or arrived since the look are judged too, and a
-        Txn that failed on one key evicted none of the others). Needs ``evict_misses`` > 0 and our own renewals steady
-        (:func:`~etcd_rdzv.native.leases.to_evict`); an etcd error ends the look (the seal goes on:
-        a dead member named is found after the seal)."""
+        """Before a seal: evict the joiners of ``read`` dead by :func:`~etcd_rdzv.native.leases.to_evict`.
+
+        One LeaseTimeToLive per joiner to be named (at most :data:`~etcd_rdzv.native.leases.SEAL_LOOKED`),
+        and one Txn (:func:`protocol.evict_joiners`) if any is condemned. None when nobody was (seal with
+        ``read``); else the state after that Txn's fresh read. An etcd error ends the look and the seal
+        goes on: a dead member named is found after the seal.
+        """
         s = self._settings
         if s.evict_misses <= 0:
             return None
@@ -414,9 +358,8 @@ class RoundWait:
     def try_seal(self) -> Barrier:
         """One seal attempt with the view's fresh read (and the run lease, the first time).
 
-        The sealed record also names rank 0's address and port (from its join value,
-        :func:`_master_named`), so that no member has to read them after the seal. A failed attempt's answer is a fresh read, folded
-        into the view.
+        The sealed record names rank 0's address and port (:func:`_master_named`), so no member reads
+        them after the seal. A failed attempt's answer is a fresh read, folded into the view.
         """
         view, state, previous, round_ = self.view, self.state, self.previous, self.round
         read = view.read
