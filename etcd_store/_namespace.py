@@ -1,5 +1,6 @@
 """How an :class:`~etcd_store.EtcdStore` namespace lies in etcd: its keys, how one value is
-stored, the lease every key rides on, and the limits of one request.
+stored, the lease every key rides on, and the limits of one request (long form:
+docs/store.md, "Keys" and "Cleanup rule").
 
 Keys, for a namespace ``ns`` (the store's prefix, UTF-8):
 
@@ -11,48 +12,34 @@ Keys, for a namespace ``ns`` (the store's prefix, UTF-8):
 ``ns\\0w/<store>/<thread>``                     the last write of one store thread (exactly-once marker)
 =============================================  =========================================
 
-Everything a store writes lies under its prefix: under ``ns/`` or ``ns\\0``, so a
-role granted the prefix ``ns`` (or the prefixes ``ns/`` and ``ns\\0``) suffices.
-User keys live under ``ns/`` and contain no NUL byte, so every internal key is
-either outside that range (``ns\\0...`` sorts before ``ns/``) or contains a NUL
-(queue items). A namespace nested in another (``job/sub`` in ``job``) has its user
-keys in the outer one's user range, as with ``PrefixStore`` (the outer store sees
-``sub/<key>``), and its internal keys there too (``job/sub\\0lease``): those contain
-a NUL not followed by ``q``, so they are neither a user key nor a queue item of the
-outer store. ``check`` and ``wait`` on a key read the key and its queue items
-(``[ns/<key>\\0q, ns/<key>\\0r)``), never the whole ``[ns/<key>, ns/<key>\\1)``
-range; a wait watches that range and ignores the events of a nested namespace's
-internal keys; ``num_keys`` and ``list_keys`` leave out every key with a NUL.
+Everything lies under ``ns/`` or ``ns\\0``, so a role granted the prefix ``ns`` suffices.
+User keys contain no NUL, so every internal key is outside ``ns/`` (``ns\\0...`` sorts
+before it) or contains one. A nested namespace (``job/sub`` in ``job``) puts its internal
+keys in the outer user range (``job/sub\\0lease``), where a NUL not followed by ``q`` marks
+them as neither user keys nor queue items: ``check``/``wait`` read only a key and
+``[ns/<key>\\0q, ns/<key>\\0r)``, waits ignore them, ``num_keys``/``list_keys`` skip NUL keys.
 
-Values (:class:`ChunkedValues`): up to ``chunk_bytes`` a value is stored as it is. A
-bigger one (or one that starts with :data:`MAGIC`) is written as chunks under a fresh,
-never reused generation id (one Put each), then the user key gets a small *manifest*
-(``MAGIC`` + JSON) that commits them. Chunks are immutable once written, so a reader
-reads them at etcd's latest revision, never at an old one that compaction may have
-removed: one Txn that reads the chunks if the key still holds the manifest the reader
-found. It never sees a mix of two writes; if the key moved on meanwhile the reader reads
-the key again (the callers do, within their deadline); if it still holds the manifest but
-chunks are missing, :class:`ChunksMissing` says so at once. Chunks are deleted only when
-the outcome is known: after a write that replaced them (the write's own ``prev_kv``), or
-for a write that etcd certainly did not apply. Anything left over goes with the lease.
+Values (:class:`ChunkedValues`): up to ``chunk_bytes`` a value is stored as is. A bigger
+one (or one starting with :data:`MAGIC`) is written as chunks under a fresh, never reused
+generation id (one Put each), then committed by a small *manifest* (``MAGIC`` + JSON) at the
+user key. Chunks are immutable, so a reader reads them at etcd's latest revision (never an
+old one compaction may have removed), in one Txn guarded by the manifest it found: it never
+sees a mix of two writes; if the key moved on, it reads the key again (callers do, within
+their deadline); if chunks are missing under a current manifest, :class:`ChunksMissing`
+says so at once. Chunks are deleted only when the outcome is known: after a write that
+replaced them (its own ``prev_kv``), or for a write etcd certainly did not apply. Leftovers
+go with the lease.
 
-The namespace lease (:class:`NamespaceLease`): one lease per namespace, recorded under
-``ns\\0lease`` (itself attached to the lease). The first store of a namespace grants it
-and records it with a create-if-absent transaction (safe to resend: a resend that finds
-its own lease id recorded knows it was applied); every later store, in any process,
-adopts the recorded lease. Every live store keeps it alive with a
-:class:`~etcd_store.client.Session` (the client's keep-alive stream, a refresh every third
-of the TTL its creator granted) and never revokes it. When no live store is left (jobs
-finished, crashed or were killed), nobody refreshes the lease: etcd deletes it ``ttl``
-seconds later, and with it every key of the namespace. If the lease expired while a store
-was still alive (its process was cut off from etcd for longer than ``ttl``), the store
-forgets it (its session reports it lost, or a write fails with
-:class:`~etcd_store.errors.EtcdLeaseNotFound`); the next write creates (or adopts) a new
-namespace lease and is retried (:meth:`StoreLease.attached`). Keys written under the
-expired lease are gone by then.
+The namespace lease (:class:`NamespaceLease`), recorded under ``ns\\0lease`` (on the lease
+itself): the first store grants and records it (create-if-absent Txn, safe to resend: its own
+id recorded means applied); later stores adopt it. Every live store refreshes it
+(:class:`~etcd_store.client.Session`) and none revokes it. If it expired under a live store
+(session lost, or :class:`~etcd_store.errors.EtcdLeaseNotFound`), the store forgets it and the
+next write creates or adopts a new one and is retried (:meth:`StoreLease.attached`); keys
+written under the old one are gone.
 
 Limits: deadlines are ``time.monotonic()`` values; every RPC gets at least
-:data:`MIN_RPC_TIMEOUT` seconds, even when a wait has less time left; a Txn holds at most
+:data:`MIN_RPC_TIMEOUT` seconds, even when a wait has less left; a Txn holds at most
 :data:`MAX_TXN_OPS` ops.
 """
 
@@ -176,9 +163,8 @@ class Layout:
 
 
 class StoreTimeout:
-    """The store timeout, read when used: torch keeps it (``set_timeout``), so it may change
-    between two calls. ``read`` returns it; :meth:`of` reads a store's without keeping the
-    store alive."""
+    """The store timeout, read at each use: torch holds it and ``set_timeout`` may change it.
+    :meth:`of` reads a store's without keeping the store alive."""
 
     def __init__(self, read: Callable[[], datetime.timedelta]) -> None:
         self._read = read
@@ -276,10 +262,10 @@ class ChunksMissing(EtcdError):
 
 
 class ChunkedValues:
-    """Encoding and decoding of stored values (inline, or a manifest of chunks) in one namespace.
+    """Encodes and decodes stored values (inline, or a manifest of chunks) of one namespace.
 
-    ``chunk_bytes``: the largest value stored inline, and the size of a chunk. ``timeout``:
-    the store timeout (the deadline of a clean-up Delete).
+    ``chunk_bytes`` is both the largest inline value and the chunk size; ``timeout`` bounds
+    a clean-up Delete.
     """
 
     def __init__(self, client: EtcdClient, layout: Layout, chunk_bytes: int, timeout: StoreTimeout) -> None:
@@ -293,10 +279,8 @@ class ChunkedValues:
         return len(value) <= self.chunk_bytes and not value.startswith(MAGIC)
 
     def encode(self, value: bytes, lease: int, deadline: float) -> bytes:
-        """What to store at the user key: the value, or a manifest after writing its chunks.
-
-        The chunk Puts share ``deadline`` (a ``time.monotonic()`` value).
-        """
+        """What to store at the user key: the value, or a manifest after writing its chunks
+        (the Puts share ``deadline``)."""
         if self.inline(value):
             return value
         size = self.chunk_bytes
@@ -312,11 +296,10 @@ class ChunkedValues:
     def decode(self, kv: KeyValue, deadline: float, *, live: bool = True) -> bytes | None:
         """The value ``kv`` holds, its chunks read at etcd's latest revision.
 
-        ``live``: ``kv`` is the key's current version as read; None means the key
-        no longer holds it (replaced since: read the key again). For a queue item
-        already removed by its popper, ``live=False`` reads the chunks unguarded
-        (only that popper deletes them). Raises :class:`ChunksMissing` when the
-        manifest is current and its chunks are incomplete.
+        ``live``: guard the read by ``kv``'s mod revision; None means the key was replaced
+        since (read it again). ``live=False`` (a queue item its popper already removed)
+        reads unguarded: only that popper deletes the chunks. Raises :class:`ChunksMissing`
+        when the manifest is current and its chunks are incomplete.
         """
         manifest = Manifest.decode(kv.value)
         if manifest is None:
@@ -404,9 +387,8 @@ class NamespaceLease(StoreLease):
         self._closed = False
 
     def current(self, timeout: float) -> int:
-        """The lease id to attach writes to, finding or creating it if needed. A lease whose session
-        ended (lost, or its keep-alive stream failed for good) is forgotten first: nobody would
-        refresh it, and keys attached to it would vanish."""
+        """The lease id to attach writes to, found or created if needed. A lease whose session
+        ended (lost, or keep-alive failed for good) is forgotten first: nobody would refresh it."""
         lease_id, session = self._id, self._session
         if lease_id and (session is None or not session.done().is_set()):
             return lease_id
@@ -447,8 +429,8 @@ class NamespaceLease(StoreLease):
             session.close()
 
     def _find_or_create(self, timeout: float) -> tuple[int, bool]:
-        """The recorded lease, or a new one recorded by us; and whether it was adopted. A lease etcd
-        refuses to attach (``PERMISSION_DENIED`` on the record) is left and another granted, once."""
+        """The recorded lease or a new one we record; and whether it was adopted. A lease etcd
+        refuses (``PERMISSION_DENIED`` on the record) is left for another grant, once."""
         client = self._client
         deadline = time.monotonic() + timeout
 
@@ -464,8 +446,8 @@ class NamespaceLease(StoreLease):
             try:
                 result = self._record(granted, left())
             except EtcdPermissionDenied:
-                # etcd refused the lease (another user attached a key to it before our record:
-                # see renewing_lease), or the record key itself (then again with the next lease)
+                # etcd refused the lease (someone attached a key to it first: see
+                # renewing_lease) or the record key (then the next lease fails too)
                 if refused:
                     raise
                 refused = True
@@ -487,8 +469,8 @@ class NamespaceLease(StoreLease):
             # It vanished again (expired in between): try once more.
 
     def _grant(self, timeout: float) -> int:
-        """A new lease (its id drawn at random by the client, so a grant resent after a lost reply
-        cannot leave a second lease behind)."""
+        """A new lease; the client draws its id, so a grant resent after a lost reply cannot
+        leave a second lease behind."""
         return self._client.lease_grant(self.ttl, timeout=timeout)
 
     def _record(self, granted: int, timeout: float) -> TxnResult:
@@ -503,12 +485,8 @@ class NamespaceLease(StoreLease):
 
 
 class GivenLease(StoreLease):
-    """A lease the caller owns and keeps alive (``EtcdStore(lease=...)``): no RPC here.
-
-    Writes are attached to it; if etcd no longer knows it, the write fails with
-    :class:`~etcd_store.errors.EtcdLeaseNotFound` (the store cannot renew a lease
-    it does not own).
-    """
+    """A caller-owned, caller-refreshed lease (``EtcdStore(lease=...)``); no RPC here. Once etcd
+    forgets it, writes fail with :class:`~etcd_store.errors.EtcdLeaseNotFound` (not ours to renew)."""
 
     def __init__(self, lease_id: int) -> None:
         if not isinstance(lease_id, int) or isinstance(lease_id, bool) or lease_id <= 0:

@@ -1,12 +1,9 @@
 """The waits of :class:`~etcd_store.EtcdStore`: ``wait``, the waiting part of ``get`` and
 ``multi_get``, a blocking ``queue_pop`` and ``barrier``.
 
-Every wait follows the client's synced-watch rule (:mod:`etcd_store.client.synced`): the
-caller reads first (so a key that is already there costs one read); on a miss
-:meth:`Waits.wait_for` opens a watch *from now*, waits until etcd confirms it, reads again
-if etcd moved past the caller's read before registering the watch, and then handles only
-events above the last read's revision. No lost wake-up, no polling, no sleeps. A compacted
-watch reads afresh and opens a new watch.
+Every wait follows the client's synced-watch rule (:mod:`etcd_store.client.synced`): read
+first (a present key costs one read); on a miss :meth:`Waits.wait_for` watches from now. No
+lost wake-up, polling or sleeps. A compacted watch reads afresh and watches anew.
 """
 
 from __future__ import annotations
@@ -24,11 +21,8 @@ from .errors import EtcdCompactedError
 
 
 class Waits:
-    """Reads that find out whether keys exist, and waits on watches until they do.
-
-    ``client``, ``layout``: the store's. Waits take a deadline (``time.monotonic()``) and
-    return False (or raise the ``DistStoreError`` of a timed-out wait) when it passes first.
-    """
+    """Reads that find out whether keys exist, and waits on watches until they do. Waits take a
+    monotonic deadline and return False (or raise a timed-out wait's ``DistStoreError``) at it."""
 
     def __init__(self, client: EtcdClient, layout: Layout) -> None:
         self._client = client
@@ -45,8 +39,7 @@ class Waits:
         revision = 0
         unique = list(dict.fromkeys(ks))
         for batch in batches(unique, MAX_TXN_OPS // 2):
-            # The key itself and its queue items; not the internal keys of a namespace
-            # nested under the key's name (``ns/<key>\\0lease``, ...).
+            # The key and its queue items, not a nested namespace's internal keys (``ns/<key>\\0lease``).
             ops = []
             for k in batch:
                 qp = Layout.queue_prefix(k)
@@ -64,11 +57,9 @@ class Waits:
     ) -> bool:
         """Wait on ``[start, end)`` until ``on_event`` says done (True) or the deadline (False).
 
-        ``revision`` is that of the caller's read that found the wait not done.
-        The watch starts from now, confirmed (:class:`~etcd_store.client.synced.SyncedWatch`);
-        when etcd moved past ``revision`` before registering it, ``reread()`` reads again
-        and returns (done, the revision of its read). Events at or below the last read's
-        revision are skipped. Raises the watch's error when it failed (compaction aside).
+        ``revision``: the caller's read that found the wait not done. When the confirmed watch
+        (:class:`~etcd_store.client.synced.SyncedWatch`) is behind it, ``reread()`` returns
+        (done, its read's revision). Raises the watch's error (compaction aside).
         """
         what = f"the watch on {start!r} at {self._client.describe()}"
         while True:
@@ -97,11 +88,8 @@ class Waits:
         self, heads: Sequence[bytes], revision: int, deadline: float, seconds: float,
         shown: Sequence[str | bytes],
     ) -> dict[bytes, KeyValue]:
-        """Wait until each key in ``heads`` is written; their first written KeyValues.
-
-        ``revision``: that of the read that found the keys missing. Raises
-        :meth:`timeout_error` (naming ``shown``, after ``seconds``) at the deadline.
-        """
+        """The first written KeyValue of each key in ``heads``, missing at ``revision``; raises
+        :meth:`timeout_error` (``shown``, ``seconds``) at the deadline."""
         wanted = set(heads)
         found: dict[bytes, KeyValue] = {}
 
@@ -149,11 +137,8 @@ class Waits:
         raise self.timeout_error(seconds, shown)
 
     def await_count(self, k: bytes, world_size: int, revision: int, deadline: float) -> bool:
-        """Wait until the barrier counter ``k`` reaches ``world_size``; False at the deadline.
-
-        ``revision``: that of this caller's arrival (its add). One watch from now, and one
-        Range when etcd's revision moved past the add's before the watch was registered.
-        """
+        """Wait until the barrier counter ``k``, added to at ``revision``, reaches ``world_size``;
+        False at the deadline. One watch, plus one Range if the watch is behind."""
 
         def arrived(ev: Event) -> bool:
             if ev.type != "PUT" or ev.key != k:

@@ -1,22 +1,20 @@
-"""The writes of :class:`~etcd_store.EtcdStore`: the fenced, leased Txn every write uses, the
-read-modify-writes (``add``, ``append``, ``compare_set``), the plain keys (``set``, ``get``,
-``check``, ``delete_key``, ``multi_get``, ``multi_set``, ``list_keys``) and the queues.
+"""The writes of :class:`~etcd_store.EtcdStore`: the fenced, leased Txn every write uses,
+``add``/``append``/``compare_set``, the plain keys and the queues (long form: docs/store.md).
 
 Exactly once: every write Txn also requires the writing thread's marker key unchanged and
 writes a fresh op id there (:meth:`ReadModifyWrite.fenced_txn`), so the client may resend it
 after a lost reply: a resend of an applied Txn fails and its failure branch shows the op id.
 
 Read-modify-write: one Txn when the store's cached view of the key is right; a failed compare
-returns the current value, and the next Txn starts from it (no sleeps), until the store timeout.
+returns the current value to retry from (no sleeps), until the store timeout.
 
 Queues: an item is a key under the queue's prefix; the oldest (lowest create revision) is popped
 by a fenced Txn that also checks no older item exists. A store remembers the item it believes
-oldest, *with its value* (from its own push, a watch event, or the oldest item every pop Txn
-returns), so a pop is usually one Txn, and a pop whose reply was lost and whose resend finds it
-applied returns that value without reading etcd's history (which a compaction may have removed).
+oldest *with its value* (from its push, a watch event, or the oldest item every pop Txn
+returns), so a pop is usually one Txn, and a resend that finds its pop applied returns that
+value without reading etcd's history (which compaction may have removed).
 
-The facade converts the user's keys (:class:`~etcd_store._namespace.Layout`) and translates
-errors; the parts here take etcd keys.
+The parts here take etcd keys; the facade converts user keys and translates errors.
 """
 
 from __future__ import annotations
@@ -72,8 +70,7 @@ _REMEMBER_KEYS = 4096
 
 
 class _Marker:
-    """Per store thread: the marker key (the thread's last write), its last seen mod revision
-    and the op ids written there (see "Exactly once" above)."""
+    """One store thread's marker key, its last seen mod revision and op ids ("Exactly once" above)."""
 
     __slots__ = ("key", "mod", "seq")
 
@@ -91,10 +88,9 @@ class _Marker:
 class Fenced:
     """The outcome of :meth:`ReadModifyWrite.fenced_txn`.
 
-    ``txn``: the Txn's result, the marker read left out of a failure branch.
-    ``replayed``: an earlier send of this Txn was applied (its reply lost) and
-    ``txn`` is the failed resend, so the success results are unknown.
-    ``revision``: the revision at which the Txn was applied (or, if it was not, read).
+    ``txn``: the result, without the marker read. ``replayed``: an earlier send applied
+    (reply lost) and ``txn`` is the failed resend, so success results are unknown.
+    ``revision``: where the Txn applied (or, if not, read).
     """
 
     stored: bytes
@@ -108,12 +104,10 @@ class Fenced:
 
 
 class ReadModifyWrite:
-    """The writes of one store: its fenced, leased Txn, ``add``, ``append``, ``compare_set``.
+    """One store's fenced, leased Txn, ``add``, ``append``, ``compare_set``.
 
-    Holds this store's exactly-once markers (one per thread) and its cache of values it
-    last read or wrote (so that the next ``add``/``append`` is one Txn). ``values``: the
-    encoding of values; ``lease``: what every write is attached to; ``timeout``: the store
-    timeout (the deadline of a write).
+    Holds the store's per-thread markers and its cache of values last read or written
+    (so the next ``add``/``append`` is one Txn); ``timeout`` is each write's deadline.
     """
 
     def __init__(
@@ -132,9 +126,8 @@ class ReadModifyWrite:
         self._thread_numbers = itertools.count()
 
     def add(self, k: bytes, delta: int, key: str | bytes) -> tuple[int, int]:
-        """:meth:`EtcdStore.add <etcd_store.EtcdStore.add>` on ``k``: (the sum, its revision).
-        ``EtcdTimeoutError`` at the store timeout; ``DistStoreError`` naming ``key`` if the value
-        is not an integer."""
+        """:meth:`EtcdStore.add <etcd_store.EtcdStore.add>` on ``k``: (sum, revision). Raises
+        ``EtcdTimeoutError``, or ``DistStoreError`` naming ``key`` for a non-integer value."""
 
         def plus(old: bytes | None) -> bytes:
             if old is None:
@@ -155,8 +148,7 @@ class ReadModifyWrite:
         self.update(k, lambda old: (old or b"") + v)
 
     def compare_set(self, k: bytes, expected: bytes, desired: bytes) -> bytes:
-        """:meth:`EtcdStore.compare_set <etcd_store.EtcdStore.compare_set>` on ``k`` (TCPStore's
-        rules; one Txn, applied at most once even when resent)."""
+        """:meth:`EtcdStore.compare_set <etcd_store.EtcdStore.compare_set>` on ``k``."""
         t = self._timeout.rpc()
         deadline = time.monotonic() + t
         what = f"compare_set of {k!r}"
@@ -210,11 +202,8 @@ class ReadModifyWrite:
             return current
 
     def update(self, k: bytes, compute: Callable[[bytes | None], bytes]) -> tuple[bytes, int]:
-        """Read-modify-write ``k`` with a compare-and-swap Txn; returns (new value, revision).
-
-        Retries from the value each failed Txn returns until the store timeout
-        (then ``EtcdTimeoutError``).
-        """
+        """Read-modify-write ``k`` by compare-and-swap; (new value, revision). Retries from each
+        failed Txn's value until the store timeout (then ``EtcdTimeoutError``)."""
         t = self._timeout.rpc()
         deadline = time.monotonic() + t
         what = f"read-modify-write of {k!r}"
@@ -256,17 +245,14 @@ class ReadModifyWrite:
         success: Callable[[bytes, int], list[Any]], failure: Sequence[Any],
         deadline: float, what: str,
     ) -> Fenced:
-        """One Txn, applied exactly once, whose writes ride on the namespace lease.
+        """One Txn, applied exactly once ("Exactly once" above), its writes on the namespace lease.
 
-        ``value`` is stored first (its chunks, when it is large: see :meth:`ChunkedValues.encode`);
-        ``success(stored, lease)`` builds the success ops (once per lease). The Txn also requires this
-        thread's marker unchanged and writes a fresh op id there, so the client may
-        resend it safely: a resend of an applied Txn fails and shows the op id
-        (``replayed``). Returns once the Txn was applied or ``compare`` failed (a
-        Txn that failed only on a stale marker is sent again); raises
-        ``EtcdTimeoutError`` past ``deadline``. If etcd lost the lease, the lease is
-        renewed and the Txn sent again. Chunks of a Txn that certainly failed are
-        deleted; after an error (outcome unknown) they are kept (the lease removes them).
+        ``value`` is encoded first (chunks: :meth:`ChunkedValues.encode`); ``success(stored,
+        lease)`` builds the success ops (once per lease). Returns once applied (``replayed``
+        if by a lost-reply send) or ``compare`` failed; a failure only on a stale marker is
+        resent. Raises ``EtcdTimeoutError`` past ``deadline``; a lost lease is renewed and
+        the Txn resent. Chunks of a certain failure are deleted; after an error (outcome
+        unknown) the lease removes them.
         """
         marker = self._marker()
         op_id = marker.next_id()
@@ -322,11 +308,7 @@ def put_of(txn: TxnResult) -> PutResult:
 
 
 class PlainKeys:
-    """Reads and writes of a namespace's plain keys.
-
-    ``values``: the encoding of values; ``writes``: the fenced Txn and the cache of known
-    values; ``waits``: the waits for missing keys; ``timeout``: the store timeout.
-    """
+    """Reads and writes of a namespace's plain keys (costs: the :class:`~etcd_store.EtcdStore` methods)."""
 
     def __init__(
         self, client: EtcdClient, layout: Layout, values: ChunkedValues, writes: ReadModifyWrite,
@@ -340,7 +322,7 @@ class PlainKeys:
         self._timeout = timeout
 
     def set(self, k: bytes, v: bytes) -> None:
-        """Write ``v`` at ``k``. One Txn, applied exactly once even when resent."""
+        """Write ``v`` at ``k``; one fenced Txn."""
         out = self._writes.fenced_txn(
             v, [], lambda stored, lease: [op_put(k, stored, lease=lease, prev_kv=True)], [],
             time.monotonic() + self._timeout.rpc(), f"set of {k!r}",
@@ -368,14 +350,14 @@ class PlainKeys:
                 raise self._waits.timeout_error(timeout, [key])
 
     def check(self, ks: Sequence[bytes]) -> bool:
-        """Whether every key exists (a queue with items counts). One Txn per 64 keys."""
+        """Whether every key exists (a queue with items counts)."""
         if not ks:
             return True
         present, _ = self._waits.probe(ks, self._timeout.rpc())
         return all(k in present for k in ks)
 
     def delete(self, k: bytes) -> bool:
-        """Delete ``k``; True if it existed. One Txn, applied exactly once even when resent."""
+        """Delete ``k``; True if it existed. One fenced Txn."""
         out = self._writes.fenced_txn(
             None, [compare_version(k, ">", 0)], lambda _, lease: [op_delete(k, prev_kv=True)], [],
             time.monotonic() + self._timeout.rpc(), f"delete_key of {k!r}",
@@ -398,7 +380,7 @@ class PlainKeys:
 
     def multi_get(self, ks: Sequence[bytes], shown: Sequence[str | bytes]) -> list[bytes]:
         """The values of ``ks``, waiting like :meth:`get` for missing ones (``shown``: the keys as
-        the user named them). One Txn per 128 keys; missing keys add one watch."""
+        the user named them)."""
         timeout = self._timeout.seconds()
         deadline = time.monotonic() + timeout
         unique = list(dict.fromkeys(ks))
@@ -421,8 +403,7 @@ class PlainKeys:
                 raise self._waits.timeout_error(timeout, shown)
 
     def multi_set(self, pairs: dict[bytes, bytes]) -> None:
-        """Write several keys. One Txn per 64 keys (or per ``chunk_bytes`` of values); not atomic
-        beyond one Txn."""
+        """Write several keys: one Txn per 64 keys or ``chunk_bytes`` of values, each atomic alone."""
         deadline = time.monotonic() + self._timeout.rpc()
         # Batched by stored size: a chunked value's manifest is small.
         sized = [(k, v if self._values.inline(v) else MAGIC) for k, v in pairs.items()]
@@ -450,11 +431,7 @@ class PlainKeys:
 
 
 class Queues:
-    """The queues of one namespace, and this store's guess of each queue's oldest item.
-
-    ``values``, ``writes``, ``waits``: the store's parts that encode items, push and pop
-    them exactly once, and wait for a push; ``timeout``: the store timeout.
-    """
+    """The queues of one namespace, and this store's guess of each queue's oldest item."""
 
     def __init__(
         self, client: EtcdClient, layout: Layout, values: ChunkedValues, writes: ReadModifyWrite,
@@ -470,9 +447,8 @@ class Queues:
         self._heads: dict[bytes, KeyValue] = {}  # queue prefix -> the item guessed oldest, value included
 
     def push(self, k: bytes, v: bytes) -> None:
-        """Append ``v`` to the queue of the etcd key ``k``. One Txn, applied exactly once even when resent."""
+        """Append ``v`` to the queue of the etcd key ``k``; one fenced Txn (a resend cannot push twice)."""
         item = self._layout.new_queue_item(k)
-        # Fenced: a resend after a lost reply cannot push the item a second time.
         out = self._writes.fenced_txn(
             v, [], lambda stored, lease: [op_put(item, stored, lease=lease)],
             [], time.monotonic() + self._timeout.rpc(), f"queue_push to {k!r}",
@@ -489,15 +465,10 @@ class Queues:
     def pop(self, k: bytes, block: bool, key: str | bytes) -> bytes:
         """Remove and return the oldest item of the queue of ``k`` (``key``, as the user named it).
 
-        With ``block`` it waits up to the store timeout for an item (``DistStoreError``
-        on timeout), else raises ``QueueEmptyError`` at once. One Txn when this store
-        knows a candidate for the oldest item (it pushed one, popped before, or was
-        woken by a push); otherwise one Range first. A wrong guess costs one more Txn,
-        whose failure branch returns the queue's oldest item. Waiting on an empty queue
-        opens one watch from now (one more Range when etcd's revision moved since
-        the empty read: see :mod:`etcd_store._waits`). A resend that finds its Txn
-        applied by a send whose reply was lost returns the guessed item's value,
-        which the store held before it sent the Txn: no read of etcd's history.
+        Blocking and errors as :meth:`EtcdStore.queue_pop <etcd_store.EtcdStore.queue_pop>`.
+        One Txn when this store has a guess ("Queues" above), else one Range first; a wrong
+        guess costs one more Txn, whose failure branch returns the oldest item. An empty
+        queue is waited on with one watch from now (:mod:`etcd_store._waits`).
         """
         qp = Layout.queue_prefix(k)
         end = prefix_range_end(qp)
@@ -538,11 +509,8 @@ class Queues:
     def _await_push(
         self, qp: bytes, end: bytes, revision: int, deadline: float, timeout: float, key: str | bytes
     ) -> KeyValue:
-        """Wait for an item in the queue ``qp``, found empty at ``revision``; the item, value included.
-
-        The first item pushed after the empty read is the oldest (unless popped
-        meanwhile: the pop Txn checks).
-        """
+        """The first item pushed to ``qp`` after it was empty at ``revision``, value included:
+        the oldest, unless popped meanwhile (the pop Txn checks)."""
         first: list[KeyValue] = []
 
         def pushed(ev: Event) -> bool:

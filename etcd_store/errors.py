@@ -36,11 +36,8 @@ class EtcdCompactedError(EtcdError):
 
 
 class EtcdLeaseNotFound(EtcdError):
-    """etcd does not know the lease a request names: it expired or was revoked.
-
-    Raised for a write attached to such a lease, and by a lease
-    :class:`~etcd_store.client.Session` whose lease is gone.
-    """
+    """etcd does not know the lease a request names (expired or revoked): raised for a write
+    attached to it, and by a :class:`~etcd_store.client.Session` whose lease is gone."""
 
 
 class EtcdRequestError(EtcdError, ValueError):

@@ -1,11 +1,10 @@
 """``EtcdClientOptions``: everything that makes an :class:`~etcd_store.client.EtcdClient`, frozen.
 
-One object, declared once: :class:`~etcd_store.client.EtcdClient` builds it from its keyword
-arguments (or takes it whole, :meth:`~etcd_store.client.EtcdClient.from_options`) and hands it to
-its :class:`~etcd_store.client.transport.Transport`; the rendezvous' configuration pass
-(:func:`etcd_rdzv.conf.parse_client_options`) builds one from torchrun's parameters. A leaf: the
-standard library only, so reading a configuration never imports gRPC. The meaning of each field
-is documented on ``EtcdClient``; the transport checks them (``ValueError`` naming the option).
+:class:`~etcd_store.client.EtcdClient` builds it from its keywords (or takes it whole:
+:meth:`~etcd_store.client.EtcdClient.from_options`) for its
+:class:`~etcd_store.client.transport.Transport`; :func:`etcd_rdzv.conf.parse_client_options`
+builds one from torchrun's parameters. Standard library only, so reading a configuration never
+imports gRPC. Fields: as ``EtcdClient``'s arguments; the transport checks them (``ValueError``).
 """
 
 from __future__ import annotations

@@ -1,62 +1,32 @@
 """``EtcdStore``: a ``torch.distributed.Store`` over the etcd v3 API.
 
 Code written against ``TCPStore`` runs unchanged: same methods, results, return
-types and exception types (see the README section "EtcdStore" for the few
-deliberate differences). Every operation costs one etcd round trip in the
-uncontended case:
+types and exception types (deliberate differences: docs/store.md). Every operation
+costs one etcd round trip in the uncontended case (table: docs/store.md, "Cost of
+each operation"); a ``get``/``wait`` of a missing key reads once, then watches from
+now, without polling or lost wake-ups (:mod:`etcd_store.client.synced`). Values
+above ``chunk_bytes`` (1 MiB, below etcd's default 1.5 MiB request limit) cost one
+extra Put per chunk to write and one extra Txn to read.
 
-=================================  ============================================
-``set``, ``delete_key``,           one Txn (fenced: see "Retries" below)
-``queue_push``
-``get`` (key present)              one Range
-``get``/``wait``/``multi_get``      one read, then one watch from now; one more
-(key missing)                      read when etcd's revision moved between the
-                                   two (no polling, no lost wake-up: see
-                                   :mod:`etcd_store.client.synced`)
-``multi_get``, ``multi_set``,      one Txn per 128 / 64 / 64 keys
-``check``                          (etcd's default ``--max-txn-ops`` is 128)
-``add``, ``append``                one Txn when the key is new or unchanged
-                                   since this store last read or wrote it;
-                                   one more Txn per concurrent change, each
-                                   retry starting from the value the failed
-                                   Txn returned (no sleeps)
-``compare_set``                    one Txn
-``queue_pop``                      one Txn (plus one Range when this store
-                                   neither pushed to nor popped from the
-                                   queue before)
-``queue_len``, ``num_keys``,        one Range
-``list_keys``
-=================================  ============================================
+Parts: this facade (torch's API: arguments, errors, lifecycle) over
+:mod:`etcd_store._namespace` (keys, chunked values, the namespace lease, request
+limits), :mod:`etcd_store._writes` (the fenced Txn, read-modify-write, plain keys,
+queues) and :mod:`etcd_store._waits` (watch-based waits). Clones share the client
+and the namespace lease (:class:`Shared`).
 
-Values larger than ``chunk_bytes`` (1 MiB, below etcd's default 1.5 MiB request
-limit) cost one extra Put per chunk to write and one extra Txn to read (the
-chunks at the latest revision, guarded by the manifest: see :mod:`etcd_store._namespace`).
+Cleanup rule (:mod:`etcd_store._namespace`): every key hangs on one namespace lease
+that every live store keeps alive; ``lease_ttl`` seconds after the last store closes
+or dies, etcd deletes the whole namespace.
 
-Parts: the store is this facade (torch's API: arguments, errors, lifecycle) over parts it
-holds and calls, each built with what it needs: :mod:`etcd_store._namespace` (the keys of a
-namespace, chunked values, the namespace lease, the limits of a request),
-:mod:`etcd_store._writes` (the fenced Txn, ``add``, ``append``, ``compare_set``, the plain keys,
-the queues) and :mod:`etcd_store._waits` (watch-based waits). A store and its clones share the
-client and the namespace lease (:class:`Shared`).
+Retries: the client's one policy (:meth:`~etcd_store.client.transport.Transport.call`)
+rides through an etcd restart or leader election within the store timeout. Every request
+is sent ``idempotent=True``: reads are safe to resend, and every write is one Txn fenced
+by the thread's marker (:meth:`ReadModifyWrite.fenced_txn`), so it applies exactly once.
 
-Cleanup rule (see :mod:`etcd_store._namespace`): every key of a
-namespace is attached to one namespace lease that every live store of the
-namespace keeps alive; ``lease_ttl`` seconds after the last store is closed or
-its process died, etcd deletes the whole namespace.
-
-Retries: one policy, the client's (:meth:`~etcd_store.client.transport.Transport.call`): each RPC gets attempts
-with growing deadlines (2 s, 4 s, 8 s, ...) and fails over to the next endpoint,
-until the call's deadline (the store timeout), so a call rides through an etcd
-restart or a leader election within its timeout. Every request of the store is
-safe to resend: reads are, and every write is one Txn fenced by the thread's
-marker (:meth:`ReadModifyWrite.fenced_txn`), so it applies exactly once; they
-are all sent with ``idempotent=True``.
-
-Errors: an unreachable etcd raises ``torch.distributed.DistNetworkError``
-naming the endpoints, within the store timeout; any other etcd failure raises
-``torch.distributed.DistStoreError``; a ``get``/``wait`` that times out raises
-``DistStoreError("wait timeout after <ms>ms, keys: <prefix>/<key>, ...")`` like
-TCPStore; bad arguments raise ``TypeError``/``ValueError``.
+Errors: unreachable etcd raises ``torch.distributed.DistNetworkError`` naming the
+endpoints, within the store timeout; any other etcd failure ``DistStoreError``; a
+timed-out ``get``/``wait`` raises ``DistStoreError("wait timeout after <ms>ms, keys:
+<prefix>/<key>, ...")`` like TCPStore; bad arguments ``TypeError``/``ValueError``.
 """
 
 from __future__ import annotations
@@ -93,10 +63,9 @@ DEFAULT_TIMEOUT = datetime.timedelta(seconds=300)
 #: Seconds a namespace outlives its last live store.
 DEFAULT_LEASE_TTL = 3600
 
-#: Every open store. torch's C++ side (PrefixStore, process groups, clone() called
-#: from C++) holds a Python store without a Python reference, and pybind11 drops
-#: the Python half of an object nobody in Python references; so a store keeps
-#: itself alive until close().
+#: Every open store: torch's C++ side (PrefixStore, process groups, C++ clone()) holds
+#: stores without a Python reference, and pybind11 would drop the Python half; so a
+#: store keeps itself alive until close().
 _OPEN: set[EtcdStore] = set()
 _OPEN_LOCK = threading.Lock()
 
@@ -108,12 +77,8 @@ Timeout = datetime.timedelta | float | int
 
 @contextlib.contextmanager
 def dist_errors(what: str) -> Iterator[None]:
-    """Re-raise client errors as the exception types torch's stores raise.
-
-    :class:`EtcdConnectionError` (timeouts included) becomes ``DistNetworkError``, any other
-    :class:`EtcdError` ``DistStoreError``; both name ``EtcdStore.<what>``. Other exceptions
-    pass unchanged.
-    """
+    """Re-raise :class:`EtcdConnectionError` (timeouts included) as ``DistNetworkError``,
+    other :class:`EtcdError` as ``DistStoreError``, both naming ``EtcdStore.<what>``."""
     try:
         yield
     except EtcdConnectionError as e:
@@ -190,22 +155,20 @@ class EtcdStore(dist.Store):
             (shared, not closed by the store).
         prefix: the namespace; keys are stored as ``<prefix>/<key>``. Stores with
             the same endpoints and prefix see the same keys.
-        timeout: how long ``get``/``wait``/``multi_get``/blocking ``queue_pop`` and
-            ``barrier`` wait, and the deadline of every other call (torch's default
-            store timeout, 300 s, when not given). ``set_timeout`` changes it.
+        timeout: how long ``get``/``wait``/``multi_get``/blocking ``queue_pop``/``barrier``
+            wait, and every other call's deadline (default 300 s, torch's);
+            ``set_timeout`` changes it.
         ca_cert, cert, key, user, password, protocol: TLS and auth options of
             :class:`~etcd_store.client.EtcdClient` (only with an endpoint string).
-        lease: attach every key to this lease instead, which the caller owns and
-            keeps alive (the store then grants, records and refreshes nothing, and
-            opening it costs no RPC); ``lease_ttl`` is ignored.
-        lease_ttl: seconds the namespace survives its last live store (see the
-            module docstring); at least 2.
-        chunk_bytes: values above this size are stored in chunks of this size.
-        client_timeout: default deadline of the client built from ``endpoints``.
+        lease: attach every key to this caller-owned, caller-refreshed lease instead
+            (the store grants and refreshes nothing; opening costs no RPC;
+            ``lease_ttl`` is ignored).
+        lease_ttl: seconds the namespace survives its last live store; at least 2.
+        chunk_bytes: values above this size are stored in chunks of this size (>= 1024).
+        client_timeout: default deadline (s) of the client built from ``endpoints``.
 
-    The constructor reads (or creates) the namespace lease: one Range, or Range +
-    LeaseGrant + Txn for the first store of a namespace. It raises
-    ``DistNetworkError`` naming the endpoints when etcd cannot be reached.
+    Opening reads the namespace lease (one Range; Range + LeaseGrant + Txn for a new
+    namespace); raises ``DistNetworkError`` naming the endpoints if etcd is unreachable.
     """
 
     def __init__(
@@ -295,12 +258,11 @@ class EtcdStore(dist.Store):
         return self._shared.client
 
     def close(self) -> None:
-        """Stop keeping the namespace alive from this store; close the client if it owns it.
+        """Stop keeping the namespace alive from this store; idempotent.
 
-        Idempotent. The store and its clones share the client and the lease: both
-        stop with the last of them. Keys stay until the namespace lease expires.
-        Until closed, a store stays alive even without Python references, because
-        torch's C++ side may still call it.
+        The shared client (if owned) and lease keep-alive stop with the last of the
+        store and its clones; keys stay until the namespace lease expires. Until
+        closed, a store stays alive without Python references (torch's C++ may call it).
         """
         with _OPEN_LOCK:
             _OPEN.discard(self)
@@ -341,9 +303,8 @@ class EtcdStore(dist.Store):
     def get(self, key: str | bytes) -> bytes:  # type: ignore[override]
         """The value of ``key``, waiting up to the store timeout for it to be set.
 
-        One Range when the key exists; otherwise one Range and one watch from now
-        (plus one more read when etcd's revision moved in between: see
-        :mod:`etcd_store.client.synced`). Raises ``DistStoreError`` on timeout.
+        One Range if present, else one Range and one watch from now (see the module
+        docstring). Raises ``DistStoreError`` on timeout.
         """
         k = self._layout.key(key)
         with dist_errors(f"get({key!r})"):
@@ -360,8 +321,7 @@ class EtcdStore(dist.Store):
     ) -> None:
         """Block until every key exists (a queue with items counts) or the timeout passes.
 
-        One Txn (per 64 keys), then one watch from now over the missing keys (and
-        one more Txn when etcd's revision moved in between). Raises
+        One Txn per 64 keys, then one watch over the missing ones. Raises
         ``DistStoreError("wait timeout after ...ms, keys: ...")``.
         """
         names = key_list(keys)
@@ -377,13 +337,11 @@ class EtcdStore(dist.Store):
             return self._keys.delete(k)
 
     def num_keys(self) -> int:  # type: ignore[override]
-        """How many keys this namespace holds (queues and internal keys not counted).
+        """How many user keys this namespace holds; agrees with :meth:`list_keys`.
 
-        One Range listing the keys of the namespace (keys only): queue items and the
-        internal keys of namespaces nested in this one (``job/sub`` in ``job``) share
-        the user key range and are left out, so it always agrees with
-        :meth:`list_keys`. TCPStore counts one internal key more; this store counts
-        only user keys.
+        One keys-only Range. Queue items and the internal keys of nested namespaces
+        (``job/sub`` in ``job``) share the range and are left out; TCPStore counts
+        one internal key more.
         """
         with dist_errors("num_keys()"):
             return len(self._keys.user_keys())
@@ -394,10 +352,8 @@ class EtcdStore(dist.Store):
             return self._keys.user_keys()
 
     def multi_get(self, keys: Sequence[str | bytes]) -> list[bytes]:  # type: ignore[override]
-        """The values of ``keys``, waiting like ``get`` for missing ones.
-
-        One Txn per 128 keys; missing keys add one watch.
-        """
+        """The values of ``keys``, waiting like ``get`` for missing ones. One Txn per 128 keys;
+        missing keys add one watch."""
         names = key_list(keys)
         ks = [self._layout.key(k) for k in names]
         if not ks:
@@ -426,10 +382,9 @@ class EtcdStore(dist.Store):
     def add(self, key: str | bytes, amount: int) -> int:  # type: ignore[override]
         """Add ``amount`` to the integer at ``key`` (created at ``amount``); returns the sum.
 
-        One Txn when the key is new or unchanged since this store last saw it;
-        otherwise the failed Txn returns the current value and the next one
-        retries from it (no sleep), until the store timeout. Raises
-        ``DistStoreError`` if the value is not an integer or on timeout.
+        One Txn if the key is new or unchanged since this store last saw it; else
+        each failed Txn returns the current value to retry from (no sleep), until
+        the store timeout. ``DistStoreError`` for a non-integer value or on timeout.
         """
         return self._add(key, amount)[0]
 
@@ -455,9 +410,9 @@ class EtcdStore(dist.Store):
     ) -> bytes:
         """Set ``key`` to ``desired_value`` if it holds ``expected_value``; return the value now.
 
-        As TCPStore: a missing key is created when ``expected_value`` is empty and
-        left missing otherwise (``expected_value`` is returned); a mismatch returns
-        the current value. One Txn; applied at most once even when resent.
+        As TCPStore: a missing key is created if ``expected_value`` is empty, else left
+        missing (returning ``expected_value``); a mismatch returns the current value.
+        One Txn, applied at most once even when resent.
         """
         k = self._layout.key(key)
         expected = as_bytes(expected_value, "expected_value")
@@ -483,10 +438,9 @@ class EtcdStore(dist.Store):
     def queue_pop(self, key: str | bytes, block: bool = True) -> bytes:  # type: ignore[override]
         """Remove and return the oldest item of the queue ``key``.
 
-        With ``block`` it waits up to the store timeout for an item (``DistStoreError``
-        on timeout), else raises ``QueueEmptyError`` at once. One Txn when this store
-        knows a candidate for the oldest item; otherwise one Range first (see
-        :meth:`Queues.pop <etcd_store._writes.Queues.pop>`).
+        With ``block``, waits up to the store timeout (``DistStoreError``), else raises
+        ``QueueEmptyError`` at once. One Txn, plus a Range first when this store knows
+        no candidate (:meth:`Queues.pop <etcd_store._writes.Queues.pop>`).
         """
         k = self._layout.key(key)
         with dist_errors(f"queue_pop({key!r})"):
@@ -499,10 +453,8 @@ class EtcdStore(dist.Store):
     ) -> None:
         """Block until ``world_size`` callers called ``barrier`` with ``key``.
 
-        As TCPStore: ``key`` holds the count of arrivals. One :meth:`add` and, unless
-        this caller completes the barrier, one watch from now (and one Range when
-        etcd's revision moved past the add's before the watch was registered).
-        Raises ``DistStoreError("barrier timeout after ...ms, key: ...")``.
+        As TCPStore, ``key`` counts arrivals. One :meth:`add`, and one watch unless this
+        caller completes it. Raises ``DistStoreError("barrier timeout after ...ms, key: ...")``.
         """
         wait_s = self._clock.seconds() if timeout is None else seconds(timeout)
         deadline = time.monotonic() + wait_s

@@ -1,14 +1,9 @@
 """The etcd v3 client layer: the only part of the project that touches gRPC.
 
-:class:`EtcdClient` (:mod:`.calls`: KV, ``Txn``, status, the factories of watches and
-sessions) holds its parts and calls them: a :class:`~.transport.Transport` (channels,
-auth, failover, the call loop, error translation; the decisions of :mod:`.retry`) and a
-:class:`~.calls.LeaseCalls` (lease RPCs, keep-alive streams). :mod:`.kv` (results,
-compare and op builders), :mod:`.watch` (:class:`Watch`), :mod:`.session`
-(:class:`Session`: a lease kept alive), :mod:`.stats` (:class:`CallStats`: retries and
-errors, ``EtcdClient.stats``). Every public name is re-exported here:
-``from etcd_store.client import EtcdClient, Watch, op_put, ...``. Test instruments
-(``RpcCounter``, watch counters) live in :mod:`.testing`, outside this API.
+Modules: :mod:`.calls` (:class:`EtcdClient`, over :mod:`.transport` and :mod:`.retry`),
+:mod:`.kv` (results, compare and op builders), :mod:`.watch`, :mod:`.session`, :mod:`.stats`.
+Every public name is re-exported here (``from etcd_store.client import EtcdClient, Watch,
+op_put, ...``); test instruments live in :mod:`.testing`, outside this API.
 """
 
 from __future__ import annotations

@@ -1,17 +1,15 @@
 """etcd's user and role administration (the ``Auth`` service), as functions of an :class:`EtcdClient`.
 
-What ``etcd-rdzv grant``/``revoke`` need: list, read, add and delete users and roles, grant and
-revoke a role's key permissions, grant and revoke a user's roles. Each function is one RPC under
-the client's retry policy (``timeout`` bounds it, retries included) and raises only
-:mod:`etcd_store.errors` exceptions: :class:`~etcd_store.errors.EtcdPermissionDenied` for a caller
-without the ``root`` role once auth is on, :class:`~etcd_store.errors.EtcdRequestError` for what etcd
-rejects (an unknown or existing name, an empty one). Existence is never told from an error's text:
-callers read :func:`user_names`/:func:`role_names` first. A password travels in the request body
-only; no message names it.
+What ``etcd-rdzv grant``/``revoke`` need. Each function is one RPC under the client's retry
+policy (``timeout`` bounds it, retries included) and raises only :mod:`etcd_store.errors`:
+:class:`~etcd_store.errors.EtcdPermissionDenied` for a caller without ``root`` once auth is on,
+:class:`~etcd_store.errors.EtcdRequestError` for what etcd rejects (unknown, existing or empty
+name). Existence is never told from an error's text: read :func:`user_names`/:func:`role_names`
+first. A password travels in the request body only; no message names it.
 
-etcd accepts these calls with auth disabled too (users and roles can be set up before
-``auth enable``). Adds and deletes are not resent after an attempt whose outcome is unknown
-(:meth:`EtcdClient.txn`'s rule); grants and revokes are idempotent and are.
+etcd accepts these calls with auth disabled (set up before ``auth enable``). Adds and deletes are
+not resent after an attempt of unknown outcome (:meth:`EtcdClient.txn`'s rule); idempotent grants
+and revokes are.
 """
 
 from __future__ import annotations

@@ -1,15 +1,13 @@
 """``EtcdClient``: the etcd v3 calls (KV, transactions, leases, watches, status), and ``LeaseCalls``.
 
-The client is a face over parts it holds and calls (none is its base class): a
-:class:`~etcd_store.client.transport.Transport` (channels, failover, auth, the call loop
-and error translation) and a :class:`LeaseCalls` (lease RPCs and the client's
-keep-alive streams, :class:`~.leases.KeepAlives`, over the same transport; usable alone).
-Watches get the transport, sessions the client's lease calls; neither depends on ``EtcdClient``.
+The client is a face over parts it holds: a :class:`~etcd_store.client.transport.Transport`
+(channels, failover, auth, the call loop, error translation) and a :class:`LeaseCalls` (lease
+RPCs and keep-alive streams over the same transport; usable alone). Watches get the
+transport, sessions the lease calls; neither depends on ``EtcdClient``.
 
-Each unary method is one RPC in the healthy, uncontended case and runs under
-the transport's single retry policy: a deadline (``timeout``, retries included),
-per-attempt deadlines with failover for requests that are safe to resend, and
-:mod:`etcd_store.errors` exceptions for every failure. Streams
+Each unary method is one RPC when healthy, under the transport's retry policy
+(:meth:`Transport.call <etcd_store.client.transport.Transport.call>`): ``timeout`` bounds
+it, retries included, and every failure is an :mod:`etcd_store.errors` exception. Streams
 (:class:`~etcd_store.client.Watch`, lease sessions) reconnect by themselves.
 """
 
@@ -61,25 +59,22 @@ class EtcdClient:
     Args:
         endpoints: ``"h1:2379,h2:2379"``, ``http(s)://`` URLs, or a list of those.
         timeout: the default deadline in seconds of every call (retries included).
-        ca_cert, cert, key: TLS files (CA bundle; client certificate and key). Giving
-            any of them turns TLS on for endpoints written without a scheme (an
-            ``http://`` endpoint then is a ``ValueError``, as are endpoints mixing schemes
-            or carrying ``user:password@``).
-        user, password: etcd user credentials. The token is fetched on first use and
-            fetched again when etcd says it is no longer valid. A password with a
-            plain-text endpoint is a ``ValueError`` unless ``allow_insecure_auth``
-            (then a warning is logged); a password sent to an etcd with auth disabled
-            logs a warning once per client.
-        interceptors: gRPC client interceptors (for instance :class:`~etcd_store.client.testing.RpcCounter`).
-        connect_timeout: seconds (default 5) a client that never reached etcd keeps
-            retrying when every endpoint refuses the connection (nothing listening,
-            unknown host); then the call raises :class:`EtcdConnectionError` instead of
-            waiting out ``timeout``. Once any member answered, calls ride out outages
-            until their own deadline.
-        allow_insecure_auth: accept sending ``password`` over plain text (see above).
+        ca_cert, cert, key: TLS files (CA bundle; client certificate and key). Any of them
+            turns TLS on for endpoints without a scheme; ``ValueError`` for an ``http://``
+            endpoint then, for mixed schemes, or for ``user:password@`` in an endpoint.
+        user, password: etcd credentials; the token is fetched on first use and again
+            when etcd rejects it. A password with a plain-text endpoint is a ``ValueError``
+            unless ``allow_insecure_auth`` (then a warning); a password sent to an etcd
+            with auth disabled logs a warning once per client.
+        interceptors: gRPC client interceptors (e.g. :class:`~etcd_store.client.testing.RpcCounter`).
+        connect_timeout: seconds (default 5) a client that never reached etcd retries while
+            every endpoint refuses the connection, then raises :class:`EtcdConnectionError`
+            instead of waiting out ``timeout``. Once any member answered, calls ride out
+            outages until their own deadline.
+        allow_insecure_auth: accept sending ``password`` over plain text.
 
-    Calls fail over to the next endpoint when one is unreachable. Every failure
-    surfaces as an :class:`~etcd_store.errors.EtcdError` that names the endpoints.
+    Calls fail over to the next endpoint; every failure is an
+    :class:`~etcd_store.errors.EtcdError` naming the endpoints.
     """
 
     def __init__(
@@ -122,8 +117,8 @@ class EtcdClient:
 
     @property
     def transport(self) -> Transport:
-        """The :class:`Transport` this client holds (for RPCs of services the client has no method
-        for, such as :mod:`.auth_admin`: ``client.transport.call(service, method, request)``)."""
+        """The :class:`Transport`, for RPCs without a client method (e.g. :mod:`.auth_admin`:
+        ``client.transport.call(service, method, request)``)."""
         return self._transport
 
     @property
@@ -164,8 +159,7 @@ class EtcdClient:
         return f"EtcdClient({self.describe()!r})"
 
     def close(self) -> None:
-        """Stop the keep-alive streams (every session ends, unrevoked), then close the channels
-        (open watches end). No RPC."""
+        """Stop the keep-alive streams (sessions end, unrevoked), close the channels (watches end). No RPC."""
         self._leases.close()
         self._transport.close()
 
@@ -194,9 +188,9 @@ class EtcdClient:
     ) -> RangeResult:
         """Read a key, a range, or a prefix. One Range RPC.
 
-        ``sort_by`` (``"key"``, ``"version"``, ``"create"``, ``"mod"``, ``"value"``)
-        orders the keys etcd returns (ascending unless ``descending``); with
-        ``limit`` that picks, say, the earliest-created key of a prefix.
+        ``sort_by`` (``"key"``, ``"version"``, ``"create"``, ``"mod"``, ``"value"``) orders
+        the result (ascending unless ``descending``); with ``limit``, e.g. the
+        earliest-created key of a prefix.
         """
         req = _range_request(
             key, range_end, prefix, keys_only, count_only, limit, revision, serializable,
@@ -250,9 +244,8 @@ class EtcdClient:
     ) -> TxnResult:
         """Run ``if all(compare) then success else failure`` atomically. One Txn RPC.
 
-        With ``idempotent=False`` (the default) a txn whose outcome is unknown (the
-        connection broke after sending) is not replayed; the caller gets
-        :class:`EtcdConnectionError` and decides.
+        With ``idempotent=False`` (default) a txn of unknown outcome (connection broke after
+        sending) is not resent: the caller gets :class:`EtcdConnectionError` and decides.
         """
         req = rpc_pb2.TxnRequest(compare=list(compare), success=list(success), failure=list(failure))
         what = "transaction on " + ", ".join(show_key(c.key) for c in compare[:3]) if compare else "txn"
@@ -272,11 +265,8 @@ class EtcdClient:
         self, ttl: int, *, lease_id: int = 0, on_lost: Callable[[], None] | None = None,
         interval: float | None = None,
     ) -> Session:
-        """Grant a lease and keep it alive (over one of the client's keep-alive streams) until the session is
-        closed, renewed every ``interval`` seconds (None: a third of ``ttl``).
-
-        One LeaseGrant RPC now; see :class:`~etcd_store.client.Session`.
-        """
+        """Grant a lease and keep it alive until the session closes, renewed every ``interval``
+        seconds (None: a third of ``ttl``). One LeaseGrant RPC; see :class:`~etcd_store.client.Session`."""
         from .session import Session
 
         return Session(self._leases, ttl, lease_id=lease_id, on_lost=on_lost, interval=interval)
@@ -344,11 +334,8 @@ def random_lease_id() -> int:
 
 
 class LeaseCalls:
-    """The lease RPCs and keep-alive streams of one client, over its ``transport``.
-
-    Thread-safe. :meth:`close` stops the keep-alive streams (the transport's owner closes the
-    transport after it).
-    """
+    """The lease RPCs and keep-alive streams of one client. Thread-safe; :meth:`close` stops the
+    streams (the transport's owner closes the transport after it)."""
 
     def __init__(self, transport: Transport) -> None:
         self._transport = transport
@@ -358,13 +345,11 @@ class LeaseCalls:
     def lease_grant(self, ttl: int, *, lease_id: int = 0, timeout: float | None = None) -> int:
         """Grant a lease of ``ttl`` seconds and return its id. One LeaseGrant RPC (two after a lost reply).
 
-        Without ``lease_id`` the id is drawn at random (62 bits), not left to etcd, whose ids are
-        sequential: another etcd user can then neither guess a job's lease ids from its own nor
-        attach a key to one (which would make every leased write of the owner fail with a
-        permission error), and a grant the retry policy resent after a lost reply cannot leave a
-        second lease behind: etcd refuses the resend (the id exists) and a lease with our id that
-        is alive is ours. Raises :class:`~etcd_store.errors.EtcdLeaseExists` for a given
-        ``lease_id`` that etcd already holds."""
+        Without ``lease_id`` the id is random (62 bits), not etcd's sequential one: no other user
+        can guess it and attach a key (which would make the owner's leased writes fail with a
+        permission error), and a resend after a lost reply leaves no second lease: etcd refuses
+        it (the id exists) and a live lease with our id is ours. Raises
+        :class:`~etcd_store.errors.EtcdLeaseExists` for a given ``lease_id`` etcd already holds."""
         chosen = lease_id or random_lease_id()
         req = rpc_pb2.LeaseGrantRequest(TTL=int(ttl), ID=chosen)
         deadline = time.monotonic() + (self._transport.timeout if timeout is None else timeout)
@@ -393,9 +378,8 @@ class LeaseCalls:
         return self._time_to_live(lease_id, keys, timeout)[0]
 
     def lease_ttls(self, lease_id: int, *, timeout: float | None = None) -> tuple[int, int]:
-        """``(remaining, granted)``: the whole seconds left on the lease as etcd's leader counts
-        them (truncated; -1 when it expired or never existed) and the TTL it was granted with.
-        One LeaseTimeToLive RPC."""
+        """``(remaining, granted)`` seconds: whole seconds left as etcd's leader counts them
+        (truncated; -1 when gone) and the granted TTL. One LeaseTimeToLive RPC."""
         return self._time_to_live(lease_id, False, timeout)
 
     def _time_to_live(self, lease_id: int, keys: bool, timeout: float | None) -> tuple[int, int]:
@@ -404,8 +388,8 @@ class LeaseCalls:
         return int(resp.TTL), int(resp.grantedTTL)
 
     def keep_alives(self) -> KeepAlives:
-        """The keep-alive stream for a new session (no RPC): the first that keeps fewer than
-        :data:`LEASES_PER_STREAM` leases, or a new one (see :mod:`.leases`)."""
+        """The keep-alive stream for a new session (no RPC): the first below
+        :data:`LEASES_PER_STREAM` leases, or a new one."""
         with self._lock:
             for mux in self._keep_alive_muxes:
                 if mux.reserve(LEASES_PER_STREAM):

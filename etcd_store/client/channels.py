@@ -1,22 +1,19 @@
 """gRPC channels of the client: per endpoint, one lazily made channel for unary calls and one for streams.
 
-:class:`Member` is one endpoint's channels, stubs and auth token; :func:`open_channel` makes a
-channel with the client's options (message sizes, reconnect backoff, HTTP/2 keepalive, gRPC's
-own retries off: the client has its own policy, :mod:`.retry`). Unary calls use a synchronous
-channel (the caller's thread blocks); watch and keep-alive streams use a ``grpc.aio`` channel,
-made and used only on the process's stream loop (:mod:`.reactor`), so a stream holds no thread.
-Nothing here makes an RPC; making a channel does not connect (gRPC connects on the first call).
+:class:`Member` is one endpoint's channels, stubs and auth token; :func:`open_channel` applies
+the client's options (message sizes, reconnect backoff, HTTP/2 keepalive, gRPC's own retries
+off: :mod:`.retry` is the policy). Unary calls use a synchronous channel; streams a ``grpc.aio``
+channel, made and used only on the stream loop (:mod:`.reactor`). Nothing here makes an RPC;
+a channel connects on its first call.
 
-:func:`tls_failure` tells whether an ``https`` endpoint fails its TLS handshake, asked of the
-standard library: gRPC reports a failed handshake, a refused connection and an unknown host all as
-UNAVAILABLE, told apart only by free text (which also holds the host name: a DNS failure for a host
-named ``etcd-tls-0`` reads like a TLS failure). After such a failure the transport repeats the
-connection with :mod:`socket` and :mod:`ssl`, with the client's own CA, certificate and key, and the
-exception says which step failed: no address or no connection (``OSError`` from ``getaddrinfo`` or
-``connect``): not TLS; an :class:`ssl.SSLError` in the handshake, or as the server's answer to the
-HTTP/2 preface (a TLS 1.3 server rejects a missing client certificate only after the handshake):
-TLS. Cost: one DNS lookup, one TCP connection and one handshake, bounded by ``timeout`` (the lookup
-runs in a daemon thread, since ``getaddrinfo`` takes no timeout).
+:func:`tls_failure` asks the standard library whether an ``https`` endpoint fails its TLS
+handshake, because gRPC reports that, a refused connection and an unknown host all as
+UNAVAILABLE, told apart only by free text (which holds the host name: a DNS failure for
+``etcd-tls-0`` reads like TLS). It repeats the connection with :mod:`socket`/:mod:`ssl` and the
+client's CA, certificate and key: an ``OSError`` from ``getaddrinfo``/``connect`` is not TLS; an
+:class:`ssl.SSLError` in the handshake, or in answer to the HTTP/2 preface (TLS 1.3 rejects a
+missing client certificate only after the handshake), is. Cost: one DNS lookup, TCP connection
+and handshake, bounded by ``timeout`` (the lookup in a daemon thread: ``getaddrinfo`` has none).
 """
 
 from __future__ import annotations
@@ -105,9 +102,8 @@ class Member:
             return False
 
     def close(self) -> None:
-        """Close both channels (their calls and streams end); the next stub makes new ones.
-        The stream channel closes on the stream loop, soon after (no wait): whatever stream
-        channel exists when the loop gets there, so a stream opened meanwhile ends too."""
+        """Close both channels (their calls and streams end); the next stub makes new ones. The
+        stream channel closes later on the loop (no wait), so one opened meanwhile closes too."""
         if self._channel is not None:
             self._channel.close()
         self._channel = None
@@ -220,12 +216,9 @@ def _resolve(host: str, port: int, timeout: float) -> list[tuple[socket.AddressF
 def tls_failure(
     host: str, port: int, *, ca: str | None, cert: str | None, key: str | None, timeout: float
 ) -> str | None:
-    """Why a TLS connection to ``host:port`` fails in the handshake, or None when it does not
-    (it succeeds, or fails before TLS: unknown host, refused, unreachable, timed out).
-
-    Never raises; blocks at most about ``timeout`` seconds (twice for a host with several addresses
-    that each time out: the first address that connects decides).
-    """
+    """Why a TLS connection to ``host:port`` fails in the handshake, or None (it succeeds, or fails
+    before TLS). Never raises; blocks about ``timeout`` seconds at most (twice for two addresses
+    that both time out: the first that connects decides)."""
     try:
         context = _context(ca, cert, key)
     except (OSError, ssl.SSLError) as e:  # unreadable or mismatched files: the channel fails the same way

@@ -54,12 +54,10 @@ def parse_endpoints(
 ) -> list[Endpoint]:
     """Parse ``"h1:2379,h2:2379"``, ``http://`` / ``https://`` URLs, or a list of those.
 
-    ``secure`` is the scheme the client was configured for (``protocol``, TLS files):
-    endpoints written without a scheme take it (``None``: plain text unless a URL says
-    ``https``), and a URL saying the other one is refused. Raises ``ValueError`` naming the
-    bad part (see the module docstring for what is refused); no password is repeated.
-    ``check_schemes=False`` checks the syntax only (for a caller that does not know the
-    client's ``protocol`` yet and checks the whole later with :func:`client_endpoints`).
+    ``secure``: the client's configured scheme, taken by endpoints without one (``None``: plain
+    unless a URL says ``https``); a URL saying the other is refused. Raises ``ValueError`` naming
+    the bad part (module docstring), never a password. ``check_schemes=False`` checks syntax
+    only (the caller checks the rest later with :func:`client_endpoints`).
     """
     parts = spec.split(",") if isinstance(spec, str) else list(spec)
     endpoints: list[Endpoint] = []
@@ -128,14 +126,10 @@ def client_endpoints(
     password: str | None = None,
     allow_insecure_auth: bool = False,
 ) -> list[Endpoint]:
-    """The endpoints of a client configured with ``protocol`` (``http``/``https``/``None``),
-    TLS files (``tls``) and credentials, checked as the module says.
-
-    Endpoints without a scheme take ``protocol``, else https when ``tls`` (``protocol="http"``
-    with ``tls`` is refused: an ``http://`` endpoint never passes with TLS files). A ``password``
-    bound for a plain-text endpoint is refused unless ``allow_insecure_auth`` (the caller
-    then warns). Raises ``ValueError`` naming what was wrong (never the password).
-    """
+    """The endpoints of a client with ``protocol`` (``http``/``https``/``None``), TLS files
+    (``tls``) and credentials, checked as the module says: no scheme takes ``protocol``, else
+    https with ``tls``; a password for a plain-text endpoint needs ``allow_insecure_auth`` (the
+    caller warns). Raises ``ValueError`` naming what was wrong (never the password)."""
     if protocol not in (None, "http", "https"):
         raise ValueError(f"Invalid etcd protocol {protocol!r}: use 'http' or 'https'.")
     if tls and protocol == "http":

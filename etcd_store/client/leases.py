@@ -1,31 +1,28 @@
 """``KeepAlives``: the keep-alive streams of one client, refreshing every lease its sessions keep.
 
-One bidirectional ``LeaseKeepAlive`` stream (etcd Go's ``clientv3`` lessor does the same): a timer
-heap holds each lease's next refresh (a third of the TTL etcd last reported, at least 0.2 s, unless
-its session asked for a pace of its own); answers are routed to the sessions by lease ID. Costs: no
-thread and no stream per session; one task on the process's stream loop (:mod:`.reactor`) and one
-stream while the client keeps any lease (opened when the first refresh is due, so a burst of grants
-opens none; half-closed when the last lease is dropped); one request per lease per interval, however
-many sessions keep it. A broken stream is reopened on the next reachable endpoint and every lease
-refreshed at once on it. So is a stream that owes answers and has heard none for
-:meth:`KeepAlives.answer_bound` seconds, so that a member that answers nothing (a hung host, a
-SIGSTOPped etcd: HTTP/2 keepalive takes 15 s or more to notice, if at all) is left well before the
-lease expires. A lease is given up when etcd answers TTL 0 (lost, ``gone_at_etcd``), or when none of
-its keep-alives was answered for a whole TTL (lost, presumed: etcd Go's lessor rule,
-:meth:`KeepAlives._check_deadlines`, a timer of the loop that no stream task can fail to run; etcd is
-asked once first, so a process merely slow to read the answers keeps its lease).
+One bidirectional ``LeaseKeepAlive`` stream, as etcd Go's ``clientv3`` lessor: a timer heap holds
+each lease's next refresh (a third of the TTL etcd last reported, at least 0.2 s, unless its session
+set a pace); answers are routed to sessions by lease ID. Costs: no thread or stream per session; one
+task on the stream loop (:mod:`.reactor`) and one stream while any lease is kept (opened when the
+first refresh is due, so a burst of grants opens none; half-closed when the last is dropped); one
+request per lease per interval, however many sessions keep it.
 
-Nothing here blocks a caller: :meth:`KeepAlives.keep` and :meth:`KeepAlives.drop` only take a lock
-and wake the task. Callbacks into the sessions (lease lost, TTL learnt) run on the stream loop,
-outside the lock, and do not block (a session hands its ``on_lost`` to the client's callback
-thread). ``stopped`` runs in the thread that closes the client (or on the loop, when a stream fails
-for good).
+A broken stream is reopened on the next endpoint, every lease refreshed at once. So is a stream owing
+answers that heard none for :meth:`KeepAlives.answer_bound` seconds, so a member answering nothing
+(hung host, SIGSTOPped etcd: HTTP/2 keepalive takes 15 s or more, if ever) is left well before the
+lease expires. A lease is given up when etcd answers TTL 0 (lost), or when none of its keep-alives
+was answered for a whole TTL (presumed lost, etcd Go's lessor rule: :meth:`KeepAlives._check_deadlines`,
+a loop timer no stream task can fail to run; etcd is asked once first, so a process merely slow to
+read answers keeps its lease).
 
-etcd answers the requests of one stream in order, and its leader holds each renewal until it has
-applied every committed entry (up to 1 s), so under a burst of writes one stream renews about one
-lease per apply: hundreds of leases on one stream would be renewed late, and expire. A client
-therefore opens another stream (on the same channel) for every :data:`LEASES_PER_STREAM` sessions
-(:meth:`~.calls.LeaseCalls.keep_alives`).
+Nothing blocks a caller: :meth:`KeepAlives.keep`/:meth:`KeepAlives.drop` take a lock and wake the
+task. Session callbacks (lease lost, TTL learnt) run on the loop, outside the lock, and must not
+block; ``stopped`` runs in the thread closing the client (or on the loop, on a final failure).
+
+etcd answers one stream's requests in order, and its leader holds each renewal until it applied
+every committed entry (up to 1 s), so under a write burst one stream renews about one lease per
+apply: hundreds would be renewed late and expire. Hence one more stream (same channel) per
+:data:`LEASES_PER_STREAM` sessions (:meth:`~.calls.LeaseCalls.keep_alives`).
 """
 
 from __future__ import annotations
@@ -68,17 +65,15 @@ def refresh_interval(ttl: float) -> float:
 
 
 def answer_bound(interval: float, first_attempt: float) -> float:
-    """Seconds a keep-alive stream that owes answers may hear none before it is moved to the next
-    member: the shortest refresh ``interval`` of its leases (a third of a TTL), at most the client's
-    per-attempt deadline ``first_attempt``, at least :data:`MIN_ANSWER_BOUND`. A lease refreshed
-    every ``interval`` thus gets a refresh through another member before two thirds of its TTL
-    have passed since its last answered one (plus the reconnect)."""
+    """Seconds a keep-alive stream owing answers may hear none before moving to the next member:
+    the shortest refresh ``interval`` (a third of a TTL), at most ``first_attempt``, at least
+    :data:`MIN_ANSWER_BOUND`; so a lease is refreshed through another member before two thirds
+    of its TTL pass since its last answer (plus the reconnect)."""
     return max(min(interval, first_attempt), MIN_ANSWER_BOUND)
 
 
 class Keeper(Protocol):
-    """What :class:`KeepAlives` tells a session (``_lease_lost``, ``_learn_ttl``: on the stream loop;
-    must not block)."""
+    """What :class:`KeepAlives` tells a session (on the loop for the first two: must not block)."""
 
     def _lease_lost(self, lease_id: int, primary: bool, confirmed: bool = True) -> None: ...
 
@@ -88,8 +83,8 @@ class Keeper(Protocol):
 
 
 class _Kept:
-    """One lease on the stream: its refresh pace and the sessions that keep it
-    (``True``: the session's own lease, ``False``: kept for others, see ``Session.keep_also``)."""
+    """One kept lease: its pace and its keepers (``True``: the session's own lease, ``False``:
+    an extra, ``Session.keep_also``)."""
 
     __slots__ = ("deadline", "due", "fixed", "id", "interval", "keepers", "ttl_pace")
 
@@ -98,12 +93,11 @@ class _Kept:
         self.id = lease_id
         self.interval = interval
         self.due = due
-        # when the lease is surely expired if etcd answered none of its keep-alives meanwhile: the
-        # last answer (or the keep) + the TTL; inf for an extra lease whose TTL no answer told yet
+        # surely expired by then if no keep-alive is answered: last answer (or keep) + TTL;
+        # inf for an extra lease whose TTL no answer told yet
         self.deadline = deadline
         self.fixed = fixed  # a pace asked for by a session: the TTL etcd reports does not change it
-        # a third of the TTL (etcd's last word): what the stream's answer bound is taken from,
-        # also for a lease refreshed faster at its session's request
+        # a third of etcd's last TTL: the answer bound's basis, even under a session's faster pace
         self.ttl_pace = interval if ttl_pace is None else ttl_pace
         self.keepers: dict[Keeper, bool] = {}
 
@@ -138,7 +132,7 @@ class KeepAlives:
     def keep(self, keeper: Keeper, lease_id: int, ttl: int, *, first_in: float, primary: bool = True,
              interval: float | None = None) -> None:
         """Refresh ``lease_id`` for ``keeper`` from ``first_in`` seconds on (sooner if already kept),
-        every ``interval`` seconds (at least :data:`MIN_INTERVAL`) if given, else every third of its TTL."""
+        every ``interval`` (at least :data:`MIN_INTERVAL`), default a third of its TTL."""
         with self._lock:
             self._reserved = max(self._reserved - 1, 0)
             closed = self._halted or self._transport.closed
@@ -175,18 +169,15 @@ class KeepAlives:
         self._stop_all(EtcdError(f"The etcd client for {self._transport.describe()} was closed."))
 
     def answer_bound(self) -> float:
-        """Seconds the stream may owe answers and hear none before it moves to the next member:
-        :func:`answer_bound` of the shortest third of a kept lease's TTL (not the pace a session
-        asked for: a lease renewed every second with a TTL of 15 s waits 2 s, not 1 s, which is
-        about how long etcd's leader may hold a renewal under a burst of writes), doubled after
-        each stall in a row (:func:`~.retry.stall_bound`). Call with the lock held or not: a read."""
+        """:func:`answer_bound` of the shortest third of a kept lease's TTL (not a session's pace:
+        TTL 15 s renewed every second waits 2 s, not 1 s, about how long etcd's leader may hold a
+        renewal under a write burst), grown by :func:`~.retry.stall_bound`. A read: lock optional."""
         shortest = min((kept.ttl_pace for kept in list(self._leases.values())), default=MIN_ANSWER_BOUND)
         return stall_bound(answer_bound(shortest, self._transport.retry_policy.first_attempt), self._stalls_in_row)
 
     def idle(self) -> bool:
-        """Whether no stream task runs: nothing was kept yet, or the last lease was dropped and the
-        stream half-closed (its answers owed awaited). A lease kept after this opens a new stream;
-        one kept before it is refreshed on the stream still open."""
+        """Whether no stream task runs (nothing kept yet, or the last lease dropped and the stream
+        half-closed); a lease kept after this opens a new stream."""
         with self._lock:
             return not self._running
 
@@ -224,8 +215,7 @@ class KeepAlives:
             self._poke_locked()
 
     def _poke_locked(self) -> None:
-        """Wake the task: the leases or their dues changed (no-op when none runs, or in a process
-        forked from the task's)."""
+        """Wake the task: leases or dues changed (no-op if none runs, or in a forked child)."""
         loop = started()
         if self._running and loop is not None:
             loop.call_soon(self._set_wake)
@@ -274,8 +264,8 @@ class KeepAlives:
         return float("inf")
 
     async def _run(self) -> None:
-        """Waits for the next refresh due, then streams (reconnecting) until idle; ends when
-        nothing is kept, the client closes, or a failure is final."""
+        """Sleep until a refresh is due, then stream (reconnecting); end when nothing is kept, the
+        client closes, or a failure is final."""
         transport = self._transport
         stream = self._reconnecting = ReconnectingStream(
             transport, "keep-alive stream", lambda: self._halted or transport.closed,
@@ -309,8 +299,8 @@ class KeepAlives:
                 self._running = False
 
     async def _sleep(self, seconds: float, reader: asyncio.Future[Any] | None = None) -> None:
-        """Wait ``seconds`` at most, until poked (:meth:`_poke_locked`) or ``reader`` is done.
-        One future and one timer, no task (this runs once or twice per renewal)."""
+        """Wait up to ``seconds``, until poked or ``reader`` is done; one future and timer, no task
+        (it runs once or twice per renewal)."""
         if self._poked or (reader is not None and reader.done()):
             return
         loop = asyncio.get_running_loop()
@@ -330,9 +320,8 @@ class KeepAlives:
                 reader.remove_done_callback(woken)
 
     def _take_due(self) -> tuple[list[int] | None, float]:
-        """The leases due now (counted as owed) and the seconds until the next thing to do.
-        ``(None, 0)``: half-close (stopped, nothing to keep); ``([], 0)``: the stream stalled (owes
-        answers and heard none for :meth:`answer_bound` seconds)."""
+        """The leases due now (counted as owed) and seconds until the next thing to do; ``(None,
+        0)``: half-close; ``([], 0)``: stalled (heard nothing for :meth:`answer_bound`)."""
         self._poked = False
         with self._lock:
             if self._halted or not self._leases:
@@ -357,9 +346,9 @@ class KeepAlives:
             return due, min(self._next_due(), deadline) - now
 
     async def _stream(self, member: Member, metadata: tuple[tuple[str, str], ...]) -> Ended:
-        """One keep-alive stream on ``member``: sends each refresh when due while a reader task takes
-        the answers; MOVE when it stalls or etcd ends it, STOP once idle or halted (half-closed by us,
-        the answers owed awaited for at most the answer bound, or until a new lease wants a stream)."""
+        """One keep-alive stream on ``member``: sends refreshes when due, a reader task takes answers;
+        MOVE when it stalls or etcd ends it, STOP once idle or halted (half-closed, owed answers
+        awaited for at most the answer bound)."""
         with self._lock:
             self._owed = 0
             self.streams_opened += 1
@@ -454,9 +443,8 @@ class KeepAlives:
             keeper._learn_ttl(ttl)
 
     def _arm_deadline(self) -> None:
-        """(On the loop.) Have :meth:`_check_deadlines` run at the earliest lease deadline. The
-        timer is the loop's, not the stream task's: a task that died or hangs cannot leave a
-        session unrenewed and untold."""
+        """(On the loop.) Run :meth:`_check_deadlines` at the earliest lease deadline; a loop timer,
+        so a dead or hung stream task cannot leave a session unrenewed and untold."""
         with self._lock:
             earliest = min((kept.deadline for kept in self._leases.values()), default=float("inf"))
         timer = self._deadline_timer
@@ -470,11 +458,10 @@ class KeepAlives:
             self._deadline_timer = loop.call_at(earliest, self._check_deadlines)
 
     def _check_deadlines(self) -> None:
-        """(On the loop.) A lease none of whose keep-alives was answered for its whole TTL (etcd Go's
-        lessor rule) is asked about once, off the loop (:meth:`_ask_etcd`): alive (this process was
-        only slow to hear the answers: a starved host) -> kept, with the TTL etcd reports; gone ->
-        lost; no answer within min(TTL, client timeout) -> given up as lost, presumed (etcd expires
-        nothing while it has no leader, so the lease may live on). Its sessions are told either way."""
+        """(On the loop.) A lease with no keep-alive answered for its whole TTL (etcd Go's lessor rule)
+        is asked about once, off the loop (:meth:`_ask_etcd`): alive (we were only slow, e.g. a
+        starved host) -> kept with etcd's TTL; gone -> lost; no answer within min(TTL, client
+        timeout) -> presumed lost (it may live on: etcd expires nothing without a leader)."""
         self._deadline_timer = None
         now = time.monotonic()
         asked: list[tuple[int, float]] = []
@@ -488,8 +475,8 @@ class KeepAlives:
         self._arm_deadline()
 
     def _ask_etcd(self, asked: list[tuple[int, float]]) -> None:
-        """(In the callback thread.) One LeaseTimeToLive per lease whose deadline passed, bounded by
-        min(its TTL, the client's timeout); each answer settled on the loop."""
+        """(Callback thread.) One LeaseTimeToLive per lease past its deadline, bounded by min(TTL,
+        client timeout); each answer settled on the loop."""
         transport = self._transport
         for lease_id, ttl in asked:
             remaining: int | None

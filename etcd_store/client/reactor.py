@@ -1,25 +1,21 @@
 """The one event loop of a process on which every client's streams run.
 
-A watch or a keep-alive stream spends its life waiting for etcd's next answer. With gRPC's
-synchronous API each such wait holds a thread of its own, which gRPC wakes ten times a
-second, and each stream adds a request-sending thread: about five threads and 1.6 ms of CPU
-per second per idle client (``benchmarks/client_cost.py``). Here every stream of
-every client in the process is a coroutine on one asyncio loop (gRPC's ``grpc.aio`` API), run
-by one daemon thread that starts with the first stream; gRPC adds one poller thread of its own.
-An idle client then costs no thread. Unary calls stay on the synchronous channels (their
-caller's thread blocks).
+Why: with gRPC's synchronous API each waiting stream holds a thread (woken ten times a second)
+plus a sender thread: about five threads and 1.6 ms of CPU per second per idle client
+(``benchmarks/client_cost.py``). Here every stream of every client is a coroutine on one
+asyncio loop (``grpc.aio``) in one daemon thread started with the first stream (plus gRPC's
+poller thread); an idle client costs no thread. Unary calls stay synchronous.
 
-:func:`reactor` returns the process's :class:`Reactor`, started on first use. A process
-``fork``-ed from one whose streams ran cannot run streams (gRPC's asyncio API does not survive
-a fork: its poller thread stays in the parent; a watch there would never be confirmed), so
-:func:`reactor` raises :class:`~etcd_store.errors.EtcdError` there, at once, saying so; start
-such processes with ``spawn`` or ``forkserver``, or before the parent's first stream. A forked
-child that makes no stream (a DataLoader worker) is not affected; nor is the parent. Everything else in the client reaches the loop
-through :meth:`Reactor.call_soon` (from any thread, never blocks) and code that already runs
-on it. Code on the loop must not block: a blocking call there (a unary RPC, a lock held long)
-stalls every stream of the process; :meth:`Reactor.blocking` runs one (a login) in a daemon
-thread, :meth:`Reactor.offload` runs callbacks into user code in another, and a watchdog logs
-any pass of the loop that held it over :data:`LAG_WARNING` (0.1 s).
+:func:`reactor` returns the process's :class:`Reactor`. A process ``fork``-ed from one whose
+streams ran cannot run streams (``grpc.aio`` does not survive a fork: a watch would never be
+confirmed), so :func:`reactor` raises :class:`~etcd_store.errors.EtcdError` there at once; use
+``spawn``/``forkserver``, or fork before the first stream. A forked child making no stream (a
+DataLoader worker) is unaffected, as is the parent.
+
+Other code reaches the loop through :meth:`Reactor.call_soon` (any thread, never blocks). Code on
+the loop must not block (it would stall every stream): :meth:`Reactor.blocking` runs a login in
+a daemon thread, :meth:`Reactor.offload` runs user callbacks in another, and a watchdog logs any
+pass that held the loop over :data:`LAG_WARNING` (0.1 s).
 """
 
 from __future__ import annotations
@@ -49,9 +45,8 @@ LAG_WARNING = 0.1
 
 
 def _run_queue_clock() -> Callable[[], float] | None:
-    """A clock of the calling thread's time spent waiting for a CPU (runnable, not running), in seconds:
-    Linux's ``/proc/thread-self/schedstat`` (its second field), read with one ``pread`` on a descriptor
-    kept open (a few microseconds). None where there is no such file (not Linux, no schedstats)."""
+    """A clock (seconds) of the calling thread's wait for a CPU: the second field of Linux's
+    ``/proc/thread-self/schedstat``, one ``pread`` on a kept descriptor. None where unavailable."""
     try:
         fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
@@ -69,15 +64,11 @@ def _run_queue_clock() -> Callable[[], float] | None:
 
 
 class _StepTimer(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
-    """The loop's selector, timing each pass of the loop between two waits for I/O: the steps it
-    ran (callbacks, task steps). A pass that held the loop over :data:`LAG_WARNING` seconds (a
-    blocking call on the loop: a lock, an RPC, a long computation) is logged at WARNING and counted
-    in ``lags``. Time spent waiting for I/O between passes is not counted, nor, on Linux, the time
-    the loop's thread waited for a CPU during a pass (its run-queue wait, from schedstat): a pass
-    that was only slow because the machine was busy is counted in ``preempted`` and logged at DEBUG,
-    and once the main thread has ended (the interpreter exiting, its teardown holding the GIL) a
-    pass is not reported. ``max_lag`` is the longest hold. Costs two clock reads and, on Linux, two ``pread`` of schedstat
-    a pass."""
+    """The loop's selector, timing each pass between two waits for I/O. A pass holding the loop over
+    :data:`LAG_WARNING` (something blocked on it) is logged at WARNING and counted in ``lags``.
+    On Linux the thread's wait for a CPU is subtracted: a pass slow only because the machine was
+    busy counts in ``preempted`` (DEBUG). Nothing is reported once the main thread ended
+    (interpreter teardown holds the GIL). Costs two clock reads (and two ``pread``) a pass."""
 
     def __init__(self, reactor: Reactor) -> None:
         super().__init__()
@@ -120,13 +111,9 @@ class _StepTimer(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
 class Reactor:
     """One asyncio loop in one daemon thread (``etcd-streams``), started by the constructor.
 
-    Nothing that can block runs on the loop: :meth:`blocking` runs a login in a daemon thread of
-    its own (exit never waits for one: an executor's threads would be joined before ``atexit``),
-    :meth:`offload` hands callbacks into user code (a lost lease's ``on_lost``) to the
-    ``etcd-callbacks`` daemon thread. A watchdog in the loop's selector times each pass of the
-    loop: one that held the loop over :data:`LAG_WARNING` seconds is logged at WARNING and counted in
-    :attr:`lags`, the longest hold kept in :attr:`max_lag` (the tests assert it stays quiet); one
-    that was only slow waiting for a CPU is counted in :attr:`preempted`.
+    :meth:`blocking` uses a daemon thread, not an executor (whose threads would be joined before
+    ``atexit``). Watchdog counters (:class:`_StepTimer`): :attr:`lags`, :attr:`max_lag` (the tests
+    assert it stays quiet), :attr:`preempted`.
     """
 
     def __init__(self) -> None:
@@ -150,15 +137,12 @@ class Reactor:
         self.loop.call_soon_threadsafe(fn, *args, context=contextvars.copy_context())
 
     def spawn(self, coro: Coroutine[Any, Any, _T], context: contextvars.Context) -> asyncio.Task[_T]:
-        """A task for ``coro`` running in ``context``; call on the loop only.
-
-        A task copies the context current when it is made, so making it inside ``context.run``
-        runs it there (``create_task(context=...)`` is Python 3.11+ only; the package claims 3.10)."""
+        """A task for ``coro`` running in ``context``; on the loop only. Made inside ``context.run``
+        (a task copies the current context), as ``create_task(context=...)`` needs Python 3.11."""
         return context.run(self.loop.create_task, coro)
 
     async def blocking(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """``fn(*args)`` in a daemon thread of its own, awaited (the rare blocking step of a stream:
-        a login). The process's exit does not wait for it."""
+        """``fn(*args)`` (a login) in its own daemon thread, awaited; exit does not wait for it."""
         loop = self.loop
         done: asyncio.Future[_T] = loop.create_future()
 
@@ -186,9 +170,8 @@ class Reactor:
         return threading.current_thread() is self._thread
 
     def offload(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Run ``fn(*args)`` in the ``etcd-callbacks`` daemon thread, in order with other offloaded
-        calls, in the caller's ``contextvars`` context (never blocks; call from the loop: callbacks
-        into user code must not stall it). An error is logged with its traceback."""
+        """Run ``fn(*args)`` (user code, e.g. ``on_lost``) in the ``etcd-callbacks`` daemon thread, in
+        order, in the caller's ``contextvars`` context; never blocks. Errors are logged."""
         self._callbacks.put((contextvars.copy_context(), fn, args))
         if self._callback_thread is None:
             with self._callback_lock:

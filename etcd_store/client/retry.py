@@ -1,11 +1,9 @@
 """The client's retry policy as pure decisions: what a failed attempt means, and what to do next.
 
-No I/O and no gRPC here. :mod:`.transport` recognises each failed attempt (by gRPC status code
-and etcd's named errors, the one place that does) as a :class:`Failure`, then asks
-:func:`decide` what to do with it, and :class:`Attempts` (one per call) keeps the little a call
-remembers between attempts: which members failed a TLS handshake, whether every failure so far
-was "no connection at all", how long the next attempt may take. :class:`RetryPolicy` holds the
-numbers (per-attempt deadline, pauses between rounds).
+No I/O and no gRPC here. :mod:`.transport` (the one place that reads gRPC codes and etcd's
+named errors) classifies each failed attempt as a :class:`Failure` and asks :func:`decide`;
+:class:`Attempts` (one per call) remembers TLS failures, whether every failure was "no
+connection at all", and the next attempt's deadline; :class:`RetryPolicy` holds the numbers.
 
 The decision table (``failure`` x ``idempotent`` -> :class:`Action`):
 
@@ -73,10 +71,10 @@ _MAYBE_APPLIED = frozenset({Failure.TIMED_OUT, Failure.MAYBE_APPLIED})
 def decide(
     failure: Failure, *, idempotent: bool, can_login: bool = False, tls_everywhere: bool = False
 ) -> Action:
-    """The action for one failed attempt (the table of the module docstring).
+    """The action for one failed attempt (the module docstring's table).
 
-    ``can_login``: the client has credentials and has not logged in again in this call yet.
-    ``tls_everywhere``: every member has failed a TLS handshake in this call (this one included).
+    ``can_login``: credentials, and no re-login yet in this call. ``tls_everywhere``: every
+    member failed a TLS handshake in this call (this one included).
     """
     if failure is Failure.STALE_TOKEN:
         return Action.LOGIN_AGAIN if can_login else Action.RAISE
@@ -90,11 +88,11 @@ def decide(
 
 
 def stream_reconnects(failure: Failure) -> bool:
-    """Whether a broken stream (watch, keep-alive) should reopen, on the next member.
+    """Whether a broken stream (watch, keep-alive) should reopen on the next member.
 
     A stream resends nothing that could apply twice (a watch resumes from the next undelivered
-    revision; keep-alives are idempotent), so every member failure reconnects; a refused token
-    reconnects after it was dropped (the next stream logs in again); anything else is final.
+    revision; keep-alives are idempotent), so every member failure and a refused token (dropped:
+    the next stream logs in) reconnect; anything else is final.
     """
     return failure in _MEMBER_FAILURES or failure is Failure.STALE_TOKEN
 
@@ -113,15 +111,13 @@ class StreamStep(enum.Enum):
 class Cause(enum.Enum):
     """What an error of a stream is, as :mod:`.streams` classifies it (gRPC's types, etcd's codes)."""
 
-    #: etcd's or gRPC's status that another stream can get past: a member failure, a refused token
-    #: (dropped, so the next stream logs in), gRPC's INTERNAL, a call gRPC cancelled, or a recoverable
-    #: error of the owner's (a keep-alive's "lease not found").
+    #: A status another stream can get past: a member failure, a refused token (dropped), gRPC's
+    #: INTERNAL, a call gRPC cancelled, or an owner's recoverable error (keep-alive "lease not found").
     RETRYABLE = "retryable status"
     #: etcd's answer that no other stream changes (denied, compacted, bad request).
     FINAL = "final status"
-    #: gRPC's own complaint about the call, not etcd's word: INTERNAL "Internal error from Core" or
-    #: ``InvalidStateError`` from a write on a call etcd had already ended; or a receive side that said
-    #: nothing when asked.
+    #: gRPC's own complaint, not etcd's word: INTERNAL "Internal error from Core", ``InvalidStateError``
+    #: from a write on a call etcd already ended, or a receive side that said nothing when asked.
     LOCAL = "local"
     #: The call was cancelled under a step, or its channel closed (the client closing, or gone away).
     CANCELLED_UNDER = "cancelled under"
@@ -144,8 +140,7 @@ class Fate(enum.Enum):
 
 
 def stream_fate(step: StreamStep, cause: Cause, *, stopping: bool, closed: bool) -> Fate:
-    """The fate of a stream after an error (as etcd's Go client: a stream's fate comes from its
-    receive side; a send's error decides nothing).
+    """A stream's fate after an error; as in etcd's Go client, the receive side decides it.
 
     ============  ==================================================  ==================
     step          cause                                                fate
@@ -171,11 +166,10 @@ def stream_fate(step: StreamStep, cause: Cause, *, stopping: bool, closed: bool)
 
 
 class Backoff:
-    """The pause before a stream's next attempt when the last one ended before any answer
-    (a member that refuses every stream, a single endpoint with nowhere else to go): from
-    ``first`` doubling up to ``cap``, each pause drawn between half and all of it (jitter, so
-    many clients do not come back in step); :meth:`reset` on an answer. No pause after a
-    stream that answered: a member that served and then failed is left at once."""
+    """The pause before a stream's next attempt when the last ended before any answer (a member
+    refusing every stream, a single endpoint): ``first`` doubling up to ``cap``, each drawn
+    between half and all of it (jitter, so clients do not return in step); :meth:`reset` on an
+    answer. A stream that answered is replaced at once, without a pause."""
 
     def __init__(self, first: float, cap: float, rand: random.Random | None = None) -> None:
         self.first = first
@@ -199,40 +193,37 @@ MAX_STALL_DOUBLINGS = 3
 
 
 def stall_bound(bound: float, stalls: int) -> float:
-    """Seconds a stream that owes an answer may hear none: ``bound`` after an answer, doubled for
-    each of the ``stalls`` streams in a row ended for hearing nothing (at most
-    :data:`MAX_STALL_DOUBLINGS` times), as a request's attempt deadline doubles after a round in
-    which every member timed out. A frozen member is still left after ``bound`` (the next member
-    answers, and the count starts again); a member (or a client process) that is merely slow, and
-    a single endpoint with nowhere else to go, are not hammered with a new stream every ``bound``."""
+    """Seconds a stream that owes an answer may hear none: ``bound``, doubled for each of
+    ``stalls`` consecutive silent streams (at most :data:`MAX_STALL_DOUBLINGS` times), as a
+    request's attempt deadline doubles. A frozen member is still left after ``bound`` (the next
+    answers, resetting the count); a merely slow member or client, or a single endpoint, is not
+    hammered with a new stream every ``bound``."""
     return bound * 2 ** min(max(stalls, 0), MAX_STALL_DOUBLINGS)
 
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """The numbers of the retry policy.
+    """The numbers of the retry policy (seconds).
 
-    ``first_attempt``: the deadline of a first attempt of a request that is safe to resend,
-    when there is another member to try (doubled after a round in which every member timed
-    out). ``first_pause``/``max_pause``: the pause after a round in which every member failed,
-    doubling up to the cap, so a long outage costs few RPCs.
+    ``first_attempt``: the first attempt's deadline for a request safe to resend, when another
+    member exists (doubled after a round where every member timed out). ``first_pause``/
+    ``max_pause``: the pause after a round where every member failed, doubling to the cap, so a
+    long outage costs few RPCs.
 
-    Streams (:mod:`.watch`, :mod:`.leases`) have no deadline of their own, so a member that answers
-    nothing (a hung host, a SIGSTOPped etcd) would hold them for ever: a stream that owes an answer
-    and hears nothing for ``first_attempt`` seconds (a keep-alive stream: for at most a third of its
-    shortest lease's TTL, at least 1 s; either doubled after each such stall in a row,
-    :func:`stall_bound`) is ended and resumed on the next member. A watch stream
-    that has been quiet for ``stream_quiet`` seconds (and whose last request's ``first_attempt`` passed)
-    sends one progress request (``WatchProgressRequest``, etcd 3.4+), which etcd answers: one small
-    request per quiet period.
+    Streams (:mod:`.watch`, :mod:`.leases`) have no deadline, so a member answering nothing (hung
+    host, SIGSTOPped etcd) would hold them for ever: a stream owing an answer that hears nothing
+    for ``first_attempt`` (keep-alive: at most a third of its shortest lease's TTL, at least 1 s;
+    either grown by :func:`stall_bound`) is resumed on the next member. A watch quiet for
+    ``stream_quiet`` (its last request's ``first_attempt`` passed) sends one
+    ``WatchProgressRequest`` (etcd 3.4+), which etcd answers.
     """
 
     first_attempt: float = 2.0
     first_pause: float = 0.025
     max_pause: float = 0.5
     stream_quiet: float = 5.0
-    #: A stream that ended before any answer waits this long before the next attempt (about: with
-    #: jitter), doubling up to ``stream_backoff_max`` (:class:`Backoff`).
+    #: Pause (jittered) after a stream that ended before any answer, doubling to
+    #: ``stream_backoff_max`` (:class:`Backoff`).
     stream_backoff: float = 0.1
     stream_backoff_max: float = 2.0
 
@@ -250,10 +241,8 @@ class RetryPolicy:
 
 @dataclass
 class Attempts:
-    """What one call remembers between its attempts (see the module docstring).
-
-    ``members``: how many members the call may try; ``user``: whether the client has credentials.
-    """
+    """What one call remembers between attempts. ``members``: how many it may try; ``user``:
+    whether the client has credentials."""
 
     policy: RetryPolicy
     members: int
@@ -271,12 +260,9 @@ class Attempts:
         self.pause = self.policy.first_pause
 
     def timeout(self, remaining: float, idempotent: bool) -> float:
-        """The deadline of the next attempt, ``remaining`` seconds being left of the call.
-
-        Requests safe to resend get the growing per-attempt deadline when there is another
-        member to try; others (and any request to a single member: resending a request that is
-        merely slow only adds load) get all that remains, in one attempt.
-        """
+        """The next attempt's deadline, ``remaining`` seconds being left of the call: the growing
+        per-attempt deadline for a request safe to resend with another member to try; else all
+        that remains (resending a merely slow request to one member only adds load)."""
         if idempotent and self.members > 1:
             return min(remaining, self.attempt_budget)
         return remaining

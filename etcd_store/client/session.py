@@ -5,25 +5,21 @@ Contract:
 * ``Session(client, ttl)`` grants a lease (one LeaseGrant RPC; raises
   :class:`~etcd_store.errors.EtcdError` on failure). :meth:`Session.existing`
   keeps a lease granted elsewhere alive instead (no RPC).
-* The client's :class:`~etcd_store.client.leases.KeepAlives` refreshes the lease
-  every third of its TTL (the TTL etcd reports, so an adopted lease is refreshed at its own
-  pace), or every ``interval`` seconds when given, over a keep-alive stream shared by the
-  client's sessions (no thread and no stream per session; see :mod:`.leases`). Nothing blocks the caller.
+* The client's :class:`~etcd_store.client.leases.KeepAlives` refreshes it every third of the
+  TTL etcd reports (so an adopted lease keeps its own pace), or every ``interval`` seconds,
+  over a stream shared by the client's sessions (:mod:`.leases`). Nothing blocks the caller.
 * When etcd reports the lease gone (expired, or revoked by anyone), or answers none of its
-  keep-alives for a whole TTL (etcd Go's lessor: the lease is then surely expired, unless etcd had
-  no leader all that time), :attr:`lost` is set and ``on_lost`` runs once, in the client's
-  callback thread (:meth:`~.reactor.Reactor.offload`: never on the stream loop, so it may take
-  locks and make RPCs). :meth:`done` is set when the session stops refreshing for any reason
-  (lost, closed, its client closed, or its keep-alive stream failed for good): a holder of a
-  session checks :meth:`done` before it relies on the lease.
-* :meth:`renewed_at` says when etcd answered its recent keep-alives (the grant counts as
-  the first): how fresh this client's own view of etcd is.
-* :meth:`close` stops refreshing and revokes the lease (deleting its keys),
-  unless the session was made with ``revoke_on_close=False`` or ``close(revoke=False)``.
-  A context manager: ``with client.session(10) as s: ...``.
+  keep-alives for a whole TTL (etcd Go's lessor rule: surely expired, unless etcd had no
+  leader all along), :attr:`lost` is set and ``on_lost`` runs once in the client's callback
+  thread (:meth:`~.reactor.Reactor.offload`, never the stream loop: it may lock and make RPCs).
+  :meth:`done` is set when refreshing stops for any reason (lost, closed, client closed,
+  stream failed for good): check it before relying on the lease.
+* :meth:`renewed_at`: when etcd answered recent keep-alives (the grant first), i.e. how
+  fresh this client's view of etcd is.
+* :meth:`close` stops refreshing and revokes the lease (deleting its keys) unless
+  ``revoke_on_close=False`` or ``close(revoke=False)``. A context manager.
 
-:func:`renewing_lease` is the one "lease gone: take a new lease, write again"
-loop for writers whose lease can be replaced.
+:func:`renewing_lease` is the one "lease gone: take a new lease, write again" loop.
 """
 
 from __future__ import annotations
@@ -66,17 +62,15 @@ class Session:
             :class:`~etcd_store.client.EtcdClient`, or any :class:`LeaseSource`).
         ttl: seconds; the lease's TTL (at least 1).
         lease_id: the id to ask etcd for (0: etcd picks one).
-        on_lost: called once, in the client's callback thread, when the lease is lost (see above).
+        on_lost: called once, in the client's callback thread, when the lease is lost.
         interval: seconds between two keep-alives (at least 0.2); None: a third of the TTL.
 
     Attributes: ``id`` (also :attr:`lease_id`), ``ttl`` (as etcd last reported it),
     :attr:`lost` (a ``threading.Event``).
 
-    :meth:`keep_also` has other, already granted leases refreshed for this session
-    too (a lease shared by several processes); they are refreshed at their own
-    pace, never revoked by :meth:`close`, and dropped when etcd reports them gone
-    or this session ends. A lease kept by several sessions of one client is
-    refreshed once per interval.
+    :meth:`keep_also` refreshes other granted leases too (e.g. one shared by several
+    processes): never revoked by :meth:`close`, dropped when gone or when this session
+    ends. A lease kept by several sessions of one client is refreshed once per interval.
     """
 
     def __init__(
@@ -91,9 +85,8 @@ class Session:
         if ttl < 1:
             raise ValueError(f"lease TTL must be at least 1 second, got {ttl}")
         granted = client.lease_grant(int(ttl), lease_id=lease_id)
-        # Granted with its full TTL a moment ago: the first refresh is due a third
-        # of the TTL (or one interval) from now (a burst of grants, such as a rendezvous
-        # of many nodes, then opens no stream at all).
+        # Just granted at full TTL: first refresh one interval from now (so a burst of
+        # grants, e.g. a rendezvous of many nodes, opens no stream at all).
         self._start(client, granted, int(ttl), on_lost, refresh_now=False, revoke_on_close=True,
                     interval=interval)
 
@@ -108,12 +101,9 @@ class Session:
         revoke_on_close: bool = False,
         on_lost: Callable[[], None] | None = None,
     ) -> Session:
-        """Keep ``lease_id``, granted elsewhere, alive; no RPC here.
-
-        ``ttl`` is the expected TTL until etcd reports the real one (with
-        ``refresh_now``, the default, the first keep-alive goes out at once and
-        tells it; pass ``refresh_now=False`` for a lease granted a moment ago).
-        """
+        """Keep ``lease_id``, granted elsewhere, alive; no RPC here. ``ttl`` is assumed until etcd
+        reports it; ``refresh_now`` (default) sends the first keep-alive at once (pass False for
+        a lease granted a moment ago)."""
         if ttl < 1:
             raise ValueError(f"lease TTL must be at least 1 second, got {ttl}")
         session = cls.__new__(cls)
@@ -145,9 +135,9 @@ class Session:
         self._on_lost = on_lost
         self._revoke_on_close = revoke_on_close
         self._closed = False
-        #: Whether etcd itself said the lease is gone (TTL 0, not found); False while it is alive or
-        #: when :attr:`lost` was presumed from a TTL without any answer (the lease may then outlive
-        #: the silence at etcd: a leaderless etcd expires nothing, and a restarted one extends leases).
+        #: Whether etcd itself said the lease is gone; False while alive or when :attr:`lost` was
+        #: presumed from silence (it may live on: a leaderless etcd expires nothing, a restarted
+        #: one extends leases).
         self.gone_at_etcd = False
         self._pid = os.getpid()
         self._also: frozenset[int] = frozenset()
@@ -182,10 +172,9 @@ class Session:
     def close(self, *, revoke: bool | None = None, timeout: float | None = None) -> None:
         """Stop refreshing; revoke the lease (one LeaseRevoke RPC) unless told not to.
 
-        ``revoke=None`` follows the session's default (``True`` for a granted lease).
-        Idempotent; never raises for a revoke that fails (it is logged: the lease
-        then expires by itself). In a process forked from the session's, closing stops nothing
-        and revokes nothing: the lease and its keep-alives are the parent's.
+        ``revoke=None``: the session's default (``True`` for a granted lease). Idempotent; a
+        failed revoke is logged, not raised (the lease expires by itself). In a forked child it
+        stops and revokes nothing: the lease and its keep-alives are the parent's.
         """
         first = not self._closed
         self._closed = True
@@ -249,22 +238,19 @@ def renewing_lease(
 ) -> _T:
     """``write(acquire())``; when etcd says that lease is gone, or refuses it, ``forget`` it and write again.
 
-    The one "lease gone: renew, retry" loop. ``acquire()`` returns the lease to
-    write with (granting or finding one when needed); ``forget(lease_id)`` drops
-    a lease etcd no longer knows (it may raise instead, for a lease that cannot be
-    replaced). After ``renewals`` new leases the :class:`EtcdLeaseNotFound` propagates.
-    ``write`` must be safe to run again after it failed that way (etcd applied nothing).
+    ``acquire()`` returns the lease to write with (granting or finding one); ``forget(lease_id)``
+    drops a lease etcd no longer knows (or raises, if it cannot be replaced). After ``renewals``
+    new leases :class:`EtcdLeaseNotFound` propagates. ``write`` must be safe to rerun after
+    failing that way (etcd applied nothing).
 
     **A refused lease.** etcd lets a put attach a lease only if its user may write every key
-    already attached to that lease (etcd's ``checkLeasePuts``), and any etcd user can list
-    lease ids (``LeaseLeases``) and attach a key of its own to a lease that holds none of ours
-    yet, after which every write of ours with that lease is refused ``PERMISSION_DENIED``.
-    So the first :class:`~etcd_store.errors.EtcdPermissionDenied` of a call, from ``write``
-    or from ``acquire`` (whose own first write anchors a new lease), is taken as a refused
-    lease: forgotten (never revoked: revoking needs the same permission), a new one
-    acquired, the write sent again; a second one propagates (the key itself is denied,
-    which costs one extra LeaseGrant per call, that lease expiring unused). A lease that
-    cannot be replaced (``forget`` raises) propagates the denial.
+    already on it (``checkLeasePuts``), and any user can list lease ids (``LeaseLeases``) and
+    attach a key of its own to one holding none of ours yet, making our writes with it fail
+    ``PERMISSION_DENIED``. So a call's first :class:`~etcd_store.errors.EtcdPermissionDenied`
+    (from ``write``, or ``acquire`` whose first write anchors a new lease) is taken as a refused
+    lease: forgotten (not revoked: that needs the same permission), a new one acquired, the
+    write resent; a second propagates (the key itself is denied; one extra LeaseGrant, expiring
+    unused). If ``forget`` raises, the denial propagates.
     """
     denied = False
     renewed = 0

@@ -1,27 +1,19 @@
 """``CallStats``: counters of one client's retry policy, for layers above to read or subscribe to.
 
-The transport (:mod:`.transport`, which owns the one retry policy) reports two
-things here, and nothing else does:
+Only the transport (:mod:`.transport`) reports a **retry** (another attempt of a unary call:
+next member, next round, or after logging in again) and an **error** (an
+:class:`~etcd_store.errors.EtcdError` raised or ending a stream, by class name). Watches
+(:mod:`.watch`) report a **delivery**: a batch of events and its response's serialized size
+(read by benchmarks via :meth:`CallStats.subscribe_deliveries`).
 
-* a **retry**: a unary call sends another attempt after a failed one (the next
-  member, the next round after a pause, or the same call after logging in again);
-* an **error**: the client raises (or ends a stream with) an
-  :class:`~etcd_store.errors.EtcdError`, counted by its class name.
-
-The client's watches (:mod:`.watch`) report a third: a **delivery**, a batch of watch
-events and the serialized size of the response that carried it (watch traffic,
-read by benchmarks through :meth:`CallStats.subscribe_deliveries`). A delivery
-listener runs in the watch's task on the stream loop (:mod:`.reactor`), which runs in a
-copy of the ``contextvars`` context of the thread that created the watch.
-
-Contract: counting never blocks (one short lock) and never raises into the
-call it counts; retry and error listeners are called synchronously, in the thread of
-that call, after the counter moved, except on the stream loop (a stream's error), where
-they run in the client's callback thread instead (:meth:`~.reactor.Reactor.offload`, in
-the same ``contextvars`` context), so user code (torch's metric handlers) never stalls a
-stream. Delivery listeners run on the loop and must be counters: quick, no lock held
-long, no I/O. A listener that raises is logged at DEBUG and otherwise ignored. Dependencies point one way: this module knows
-nothing of torch or of the rendezvous layer, which subscribes here.
+Contract: counting never blocks (one short lock) and never raises into the call it counts.
+Retry and error listeners run synchronously in that call's thread, after the counter moved;
+on the stream loop (a stream's error) they run in the client's callback thread instead
+(:meth:`~.reactor.Reactor.offload`, same ``contextvars`` context), so user code (torch's
+metric handlers) never stalls a stream. Delivery listeners run on the loop, in the watch
+creator's ``contextvars`` context, and must be counters: quick, no long lock, no I/O. A
+listener that raises is logged at DEBUG and ignored. This module knows nothing of torch or
+the rendezvous layer, which subscribes here.
 """
 
 from __future__ import annotations
@@ -99,9 +91,7 @@ class CallStats:
 
     def subscribe(self, listener: StatsListener) -> Callable[[], None]:
         """Call ``listener`` on every retry and error from now on; returns the unsubscribe.
-
-        Subscribing the same callable twice is a no-op (it is called once per event).
-        """
+        Subscribing the same callable twice is a no-op."""
         with self._lock:
             if listener not in self._listeners:
                 self._listeners += (listener,)

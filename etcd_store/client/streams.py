@@ -6,27 +6,22 @@ opens the call on the member it is handed (with the metadata it is handed: the a
 ``hasleader``), before its first ``await``, and consumes the answers, then says how the stream
 ended (:class:`Ended`). The loop does the rest, once for both kinds of stream.
 
-**Where a stream's fate is decided.** Every error of a stream, wherever it surfaces (logging
-in, a write, a read, a call cancelled under a step, gRPC's ``InvalidStateError``), is
-classified once here (:func:`cause_of`: gRPC's types; etcd's codes through the transport, the
-one place that knows them) and judged by one pure table, :func:`~.retry.stream_fate` (step x
-cause -> reconnect, final, stop, closed). As in etcd's Go client, a send's error decides
-nothing: :func:`send` then asks the call's receive side (the owner's pending read or reader
-task, at most :data:`SETTLE` seconds) and raises what it says. So a stream that etcd ends as it
-opens (no leader during a quorum loss: gRPC's write then fails with INTERNAL "Internal error
-from Core") reconnects, and only etcd's own final answer (denied, compacted, bad request) ends
-an owner.
+**Where a stream's fate is decided.** Every stream error, wherever it surfaces (login, write,
+read, a call cancelled under a step, ``InvalidStateError``), is classified once here
+(:func:`cause_of`; etcd's codes via the transport) and judged by one pure table,
+:func:`~.retry.stream_fate`. As in etcd's Go client, a send's error decides nothing: :func:`send`
+asks the call's receive side (at most :data:`SETTLE` seconds) and raises what it says. So a
+stream etcd ends as it opens (no leader in a quorum loss: the write fails with INTERNAL
+"Internal error from Core") reconnects, and only etcd's final answer (denied, compacted, bad
+request) ends an owner.
 
-**Backoff.** A stream that ended before any answer waits before the next attempt
-(:class:`~.retry.Backoff`: 0.1 s doubling to 2 s, jittered; reset by an answer), so a member
-that refuses every stream costs a few attempts a second at first and one every 1-2 s after;
-the "reconnecting" line is logged once per :data:`LOG_EVERY` seconds with a count of the rest.
+**Backoff.** A stream that ended before any answer waits (:class:`~.retry.Backoff`: 0.1 s
+doubling to 2 s, jittered), so a member refusing every stream costs a few attempts a second,
+then one every 1-2 s; "reconnecting" is logged once per :data:`LOG_EVERY` seconds, with a count.
 
-Everything here runs on the process's stream loop (:mod:`.reactor`): :meth:`ReconnectingStream.run`
-is a coroutine that ends with the stream's owner; between streams it waits for a member's
-channel in steps of one second, checking ``stopped()``; a login (a unary RPC) runs in a daemon
-thread (never on the loop). :func:`step` awaits one step of a call (a read, a write) and tells a
-call cancelled under it (the client closing) from the owner's task being cancelled.
+All of it runs on the stream loop (:mod:`.reactor`); between streams the loop waits for a
+member's channel in 1 s steps, checking ``stopped()``; a login (a unary RPC) runs in a daemon
+thread, never on the loop.
 """
 
 from __future__ import annotations
@@ -85,11 +80,10 @@ class SendFailed(Exception):
 
 
 async def step(awaited: Awaitable[_T], stopping: Callable[[], bool]) -> _T:
-    """Await one step of a call (a read, a write, a reader task): its result or its error
-    (``grpc.RpcError``). A cancellation is :class:`CallCancelled` (the call was cancelled under
-    the step: the client closed its channel) unless ``stopping()`` says the owner is being
-    stopped, whose task's cancellation then goes on as it is (owners set that flag before they
-    cancel their task). No task is made: this runs for every message of a stream."""
+    """Await one step of a call (read, write, reader task): its result or ``grpc.RpcError``. A
+    cancellation becomes :class:`CallCancelled` (the client closed the channel) unless
+    ``stopping()`` (set by owners before cancelling their task), which propagates it. Makes no
+    task: it runs for every message."""
     try:
         return await awaited
     except asyncio.CancelledError:
@@ -100,11 +94,10 @@ async def step(awaited: Awaitable[_T], stopping: Callable[[], bool]) -> _T:
 
 async def send(call: Any, message: Any, stopping: Callable[[], bool],
                receiving: asyncio.Future[Any] | None = None) -> None:
-    """Write ``message`` on ``call`` (None: half-close it). A failed write decides nothing
-    (:func:`~.retry.stream_fate`, step SEND): this waits up to :data:`SETTLE` seconds for the
-    call's receive side (``receiving``, the owner's pending read or reader task; else one read
-    made here) and raises what it says: etcd's status (``grpc.RpcError``), :class:`StreamEnded`,
-    :class:`CallCancelled`, or :class:`SendFailed` when it says nothing in time."""
+    """Write ``message`` on ``call`` (None: half-close). On a failed write, waits up to
+    :data:`SETTLE` seconds for the receive side (``receiving``: the owner's pending read or
+    reader task; else a read made here) and raises what it says: ``grpc.RpcError``,
+    :class:`StreamEnded`, :class:`CallCancelled`, or :class:`SendFailed` if it says nothing."""
     try:
         await step(call.write(message) if message is not None else call.done_writing(), stopping)
     except (grpc.RpcError, asyncio.InvalidStateError) as e:
@@ -155,11 +148,10 @@ def cause_of(error: BaseException, transport: Transport, member: Member, what: s
 class ReconnectingStream:
     """One stream after another on ``transport``'s members (see the module docstring).
 
-    ``what`` names the stream in errors and logs; ``stopped()`` says the owner is done (checked
-    before each stream and while waiting for a member). ``recoverable(error)``: a fatal-looking
-    stream error that should reconnect all the same (a keep-alive's "lease not found").
-    ``on_reconnect()`` runs after the loop moved to the next member, before its next stream.
-    The body calls :meth:`heard` on each answer (an answered stream reconnects without a pause).
+    ``what`` names the stream in logs; ``stopped()``: the owner is done (checked before each
+    stream and while waiting for a member); ``recoverable(error)``: a fatal-looking error that
+    reconnects anyway (keep-alive "lease not found"); ``on_reconnect()`` runs after moving to
+    the next member. The body calls :meth:`heard` on each answer (then no backoff).
     """
 
     def __init__(

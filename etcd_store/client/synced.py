@@ -17,12 +17,8 @@ store's waits, etcd-v3's rounds and the benchmarks:
 Every revision is then covered once: by the read (``<= R``) or by the watch (``> W``, and
 events the read already reflected skipped).
 
-Confirmed or raise, one behaviour for every caller: :func:`confirmed` returns ``W`` once
-etcd confirmed the watch; it raises :class:`WatchNotConfirmed` (an
-:class:`~etcd_store.errors.EtcdTimeoutError`) when etcd did not confirm it in time, and the
-watch's own error (:class:`~etcd_store.errors.EtcdError`) when the watch failed before etcd
-confirmed it. A failure that comes later (etcd refusing the watch in its confirming answer,
-a compaction) is raised by :meth:`SyncedWatch.get`, as :meth:`Watch.get` raises it.
+Confirmed or raise, for every caller (:func:`confirmed`); a later failure (etcd refusing the
+watch in its confirming answer, a compaction) is raised by :meth:`SyncedWatch.get`.
 """
 
 from __future__ import annotations
@@ -37,8 +33,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["SyncedWatch", "WatchNotConfirmed", "confirmed"]
 
-#: How long to wait for the queued error of a watch that failed before etcd confirmed it
-#: (the watch's task queues it right after it signals the end of the wait).
+#: How long to wait for the error of a watch that failed before confirmation (queued right
+#: after the wait ends).
 _ERROR_WAIT = 1.0
 
 
@@ -68,10 +64,10 @@ class Watcher(Protocol):
 def confirmed(watch: WatchLike, timeout: float, what: str) -> int:
     """Block until etcd confirmed ``watch``; the revision etcd had when it registered it.
 
-    Raises :class:`WatchNotConfirmed` when ``timeout`` (seconds) passes first (at once when
-    it is not positive), and the watch's error when it failed before etcd confirmed it
-    (:class:`~etcd_store.errors.EtcdError` naming ``what`` if it queued none). Does not
-    cancel ``watch``: its owner does.
+    Raises :class:`WatchNotConfirmed` (an :class:`~etcd_store.errors.EtcdTimeoutError`) when
+    ``timeout`` seconds pass first (at once if not positive), or the watch's error if it failed
+    before confirmation (an :class:`~etcd_store.errors.EtcdError` naming ``what`` if it queued
+    none). Does not cancel ``watch``.
     """
     if timeout <= 0 or not watch.wait_created(timeout):
         raise WatchNotConfirmed(f"{what}: etcd did not confirm it within {max(timeout, 0):g} s")
@@ -85,10 +81,8 @@ def confirmed(watch: WatchLike, timeout: float, what: str) -> int:
 class SyncedWatch:
     """A confirmed watch from now that reports only events above the last read's revision.
 
-    Made by :meth:`open` (or around a confirmed watch); the caller owns it and cancels it
-    (:meth:`cancel`, or ``with``). ``created_revision``: the revision etcd had when it
-    registered the watch (events above it are delivered). ``read_revision``: that of the
-    caller's last read (events at or below it are skipped).
+    Made by :meth:`open` (or around a confirmed watch); the caller cancels it (:meth:`cancel`,
+    or ``with``). ``created_revision``: ``W``; ``read_revision``: the caller's last read's.
     """
 
     def __init__(self, watch: WatchLike, read_revision: int) -> None:
@@ -103,9 +97,9 @@ class SyncedWatch:
     ) -> SyncedWatch:
         """A watch on ``[start, end)`` (``end`` None: the key ``start``) from now, confirmed.
 
-        ``read_revision``: the revision of the caller's read (0: report every event).
-        Blocks until etcd confirms the watch, at most ``timeout`` seconds (no watch is
-        opened when it is not positive). Raises as :func:`confirmed`, the watch cancelled.
+        ``read_revision``: the caller's read (0: report every event). Blocks at most
+        ``timeout`` seconds (none opened if not positive); raises as :func:`confirmed`, the
+        watch cancelled.
         """
         name = what or f"the watch on {show_key(start)}"
         if timeout <= 0:
@@ -120,11 +114,8 @@ class SyncedWatch:
 
     @property
     def behind(self) -> bool:
-        """Whether etcd moved past the caller's read before it registered the watch.
-
-        Then events between the two were neither read nor will be delivered: the caller
-        reads again and records that read with :meth:`read_at`.
-        """
+        """Whether etcd moved past the caller's read before registering the watch (step 3:
+        read again, then :meth:`read_at`)."""
         return self.created_revision > self.read_revision
 
     def read_at(self, revision: int) -> None:
@@ -132,9 +123,8 @@ class SyncedWatch:
         self.read_revision = revision
 
     def get(self, timeout: float | None = None) -> list[Event]:
-        """The next events above the last read's revision; ``[]`` when ``timeout`` passed first
-        (or every event of the batch was skipped). Raises the watch's error (compaction,
-        permission denied, cancelled)."""
+        """The next events above the last read's revision; ``[]`` on timeout (or all skipped).
+        Raises the watch's error (compaction, permission denied, cancelled)."""
         return [ev for ev in self.watch.get(timeout=timeout) if ev.kv.mod_revision > self.read_revision]
 
     def cancel(self) -> None:

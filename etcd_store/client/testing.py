@@ -1,16 +1,11 @@
 """Test instruments of the client layer (not part of the :mod:`etcd_store.client` API).
 
-:class:`RpcCounter` counts RPCs by method. :func:`counting_watches` counts, into a
-:class:`WatchStats` of the caller's, the events the watches a thread creates inside the
-block deliver (several simulated nodes sharing one client), for every client that
-:func:`count_watches` was called on. A client's own totals are in its
-``stats.snapshot()`` (``watch_events``, ``watch_bytes``). :class:`WatchTap` stands for
-one client in the code under test and records (or drops, for a "deaf" node) the events its
-watches hand to their consumer.
-
-How: a watch's task (on the stream loop) runs in a copy of its creator's ``contextvars`` context, and
-reports each delivery to its client's :class:`~.stats.CallStats`; the listener
-:func:`count_watches` subscribes adds it to the :class:`WatchStats` of that context.
+:class:`RpcCounter` counts RPCs by method. :func:`counting_watches` counts into the caller's
+:class:`WatchStats` the events delivered to watches a thread creates inside the block (several
+simulated nodes sharing one client), on clients :func:`count_watches` was called on: a watch's
+task runs in its creator's ``contextvars`` context, where that listener finds the stats. (A
+client's own totals: ``stats.snapshot()``.) :class:`WatchTap` stands for one client in the code
+under test and records (or drops, for a "deaf" node) the events its watches hand out.
 """
 
 from __future__ import annotations
@@ -141,9 +136,8 @@ def counting_watches(stats: WatchStats) -> Iterator[WatchStats]:
 
 
 class TappedWatch:
-    """A client's watch as :class:`WatchTap` hands it out: everything is the watch's own
-    (``created_revision``, ``cancel``, its errors from :meth:`get`), except that :meth:`get`
-    records each event it returns in ``events`` and hands on only those ``keep`` accepts."""
+    """A client's watch whose :meth:`get` records each event in ``events`` and hands on only
+    those ``keep`` accepts; all else is the watch's own."""
 
     def __init__(self, watch: Any, keep: Callable[[Any], bool], lock: threading.Lock) -> None:
         self.watch = watch
@@ -180,13 +174,10 @@ class TappedWatch:
 
 
 class WatchTap:
-    """One client as the code under test sees it: every call goes to ``client`` (an
-    ``EtcdClient``, possibly shared with other taps), except that :meth:`watch` returns a
-    :class:`TappedWatch`, which records the events the watch hands out through ``get``
-    (``events()``) and passes on those ``keep`` accepts (default: all; ``lambda ev: False``
-    makes a node that keeps its watches' errors but hears no event). Give it where the code
-    takes a client (``create_etcd_v3_rdzv_handler(params, client=WatchTap(client))``); it
-    closes nothing: the caller closes ``client``."""
+    """One client as the code under test sees it: calls go to ``client`` (maybe shared), but
+    :meth:`watch` returns a :class:`TappedWatch` (``keep`` default: all; ``lambda ev: False``
+    makes a node that hears no event but its watches' errors). Pass it where code takes a
+    client (``create_etcd_v3_rdzv_handler(params, client=WatchTap(client))``); closes nothing."""
 
     def __init__(self, client: Any, keep: Callable[[Any], bool] = lambda ev: True) -> None:
         self.client = client

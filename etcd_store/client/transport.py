@@ -1,21 +1,16 @@
 """Transport of the client layer: channels, auth tokens, failover, the retry policy
 and the translation of gRPC errors into :mod:`etcd_store.errors` exceptions.
 
-Wire schema: the generated protobuf/gRPC stubs of the maintained ``python3-etcd3``
-distribution (``etcd3.etcdrpc``, regenerated for protobuf >= 5). Callers see plain
-Python objects (:mod:`.kv`) and :mod:`etcd_store.errors` exceptions, never a
-``grpc.RpcError``.
+Wire schema: the protobuf/gRPC stubs of the maintained ``python3-etcd3`` distribution
+(``etcd3.etcdrpc``, regenerated for protobuf >= 5). Callers see plain objects (:mod:`.kv`)
+and :mod:`etcd_store.errors` exceptions, never a ``grpc.RpcError``.
 
-This module is the one place where etcd's errors are recognised: by gRPC status code and
-etcd's named errors (a code with an exact description, as etcd's own Go client matches
-them), never by a substring of the text; a failed TLS handshake by asking the standard library
-(:func:`~.channels.tls_failure`).
-What follows from a recognised failure (resend, next member, log in again, raise) is decided
-in :mod:`.retry`.
+The one place etcd's errors are recognised: by gRPC status code and etcd's named errors (a
+code with an exact description, as etcd's Go client matches them), never by a substring; a
+failed TLS handshake by the standard library (:func:`~.channels.tls_failure`). What follows
+(resend, next member, log in again, raise) is decided in :mod:`.retry`.
 
-Cost model: every unary method is one RPC in the uncontended, healthy case.
-A failed attempt against a dead endpoint is retried on the next endpoint until
-the call's deadline; the deadline bounds the whole call, retries included.
+Cost: one RPC per unary call when healthy; the call's deadline bounds it, retries included.
 """
 
 from __future__ import annotations
@@ -58,10 +53,9 @@ __all__ = ["Transport"]
 #: The longest a TLS probe (:func:`~.channels.tls_failure`) of a failed attempt may take.
 _PROBE_TIMEOUT = 2.0
 
-#: gRPC metadata on every stream (watch, keep-alive): etcd ends a stream whose member has had no
-#: leader for a few election timeouts, with UNAVAILABLE "etcdserver: no leader" (etcd Go's
-#: ``clientv3.WithRequireLeader``). Without it a member cut off from its peers keeps the stream
-#: open and silent while the others move on.
+#: gRPC metadata on every stream (etcd Go's ``clientv3.WithRequireLeader``): etcd then ends a
+#: stream whose member lost its leader for a few election timeouts (UNAVAILABLE "no leader");
+#: without it a partitioned member keeps the stream open and silent.
 REQUIRE_LEADER = ("hasleader", "true")
 
 _Status = tuple[grpc.StatusCode, str]
@@ -86,11 +80,10 @@ _PERMISSION_DENIED: _Status = (_C.PERMISSION_DENIED, "etcdserver: permission den
 _INVALID_TOKEN: _Status = (_C.UNAUTHENTICATED, "etcdserver: invalid auth token")
 _NO_LEADER: _Status = (_C.UNAVAILABLE, "etcdserver: no leader")
 
-# What each named error means for a resend. The UNAVAILABLE ones are a member that cannot get a
-# request through raft now. Two bare Go errors pass through unnamed, as UNKNOWN on etcd 3.4/3.5:
-# the member's own request timeout (about 7 s) expired while its raft had no leader (3.6+ send
-# the same text as DEADLINE_EXCEEDED; the proposal may still be in flight), and raft dropped the
-# proposal (no leader, leadership transfer: it never entered the log).
+# What each named error means for a resend (UNAVAILABLE: the member cannot get a request through
+# raft now). Two bare Go errors arrive as UNKNOWN on etcd 3.4/3.5: the member's request timeout
+# (~7 s) expired without a leader (3.6+: DEADLINE_EXCEEDED; the proposal may still be in flight),
+# and raft dropped the proposal (it never entered the log).
 _FAILURES: dict[_Status, Failure] = {
     _NO_LEADER: Failure.NOT_APPLIED,
     (_C.UNAVAILABLE, "etcdserver: not capable"): Failure.NOT_APPLIED,
@@ -105,8 +98,7 @@ _FAILURES: dict[_Status, Failure] = {
     (_C.UNAVAILABLE, "etcdserver: server stopped"): Failure.MAYBE_APPLIED,
     (_C.UNAVAILABLE, "etcdserver: unhealthy cluster"): Failure.MAYBE_APPLIED,
     (_C.UNAVAILABLE, "etcdserver: cluster version not found during downgrade"): Failure.MAYBE_APPLIED,
-    # A token etcd does not know (expired, or issued before it restarted), one older than a change
-    # of users or roles, none at all after auth was enabled: log in again.
+    # A token unknown (expired, pre-restart), older than a users/roles change, or missing: log in.
     _INVALID_TOKEN: Failure.STALE_TOKEN,
     _USER_EMPTY: Failure.STALE_TOKEN,
     (_C.INVALID_ARGUMENT, "etcdserver: revision of auth store is old"): Failure.STALE_TOKEN,
@@ -140,9 +132,8 @@ def _status(err: grpc.RpcError) -> _Status:
 
 
 def failure_of(status: _Status) -> Failure:
-    """What a failed attempt's status says, TLS aside (the probe decides that): the named
-    error's meaning, else by code (UNAUTHENTICATED: a stale token; DEADLINE_EXCEEDED: timed out;
-    any other UNAVAILABLE: no connection, gRPC fails a call before sending it then)."""
+    """What a failed attempt's status says, TLS aside (the probe decides that): the named error's
+    meaning, else by code (any other UNAVAILABLE: no connection, as gRPC fails a call unsent)."""
     named = _FAILURES.get(status)
     if named is not None:
         return named
@@ -174,11 +165,10 @@ class _Failed:
 class Transport:
     """Channels to the endpoints, auth tokens, failover, the retry policy, error translation.
 
-    Held by :class:`~etcd_store.client.EtcdClient` (see there for the arguments) and by the
-    parts that call etcd through it: the lease calls and keep-alive streams (:mod:`.leases`),
-    watches (:mod:`.watch`) and the reconnecting stream they share (:mod:`.streams`). Unary
-    calls go through :meth:`call` (or :meth:`call_member`); streams through the ``stream_*``
-    and ``cancel_*`` methods. Usable alone: ``Transport(EtcdClientOptions("h:2379")).call("KV", "Range", req)``.
+    Held by :class:`~etcd_store.client.EtcdClient` (arguments: there) and shared with
+    :mod:`.leases`, :mod:`.watch` and :mod:`.streams`. Unary calls: :meth:`call`,
+    :meth:`call_member`; streams: the ``stream_*`` and ``cancel_*`` methods. Usable alone:
+    ``Transport(EtcdClientOptions("h:2379")).call("KV", "Range", req)``.
     """
 
     def __init__(self, options: EtcdClientOptions) -> None:
@@ -244,8 +234,8 @@ class Transport:
         return (("token", member.token),) if member.token else None
 
     def stream_metadata_now(self, member: Member) -> tuple[tuple[str, str], ...] | None:
-        """The metadata of a stream on ``member`` if no login is needed (the token is read once),
-        else None: then :meth:`stream_metadata` logs in, off the stream loop. Never blocks."""
+        """A stream's metadata on ``member`` if no login is needed, else None (then
+        :meth:`stream_metadata` logs in, off the stream loop). Never blocks."""
         if self._user is None:
             return (REQUIRE_LEADER,)
         token = member.token
@@ -300,23 +290,19 @@ class Transport:
 
     def call(self, service: str, method: str, request: Any, *, timeout: float | None = None, what: str = "",
              idempotent: bool = True) -> Any:
-        """Run one unary RPC under the client's one retry policy; translate errors.
+        """Run one unary RPC under the client's one retry policy; raises :class:`EtcdError`
+        subclasses only.
 
-        ``timeout`` (default: the client's) bounds the whole call, retries included. Each
-        failed attempt is recognised (:meth:`_failed`) and :mod:`.retry` decides what follows:
-        a member that is unreachable or cannot get the request through raft now (etcd's own
-        request timeout, no leader, leader changed, proposal dropped) is left for the next
-        member; when every member failed, the next round starts after a short pause (25 ms
-        growing to 0.5 s). Requests that are safe to resend (``idempotent``: reads, plain
-        writes, writes fenced by a compare) get per-attempt deadlines of 2 s, doubling after a
-        round in which every member timed out (with a single endpoint an attempt has the whole
-        deadline). Others get the whole remaining deadline in one attempt and are resent only
-        when the failure proves they were not applied (no connection; etcd: no leader, too many
-        requests, proposal dropped). An expired auth token is renewed once, at once. A client
-        that never reached etcd gives up after ``connect_timeout`` when no attempt found a
-        server; a TLS handshake failure on every member fails at once.
-
-        Raises :class:`EtcdError` subclasses only (:meth:`_translate`).
+        ``timeout`` (default: the client's) bounds the whole call, retries included. A member
+        unreachable or unable to get the request through raft (request timeout, no leader,
+        leader changed, proposal dropped) is left for the next; after a round where every
+        member failed, a pause of 25 ms growing to 0.5 s. ``idempotent`` requests (reads, plain
+        writes, compare-fenced writes) get 2 s attempts, doubling after a round where every
+        member timed out (one endpoint: the whole deadline). Others get one attempt with all
+        that remains, resent only when the failure proves them unapplied (no connection; no
+        leader, too many requests, proposal dropped). An expired token is renewed once, at
+        once. A client that never reached etcd gives up after ``connect_timeout`` if no attempt
+        found a server; a TLS failure on every member fails at once (table: :mod:`.retry`).
         """
         if self._closed:
             raise EtcdError(f"The etcd client for {self.describe()} is closed.")
@@ -331,8 +317,8 @@ class Transport:
                 self._between_rounds(call)
 
     def _round(self, call: Call) -> tuple[bool, Any]:
-        """One attempt per member, the preferred first: ``(True, response)``, or ``(False,
-        Action.LOGIN_AGAIN)`` to resend at once, or ``(False, None)`` when every member failed."""
+        """One attempt per member, preferred first: ``(True, response)``, ``(False,
+        Action.LOGIN_AGAIN)`` (resend at once), or ``(False, None)`` (all failed)."""
         order = self._order()
         call.attempts.new_round()
         for index in order:
@@ -374,8 +360,8 @@ class Transport:
         return EtcdError(f"The etcd client for {self.describe()} was closed during {call.what or call.method}.")
 
     def _between_rounds(self, call: Call) -> None:
-        """After a round in which every member failed: raise when the call is over (deadline,
-        or ``connect_timeout`` for a client that never reached a server), else pause."""
+        """After a round where every member failed: raise if the call is over (deadline, or
+        ``connect_timeout`` for a never-connected client), else pause."""
         now = time.monotonic()
         remaining = call.deadline - now
         last = call.last
@@ -385,13 +371,12 @@ class Transport:
             raise self._never_connected(last.err, call.what)
         if remaining <= 0:
             raise self._translate(last, call.what, timed_out=call.budget)
-        # Give reconnects (or a leader election) a moment, bounded by the deadline; the pause
-        # grows so a long outage costs few RPCs. A pause, not a synchronization.
+        # Give reconnects or an election a moment; growing, so a long outage costs few RPCs.
         threading.Event().wait(min(call.attempts.next_pause(), remaining))
 
     def _failed(self, member: Member, err: grpc.RpcError, deadline: float) -> _Failed:
-        """Recognise a failed attempt on ``member``: by its status, and for an ``https`` member
-        that gRPC could not reach, by a TLS probe (:func:`~.channels.tls_failure`, at most 2 s)."""
+        """Classify a failed attempt by its status, and for an unreachable ``https`` member by a TLS
+        probe (:func:`~.channels.tls_failure`, at most 2 s)."""
         status = _status(err)
         failure = failure_of(status)
         if failure is Failure.UNREACHED and member.endpoint.secure:
@@ -457,9 +442,8 @@ class Transport:
     def call_member(
         self, index: int, service: str, method: str, request: Any, *, timeout: float | None = None, what: str = ""
     ) -> Any:
-        """One attempt of a unary RPC on member ``index`` only (no retry, no failover, no auth
-        token: for the calls etcd answers without one, such as ``Maintenance.Status``), bounded by
-        ``timeout`` (default: the client's); raises :class:`EtcdError` subclasses only."""
+        """One attempt on member ``index`` only: no retry, failover or token (for calls etcd
+        answers without one, e.g. ``Maintenance.Status``); raises :class:`EtcdError` only."""
         if self._closed:
             raise EtcdError(f"The etcd client for {self.describe()} is closed.")
         member = self._members[index]
@@ -474,9 +458,9 @@ class Transport:
             raise EtcdError(f"The etcd client for {self.describe()} was closed during {method}.") from None
 
     def close(self) -> None:
-        """Close every channel. Open streams end (their loops see :attr:`closed`). In a process
-        forked from the one that made this transport, only marks it closed: its channels and
-        streams are the parent's (gRPC's objects do not survive a fork), and stay the parent's."""
+        """Close every channel; open streams end (their loops see :attr:`closed`). In a forked
+        child, only marks it closed: the channels are the parent's (gRPC objects do not survive
+        a fork)."""
         self._closed = True
         if os.getpid() != self._pid:
             return
@@ -496,12 +480,11 @@ class Transport:
         return reactor()
 
     def stream_opened(self, method: str) -> Callable[[bool, Any], None] | None:
-        """Tell the client's interceptors that a stream (``"Watch/Watch"``) opened. Streams run on
-        ``grpc.aio`` channels, which synchronous interceptors do not see: an interceptor that
-        wants to count them has a ``stream_opened(method)`` method (:class:`~.testing.RpcCounter`),
-        one that wants their messages a ``stream_message(method, sent, message)`` method. Returns
-        ``note(sent, message)`` for the stream's owner to call on each request it sends (True) and
-        answer it reads (False) when some interceptor has the latter; else None (no cost)."""
+        """Tell interceptors a stream (``"Watch/Watch"``) opened: streams run on ``grpc.aio``
+        channels, unseen by synchronous interceptors, so an interceptor may define
+        ``stream_opened(method)`` (:class:`~.testing.RpcCounter`) and/or ``stream_message(method,
+        sent, message)``. Returns ``note(sent, message)`` for the owner to call per request sent
+        (True) and answer read (False) if any interceptor wants messages; else None (no cost)."""
         for interceptor in self._interceptors:
             opened = getattr(interceptor, "stream_opened", None)
             if opened is not None:
@@ -518,8 +501,8 @@ class Transport:
 
     @staticmethod
     def cancel_failure(reason: str) -> Failure:
-        """What a watch that etcd cancelled with ``reason`` means (a named error's Go string;
-        another reason is final). ``Failure.NOT_APPLIED`` ("no leader"): resume elsewhere."""
+        """What etcd cancelling a watch with ``reason`` (a named error's Go string) means; an
+        unknown reason is final, "no leader" (``NOT_APPLIED``) resumes elsewhere."""
         status = _CANCEL_REASONS.get(reason)
         return Failure.FINAL if status is None else failure_of(status)
 
@@ -539,22 +522,19 @@ class Transport:
     def cancel_wants_login(self, reason: str) -> bool:
         """Whether a watch etcd cancelled for ``reason`` may pass after logging in again.
 
-        etcd keeps simple tokens in memory: after it restarts, a watch resumed with the
-        old token is cancelled, UNAUTHENTICATED on 3.4 and 3.6 ("invalid auth token"),
-        PERMISSION_DENIED on 3.5. The watch logs in again once and resumes; refused
-        again with a fresh token, it is denied for good.
+        etcd keeps simple tokens in memory: after a restart a watch resumed with the old token
+        is cancelled (UNAUTHENTICATED on 3.4/3.6, PERMISSION_DENIED on 3.5). It logs in again
+        once; refused again with a fresh token, it is denied for good.
         """
         status = _CANCEL_REASONS.get(reason)
         return self._user is not None and status in (_INVALID_TOKEN, _PERMISSION_DENIED)
 
     def stream_error(self, member: Member, err: grpc.RpcError, what: str) -> EtcdError | None:
-        """What a broken stream's status says (:mod:`.streams` judges it): None for one another
-        stream can get past, or its error.
+        """None if another stream can get past a broken stream's status, else its error.
 
-        A refused token is dropped, so the next stream logs in again. A stream that gRPC
-        cancelled (the client closing: the stream loop sees the close) and gRPC's INTERNAL (its
-        own failure of the call, such as "Internal error from Core" for a write on a stream etcd
-        ended as it opened, for want of a leader) reconnect too, as in etcd's Go client.
+        A refused token is dropped (the next stream logs in). As in etcd's Go client, gRPC's
+        CANCELLED (a closing client: the loop sees the close) and INTERNAL (e.g. "Internal
+        error from Core" writing to a stream etcd ended for want of a leader) reconnect too.
         """
         failure = failure_of(_status(err))
         if failure is Failure.STALE_TOKEN:

@@ -1,30 +1,24 @@
 """Watches: a key or key range's events, delivered in order to a queue.
 
-Each :class:`Watch` is a task on the process's stream loop (:mod:`.reactor`: no thread of
-its own) that owns its gRPC stream and resumes it, on the
-next reachable endpoint, from the revision after the last event it delivered (the
-client's one reconnect loop, :class:`~.streams.ReconnectingStream`).
-A stream that has been quiet for the retry policy's ``stream_quiet`` seconds
-sends one ``WatchProgressRequest`` (etcd 3.4+ answers it with the member's
-revision); a stream that owes an answer (to its create request or to a progress
-request) and hears nothing for ``first_attempt`` seconds (doubled after each such
-stall in a row, :func:`~.retry.stall_bound`) is cancelled and resumed on the next
-member, so a watch on a member that answers nothing (a hung host, a SIGSTOPped
-etcd) moves on, which HTTP/2 keepalive does not do. The task looks
-again only when a request's ``first_attempt`` has passed, so a quiet stream sends
-one small request every ``max(stream_quiet, first_attempt)`` seconds (about),
-none while events flow; a frozen member is left within about
-``stream_quiet + first_attempt`` (7 s by default) after its last answer.
-The task runs in a copy of the creating thread's ``contextvars`` context (as any asyncio task
-would) and counts each batch it delivers into the client's
-:class:`~.stats.CallStats` (``watch_events``, ``watch_bytes``). Consumers block on the queue
-(:meth:`Watch.get`) in their own threads.
+Each :class:`Watch` is a task on the stream loop (:mod:`.reactor`; no thread of its own), in a
+copy of its creator's ``contextvars`` context, that owns its gRPC stream and resumes it on the
+next endpoint from the revision after the last event delivered
+(:class:`~.streams.ReconnectingStream`). Consumers block on its queue (:meth:`Watch.get`) in
+their own threads; delivered batches count into :class:`~.stats.CallStats` (``watch_events``,
+``watch_bytes``).
 
-Memory: the queue is not bounded. A watch holds every event its consumer has not taken yet
-(about the size of the keys and values plus 0.5 KiB per event: 30,000 undrained events of 4 KiB
-measured +133 MiB of RSS with etcd 3.7, all written in 300 transactions before any was taken). The
-client's own consumers (the store's waits, ``SyncedWatch``, ``etcd-v3``'s rounds) drain or cancel
-their watches; a caller of :meth:`~etcd_store.client.EtcdClient.watch` must do the same.
+Liveness: a stream quiet for ``stream_quiet`` seconds sends one ``WatchProgressRequest``
+(answered by etcd 3.4+); one owing an answer (to its create or progress request) that hears
+nothing for ``first_attempt`` seconds (grown by :func:`~.retry.stall_bound`) is resumed on the
+next member, so a hung or SIGSTOPped member is left, which HTTP/2 keepalive does not do. A quiet
+stream thus sends one small request about every ``max(stream_quiet, first_attempt)`` seconds
+(none while events flow), and a frozen member is left within about ``stream_quiet +
+first_attempt`` (7 s by default).
+
+Memory: the queue is unbounded: a watch holds every event not yet taken (about keys and values
+plus 0.5 KiB each: 30,000 undrained 4 KiB events measured +133 MiB RSS with etcd 3.7). The
+client's own consumers drain or cancel their watches; a caller of
+:meth:`~etcd_store.client.EtcdClient.watch` must do the same.
 """
 
 from __future__ import annotations
@@ -60,13 +54,10 @@ _CLOSED = object()
 class Watch:
     """A watch on a key or key range, with events delivered to a queue.
 
-    A task on the stream loop owns the gRPC stream. When the stream breaks (member down,
-    etcd restarted), the task reopens it on the next reachable endpoint from
-    the revision after the last event it delivered, so no event is lost or
-    repeated. Errors that retrying cannot fix (compaction, permission denied)
-    are raised from :meth:`get`.
-
-    ``created_revision`` is the store revision when the watch was registered.
+    A broken stream (member down, etcd restarted) is resumed elsewhere from the revision after
+    the last delivered event: no event lost or repeated. Errors retrying cannot fix
+    (compaction, permission denied) are raised from :meth:`get`. ``created_revision``: the
+    store revision when etcd registered the watch.
     """
 
     def __init__(
@@ -94,11 +85,8 @@ class Watch:
     # -------------------------------------------------------- consumer side
 
     def get(self, timeout: float | None = None) -> list[Event]:
-        """The next batch of events; ``[]`` when ``timeout`` passed with none.
-
-        Raises the watch's fatal error (:class:`EtcdCompactedError`, ...), or
-        :class:`EtcdError` if the watch was cancelled.
-        """
+        """The next batch of events; ``[]`` when ``timeout`` passed with none. Raises the watch's
+        fatal error (:class:`EtcdCompactedError`, ...), or :class:`EtcdError` once cancelled."""
         try:
             item = self._queue.get(timeout=timeout) if timeout is None or timeout > 0 else self._queue.get_nowait()
         except queue.Empty:
@@ -174,10 +162,8 @@ class Watch:
         ))  # fmt: skip
 
     async def _stream(self, member: Member, metadata: tuple[tuple[str, str], ...]) -> Ended:
-        """One watch stream on ``member`` from the next undelivered revision; how it ended.
-        Sends a progress request when the stream was quiet for ``stream_quiet`` seconds, and
-        ends it (MOVE) when a request stays unanswered for ``first_attempt`` seconds (doubled
-        after each stall in a row)."""
+        """One watch stream on ``member`` from the next undelivered revision; how it ended
+        (liveness: the module docstring)."""
         call = member.stream_stub("Watch").Watch(metadata=metadata)
         note = self._client.stream_opened("Watch/Watch")  # a test's interceptor, else None
         policy = self._client.retry_policy
@@ -229,8 +215,7 @@ class Watch:
             call.cancel()
 
     def _stalled(self, member: Member, silent: float) -> Ended:
-        """The current stream answered nothing for ``silent`` seconds: end it (the caller cancels
-        the call) and resume on the next member."""
+        """The stream answered nothing for ``silent`` seconds: resume on the next member."""
         self.streams_stalled += 1
         self._stalls_in_row += 1
         log.warning("watch on %s: %s answered nothing for %.1f s; moving on",
