@@ -1,17 +1,17 @@
 """The one configuration pass: torch's ``RendezvousParameters`` -> client options + backend settings.
 
-Every backend reads its ``--rdzv-endpoint``, ``--rdzv-id``, ``--nnodes``, ``--local-addr`` and
+Every backend reads ``--rdzv-endpoint``, ``--rdzv-id``, ``--nnodes``, ``--local-addr`` and
 ``--rdzv-conf`` here, in one call: :func:`parse_dynamic_settings` -> :class:`DynamicSettings`
-(``etcd-v2`` and ``etcd``: torch's ``DynamicRendezvousHandler`` over our backend),
-:func:`parse_v3_settings` -> :class:`~etcd_rdzv.native.settings.V3Settings` and
-:class:`~etcd_store.options.EtcdClientOptions` (``etcd-v3``); both start from :func:`parse_rdzv_config` -> :class:`RdzvConfig`
-(client options, ``key_prefix``, ``state_ttl``). Each key's parser, default and meaning are its row of
-:data:`etcd_rdzv.conf_keys.KEYS`; what is here is what no single key decides: the endpoint, the TLS files
-and credentials with their environment fallbacks (:mod:`etcd_rdzv.conf_env`), the lease TTL of
-``etcd-v3``, the legacy ``etcd`` names.
+(``etcd-v2``, ``etcd``), :func:`parse_v3_settings` ->
+:class:`~etcd_rdzv.native.settings.V3Settings` and
+:class:`~etcd_store.options.EtcdClientOptions` (``etcd-v3``); both start from
+:func:`parse_rdzv_config` -> :class:`RdzvConfig`. Each key's parser, default and meaning
+are its row of :data:`etcd_rdzv.conf_keys.KEYS`; here is what no single key decides: the
+endpoint, the TLS files and credentials with their environment fallbacks
+(:mod:`etcd_rdzv.conf_env`), the lease TTL of ``etcd-v3``, the legacy ``etcd`` names.
 
-Nothing here contacts etcd or imports torch or gRPC at import time. Every invalid value raises
-``ValueError`` naming the rdzv-conf key (or ``--rdzv-endpoint``) and the value that was wrong.
+Nothing here contacts etcd, or imports torch or gRPC at import time. Every invalid value
+raises ``ValueError`` naming the rdzv-conf key (or ``--rdzv-endpoint``) and the value.
 """
 
 from __future__ import annotations
@@ -81,11 +81,11 @@ class HandlerParams(RdzvParams, Protocol):
     def get_as_bool(self, key: str, default: bool | None = None) -> bool | None: ...
 
 
-#: Under an etcd-v2 run's state key, the directory of its backends' lease anchors
+#: Under an etcd-v2 run's state key: its backends' lease anchors
 #: (``<state key>/lease/<lease hex>``: :class:`etcd_rdzv.dynamic.backend.EtcdRendezvousBackend`).
 V2_ANCHOR_DIR = "lease"
-#: Under an etcd-v2 run's state key, the directory of its nodes' presence keys
-#: (``<state key>/alive/<node>``: :mod:`etcd_rdzv.dynamic.presence`).
+#: Under an etcd-v2 run's state key: its nodes' presence keys (``<state key>/alive/<node>``,
+#: :mod:`etcd_rdzv.dynamic.presence`).
 V2_PRESENCE_DIR = "alive"
 
 
@@ -108,10 +108,9 @@ class RdzvConfig:
 
 @dataclass(frozen=True)
 class DynamicSettings:
-    """The settings of an ``etcd-v2``/``etcd`` rendezvous: torch's ``DynamicRendezvousHandler`` keys and
-    ours, each the rdzv-conf key of its name (seconds unless the key says otherwise; meanings and
-    defaults in :data:`etcd_rdzv.conf_keys.KEYS`). ``config`` holds the client options, ``key_prefix``
-    and ``state_ttl``.
+    """The settings of an ``etcd-v2``/``etcd`` rendezvous, each field the rdzv-conf key of its name
+    (seconds unless the key says otherwise; see :data:`etcd_rdzv.conf_keys.KEYS`); ``config``
+    holds the client options, ``key_prefix`` and ``state_ttl``.
     """
 
     backend: str
@@ -189,8 +188,8 @@ def _password(params: RdzvParams) -> str | None:
 def check_run_id(run_id: object) -> str:
     """``run_id`` (``--rdzv-id``) if every backend can use it; ``ValueError`` saying why not.
 
-    A run id names a subtree of keys (``<key_prefix>/<run_id>/...``): it must be a non-empty string
-    without ``/`` (which would nest one run's keys inside another's) or NUL.
+    It names the subtree ``<key_prefix>/<run_id>/...``: non-empty, without NUL or ``/``
+    (which would nest one run's keys inside another's).
     """
     if not isinstance(run_id, str) or not run_id:
         raise ValueError(f"The rendezvous run id (--rdzv-id) must be a non-empty string, got {run_id!r}.")
@@ -204,13 +203,12 @@ def check_run_id(run_id: object) -> str:
 
 
 def parse_client_options(params: RdzvParams) -> EtcdClientOptions:
-    """Read the endpoint(s), ``read_timeout``, TLS and auth keys. See the module docstring.
+    """Read the endpoint(s), ``read_timeout``, TLS and auth keys; ``ValueError`` naming a bad key or variable.
 
-    ``user``/``password`` fall back to ``$ETCD_RDZV_USER``/``$ETCD_RDZV_PASSWORD`` so
-    secrets can stay off command lines; an empty endpoint, the TLS files and the
-    credentials then fall back to etcdctl's ``ETCDCTL_*`` variables, and the endpoint to
-    ``localhost:2379`` (the one resolver, :func:`etcd_rdzv.conf_env.resolve_connection`).
-    Raises ``ValueError`` naming the bad key or variable.
+    ``user``/``password`` fall back to ``$ETCD_RDZV_USER``/``$ETCD_RDZV_PASSWORD`` (secrets
+    off command lines); an empty endpoint, the TLS files and the credentials then to etcdctl's
+    ``ETCDCTL_*``, and the endpoint to ``localhost:2379``
+    (:func:`etcd_rdzv.conf_env.resolve_connection`, the one resolver).
     """
     given = Given(
         endpoints=_endpoint(params), ca_cert=_readable_file(params, "ca_cert"),
@@ -269,10 +267,10 @@ def _client_key(cert: str | None, key: str | None) -> str | None:
 
 
 def _check_transport(options: EtcdClientOptions) -> None:
-    """The client's own checks of endpoints against TLS and credentials, at parse time.
+    """The client's own checks of endpoints against TLS and credentials, run at parse time.
 
-    Mixed schemes, a scheme contradicting ``protocol``/the TLS files, or a password bound for
-    plain text without ``allow_insecure_auth``: ``ValueError`` naming the option to change.
+    ``ValueError`` naming the option to change for mixed schemes, a scheme contradicting
+    ``protocol``/the TLS files, or a password bound for plain text without ``allow_insecure_auth``.
     """
     from etcd_store.client import client_endpoints
 
@@ -315,9 +313,8 @@ def parse_rdzv_config(
 
 
 def parse_dynamic_settings(params: HandlerParams, *, legacy: bool = False) -> DynamicSettings:
-    """The settings of an ``etcd-v2`` (or, with ``legacy``, ``etcd``) rendezvous.
+    """The settings of an ``etcd-v2`` (with ``legacy``, ``etcd``: :func:`translate_legacy_params`) rendezvous.
 
-    ``legacy`` reads torch's legacy ``etcd`` keys too (:func:`translate_legacy_params`).
     Raises ``ValueError`` naming the bad key; warns once about keys it would ignore
     (:func:`etcd_rdzv.conf_keys.warn_unknown_keys`).
     """
@@ -338,8 +335,9 @@ def parse_dynamic_settings(params: HandlerParams, *, legacy: bool = False) -> Dy
 
 
 def _key_fields(params: RdzvParams, settings: type, backend: str, *besides: str) -> dict[str, Any]:
-    """The fields of the ``settings`` dataclass that are rdzv-conf keys ``backend`` reads, each read
-    through its row of the key table (but those in ``besides``, which the caller works out)."""
+    """The fields of ``settings`` that are rdzv-conf keys ``backend`` reads, each parsed by its
+    key-table row (except those in ``besides``, which the caller works out).
+    """
     return {f.name: read(params, f.name, backend) for f in fields(settings)
             if f.name not in besides and reads(f.name, backend)}  # fmt: skip
 
@@ -356,8 +354,8 @@ def _presence_ttl(params: HandlerParams) -> int:
 def parse_v3_settings(params: HandlerParams) -> tuple[V3Settings, EtcdClientOptions]:
     """The settings and the client options of an ``etcd-v3`` rendezvous.
 
-    Raises ``ValueError`` naming the rdzv-conf key whose value is invalid; warns once about keys it
-    would ignore. The lease TTL is ``heartbeat`` (rounded up to whole seconds) when given, else
+    Raises ``ValueError`` naming the invalid key; warns once about keys it would ignore. The
+    lease TTL is ``heartbeat`` (rounded up to whole seconds) when given, else
     ``keep_alive_interval * keep_alive_max_attempt`` (whole seconds each), as torch's handlers count.
     """
     warn_unknown_keys(params.backend, "etcd-v3", params.config)
@@ -379,8 +377,8 @@ def parse_v3_settings(params: HandlerParams) -> tuple[V3Settings, EtcdClientOpti
 def translate_legacy_params(params: Any) -> Any:
     """A copy of ``params`` with the legacy ``etcd`` keys renamed (:data:`LEGACY_ALIASES`).
 
-    The new name wins when both are given (torchrun always adds ``timeout``), and
-    ``key_prefix`` defaults to the legacy ``/torchelastic/p2p``.
+    The new name wins when both are given (torchrun always adds ``timeout``); ``key_prefix``
+    defaults to the legacy ``/torchelastic/p2p``.
     """
     config = dict(params.config)
     for old, new in LEGACY_ALIASES.items():

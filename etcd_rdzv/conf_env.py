@@ -5,26 +5,19 @@ One precedence for the rendezvous (:mod:`etcd_rdzv.conf`) and the ``etcd-rdzv`` 
 
 1. explicit options: rdzv-conf keys and ``--rdzv-endpoint`` (the command's flags);
 2. our variables: ``ETCD_RDZV_USER``, ``ETCD_RDZV_PASSWORD``, ``ETCD_RDZV_PASSWORD_FILE``;
-3. etcdctl's variables, so a shell set up for ``etcdctl`` works unchanged:
-
-   * ``ETCDCTL_ENDPOINTS``: used when the endpoint is empty (torchrun passes
-     ``--rdzv-endpoint=''`` when none is given), never merged with a given one;
-   * ``ETCDCTL_CACERT``: when no ``ca_cert`` is given;
-   * ``ETCDCTL_CERT`` and ``ETCDCTL_KEY`` (both, as etcdctl needs): when neither
-     ``ssl_cert`` nor ``ssl_cert_key`` is given;
-   * ``ETCDCTL_USER`` (``name`` or ``name:password``, split at the first ``:`` unless
-     ``ETCDCTL_PASSWORD`` is set, as etcdctl does) and ``ETCDCTL_PASSWORD``: when neither a
-     user nor a password comes from 1 or 2, so a user is never paired with another
-     source's password;
+3. etcdctl's ``ETCDCTL_*``, so a shell set up for ``etcdctl`` works unchanged, each only where
+   what it stands for is missing: the endpoint when empty (torchrun passes
+   ``--rdzv-endpoint=''``), never merged; ``CERT`` and ``KEY`` both or neither; ``USER`` and
+   ``PASSWORD`` only when neither a user nor a password came from 1 or 2 (a user is never
+   paired with another source's password). Table: docs/configuration.md, *etcdctl's variables*;
 4. defaults (``localhost:2379``, :data:`~etcd_rdzv.conf_keys.DEFAULT_ENDPOINT`; no TLS, no auth).
 
-:func:`resolve_connection` is that chain, the one resolver both callers use: they check
-their own explicit options (:class:`Given`) and get a :class:`Connection`. Each other
-function is the fallback of one option and reads its variables only when called,
-so a bad ``ETCDCTL_*`` value that an explicit option overrides is never an error. A bad
-value raises ``ValueError`` naming the variable (and a path or user name, never a
-password). Which ``ETCDCTL_*`` variables were used is logged at INFO once per process
-per set of names (never their values). Nothing here contacts etcd or imports gRPC.
+:func:`resolve_connection` is that chain for both callers: they check their explicit options
+(:class:`Given`) and get a :class:`Connection`. Each other function is one option's fallback
+and reads its variables only when called, so a bad ``ETCDCTL_*`` value that an explicit option
+overrides is never an error. A bad value raises ``ValueError`` naming the variable (and a path
+or user name, never a password). The ``ETCDCTL_*`` names used (never values) are logged at INFO
+once per process per set. Nothing here contacts etcd or imports gRPC.
 """
 
 from __future__ import annotations
@@ -209,9 +202,10 @@ class Connection:
 
 
 def resolve_connection(given: Given, environ: Environ) -> Connection:
-    """The precedence of the module docstring applied to ``given``: explicit options, our
-    variables, etcdctl's, the defaults. Raises ``ValueError`` naming the variable or option (never
-    a password): a bad ``ETCDCTL_*`` value, a user without a password or a password without a user."""
+    """The module docstring's precedence applied to ``given``. Raises ``ValueError`` naming the
+    variable or option (never a password): a bad ``ETCDCTL_*`` value, a user without a password
+    or a password without a user.
+    """
     used: list[str] = []  # the ETCDCTL_* variables taken
     endpoints = given.endpoints
     if not endpoints and (endpoints := etcdctl_endpoints(environ)) is not None:

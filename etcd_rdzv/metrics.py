@@ -1,13 +1,11 @@
 """The metric names of etcd-rdzv, reported through torch's elastic metrics API.
 
-Every metric is one ``torch.distributed.elastic.metrics.put_metric(name, value,
-GROUP)`` call with ``GROUP = "etcd_rdzv"``: it goes to the handler configured
-for that group (``metrics.configure(handler, group="etcd_rdzv")``), else to
-torch's default handler (``metrics.configure(handler)``; torch's own default
-drops everything). Values are ints, as torch's are; a counter is reported as
-one data point of its increment (usually 1), like torch's ``@prof`` success
-and failure counts. ``<b>`` is the rendezvous backend name (``etcd-v2``,
-``etcd`` or ``etcd-v3``).
+Each metric is one ``torch.distributed.elastic.metrics.put_metric(name, value, GROUP)``
+call, ``GROUP = "etcd_rdzv"``: it goes to the handler configured for that group
+(``metrics.configure(handler, group="etcd_rdzv")``), else to torch's default handler
+(which drops everything unless configured). Values are ints, as torch's; a counter is one
+data point of its increment (usually 1), like torch's ``@prof`` counts. ``<b>`` is the
+backend (``etcd-v2``, ``etcd`` or ``etcd-v3``).
 
 =================================  =======  ==================================================
 name                               kind     one data point per ...
@@ -31,27 +29,17 @@ name                               kind     one data point per ...
                                             the revoke of a lease that expired already)
 =================================  =======  ==================================================
 
-The ``etcd_client.*`` metrics are the client's: :func:`watch_client` subscribes to an
-``EtcdClient``'s :class:`~etcd_store.client.CallStats` once per client (a
-second call for the same client is a no-op), so a client shared by several
-handlers counts each retry once. Reporting never raises into the caller.
+:func:`watch_client` subscribes to an ``EtcdClient``'s
+:class:`~etcd_store.client.CallStats` once per client (again: a no-op), so a client
+shared by several handlers counts each retry once. Reporting never raises into the caller.
 
-The Prometheus endpoint (optional, off by default): the rdzv-conf key ``metrics_port`` (or
-``$ETCD_RDZV_METRICS_PORT``; the key wins) and ``metrics_addr`` / ``$ETCD_RDZV_METRICS_ADDR`` (default
-``127.0.0.1``: this host only; ``0.0.0.0`` for a Prometheus elsewhere) turn it on; it needs
-``prometheus_client`` (``pip install etcd-rdzv[prometheus]``). torch's metric handlers are per process,
-and so is the endpoint: the first handler creator of a process that finds a port configured
-(:func:`maybe_start`, called by every backend's creator before any RPC) starts ``prometheus_client``'s
-HTTP server on a daemon thread and configures a :class:`PrometheusMetricHandler` for :data:`GROUP`
-(replacing a handler configured for that group before); later creators with the same port reuse it.
-It serves until the process exits (a scrape after ``shutdown()`` still sees the final counts).
-:func:`maybe_start` raises ``ValueError`` naming the key for a bad port, for a port while
-``prometheus_client`` is missing and for a second, different port in one process; ``OSError`` naming
-the port when it cannot be bound. Mapping (``<b>`` the backend, as a label): ``<b>.rendezvous.joins`` ->
-``etcd_rdzv_rendezvous_joins_total{backend="<b>"}`` (counters get ``_total``, gauges keep their name:
-``etcd_rdzv_rendezvous_duration_ms``), ``etcd_client.errors.<E>`` ->
-``etcd_rdzv_etcd_client_errors_total{error="<E>"}``, ``etcd_client.retries`` ->
-``etcd_rdzv_etcd_client_retries_total``.
+Prometheus (optional, off by default; usage: docs/operations.md): one endpoint per process,
+like torch's metric handlers, started by :func:`maybe_start` (every backend's creator calls it
+before any RPC) and fed by a :class:`PrometheusMetricHandler`. Names:
+``<b>.rendezvous.joins`` -> ``etcd_rdzv_rendezvous_joins_total{backend="<b>"}`` (counters get
+``_total``; gauges keep their name: ``etcd_rdzv_rendezvous_duration_ms``),
+``etcd_client.errors.<E>`` -> ``etcd_rdzv_etcd_client_errors_total{error="<E>"}``,
+``etcd_client.retries`` -> ``etcd_rdzv_etcd_client_retries_total``.
 """
 
 from __future__ import annotations
@@ -151,10 +139,10 @@ _serving: tuple[str, int] | None = None  # (addr, port) of this process's endpoi
 
 
 class PrometheusMetricHandler(torch_metrics.MetricHandler):
-    """A torch ``MetricHandler`` feeding Prometheus counters and gauges (see the module docstring).
+    """A torch ``MetricHandler`` feeding Prometheus counters and gauges (module docstring). Thread-safe.
 
-    A name it does not know becomes a gauge of the value (its dots as ``_``).
-    ``registry`` defaults to ``prometheus_client``'s global registry. Thread-safe.
+    An unknown name becomes a gauge of the value (dots as ``_``). ``registry`` defaults to
+    ``prometheus_client``'s global one.
     """
 
     def __init__(self, registry: Any = None) -> None:
@@ -196,7 +184,18 @@ class PrometheusMetricHandler(torch_metrics.MetricHandler):
 
 
 def maybe_start(params: RdzvParams) -> tuple[str, int] | None:
-    """Start this process's endpoint if ``metrics_port`` is configured; its (addr, port) or None."""
+    """Start this process's endpoint if ``metrics_port`` is configured; its (addr, port) or None.
+
+    ``metrics_port`` (or ``$ETCD_RDZV_METRICS_PORT``; the key wins) and ``metrics_addr`` /
+    ``$ETCD_RDZV_METRICS_ADDR`` (default ``127.0.0.1``: this host only). The first call that
+    finds a port starts ``prometheus_client``'s HTTP server on a daemon thread, serving until the
+    process exits (a scrape after ``shutdown()`` sees the final counts), and configures a
+    :class:`PrometheusMetricHandler` for :data:`GROUP` (replacing one configured before); later
+    calls with the same port reuse it.
+
+    Raises ``ValueError`` naming the key for a bad port, a port without ``prometheus_client``, or
+    a second, different port in one process; ``OSError`` naming a port that cannot be bound.
+    """
     global _serving
     port = read(params, "metrics_port")
     if port is None:

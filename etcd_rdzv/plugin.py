@@ -2,36 +2,28 @@
 
 ``setup.cfg`` declares one ``torchrun.handlers`` entry point per backend, all here:
 ``etcd-v2`` and ``etcd`` (torch's dynamic rendezvous over our backend,
-:mod:`etcd_rdzv.dynamic`) and ``etcd-v3`` (the etcd-native handler,
-:mod:`etcd_rdzv.native`).
+:mod:`etcd_rdzv.dynamic`) and ``etcd-v3`` (:mod:`etcd_rdzv.native`).
 
-Two kinds of callables live here:
-
-* **Factories** (the entry points): :func:`create_etcd_v2_handler`,
-  :func:`create_etcd_legacy_handler` and :func:`create_etcd_v3_handler`. torch's
-  registry (``registry._register_out_of_tree_handlers``) calls each with no
-  argument and registers the returned *creator* under the entry-point name.
-  torch has already registered its built-in ``etcd-v2``/``etcd`` creators by then
-  and refuses a second, different creator for a name, so those two factories
-  first remove torch's registration for their name. With
-  ``ETCD_RDZV_DISABLE_OVERRIDE=1`` they instead return torch's current creator,
-  leaving the built-in in place. ``etcd-v3`` is not a torch name: its factory
-  just returns its creator. Every factory first checks the shape of torch's registry
-  (``rendezvous_handler_registry`` with ``register`` and, to replace a built-in, its
-  ``_registry`` dict) and raises :class:`EtcdRdzvPluginError` naming the torch version
-  and what was expected, instead of an ``AttributeError``; torch logs that error as it
-  loads the entry points, and a factory called by hand raises it.
+* **Factories** (the entry points: :func:`create_etcd_v2_handler`,
+  :func:`create_etcd_legacy_handler`, :func:`create_etcd_v3_handler`): torch's registry
+  (``registry._register_out_of_tree_handlers``) calls each with no argument and registers
+  the returned *creator* under the entry-point name. torch has registered its built-in
+  ``etcd-v2``/``etcd`` creators by then and refuses a second, different creator for a
+  name, so those two factories first remove torch's registration (with
+  ``ETCD_RDZV_DISABLE_OVERRIDE=1`` they return torch's current creator instead).
+  ``etcd-v3`` is not a torch name. Every factory first checks the shape of torch's
+  registry (``rendezvous_handler_registry`` with ``register`` and, to replace a built-in,
+  its ``_registry`` dict) and raises :class:`EtcdRdzvPluginError` naming the torch version
+  and what was expected, not an ``AttributeError``; torch logs it while loading the entry points.
 * **Creators** (``RendezvousParameters -> RendezvousHandler``):
-  :func:`create_etcd_v2_rdzv_handler`, :func:`create_etcd_legacy_rdzv_handler`
-  and :func:`create_etcd_v3_rdzv_handler`.
+  :func:`create_etcd_v2_rdzv_handler`, :func:`create_etcd_legacy_rdzv_handler`,
+  :func:`create_etcd_v3_rdzv_handler`.
 
-This module imports only the standard library at import time: torch loads it
-while ``torch.distributed.elastic.rendezvous`` is still being imported, and a
-failing import here would only be logged by torch as a warning followed by an
-"unknown backend" error. The heavy modules (gRPC, the etcd client, torch's
-rendezvous) are imported when a handler is created; if that fails the
-``etcd-v2``/``etcd`` creators raise :class:`EtcdRdzvPluginError` naming the cause
-and the fix.
+Standard library only at import time: torch loads this module while
+``torch.distributed.elastic.rendezvous`` is still being imported, and a failing import
+here would only show as a warning and then "unknown backend". gRPC, the etcd client and
+torch's rendezvous are imported when a handler is created; if that fails the
+``etcd-v2``/``etcd`` creators raise :class:`EtcdRdzvPluginError` naming the cause and the fix.
 """
 
 from __future__ import annotations
@@ -78,10 +70,10 @@ def _override_disabled() -> bool:
 
 
 def _registry_table(name: str, *, need_table: bool) -> dict[str, Any]:
-    """torch's backend -> creator table (``{}`` when ``need_table`` is false and only ``register`` is checked).
+    """torch's backend -> creator table (``{}`` when ``need_table`` is false: only ``register`` is checked).
 
-    Raises :class:`EtcdRdzvPluginError` naming the torch version and what was expected when the
-    registry is missing or has another shape (torch logs it while loading the entry points).
+    Raises :class:`EtcdRdzvPluginError` (torch version, what was expected) for a missing or
+    reshaped registry.
     """
     try:
         from torch.distributed.elastic.rendezvous import api
@@ -109,10 +101,7 @@ def _registry_table(name: str, *, need_table: bool) -> dict[str, Any]:
 
 
 def _registration(name: str, ours: Creator) -> Creator:
-    """Return the creator torch should register under ``name`` (see the module docstring).
-
-    Raises :class:`EtcdRdzvPluginError` if torch's registry is not the expected shape.
-    """
+    """The creator torch should register under ``name`` ; raises as :func:`_registry_table`."""
     table = _registry_table(name, need_table=True)
     current = table.get(name)
     if _override_disabled():
@@ -145,11 +134,10 @@ def _load_creator(name: str) -> Callable[..., RendezvousHandler]:
 def create_etcd_v2_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     """Create the ``etcd-v2`` handler: torch's dynamic rendezvous over etcd v3.
 
-    Accepts torch's ``etcd-v2`` rdzv-conf keys plus ours (see :mod:`etcd_rdzv.conf`).
-    Opens the run's store (one to three RPCs). Raises ``ValueError`` naming a bad
-    key, ``RendezvousConnectionError`` when etcd is unreachable within
-    ``read_timeout``, :class:`EtcdRdzvPluginError` when the plugin's dependencies
-    cannot be imported.
+    Takes torch's ``etcd-v2`` rdzv-conf keys plus ours (:mod:`etcd_rdzv.conf`). Opens the
+    run's store (one to three RPCs). Raises ``ValueError`` naming a bad key,
+    ``RendezvousConnectionError`` when etcd is unreachable within ``read_timeout``,
+    :class:`EtcdRdzvPluginError` when the plugin's dependencies cannot be imported.
     """
     return _load_creator(params.backend)(params, legacy=False)
 
@@ -163,9 +151,8 @@ def create_etcd_legacy_rdzv_handler(params: RendezvousParameters) -> RendezvousH
 def create_etcd_v2_handler(params: RendezvousParameters | None = None) -> Any:
     """``torchrun.handlers`` entry point for ``etcd-v2``.
 
-    Called with no argument (as torch does), returns the creator to register
-    under ``etcd-v2``. Called with ``params``, creates the handler directly, so
-    the function can also be registered as a creator by hand.
+    With no argument (as torch calls it), the creator to register; with ``params``, the
+    handler itself, so it can also be registered as a creator by hand.
     """
     if params is not None:
         return create_etcd_v2_rdzv_handler(params)
@@ -182,13 +169,12 @@ def create_etcd_legacy_handler(params: RendezvousParameters | None = None) -> An
 def create_etcd_v3_rdzv_handler(
     params: RendezvousParameters, *, client: Any = None
 ) -> EtcdV3RendezvousHandler:
-    """Create an ``etcd-v3`` handler from torchrun's parameters (the registered creator).
+    """Create an ``etcd-v3`` handler from torchrun's parameters (the registered creator); no RPC.
 
-    Reads the rdzv-conf keys with :func:`etcd_rdzv.conf.parse_v3_settings`
-    (and ``metrics_port``, :func:`etcd_rdzv.metrics.maybe_start`);
-    raises ``ValueError`` naming a bad key. No RPC is
-    made here. ``client`` (an ``EtcdClient``) is used instead of a new one when
-    given, and is then not closed by ``shutdown()``.
+    Reads the rdzv-conf keys (:func:`etcd_rdzv.conf.parse_v3_settings`; ``metrics_port``:
+    :func:`etcd_rdzv.metrics.maybe_start`); raises ``ValueError`` naming a bad key.
+    ``client`` (an ``EtcdClient``), when given, is used instead of a new one and not closed
+    by ``shutdown()``.
     """
     from etcd_store.client import EtcdClient
 
@@ -206,7 +192,7 @@ def create_etcd_v3_rdzv_handler(
 def create_etcd_v3_handler() -> Any:
     """``torchrun.handlers`` entry point for ``etcd-v3``: returns :func:`create_etcd_v3_rdzv_handler`.
 
-    Raises :class:`EtcdRdzvPluginError` if torch's registry has no ``register`` to take it.
+    Raises :class:`EtcdRdzvPluginError` if torch's registry has no ``register``.
     """
     _registry_table("etcd-v3", need_table=False)
     return create_etcd_v3_rdzv_handler

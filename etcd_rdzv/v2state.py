@@ -3,7 +3,7 @@
 torch's ``DynamicRendezvousHandler`` keeps its ``_RendezvousState`` as a pickle, which our
 ``etcd-v2``/``etcd`` backend stores (opaque bytes) as base64 under ``<key_prefix>/<run_id>``,
 and torch's state holder ``pickle.loads`` whatever the backend returns. Anyone who can write
-that key could run code on every agent, so both our state holder
+that key could run code on every agent, so our state holder
 (:class:`etcd_rdzv.dynamic.state.CheckedStates`: :func:`load_state`, then torch gets a state
 built from the checked values, never the stored bytes) and the ``etcd-rdzv`` CLI
 (:func:`decode_state`) pass a value through this module, which
@@ -12,20 +12,19 @@ built from the checked values, never the stored bytes) and the ``etcd-rdzv`` CLI
 2. scans its opcodes without building objects (:func:`etcd_rdzv.v2opcodes.scan`: only what torch's
    pickles hold, tuples not nested, no more objects than a state of :data:`MAX_NODES` nodes holds);
 3. unpickles with :class:`_StateUnpickler`, whose ``find_class`` admits only
-   ``_RendezvousState`` and ``_NodeDesc`` of torch's ``dynamic_rendezvous`` (replaced by
-   inert stand-ins that merely record the attributes the pickle sets; torch is not
-   imported), ``datetime.datetime``/``timezone``/``timedelta`` (the heartbeat times and the
-   deadline) and ``builtins.set``/``frozenset``, and refuses every other global;
+   ``_RendezvousState`` and ``_NodeDesc`` of torch's ``dynamic_rendezvous`` (as inert
+   stand-ins that record the attributes the pickle sets; torch is not imported),
+   ``datetime.datetime``/``timezone``/``timedelta`` (the heartbeat times and the deadline)
+   and ``builtins.set``/``frozenset``, and refuses every other global;
 4. checks the stand-ins field by field (:func:`_check_state`; a stand-in built by no BUILD or
    by two is refused, times must carry a time zone) and returns plain data (:class:`V2State`).
 
-With these globals the only callables a pickle can reach are those constructors, so even a
-``pickle.loads`` of a value that passed could run no other code; still, what a pickle can do
-to torch's real classes (a ``__setstate__`` in the instance dict) differs from what it does
-to the stand-ins, so the state holder does not unpickle the value itself. Every refusal raises
-:class:`StateDecodeError` naming the key; its message is short (at most
-:data:`MAX_MESSAGE` characters of escaped text, never the ``repr`` of what the pickle built).
-Nothing here does I/O or imports torch.
+With these globals a pickle can call only those constructors, so even a ``pickle.loads`` of a
+value that passed could run no other code; still, a pickle acts on torch's real classes (a
+``__setstate__`` in the instance dict) unlike on the stand-ins, so the state holder does not
+unpickle the value itself. Every refusal raises :class:`StateDecodeError` naming the key, with
+a short message (at most :data:`MAX_MESSAGE` characters of escaped text, never the ``repr`` of
+what the pickle built). No I/O, no torch import.
 """
 
 from __future__ import annotations
@@ -64,11 +63,10 @@ class StateDecodeError(ValueError):
 class _StandIn:
     """An inert object that records what the pickle's BUILD sets, and nothing else.
 
-    ``fields`` is ``None`` until a BUILD ran (unpickling creates the object without calling
-    ``__init__``; a pickle without BUILD leaves it ``None``, which the checks refuse). A second
-    BUILD of the same object is refused: torch's pickles build each object once, while torch's
-    classes would run, at the second, a ``__setstate__`` that the first put in the instance dict,
-    keeping the first BUILD's fields where this stand-in would record the second's.
+    ``fields`` is ``None`` until a BUILD ran (unpickling skips ``__init__``; the checks refuse a
+    stand-in left ``None``). A second BUILD of it is refused: torch's pickles build each object
+    once, while torch's classes would run, at the second, a ``__setstate__`` the first put in the
+    instance dict, keeping the first BUILD's fields where this stand-in would record the second's.
     """
 
     what = "object"
@@ -312,8 +310,8 @@ def _unbase64(value: bytes, key: str) -> bytes:
 
 
 def state_bytes(value: bytes, key: str = "the state key", *, time_left: float | None = None) -> bytes:
-    """The pickle of torch's state that ``value`` (its base64, as stored) holds, returned unchanged once
-    :func:`load_state` accepted it. Raises :class:`StateDecodeError` naming ``key`` when the value is not
+    """The pickle of torch's state that ``value`` (its stored base64) holds, unchanged once
+    :func:`load_state` accepted it; :class:`StateDecodeError` naming ``key`` when the value is not
     base64, too large, or not torch's rendezvous state.
     """
     raw = _unbase64(value, key)

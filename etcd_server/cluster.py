@@ -1,29 +1,18 @@
 """Local etcd members on loopback: the lifecycle :class:`EtcdCluster` and ``EtcdServer`` share.
 
-:class:`_LocalEtcd` is the one implementation of starting, auth set-up,
-retrying and stopping a group of :class:`~etcd_server.member.EtcdMember` s;
-:class:`EtcdCluster` (``size`` members, bootstrapped statically with
-``--initial-cluster`` on free ``127.0.0.1`` ports) and
-:class:`~etcd_server.server.EtcdServer` (one member, torch's drop-in API) are
-its faces. Each start launches every member, then polls each until ready
-(``GET /health``, see :mod:`etcd_server.member`); on new ports a port taken
-between probing and binding is retried on other new ports; ``stop()`` stops the
-members one at a time, the leader last. Every call that starts or stops blocks
-until done and holds the face's lock (see :mod:`etcd_server.process` for the
-``atexit`` clean-up and ``PR_SET_PDEATHSIG``).
+:class:`_LocalEtcd` starts, retries and stops a group of
+:class:`~etcd_server.member.EtcdMember` s; its faces are :class:`EtcdCluster` (``size``
+members, static ``--initial-cluster`` on free ``127.0.0.1`` ports) and
+:class:`~etcd_server.server.EtcdServer` (one member, torch's drop-in API). A start launches
+every member, then polls each until ready (``GET /health``, see :mod:`etcd_server.member`);
+a port taken between probing and binding is retried on other new ports. Every start or
+stop blocks until done and holds the face's lock (exit clean-up: :mod:`etcd_server.process`).
 
-With :class:`~etcd_server.gateway.AuthConfig`, auth is set up before any client
-port exists: the first start listens for clients only on a unix socket in a
-private (0700) directory, sets up users, roles and ``auth enable`` through
-member 0 (:func:`~etcd_server.gateway.setup_auth`, which also checks that the
-keyspace revision did not move), waits until every member applied it, stops,
-and starts again on the real client URLs with the same data dirs (auth state
-lives there). That costs one more start and stop of etcd.
+With :class:`~etcd_server.gateway.AuthConfig`, auth is set up before any client port
+exists (:meth:`_LocalEtcd._set_up_auth_privately`), at the cost of one more start and stop.
 
-:func:`make_client` is the one arrow from etcd_server to etcd_store: it imports
-``etcd_store.client`` (and with it grpc) inside the function, on the first
-``get_client()``. Importing etcd_server never imports etcd_store.
-Standard library only.
+Importing etcd_server never imports etcd_store (or grpc): :func:`make_client`, the one
+arrow between them, imports it on the first ``get_client()``. Standard library only.
 """
 
 from __future__ import annotations
@@ -55,14 +44,11 @@ def make_client(
     auth: AuthConfig | None,
     overrides: dict[str, Any],
 ) -> Any:
-    """An ``etcd_store.client.EtcdClient`` for ``urls`` with TLS and auth filled in.
+    """An ``etcd_store.client.EtcdClient`` for ``urls`` with TLS files and (with ``auth``) root credentials.
 
-    TLS files from ``tls`` and (with ``auth``) the root credentials are
-    passed (without TLS, with ``allow_insecure_auth``: the server listens on
-    this host); ``overrides`` (e.g. ``user=..., password=..., timeout=...``)
-    replace them. Endpoints are "host:port" without TLS, https URLs with it.
-    Constructing the client sends no request. Typed ``Any`` so that
-    etcd_server's signatures do not name an etcd_store type.
+    Without TLS the endpoints are "host:port" and auth may go in plain text (the server is on
+    this host); ``overrides`` (e.g. ``user=..., timeout=...``) win. Sends no request. Returns
+    ``Any`` so that etcd_server's signatures name no etcd_store type.
 
     Raises:
         ImportError: etcd_store (or grpc) is not installed.
@@ -76,7 +62,6 @@ def make_client(
         urls = [u.split("://", 1)[1] for u in urls]
     if auth is not None:
         kwargs.update(user="root", password=auth.root_password)
-        # The server's own client on its loopback URLs: plain text only when it runs without TLS.
         kwargs.update(allow_insecure_auth=tls is None)
     kwargs.update(overrides)
     return EtcdClient(urls[0] if len(urls) == 1 else urls, **kwargs)
@@ -198,11 +183,13 @@ class _LocalEtcd:
                 return
 
     def _set_up_auth_privately(self, members: list[EtcdMember], timeout: float, stderr: int | TextIO | None) -> None:
-        """Start every member listening for clients only on a unix socket in a private
-        directory, set up auth through member 0 (:func:`~etcd_server.gateway.setup_auth`),
-        wait until every member has applied ``auth enable``, and stop them all: the real
-        client ports open later, on data dirs whose auth is on. The peer ports are the real
-        ones throughout (TLS when configured). Blocks for one start and one stop.
+        """Set up auth before any client port opens; blocks for one start and one stop.
+
+        Starts every member with clients only on a unix socket in a private (0700) directory
+        (peer ports real, TLS when configured), runs :func:`~etcd_server.gateway.setup_auth`
+        through member 0 (it also checks that the keyspace revision did not move), waits until
+        every member applied ``auth enable``, and stops them all. Auth state lives in the data
+        dirs, which the real start reuses.
 
         Raises what :meth:`EtcdMember.wait_ready` and ``setup_auth`` raise; etcd is stopped.
         """
@@ -241,13 +228,11 @@ class _LocalEtcd:
             self._work_dir = None
 
     def _terminate_all(self, members: list[EtcdMember], *, graceful: bool) -> None:
-        """Stop all members, one at a time, followers first.
+        """Stop all members one at a time, the leader last.
 
-        A leader that gets SIGTERM tries to hand leadership to a follower it
-        believes alive; when the followers are gone (or going) it waits etcd's
-        ~7 s transfer timeout. So members are stopped sequentially, the leader
-        last, and the last member gets a short grace before SIGKILL (safe:
-        etcd has fsynced everything it acknowledged). One member gets ``stop_grace``.
+        A leader that gets SIGTERM tries to hand leadership to a follower it believes alive and
+        waits etcd's ~7 s transfer timeout when none answers. The last of several members gets
+        at most 1 s before SIGKILL (safe: etcd fsynced all it acknowledged); others ``stop_grace``.
         """
         live = [m for m in members if m.running()]
         if graceful and len(live) > 1:
@@ -292,19 +277,15 @@ class EtcdCluster(_LocalEtcd):
 
     Args:
         size: number of members (>= 1).
-        binary: etcd binary (see :func:`etcd_server.binary.find_etcd_binary`).
-        data_dir: parent directory of the members' data dirs
-            (``<data_dir>/member-<i>``); a temporary one, removed by
-            ``stop()``, when None. A caller-given directory is kept.
-        enable_v2, extra_args, tls, auth, die_with_parent, stop_grace: as for
-            :class:`~etcd_server.server.EtcdServer` (``extra_args`` go to
-            every member; auth is set up once through member 0, before any
-            member's client port opens: see :meth:`_set_up_auth_privately`).
-        heartbeat_ms, election_timeout_ms: raft timing; None (default) keeps
-            etcd's 100 / 1000 ms, which tolerate a loaded machine.
+        data_dir: parent of the members' data dirs (``<data_dir>/member-<i>``), kept;
+            None: a temporary one, removed by ``stop()``.
+        binary, enable_v2, extra_args, tls, auth, die_with_parent, stop_grace: as for
+            :class:`~etcd_server.server.EtcdServer`; ``extra_args`` go to every member.
+        heartbeat_ms, election_timeout_ms: raft timing; None keeps etcd's 100 / 1000 ms,
+            which tolerate a loaded machine.
 
     Raises:
-        EtcdBinaryNotFoundError: (at construction) no etcd binary found.
+        EtcdBinaryNotFoundError: no etcd binary found.
         ValueError: ``size`` < 1, or ``enable_v2=True`` with etcd 3.6+ (no v2 API).
     """
 
@@ -373,18 +354,14 @@ class EtcdCluster(_LocalEtcd):
     # -- lifecycle ---------------------------------------------------------
 
     def start(self, timeout: float = 60, num_retries: int = 3) -> None:
-        """Start all members and block until every one serves v3 requests.
+        """Start all members; block until every one serves v3 (a leader and a read through raft).
 
-        Members are launched together, then each is polled (``GET /health``:
-        a leader and a read through raft). If a port was taken between
-        probing and binding on the first start, all members are stopped, their
-        fresh data wiped, and the start retried on new ports (``num_retries``
-        attempts in all).
+        On the first start, a port taken between probing and binding stops all members, wipes
+        their fresh data and retries on new ports (``num_retries`` attempts in all).
 
         Raises:
             RuntimeError: already started.
-            EtcdStartError: a member exited during start-up (its exit code
-                and log tail); all members are stopped.
+            EtcdStartError: a member exited during start-up (exit code, log tail); all are stopped.
             EtcdStartTimeoutError: not ready within ``timeout``.
         """
         self._start_members(timeout, num_retries)
@@ -439,18 +416,15 @@ class EtcdCluster(_LocalEtcd):
                     self._auth_done = False
 
     def stop_member(self, i: int, *, graceful: bool = False) -> None:
-        """Stop member ``i`` (SIGKILL by default: a crash; SIGTERM if ``graceful``).
+        """Stop member ``i``; block until it exited (SIGKILL by default: a crash; SIGTERM if ``graceful``).
 
-        Blocks until it has exited. Its data dir and ports are kept for
-        :meth:`start_member`.
+        Its data dir and ports are kept for :meth:`start_member`.
         """
         with self._lock:
             self._members[i].terminate(grace=self.stop_grace, graceful=graceful)
 
     def start_member(self, i: int, timeout: float = 60) -> None:
-        """Start member ``i`` again with its ports and data dir; block until ready.
-
-        Needs a quorum of live members to become ready.
+        """Start member ``i`` again on its ports and data dir; block until ready (needs a live quorum).
 
         Raises:
             RuntimeError: the member is running.
@@ -466,12 +440,10 @@ class EtcdCluster(_LocalEtcd):
                 raise
 
     def leader(self, timeout: float = 10.0) -> int:
-        """Index of the current leader, asking live members' ``/metrics``.
+        """Index of the leader: the live member whose ``/metrics`` has ``etcd_server_is_leader`` 1.
 
-        A member is the leader when its ``etcd_server_is_leader`` gauge is 1
-        (served by etcd 3.4 to 3.7 without auth, also when the JSON gateway
-        would need a token or refuse the client certificate). Polls (blocking)
-        until one is found.
+        etcd 3.4 to 3.7 serve ``/metrics`` without auth, also where the JSON gateway would need a
+        token or refuse the client certificate. Polls until a leader is found.
 
         Raises:
             TimeoutError: no leader within ``timeout`` seconds.
@@ -486,11 +458,7 @@ class EtcdCluster(_LocalEtcd):
             time.sleep(0.05)
 
     def get_client(self, **overrides: Any) -> Any:
-        """An ``etcd_store.client.EtcdClient`` over all members' endpoints.
-
-        TLS files and root credentials (with auth) are filled in; ``overrides``
-        replace them. Imports etcd_store only when called (in :func:`make_client`).
-        """
+        """An ``EtcdClient`` over all members' endpoints, TLS and credentials set (:func:`make_client`)."""
         return make_client(self.client_urls, self.tls, self.auth, overrides)
 
     def __enter__(self) -> EtcdCluster:

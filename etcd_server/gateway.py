@@ -1,16 +1,13 @@
 """etcd's JSON gateway and plain HTTP endpoints, its error answers, and the auth set-up.
 
-:class:`Gateway` POSTs JSON to ``/v3/...`` (etcd's gRPC gateway) and GETs
-``/health`` and ``/metrics``; it never uses an HTTP proxy, and can also talk
-over a unix socket (the private set-up listener). Every call blocks for at most
-its ``timeout``. An error answer becomes :class:`EtcdGatewayError`, told apart
-by gRPC ``code`` and HTTP status only (the bodies differ between etcd
-versions); no answer at all is an ``OSError``.
+:class:`Gateway` POSTs JSON to ``/v3/...`` (etcd's gRPC gateway) and GETs ``/health`` and
+``/metrics``, never through an HTTP proxy, optionally over a unix socket (the private
+set-up listener). Every call blocks for at most its ``timeout``. An error answer becomes
+:class:`EtcdGatewayError`; no answer at all is an ``OSError``.
 
-:func:`setup_auth` creates the root user and role, the optional prefix-limited
-user, and enables auth; it is idempotent and works on etcd 3.4 to 3.7.
-Passwords travel in request bodies only, never in URLs, argv or logs.
-Standard library only.
+:func:`setup_auth` creates the root user and role, the optional prefix-limited user, and
+enables auth; idempotent, on etcd 3.4 to 3.7. Passwords travel in request bodies only,
+never in URLs, argv or logs. Standard library only.
 """
 
 from __future__ import annotations
@@ -54,16 +51,14 @@ NO_CODE = -1
 class EtcdGatewayError(RuntimeError):
     """An error answer from etcd's JSON gateway (``/v3/...``).
 
-    Every etcd version from 3.4 to 3.7 puts the gRPC status code in the
-    answer's ``code`` field (the rest of the body changed in 3.6), so errors
-    are told apart by :attr:`code` and :attr:`http_status` only, never by
-    message text.
+    etcd 3.4 to 3.7 all put the gRPC status code in the answer's ``code`` field (the rest of
+    the body changed in 3.6), so errors are told apart by :attr:`code` and :attr:`http_status`
+    only, never by message text.
 
     Attributes:
         path: the gateway path requested.
         http_status: HTTP status code of the answer.
-        code: the gRPC status code etcd reported (e.g. 9 FAILED_PRECONDITION),
-            or -1 when the answer carried none (not a gRPC error).
+        code: the gRPC status code (e.g. 9 FAILED_PRECONDITION), -1 when there was none.
         etcd_message: etcd's error message (for people; do not parse it).
     """
 
@@ -87,12 +82,10 @@ class EtcdGatewayError(RuntimeError):
 
     @property
     def refused_by_gateway(self) -> bool:
-        """True when the gateway refused the request before it reached etcd's gRPC API.
+        """True when the gateway refused the request before etcd's gRPC API (HTTP 400, no gRPC code).
 
-        That is an HTTP 400 with no gRPC code. In etcd 3.4 to 3.7 the one such
-        refusal is for a TLS client whose certificate has a CommonName while
-        auth is enabled ("CommonName of client sending a request against
-        gateway will be ignored ..."), so it also says auth is on.
+        In etcd 3.4 to 3.7 the one such refusal is for a TLS client whose certificate has a
+        CommonName while auth is enabled, so it also says auth is on.
         """
         return self.http_status == 400 and self.code == NO_CODE
 
@@ -104,8 +97,7 @@ def _b64(data: bytes) -> str:
 def _prefix_end(prefix: bytes) -> bytes:
     """The ``range_end`` of the keys starting with ``prefix`` (``b"\\0"``: all keys).
 
-    For the role grant only; ``etcd_store.client.prefix_range_end`` is the
-    public one (etcd_server cannot import it: it is standard-library only).
+    Twin of ``etcd_store.client.prefix_range_end``, which standard-library-only etcd_server cannot import.
     """
     p = bytearray(prefix)
     while p:
@@ -148,8 +140,8 @@ class _UnixHandler(urllib.request.HTTPHandler):
 class Gateway:
     """Minimal client for etcd's v3 JSON gateway (POST + JSON, no proxies).
 
-    ``unix_socket``: send every request over that unix socket (``base_url``
-    then only names the ``Host`` header, e.g. ``http://localhost``).
+    ``unix_socket``: send every request over it (``base_url`` then only names the ``Host``
+    header, e.g. ``http://localhost``).
     """
 
     def __init__(
@@ -172,14 +164,11 @@ class Gateway:
         timeout: float = 5.0,
         token: str | None = None,
     ) -> dict[str, Any]:
-        """POST ``body`` to ``path`` and return the decoded JSON answer.
-
-        Blocks up to ``timeout`` seconds.
+        """POST ``body`` to ``path``; the decoded JSON answer. Blocks up to ``timeout`` seconds.
 
         Raises:
             EtcdGatewayError: etcd answered with an error.
-            OSError: (incl. ``urllib.error.URLError``, ``ssl.SSLError``,
-                ``TimeoutError``) the request did not get an answer.
+            OSError: (incl. ``URLError``, ``ssl.SSLError``, ``TimeoutError``) no answer.
         """
         req = urllib.request.Request(
             self.base_url + path,
@@ -225,10 +214,7 @@ class Gateway:
     def health(self, *, timeout: float = 5.0) -> str | None:
         """``GET /health``: None when etcd reports ``"health": "true"``, else why not.
 
-        See the module docstring (*Readiness*) for why this is the probe.
-
-        Raises:
-            OSError: no answer.
+        Why this probe: :mod:`etcd_server.member`, *Readiness*. Raises ``OSError``: no answer.
         """
         status, body = self.get("/health", timeout=timeout)
         try:
@@ -240,12 +226,9 @@ class Gateway:
         return f"/health answered HTTP {status}: {body[:200].decode('utf-8', 'replace').strip()}"
 
     def is_leader(self, *, timeout: float = 5.0) -> bool:
-        """True if this member's ``/metrics`` says ``etcd_server_is_leader 1``.
+        """True if this member's ``/metrics`` says ``etcd_server_is_leader 1`` (etcd 3.4 to 3.7, no auth).
 
-        Needs no auth token and no gateway; the gauge exists in etcd 3.4 to 3.7.
-
-        Raises:
-            OSError: no answer.
+        Raises ``OSError``: no answer.
         """
         status, body = self.get("/metrics", timeout=timeout)
         if status != 200:
@@ -260,17 +243,13 @@ class Gateway:
 class AuthConfig:
     """Turn on etcd authentication before the server first serves its client port.
 
-    The set-up runs on a first start of etcd that listens for clients only on a
-    unix socket in a private directory; etcd then restarts on its real client
-    URL with auth on (see :mod:`etcd_server.cluster`). A ``root`` user with
-    ``root_password`` and the ``root`` role is created and ``auth enable`` is issued. When ``user`` is set, that user is created with
-    ``password`` and a role (``role``, default ``"<user>-rw"``) granting
-    READWRITE on the keys starting with ``prefix`` only (all keys when
-    ``prefix`` is empty).
+    Creates a ``root`` user (``root_password``, ``root`` role) and issues ``auth enable``;
+    with ``user``, also that user (``password``) and a role (``role``, default
+    ``"<user>-rw"``) granting READWRITE on the keys starting with ``prefix`` only (all keys
+    when ``prefix`` is empty). How and when: :mod:`etcd_server.cluster`.
 
-    Validated at construction (``ValueError`` naming the field). Passwords are
-    excluded from ``repr`` and are only ever sent in request bodies to the
-    server's JSON gateway.
+    Validated at construction (``ValueError`` naming the field). Passwords are left out of
+    ``repr`` and only ever sent in request bodies to the server's JSON gateway.
     """
 
     root_password: str = dataclasses.field(repr=False)
@@ -304,10 +283,9 @@ class AuthConfig:
 def auth_enabled(gateway: Gateway, auth: AuthConfig, *, timeout: float = 10.0) -> bool:
     """Whether auth is on, asked with ``Authenticate`` as root (one round trip).
 
-    Told apart by gRPC code, which is the same in etcd 3.4 to 3.7: success
-    means on; FAILED_PRECONDITION is what ``Authenticate`` answers when auth
-    is off (its only use of that code); a gateway refusal without a code
-    happens only with auth on (see ``EtcdGatewayError.refused_by_gateway``).
+    By gRPC code, the same in etcd 3.4 to 3.7: success means on; FAILED_PRECONDITION is
+    ``Authenticate``'s answer when auth is off (its only use of that code); a gateway
+    refusal without a code happens only with auth on (:attr:`EtcdGatewayError.refused_by_gateway`).
     Anything else, e.g. INVALID_ARGUMENT for another root password, is raised.
     """
     try:
@@ -326,26 +304,21 @@ def auth_enabled(gateway: Gateway, auth: AuthConfig, *, timeout: float = 10.0) -
 
 
 def setup_auth(gateway: Gateway, auth: AuthConfig, *, timeout: float = 10.0) -> None:
-    """Create the root user/role (and the limited user) and enable auth, then check that etcd
-    holds exactly those users and roles.
+    """Create the root user/role (and the limited user), enable auth, and check that etcd holds
+    exactly those users and roles.
 
-    :class:`~etcd_server.EtcdServer` and ``EtcdCluster`` call it over a private unix socket,
-    before the client port exists. The keyspace revision is read first and again after
-    ``auth enable``: a revision that moved (someone wrote meanwhile) raises.
-
-    Idempotent: if auth is already enabled (the root password authenticates),
-    nothing is changed; users and roles left by an interrupted earlier set-up
-    are kept (existing ones are listed first, never re-added, so no error text
-    has to be matched), but their passwords are set again: a client that reached
-    the port before auth was on may have created them. Once auth is on, the users,
-    the roles and the limited role's permission are read back as root
-    (:func:`_verify_auth`): anything else (added meanwhile) raises. Blocks for
-    about fifteen gateway round trips, each bounded by ``timeout``.
+    Called over the private unix socket, before the client port exists
+    (:mod:`etcd_server.cluster`). Idempotent: if the root password already authenticates,
+    nothing changes. Users and roles an interrupted set-up left are kept (listed first, never
+    re-added, so no error text is matched) but their passwords are set again: a client that
+    reached the port before auth was on may have created them. Anything else found before
+    the enable or after it (:func:`_verify_auth`), or a keyspace revision that moved
+    meanwhile, raises. Blocks for about fifteen gateway round trips, each up to ``timeout``.
 
     Raises:
-        EtcdGatewayError: etcd refused a step (e.g. auth is already enabled
-            with a different root password: INVALID_ARGUMENT), or holds users,
-            roles or permissions this set-up did not create.
+        EtcdGatewayError: etcd refused a step (e.g. auth already enabled with another root
+            password: INVALID_ARGUMENT), or holds users, roles, grants or writes this set-up did
+            not make.
         OSError: the gateway did not answer.
     """
     if auth_enabled(gateway, auth, timeout=timeout):
@@ -370,7 +343,8 @@ def setup_auth(gateway: Gateway, auth: AuthConfig, *, timeout: float = 10.0) -> 
     except EtcdGatewayError as e:
         if not e.refused_by_gateway:
             raise
-        # (Not on the private set-up socket, which has no TLS.) With auth on, etcd's gateway refuses a client certificate that names a user (its CN).
+        # With auth on, the gateway refuses a client certificate naming a user (its CN); never on
+        # the private socket (no TLS).
         logger.info("etcd auth enabled; the gateway refuses the re-check with this client certificate")
     logger.info(
         "etcd auth enabled (root%s)",

@@ -1,54 +1,40 @@
 """One etcd process: its command line (with :class:`TLSConfig`), launch, readiness, log and stop.
 
-:class:`EtcdMember` is the part :class:`~etcd_server.EtcdServer` (one member)
-and :class:`~etcd_server.EtcdCluster` (several) share. ``launch()`` returns at
-once; ``wait_ready(deadline)`` blocks until etcd serves, raising
-:class:`EtcdStartError` (with exit code and log tail) as soon as the process
-exits, or :class:`EtcdStartTimeoutError` at the deadline; ``terminate()``
-blocks until the process is reaped.
-
-Every flag on the command line exists, undeprecated, in etcd 3.4 to 3.7
-(``--enable-v2`` only when asked, which callers allow on 3.4/3.5 only); the
+:class:`EtcdMember` is what :class:`~etcd_server.EtcdServer` (one member) and
+:class:`~etcd_server.EtcdCluster` (several) share. Every flag used exists, undeprecated, in
+etcd 3.4 to 3.7 (``--enable-v2`` only when asked, which callers allow on 3.4/3.5 only); the
 command line never holds a secret.
 
 Ports
 -----
-Clients: ``http(s)://127.0.0.1:<client>``. Peers: ``http://127.0.0.1:<peer>``
-without TLS (open to every local user: trusted single-user machines only); with
-a :class:`TLSConfig`, ``https://`` with ``--peer-client-cert-auth`` (a peer must
-present a certificate of the peer CA, by default the client CA;
-``peer_allowed_cn`` narrows that to one CommonName).
+Clients: ``http(s)://127.0.0.1:<client>``. Peers: ``http://127.0.0.1:<peer>`` without TLS
+(open to every local user: trusted single-user machines only); with a :class:`TLSConfig`,
+``https://`` with ``--peer-client-cert-auth`` (which certificates pass: :class:`TLSConfig`).
 
-A *private set-up start* (``private_dir`` set) listens for clients only on the
-unix socket ``<private_dir>/localhost:<client>`` (etcd's unix URLs need a
-``host:port``, taken as a file name relative to etcd's working directory, which
-is then ``private_dir``), in plain text; the peer port is as above. The server
-and the cluster use it to set up auth before the real client port exists.
+A *private set-up start* (``private_dir`` set) serves clients only in plain text on the
+unix socket ``<private_dir>/localhost:<client>``: etcd's unix URLs need a ``host:port``,
+taken as a file name relative to etcd's working directory, then ``private_dir``. The peer
+port is as above. The server and the cluster use it to set up auth before the real client
+port exists.
 
 Readiness
 ---------
-etcd is ready when ``GET /health`` on its client URL answers
-``{"health": "true"}``. etcd 3.4 to 3.7 all serve it, with that same body, and
-answer true only when the member has a leader, no alarm, and a read through
-raft succeeded (3.4: a quorum read; 3.5+: a linearizable range). It was chosen
-over the alternatives because it does not depend on what changed between
-versions:
+Ready means ``GET /health`` on the client URL answers ``{"health": "true"}``. etcd 3.4 to
+3.7 all serve it with that body, true only with a leader, no alarm, and a read through
+raft (3.4: a quorum read; 3.5+: a linearizable range). The alternatives depend on the
+version:
 
 * ``/readyz`` and ``/livez`` exist only from 3.6 on;
-* requests through the JSON gateway (``/v3/...``) need a token once auth is on
-  (3.6+ even for ``/v3/maintenance/status``), are refused outright (plain-text
-  HTTP 400) for a TLS client whose certificate has a CommonName while auth is
-  on, and their error bodies changed in 3.6 (``{"error", "message", "code"}``
-  before, ``{"code", "message"}`` since); only the ``code`` field and the HTTP
-  status are common to all versions;
-* a gRPC request works everywhere but needs grpc, and this package is
-  standard-library only.
+* the JSON gateway (``/v3/...``) needs a token once auth is on (3.6+ even for
+  ``/v3/maintenance/status``), refuses (plain-text HTTP 400) a TLS client whose
+  certificate has a CommonName while auth is on, and changed its error bodies in 3.6
+  (only the ``code`` field and the HTTP status are common to all versions);
+* gRPC works everywhere but needs grpc, and this package is standard-library only.
 
-``/health`` is not behind the gateway, so none of that applies. Leader
-discovery (:meth:`etcd_server.EtcdCluster.leader`) likewise reads the
-``etcd_server_is_leader`` gauge from ``/metrics`` (all versions, no auth). The
-auth set-up still uses the gateway and tells answers apart by HTTP status and
-gRPC ``code`` only (see :func:`etcd_server.gateway.setup_auth`).
+``/health`` is not behind the gateway. Leader discovery
+(:meth:`etcd_server.EtcdCluster.leader`) likewise reads ``/metrics`` (all versions, no
+auth). The auth set-up still uses the gateway, telling answers apart by HTTP status and
+gRPC ``code`` only (:func:`etcd_server.gateway.setup_auth`).
 
 Standard library only.
 """
@@ -121,30 +107,22 @@ class TLSConfig:
     """Serve the client API over https (frozen; ``ValueError`` at construction naming a bad field).
 
     Attributes:
-        cert_file, key_file: the server certificate and key (PEM). The
-            certificate should name ``IP:127.0.0.1`` in its subjectAltName.
-            etcd's JSON gateway dials the server with this same certificate,
-            so when ``client_cert_auth`` is on it must also allow
-            ``clientAuth`` (extendedKeyUsage serverAuth + clientAuth).
-        ca_file: CA bundle that signed the server (and client) certificates;
-            passed as ``--trusted-ca-file`` and used by our probes/clients.
-        client_cert_auth: require clients to present a certificate signed by
-            ``ca_file`` (``--client-cert-auth``).
-        client_cert_file, client_key_file: the certificate our readiness
-            probes and :meth:`EtcdServer.get_client` present; default to the
-            server certificate and key.
-        peer_cert_file, peer_key_file, peer_ca_file: the peer port's
-            certificate, key and trusted CA (``--peer-cert-file``,
-            ``--peer-key-file``, ``--peer-trusted-ca-file``); default to
-            ``cert_file``, ``key_file`` and ``ca_file``. With TLS configured
-            the peer port always serves https and requires a peer certificate
-            signed by that CA (``--peer-client-cert-auth``); members dial each
-            other with the peer certificate, so in a cluster it must allow
-            both serverAuth and clientAuth and name ``IP:127.0.0.1``.
+        cert_file, key_file: the server certificate and key (PEM); the certificate should
+            name ``IP:127.0.0.1``. etcd's JSON gateway dials the server with it, so with
+            ``client_cert_auth`` it must also allow clientAuth (extendedKeyUsage).
+        ca_file: CA bundle that signed the server (and client) certificates
+            (``--trusted-ca-file``; our probes and clients trust it).
+        client_cert_auth: require a client certificate signed by ``ca_file`` (``--client-cert-auth``).
+        client_cert_file, client_key_file: what our probes and :meth:`EtcdServer.get_client`
+            present; default: the server certificate and key.
+        peer_cert_file, peer_key_file, peer_ca_file: ``--peer-cert-file``, ``--peer-key-file``,
+            ``--peer-trusted-ca-file``; default: ``cert_file``, ``key_file``, ``ca_file``. With
+            TLS the peer port always serves https and requires a peer certificate of that CA;
+            members dial each other with the peer certificate, so in a cluster it must allow
+            serverAuth and clientAuth and name ``IP:127.0.0.1``.
         peer_allowed_cn: accept only peer certificates with this CommonName
-            (``--peer-cert-allowed-cn``). Without it (and without a separate
-            ``peer_ca_file``) every certificate the client CA signed, a
-            client's included, is a valid peer certificate.
+            (``--peer-cert-allowed-cn``). Without it (and without a separate ``peer_ca_file``)
+            every certificate the client CA signed, a client's included, passes as a peer's.
     """
 
     cert_file: str
@@ -197,10 +175,7 @@ class TLSConfig:
 
 
 class EtcdMember:
-    """One etcd process: command line, launch, readiness, stop, log.
-
-    Not thread-safe; owned by an :class:`EtcdServer` or ``EtcdCluster``.
-    """
+    """One etcd process. Not thread-safe; owned by an :class:`EtcdServer` or ``EtcdCluster``."""
 
     def __init__(
         self,
@@ -237,8 +212,7 @@ class EtcdMember:
         self.log_path: str | None = None
         self._log_offset = 0
         self._gateway: Gateway | None = None
-        #: When set, the next launch is a private set-up start: clients are served only on a unix
-        #: socket in this directory (etcd runs with it as its working directory), without TLS.
+        #: When set, the next launch is a private set-up start (module docstring, *Ports*).
         self.private_dir: str | None = None
 
     # -- addresses --------------------------------------------------------
@@ -254,8 +228,7 @@ class EtcdMember:
     @property
     def client_url(self) -> str:
         if self.private_dir is not None:
-            # etcd 3.4-3.7 want "host:port" in every client URL and take a unix URL's host:port
-            # as the socket's file name, relative to etcd's working directory (private_dir).
+            # host:port is the socket's file name, relative to etcd's cwd (module docstring, *Ports*).
             return f"unix://{self.private_socket_name}"
         return f"{self.scheme}://{HOST}:{self.client_port}"
 
@@ -338,10 +311,9 @@ class EtcdMember:
         return self.proc.pid if self.running() and self.proc else None
 
     def launch(self, stderr: int | IO[Any] | None = None) -> None:
-        """Start the process (does not wait for readiness).
+        """Start the process; does not wait for readiness.
 
-        etcd's stdout and stderr go to ``<work_dir>/<name>.log`` (appended)
-        unless ``stderr`` is given, in which case both go there.
+        etcd's stdout and stderr go to ``<work_dir>/<name>.log`` (appended), or to ``stderr`` when given.
         """
         if self.running():
             raise RuntimeError(f"etcd member {self.name} is already running")
@@ -383,9 +355,8 @@ class EtcdMember:
     def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
         """The last ``lines`` lines etcd logged since the latest launch.
 
-        When lines were cut, the first line is kept too, above a ``...``: a
-        flag error is etcd's first line, followed by a usage text that is
-        longer than the tail in etcd 3.7.
+        When lines were cut, the first is kept too, above a ``...``: a flag error is etcd's
+        first line, followed (etcd 3.7) by a usage text longer than the tail.
         """
         if not self.log_path:
             return ""
@@ -401,12 +372,10 @@ class EtcdMember:
         return "\n".join([all_lines[0], "...", *all_lines[-lines:]])
 
     def terminate(self, *, grace: float = 10.0, graceful: bool = True, quiet: bool = False) -> int | None:
-        """Stop the process: SIGTERM, then SIGKILL after ``grace`` seconds.
+        """Stop the process: SIGTERM, SIGKILL after ``grace`` s (at once when not ``graceful``).
 
-        With ``graceful=False`` sends SIGKILL at once; ``quiet`` logs the
-        escalation to SIGKILL at INFO instead of WARNING. Blocks until the
-        process has exited (and is reaped). Returns its exit status, or None
-        if no process was started. Idempotent.
+        Blocks until it is reaped; ``quiet`` logs the SIGKILL at INFO, not WARNING. Returns the
+        exit status, None if none was started. Idempotent.
         """
         proc = self.proc
         if proc is None:
@@ -433,10 +402,7 @@ class EtcdMember:
     # -- readiness --------------------------------------------------------
 
     def _probe(self, timeout: float) -> str | None:
-        """One readiness probe (``GET /health``): None when ready, else why not.
-
-        See the module docstring (*Readiness*) for why ``/health``.
-        """
+        """One readiness probe (``GET /health``, see *Readiness*): None when ready, else why not."""
         try:
             return self.gateway.health(timeout=timeout)
         except (OSError, http.client.HTTPException) as e:
@@ -445,8 +411,7 @@ class EtcdMember:
     def wait_ready(self, deadline: float) -> None:
         """Poll until the member serves v3 requests or ``deadline`` (monotonic).
 
-        Between probes it waits on the process (``proc.wait(timeout=...)``) so
-        an exit is noticed at once.
+        Between probes it waits on the process, so an exit is noticed at once.
 
         Raises:
             EtcdStartError: the process exited (exit code and log tail).

@@ -1,25 +1,21 @@
 """Process plumbing shared by every local etcd: ports, spawning, clean-up.
 
-* :func:`free_ports` picks loopback ports that were free a moment ago (callers
-  retry on "address already in use");
-* :func:`death_signal_prefix` / :func:`make_preexec` + :func:`in_spawner_thread`:
-  on Linux a child is started with ``prctl(PR_SET_PDEATHSIG, SIGKILL)``, so the
-  kernel kills etcd even when Python itself is SIGKILLed. Where util-linux's
-  ``setpriv`` exists the death signal is set by exec'ing etcd through
-  ``setpriv --pdeathsig KILL``, so Python needs no ``preexec_fn``: a
-  ``preexec_fn`` forces a plain ``fork()``, which runs every ``atfork`` handler of
-  the parent in the child (gRPC's among them, in a process that is a gRPC
-  client: seen to abort the child as "Fatal Python error: Aborted" under load),
-  while without one Python spawns with ``vfork``, which runs none;
-* :func:`register_live` / :func:`make_temp_dir`: an ``atexit`` hook stops every
-  etcd still running and removes every temporary directory still there.
+* :func:`free_ports` picks loopback ports free a moment ago (callers retry on
+  "address already in use");
+* :func:`death_signal_prefix` / :func:`make_preexec` + :func:`in_spawner_thread`: on
+  Linux a child gets ``PR_SET_PDEATHSIG=SIGKILL``, so the kernel kills etcd even when
+  Python is SIGKILLed. Where util-linux's ``setpriv`` exists, etcd is exec'ed through
+  ``setpriv --pdeathsig KILL`` so that no ``preexec_fn`` is needed: a ``preexec_fn``
+  forces a plain ``fork()``, which runs the parent's ``atfork`` handlers in the child
+  (gRPC's in a gRPC client: seen to abort the child under load), while without one
+  Python spawns with ``vfork``, which runs none;
+* :func:`register_live` / :func:`make_temp_dir`: an ``atexit`` hook stops every etcd
+  still running and removes every temporary directory still there.
 
-.. note:: ``PR_SET_PDEATHSIG`` fires when the *thread* that forked the child
-   exits, not only when the process does. So etcd is never forked from the
-   calling thread: every launch is handed to one daemon "spawner" thread that
-   lives until the process ends, and ``start()`` may be called from any
-   thread (a short-lived worker thread included). Pass
-   ``die_with_parent=False`` to opt out of the death signal altogether.
+.. note:: ``PR_SET_PDEATHSIG`` fires when the *thread* that forked the child exits, not
+   only the process. So every launch is forked by one daemon "spawner" thread that lives
+   until the process ends, and ``start()`` may be called from any thread (a short-lived
+   one included). ``die_with_parent=False`` opts out of the death signal.
 
 Standard library only.
 """
@@ -72,11 +68,10 @@ class Stoppable(Protocol):
 
 
 def free_ports(n: int) -> list[int]:
-    """Return ``n`` distinct ports that were free on 127.0.0.1 a moment ago.
+    """``n`` distinct ports that were free on 127.0.0.1 a moment ago.
 
-    Binds port 0 ``n`` times (holding all sockets until all are chosen, so the
-    ports differ) and closes them. Another process may still take a port
-    before etcd binds it; callers retry on "address already in use".
+    Binds port 0 ``n`` times, holding all sockets until all are chosen so the ports
+    differ. Another process may take a port before etcd binds it; callers retry.
     """
     socks: list[socket.socket] = []
     try:
@@ -93,8 +88,8 @@ def free_ports(n: int) -> list[int]:
 def death_signal_prefix(die_with_parent: bool) -> list[str] | None:
     """``[setpriv, "--pdeathsig", "KILL", "--"]`` to put before a command (Linux with util-linux), else None.
 
-    The process ``setpriv`` execs keeps the death signal (it is cleared only for
-    set-user-ID programs); its parent is the thread that spawned ``setpriv``.
+    The process ``setpriv`` execs keeps the death signal (cleared only for set-user-ID
+    programs); its parent is the thread that spawned ``setpriv``.
     """
     if not die_with_parent or not sys.platform.startswith("linux"):
         return None
@@ -105,9 +100,8 @@ def death_signal_prefix(die_with_parent: bool) -> list[str] | None:
 def make_preexec(die_with_parent: bool) -> Callable[[], None] | None:
     """A ``preexec_fn`` setting ``PR_SET_PDEATHSIG=SIGKILL`` (Linux), else None.
 
-    libc and ``prctl`` are resolved here, before the fork, so the child only
-    makes the system call. If the parent already died between ``fork`` and
-    ``prctl`` the child kills itself.
+    libc and ``prctl`` are resolved before the fork, so the child only makes the system
+    call. If the parent died between ``fork`` and ``prctl``, the child kills itself.
     """
     if not die_with_parent or not sys.platform.startswith("linux"):
         return None
@@ -147,11 +141,7 @@ def _spawner_loop(q: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]]) -
 
 
 def in_spawner_thread(fn: Callable[[], _T]) -> _T:
-    """Run ``fn`` (a fork) on the process-lifetime daemon spawner thread; block for it.
-
-    ``PR_SET_PDEATHSIG`` is tied to the forking thread, so children forked
-    there die with the process, not with whichever thread asked.
-    """
+    """Run ``fn`` (a fork) on the spawner thread (module docstring's note); block for it."""
     global _spawn_queue
     with _spawn_lock:
         if _spawn_queue is None:

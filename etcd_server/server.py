@@ -2,31 +2,23 @@
 
 :class:`EtcdServer` is a drop-in for
 ``torch.distributed.elastic.rendezvous.etcd_server.EtcdServer`` (same
-``start``/``stop``/``get_host``/``get_port``/``get_endpoint``/``get_client``
-methods) and the one-member face of :mod:`etcd_server.cluster`'s shared
-lifecycle, with these differences from torch's:
+``start``/``stop``/``get_host``/``get_port``/``get_endpoint``/``get_client``) and the
+one-member face of :mod:`etcd_server.cluster`'s lifecycle. Unlike torch's:
 
-* it talks the etcd **v3** API; the v2 API is off unless ``enable_v2=True``
-  (etcd 3.4 and 3.5 only: asking for it with etcd 3.6 or later, which removed
-  the v2 API, raises ``ValueError`` at construction, before anything runs);
-* readiness is polled against a deadline with ``GET /health`` (see
-  :mod:`etcd_server.member` for why); a process that exits during start-up
-  is noticed at once and reported with its exit code and the tail of its
-  log (:class:`~etcd_server.member.EtcdStartError`);
-* it listens on ``127.0.0.1`` only, on free ports; when a port is taken
-  between probing and binding the start is retried on new ports;
-* ``start()`` may be called again after ``stop()`` (and :meth:`EtcdServer.restart`
-  exists): the client and peer ports stay the same, so connected clients can
-  reconnect;
-* no etcd outlives the Python process that started it: ``stop()`` sends SIGTERM
-  then SIGKILL, an ``atexit`` hook stops whatever is still running, and on
-  Linux the child is started with ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` so the
-  kernel kills it even when Python itself is SIGKILLed (:mod:`etcd_server.process`);
-* optional TLS serving (:class:`~etcd_server.member.TLSConfig`; the peer port
-  then serves TLS and requires a peer certificate) and auth
-  (:class:`~etcd_server.gateway.AuthConfig`), set up before the client port
-  exists (see :mod:`etcd_server.cluster`; one more start and stop of etcd,
-  measured in docs/server.md).
+* it talks the etcd **v3** API; v2 is off unless ``enable_v2=True`` (etcd 3.4 and 3.5
+  only: with 3.6+, which removed v2, that raises ``ValueError`` at construction);
+* readiness is polled against a deadline with ``GET /health`` (why:
+  :mod:`etcd_server.member`); a process that exits during start-up is reported at once
+  with its exit code and log tail (:class:`~etcd_server.member.EtcdStartError`);
+* it listens on ``127.0.0.1`` only, on free ports; a port taken between probing and
+  binding is retried on new ports;
+* ``start()`` may follow ``stop()`` (and :meth:`EtcdServer.restart` exists) on the same
+  client and peer ports, so connected clients can reconnect;
+* no etcd outlives the Python process that started it: ``stop()``, an ``atexit`` hook, and on
+  Linux ``PR_SET_PDEATHSIG`` even when Python is SIGKILLed (:mod:`etcd_server.process`);
+* optional TLS (:class:`~etcd_server.member.TLSConfig`; the peer port then serves TLS and
+  requires a peer certificate) and auth (:class:`~etcd_server.gateway.AuthConfig`), set up
+  before the client port exists (one more start and stop, measured in docs/server.md).
 
 This module imports only the standard library (no torch, grpc or etcd_store).
 """
@@ -54,33 +46,28 @@ class EtcdServer(_LocalEtcd):
     """A single-member etcd v3 server on ``127.0.0.1`` (drop-in for torch's).
 
     Args:
-        data_dir: etcd data directory. When None a temporary directory is
-            created at ``start()`` and removed by ``stop()``; a directory given
-            by the caller is kept.
-        binary: etcd binary; see :func:`etcd_server.binary.find_etcd_binary`
-            for the search order when None.
-        enable_v2: also serve the v2 API (``--enable-v2=true``); only for
-            side-by-side benchmarks with torch's built-in ``etcd`` backend.
-            etcd 3.4 and 3.5 only (3.6 removed the v2 API).
-        extra_args: extra etcd command-line flags, appended last.
-        tls: serve https with these certificates (see :class:`TLSConfig`).
-        auth: enable authentication before the client port first opens
-            (:class:`AuthConfig`; see the module docstring).
+        data_dir: etcd data directory, kept; None: a temporary one, created at ``start()``
+            and removed by ``stop()``.
+        binary: etcd binary; None: see :func:`etcd_server.binary.find_etcd_binary`.
+        enable_v2: also serve the v2 API (``--enable-v2=true``), for side-by-side
+            benchmarks with torch's ``etcd`` backend; etcd 3.4 and 3.5 only.
+        extra_args: extra etcd flags, appended last.
+        tls: serve https with these certificates (:class:`TLSConfig`).
+        auth: enable authentication before the client port first opens (:class:`AuthConfig`).
         port, peer_port: fixed client/peer ports; free ports when None.
-        die_with_parent: (Linux) have the kernel SIGKILL etcd when this
-            Python process dies, even by SIGKILL (see the module docstring).
+        die_with_parent: (Linux) the kernel SIGKILLs etcd when this Python process dies,
+            even by SIGKILL.
         stop_grace: seconds ``stop()`` waits after SIGTERM before SIGKILL.
         name: the etcd member name.
-        heartbeat_ms, election_timeout_ms: raft timing flags. The defaults
-            (20 / 100 ms instead of etcd's 100 / 1000) are safe for a single
-            member, which always wins its own election, and make start and
-            restart take ~0.2 s instead of ~1 s. None keeps etcd's default;
-            the same flags in ``extra_args`` win.
+        heartbeat_ms, election_timeout_ms: raft timing. The defaults (20 / 100 ms, not
+            etcd's 100 / 1000) are safe for a single member, which always wins its own
+            election, and make a start ~0.2 s instead of ~1 s. None keeps etcd's; the same
+            flags in ``extra_args`` win.
 
     Raises:
         EtcdBinaryNotFoundError: (at construction) no etcd binary was found.
-        ValueError: (at construction) ``enable_v2=True`` with etcd 3.6 or
-            later, which has no v2 API; the message names the version.
+        ValueError: (at construction) ``enable_v2=True`` with etcd 3.6+ (no v2 API); the
+            message names the version.
     """
 
     _KIND = "server"
@@ -169,30 +156,24 @@ class EtcdServer(_LocalEtcd):
     ) -> None:
         """Start etcd and block until it serves v3 requests.
 
-        On the first start, ports not fixed by the caller are chosen free; if
-        etcd then reports "address already in use" the start is retried (up to
-        ``num_retries`` attempts in all) on new ports. Later starts (after
-        ``stop()``) reuse the same ports. When ``auth`` is set, the first start
-        sets it up over a private unix socket before the client port opens
-        (one more start and stop of etcd).
+        On the first start, ports the caller did not fix are chosen free, and "address already
+        in use" is retried on new ports. Later starts (after ``stop()``) reuse the ports: a
+        kept port that is taken fails with :class:`EtcdStartError`. With ``auth``, the first
+        start sets it up first (:mod:`etcd_server.cluster`).
 
         Args:
-            timeout: seconds to wait for readiness, per attempt (and, for the
-                private auth set-up start, once more for that start).
+            timeout: seconds to wait for readiness, per attempt (and once more for the
+                private auth set-up start).
             num_retries: attempts in all when a port collision happens.
-            stderr: where etcd's stdout/stderr go; default a log file (whose
-                tail goes into errors). When given, any exit during the first
-                start counts as a possible port collision and is retried.
-
-        A later start that finds one of its (kept) ports taken fails with
-        :class:`EtcdStartError` instead of moving to another port.
+            stderr: where etcd's stdout/stderr go; default a log file (whose tail goes into
+                errors). When given, any exit during the first start counts as a possible
+                port collision.
 
         Raises:
             RuntimeError: already running.
-            EtcdStartError: etcd exited during start-up (``returncode``,
-                ``log_tail``).
-            EtcdStartTimeoutError: not ready within ``timeout`` (also a
-                ``TimeoutError``); the process is killed.
+            EtcdStartError: etcd exited during start-up (``returncode``, ``log_tail``).
+            EtcdStartTimeoutError: not ready within ``timeout`` (also a ``TimeoutError``); the
+                process is killed.
             EtcdGatewayError: the auth setup was refused.
         """
         self._start_members(timeout, num_retries, stderr)
@@ -242,13 +223,11 @@ class EtcdServer(_LocalEtcd):
         )  # fmt: skip
 
     def stop(self, *, keep_data: bool = False, graceful: bool = True) -> None:
-        """Stop etcd and block until it has exited.
+        """Stop etcd and block until it has exited (SIGTERM, SIGKILL after ``stop_grace``;
+        ``graceful=False``: SIGKILL at once).
 
-        Sends SIGTERM and, after ``stop_grace`` seconds, SIGKILL
-        (``graceful=False``: SIGKILL at once). Then removes the temporary
-        data dir and log unless ``keep_data`` (a caller-given ``data_dir`` is
-        never removed). Idempotent; a later ``start()`` reuses the ports (and
-        the data when kept or caller-given).
+        Removes the temporary data dir and log unless ``keep_data`` (a caller-given ``data_dir``
+        is never removed). Idempotent; a later ``start()`` reuses the ports (and kept data).
         """
         with self._lock:
             self._terminate_all(self._members, graceful=graceful)
@@ -260,10 +239,7 @@ class EtcdServer(_LocalEtcd):
                     self._auth_done = False
 
     def restart(self, timeout: float = 60, *, graceful: bool = True) -> None:
-        """Stop etcd keeping its data, and start it again on the same ports.
-
-        Blocks until the new process is ready (see :meth:`start`).
-        """
+        """Stop etcd keeping its data and start it again on the same ports; blocks as :meth:`start`."""
         self.stop(keep_data=True, graceful=graceful)
         self.start(timeout=timeout, num_retries=1)
 
@@ -278,13 +254,9 @@ class EtcdServer(_LocalEtcd):
     # -- clients -----------------------------------------------------------
 
     def get_client(self, **overrides: Any) -> Any:
-        """Return an ``etcd_store.client.EtcdClient`` connected to this server.
-
-        TLS files and (with auth) the root credentials are filled in;
-        ``overrides`` (e.g. ``user=..., password=..., timeout=...``) replace
-        them. Imports ``etcd_store`` (and grpc) on the first call, in
-        :func:`etcd_server.cluster.make_client`, the one place etcd_server
-        depends on etcd_store.
+        """An ``etcd_store.client.EtcdClient`` connected to this server, TLS files and (with auth) root
+        credentials filled in, ``overrides`` (e.g. ``user=..., timeout=...``) replacing them; imports
+        etcd_store (and grpc) on the first call (:func:`etcd_server.cluster.make_client`).
         """
         return make_client([self.get_client_url()], self.tls, self.auth, overrides)
 

@@ -1,24 +1,20 @@
 """What ``close`` and ``gc`` write, one fenced transaction per run.
 
-* :func:`close_v3`: the operator's stop (:func:`etcd_rdzv.native.protocol.abort`: ``ctl/closed``
-  and the abort mark ``ctl/abort`` in one transaction, or the mark alone when the run is
-  closed already, bound to the run lease, which is created the way a closing node creates
-  it when no round was sealed yet). Waiting nodes see the event and raise
-  ``RendezvousClosedError``; agents of a running round learn it from
-  ``num_nodes_waiting()``, which the mark makes positive (a run closed only by an agent's
-  ``shutdown()`` at the end of its job leaves the members that still run alone).
-* :func:`close_v2`: torch's state with ``closed = True``, written with a
-  compare-and-set on the state key's mod revision (``if mod(key) == M then put``,
-  keeping the key's lease), re-read and retried at once when a heartbeat won the race.
-  torch's agents see it at their next sync and raise ``RendezvousClosedError``. Reading the
-  state is :mod:`etcd_rdzv.v2state`'s restricted unpickler; :func:`encode_closed` goes the other
-  way, building torch's real state objects from the checked plain data (importing torch).
-* :func:`gc`: removes what a run left behind, only when no node can still use it:
-  an etcd-v3 run with no join key left (no live node) that is closed or whose run
-  lease is gone, in one Txn that re-checks both; a closed etcd-v2 run whose newest
-  heartbeat is older than ``grace`` seconds (state key and store), fenced by the
-  state's mod revision. Runs that are open and alive are never touched: etcd
-  expires their keys by lease on its own.
+* :func:`close_v3`: the operator's stop (:func:`etcd_rdzv.native.protocol.abort`:
+  ``ctl/closed`` and the abort mark ``ctl/abort`` in one transaction, or the mark alone
+  when the run is closed already, bound to the run lease, created as a closing node
+  creates it when no round was sealed yet). Waiting nodes raise ``RendezvousClosedError``;
+  agents of a running round learn it from ``num_nodes_waiting()``, which the mark makes
+  positive (a close by an agent's ``shutdown()`` alone leaves running members alone).
+* :func:`close_v2`: torch's state with ``closed = True``, written with a compare-and-set
+  on the state key's mod revision (keeping the key's lease), re-read and retried at once
+  when a heartbeat won the race. torch's agents raise ``RendezvousClosedError`` at their
+  next sync. :func:`encode_closed` builds the new pickle from torch's real classes.
+* :func:`gc`: removes what a run left behind only when no node can still use it: an
+  etcd-v3 run with no join key left that is closed or whose run lease is gone, in one
+  Txn that re-checks both; a closed etcd-v2 run whose newest heartbeat is older than
+  ``grace`` seconds (state key and store), fenced by the state's mod revision. Open,
+  live runs are never touched: etcd expires their keys by lease.
 
 Every call is bounded by the command's :class:`~.connect.Deadline`.
 """
@@ -63,8 +59,9 @@ _CAS_ATTEMPTS = 20  # heartbeats rewrite a v2 state about once per keep_alive_in
 
 def close_v3(client: EtcdClient, prefix: str, run_id: str, deadline: Deadline,
              *, state_ttl: int = DEFAULT_STATE_TTL) -> protocol.AbortOutcome:
-    """Close an etcd-v3 run and stop every agent of it; whether this call closed it and
-    whether it wrote the abort mark (both False: it was stopped already)."""
+    """Close an etcd-v3 run and stop every agent of it; returns whether this call closed it and
+    whether it wrote the abort mark (both False: it was stopped already).
+    """
     keys = RunKeys.for_run(prefix, run_id)
     if client.range(f"{keys.root}/".encode(), prefix=True, count_only=True, timeout=deadline.left()).count == 0:
         raise CliError(f"no etcd-v3 run {run_id!r} under {prefix or '/'}")
@@ -201,9 +198,8 @@ def _gc_v2(client: EtcdClient, prefix: str, run_id: str, deadline: Deadline, gra
         return Removal(run_id, V2, reason, 1 + sum(r.count for r in counted.responses if isinstance(r, RangeResult)))
     done = client.txn(
         [compare_mod(raw, "==", kv.mod_revision)],
-        # The store writes nothing outside ``<key>/store`` (etcd_store/_namespace.py), the backend
-        # nothing but its lease anchors and its nodes' presence keys besides the key: the run's two
-        # ranges (the key, ``<key>/``) hold all gc deletes, as ``etcd-rdzv grant`` allows no more.
+        # Everything a run writes lies in its two ranges (the key, ``<key>/``: cli/grants.py), so
+        # gc deletes no more than ``etcd-rdzv grant`` allows.
         [op_delete(raw), op_delete(store, prefix=True), op_delete(anchors, prefix=True),
          op_delete(present, prefix=True)],
         timeout=deadline.left(), idempotent=True,
@@ -217,10 +213,9 @@ def _gc_v2(client: EtcdClient, prefix: str, run_id: str, deadline: Deadline, gra
 def encode_closed(state: V2State) -> bytes:
     """The base64 of torch's pickled state equal to ``state`` but with ``closed = True``.
 
-    Builds torch's own ``_RendezvousState``/``_NodeDesc`` from the checked plain data
-    (imports torch), as torch's handler writes it. Raises :class:`StateDecodeError`
-    if the stored state had attributes :class:`V2State` does not carry (a newer torch):
-    rewriting it would drop them.
+    Builds torch's own ``_RendezvousState``/``_NodeDesc`` from the checked plain data (imports
+    torch), as torch's handler writes it. Raises :class:`StateDecodeError` if the stored state
+    had attributes :class:`V2State` does not carry (a newer torch): rewriting would drop them.
     """
     if state.unknown:
         raise StateDecodeError(

@@ -1,16 +1,11 @@
 """Connection options of the ``etcd-rdzv`` command, as the rendezvous takes them, and its deadline.
 
-Options (accepted before or after the sub-command): ``--endpoints`` (comma list;
-default ``$ETCDCTL_ENDPOINTS``, else ``localhost:2379``), ``--cacert``/``--cert``/``--key``
-(TLS files; defaults ``$ETCDCTL_CACERT`` and the pair ``$ETCDCTL_CERT``/``$ETCDCTL_KEY``),
-``--key-prefix`` (default ``/torch/elastic/rendezvous``, the rendezvous' default),
-``--allow-insecure-auth`` (a password over ``http`` is refused without it) and
-``--timeout`` (seconds, default 10: the bound of the whole command's etcd work, retries
-included). The user name and password come from the environment only, never from the
-command line, where other users could read them: ``$ETCD_RDZV_USER`` with
-``$ETCD_RDZV_PASSWORD`` or ``$ETCD_RDZV_PASSWORD_FILE``, else etcdctl's ``$ETCDCTL_USER``
-(``name:password``) / ``$ETCDCTL_PASSWORD``; the precedence is the rendezvous' one
-(:mod:`etcd_rdzv.conf_env`). Nothing here contacts etcd; bad values raise :class:`CliError`.
+The options (before or after the sub-command) and their defaults: docs/cli.md. ``--timeout``
+bounds the whole command's etcd work, retries included; a password over ``http`` is refused
+without ``--allow-insecure-auth``. User and password come from the environment only, never
+the command line, where other users could read them (the rendezvous' variables and
+precedence: :mod:`etcd_rdzv.conf_env`). Nothing here contacts etcd; bad values raise
+:class:`CliError`.
 """
 
 from __future__ import annotations

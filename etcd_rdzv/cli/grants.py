@@ -2,33 +2,32 @@
 
 Everything a run writes, with either backend, lies in two ranges (:func:`run_permissions`):
 
-* the key ``<prefix>/<run_id>`` itself: the ``etcd-v2``/``etcd`` state (torch's pickled state);
+* the key ``<prefix>/<run_id>``: the ``etcd-v2``/``etcd`` state (torch's pickled state);
 * the prefix ``<prefix>/<run_id>/``: the ``etcd-v2`` run's ``EtcdStore`` (``store/``, its
-  internal keys ``store\\0...`` included: a store writes nothing outside its prefix), its agents'
-  lease anchors (``lease/<lease hex>``), and every
-  ``etcd-v3`` key (``v3/ctl/``, ``v3/join/``, ``v3/rounds/<T>/store...``, ``v3/run``, ``v3/seq/``).
+  internal keys ``store\\0...`` included: a store writes nothing outside its prefix), its
+  agents' lease anchors (``lease/<lease hex>``) and nodes' presence keys (``alive/<node>``),
+  and every ``etcd-v3`` key (``v3/ctl/``, ``v3/join/``, ``v3/rounds/<T>/store...``,
+  ``v3/run``, ``v3/seq/``).
 
-Leases need no key permission to grant or keep alive; revoking one needs write permission on
-the keys attached to it, and reading its time to live read permission on them: all lie in
-the two ranges. A run id is also the prefix of longer run ids (``job1`` of ``job10``), so the
-grants are the key alone and the prefix ending in ``/``, never the prefix ``<prefix>/<run_id>``:
-nothing of ``job10`` is in ``job1``'s role.
+Granting or keeping a lease alive needs no key permission; revoking one needs write, and
+reading its time to live read permission on the keys attached to it: all in the two
+ranges. A run id is also the prefix of longer ones (``job1`` of ``job10``), so the grants
+are the key and the prefix ending in ``/``, never the bare prefix ``<prefix>/<run_id>``.
 
-:func:`grant` is idempotent: an existing role with exactly these permissions, an existing user
-(its password changed only when one is given) and a role already held are left as they are.
-It refuses a role that holds anything else, and the names ``root``. It does not take over a
-user made for something else: an existing user holding etcd's ``root`` role is refused, and one
-holding any role but the run's (another run's role above all: the run is named in the message,
-see :func:`_describe_role`) is refused when the call would change it (a new password, the run's
-role added) unless ``shared`` (``--allow-shared-user``). Otherwise the new password would lock
-out the other run's agents and the run's password would read the other run's keys.
+:func:`grant` is idempotent: a role with exactly these permissions, an existing user (its
+password changed only when one is given) and a role already held are left as they are. It
+refuses a role holding anything else, and the name ``root``. It does not take over a user
+made for something else: a user holding etcd's ``root`` role is refused, and one holding
+any role but the run's (another run's above all, named via :func:`_describe_role`) is
+refused when the call would change it (a new password, the run's role added) unless
+``shared`` (``--allow-shared-user``): else the new password would lock out the other run's
+agents, or the run's password would read the other run's keys.
 
-:func:`revoke` takes the role from the user, deletes it, and deletes the user when it holds no
-other role: a user shared with another run keeps that run's role and its password (nothing of
-the other run changes, so no flag is needed). Both read the users and roles first (no error text
-is interpreted) and raise :class:`CliError` before changing anything when the request cannot be
-carried out. Neither is atomic against another administrator changing the same user or role at
-the same time.
+:func:`revoke` takes the role from the user, deletes it, and deletes the user when it holds
+no other role (a shared user keeps the other run's role and password, so no flag is
+needed). Both read the users and roles first (no error text is interpreted) and raise
+:class:`CliError` before changing anything when the request cannot be carried out. Neither
+is atomic against another administrator changing the same user or role meanwhile.
 """
 
 from __future__ import annotations
@@ -137,12 +136,11 @@ def _shared_user_refused(client: EtcdClient, prefix: str, run_id: str, deadline:
 
 def grant(client: EtcdClient, prefix: str, run_id: str, deadline: Deadline, *, user: str, role: str,
           password: str | None, shared: bool = False) -> list[str]:
-    """Create (or complete) ``role`` with the run's permissions and give it to ``user``, created
-    with ``password`` if missing; a given ``password`` also replaces an existing user's. Returns
-    one line per thing done or found. Raises CliError (nothing changed) for a role holding
-    other permissions, a missing user without ``password``, a user holding etcd's ``root`` role,
-    and, unless ``shared``, an existing user holding another role that this call would change
-    (a new password or ``role`` added); EtcdError for etcd's refusals."""
+    """Create (or complete) ``role`` with the run's permissions and give it to ``user``, created with
+    ``password`` if missing (a given ``password`` also replaces an existing user's); one line per
+    thing done or found. Raises CliError (nothing changed) as the module docstring says, and for a
+    missing user without ``password``; EtcdError for etcd's refusals.
+    """
     wanted = run_permissions(prefix, run_id)
     _check_names(user, role)
     roles = role_names(client, timeout=deadline.left())

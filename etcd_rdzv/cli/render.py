@@ -1,19 +1,18 @@
 """Text output of ``list`` and ``show`` (the JSON output is the documents of :mod:`.runs`), and the
 one escaping rule of everything the command writes to a terminal.
 
-Run ids, node ids, hosts, keys, role names and error texts come from etcd, which any writer of the
-prefix controls. :func:`esc` is the one helper that makes them safe: control and other
-non-printable characters (escape sequences, OSC 52 clipboard writes, BEL, CR, newlines that would
-forge rows or log lines, C1 controls, bidi overrides) are shown as ``\\xNN``/``\\uNNNN`` and a value
-is cut at :data:`CELL_LIMIT` characters. It is applied twice:
+Run ids, node ids, hosts, keys, role names and error texts come from etcd, which any writer of
+the prefix controls. :func:`esc` makes them safe: non-printable characters (escape sequences,
+OSC 52 clipboard writes, BEL, CR, newlines that would forge rows or log lines, C1 controls,
+bidi overrides) are shown as ``\\xNN``/``\\uNNNN`` and a value is cut at :data:`CELL_LIMIT`
+characters. It is applied twice:
 
-* to each value where it is put in a table cell, a ``watch`` line or a message line (so that a
-  newline of the value cannot start a row, and cells line up);
-* at the three ways out of :mod:`.main`: every stdout line (``_out``, :func:`esc_lines`), every
-  stderr line it prints (``_err``; an error line is escaped whole, one line), and every log record
-  of the command's handler (:class:`EscapingFormatter`: warnings, ``-v``/``-vv``, tracebacks, from
-  this package, the client, or anything else that logs), so that nothing reaches the terminal
-  unescaped whatever its code path.
+* to each value put in a table cell, a ``watch`` line or a message (so a newline cannot
+  start a row, and cells line up);
+* at :mod:`.main`'s three ways out, whatever the code path: every stdout line (``_out``,
+  :func:`esc_lines`), every stderr line it prints (``_err``; an error line escaped whole),
+  and every log record of its handler (:class:`EscapingFormatter`: warnings, ``-v``/``-vv``,
+  tracebacks, from any logger).
 
 The JSON output (``--json``) is exact: ``json.dumps`` escapes control and non-ASCII characters
 itself, so the last pass changes nothing in it.
@@ -68,10 +67,10 @@ def esc_lines(text: str) -> str:
 
 
 class EscapingFormatter(logging.Formatter):
-    """A formatter whose every line is escaped (:func:`esc`): the message is one line cut at
-    :data:`LINE_LIMIT` characters (its arguments may hold anything etcd holds), and so is each
-    exception's message in a traceback (its frames are code). The record itself is left as it
-    is for other handlers."""
+    """A formatter escaping every line (:func:`esc`): the message is one line cut at :data:`LINE_LIMIT`
+    (its arguments may hold anything etcd holds), and so is each exception's message in a traceback
+    (its frames are code). The record itself is left as it is for other handlers.
+    """
 
     def format(self, record: logging.LogRecord) -> str:
         copy = logging.makeLogRecord(record.__dict__)

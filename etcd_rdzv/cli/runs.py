@@ -1,17 +1,14 @@
-"""Finding and reading the rendezvous runs under a key prefix (what ``list`` and ``show`` print).
+"""Finding and reading the rendezvous runs under a key prefix (what ``list`` and ``show`` print); no writes.
 
-Layouts read here (nothing is written):
-
-* ``etcd-v2``/``etcd``: the state key ``<prefix>/<run_id>`` (base64 of torch's pickled
-  state, decoded by :mod:`etcd_rdzv.v2state` without unpickling arbitrary objects) and the run's
+* ``etcd-v2``/``etcd``: the state key ``<prefix>/<run_id>`` (base64 of torch's pickled state,
+  decoded by :mod:`etcd_rdzv.v2state` without unpickling arbitrary objects) and the run's
   ``EtcdStore`` under ``<prefix>/<run_id>/store``;
 * ``etcd-v3``: everything under ``<prefix>/<run_id>/v3/`` (:class:`~etcd_rdzv.native.records.RunKeys`).
 
-:func:`classify_keys` (pure) tells the runs and backends from key names. Reading one
-run costs one Range (v2: the state key; v3: ``ctl/``, join values included), one Txn
-of the round's records, and with ``detail`` one LeaseTimeToLive per lease shown. Every
-call is bounded by the command's :class:`~.connect.Deadline`. A run that is not there
-reads as None; a record this tool cannot decode raises :class:`RunReadError`.
+Reading one run costs one Range (v2: the state key; v3: ``ctl/``, join values included),
+one Txn of the round's records, and with ``detail`` one LeaseTimeToLive per lease shown,
+each bounded by the command's :class:`~.connect.Deadline`. A run that is not there reads as
+None; a record this tool cannot decode raises :class:`RunReadError`.
 """
 
 from __future__ import annotations
@@ -123,10 +120,10 @@ def scan_keys(client: EtcdClient, prefix: str, deadline: Deadline, *, page: int 
 
 
 def classify_keys(prefix: str, keys: Iterable[bytes]) -> dict[str, set[str]]:
-    """``{run_id: {backend, ...}}`` from key names under ``prefix``.
+    """``{run_id: {backend, ...}}`` from key names under ``prefix`` (pure).
 
-    ``<prefix>/<run>`` is an etcd-v2 state key; ``<prefix>/<run>/v3/...`` an etcd-v3 run.
-    A run's other keys (its v2 store) name no backend by themselves and are skipped.
+    ``<prefix>/<run>`` is an etcd-v2 state key; ``<prefix>/<run>/v3/...`` an etcd-v3 run; a
+    run's other keys (its v2 store) name no backend and are skipped.
     """
     base = f"{prefix}/".encode() if prefix else b""
     runs: dict[str, set[str]] = {}
@@ -190,8 +187,7 @@ def read_v2(
     if kv is None:
         return None
     try:
-        # Bounded by the decode's own budget and the command's deadline: one run's hostile state
-        # costs at most that, and is reported as that run's error.
+        # A hostile state costs at most the decode's budget and the deadline, and is that run's error.
         state = decode_state(kv.value, key, time_left=deadline.left())
     except StateDecodeError as e:
         raise RunReadError(str(e)) from None

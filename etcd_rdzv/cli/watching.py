@@ -1,14 +1,13 @@
 """``watch``: a live view of a run's joins, seals, departures and closes, from now on.
 
-Pure parts (no I/O): :func:`describe_v3` turns a batch of watch events on an
-etcd-v3 run's ``ctl/`` into change records, :func:`diff_v2` compares two decoded
-etcd-v2 states. A change record is a dict: ``{"event": "join"|"leave"|"rejoin"|"seal"|
-"close"|"abort"|"run-lease-gone"|"reopen"|"state-gone", "revision": N, ...}``
-plus ``round``, ``node``, ``from_round``, ``host``, ``world_size``, ``members``,
-``master`` where they apply. :func:`watch_run` reads the run once (within the
-command's deadline), then follows one etcd watch starting right after that read's
-revision, so no change between the read and the watch is missed; it returns after
-``count`` records or ``duration`` seconds, or when the caller interrupts it.
+Pure parts: :func:`describe_v3` turns a batch of watch events on an etcd-v3 run into change
+records, :func:`diff_v2` compares two decoded etcd-v2 states. A change record is a dict
+``{"event": "join"|"leave"|"rejoin"|"seal"|"close"|"abort"|"run-lease-gone"|"reopen"|
+"state-gone", "revision": N, ...}`` plus ``round``, ``node``, ``from_round``, ``host``,
+``world_size``, ``members``, ``master`` where they apply. :func:`watch_run` reads the run
+once (within the command's deadline), then watches from right after that read's revision,
+so no change is missed; it returns after ``count`` records or ``duration`` seconds, or when
+the caller interrupts it.
 """
 
 from __future__ import annotations
@@ -139,8 +138,8 @@ def watch_run(
 ) -> int:
     """Follow the run, calling ``emit`` per change record; returns the number emitted.
 
-    ``started(revision)`` is called once the run was read: every change after that
-    revision is reported."""
+    ``started(revision)`` is called once the run was read: every later change is reported.
+    """
     end = None if duration is None else time.monotonic() + duration
     emitted = 0
     if backend == V2:
