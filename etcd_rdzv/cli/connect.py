@@ -14,8 +14,10 @@ import argparse
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from etcd_store.options import EtcdClientOptions
 
 from ..conf_env import ETCDCTL_CACERT, ETCDCTL_CERT, ETCDCTL_ENDPOINTS, ETCDCTL_KEY, Given, resolve_connection
 from ..conf_keys import DEFAULT_CLI_TIMEOUT, DEFAULT_ENDPOINT, DEFAULT_KEY_PREFIX
@@ -57,25 +59,21 @@ class Deadline:
 
 @dataclass(frozen=True)
 class ConnectOptions:
-    endpoints: str
+    """The command's etcd client (the one options object the rendezvous uses too) and key prefix."""
+
+    client: EtcdClientOptions
     key_prefix: str
-    timeout: float
-    ca_cert: str | None = None
-    cert: str | None = None
-    key: str | None = None
-    user: str | None = None
-    password: str | None = field(default=None, repr=False)
-    allow_insecure_auth: bool = False
+
+    @property
+    def timeout(self) -> float:
+        return float(self.client.timeout)
 
     def create_client(self) -> EtcdClient:
+        """A client of :attr:`client`; an option the client refuses is a :class:`CliError`."""
         from etcd_store.client import EtcdClient
 
         try:
-            return EtcdClient(
-                self.endpoints, timeout=self.timeout, ca_cert=self.ca_cert, cert=self.cert,
-                key=self.key, user=self.user, password=self.password,
-                allow_insecure_auth=self.allow_insecure_auth,
-            )
+            return EtcdClient.from_options(self.client)
         except ValueError as e:
             raise CliError(str(e)) from None
 
@@ -125,7 +123,8 @@ def _resolve(ns: argparse.Namespace, env: Mapping[str, str]) -> ConnectOptions:
             raise CliError(f"{flag} {path!r}: no such file")
     given = Given(endpoints=getattr(ns, "endpoints", None) or None, ca_cert=files["--cacert"], cert=cert, key=key)
     conn = resolve_connection(given, env)  # the user and password come from the environment only
-    return ConnectOptions(
-        conn.endpoints, prefix.rstrip("/") if prefix != "/" else "", float(timeout),
-        conn.ca_cert, conn.cert, conn.key, conn.user, conn.password, bool(getattr(ns, "allow_insecure_auth", False)),
-    )
+    client = EtcdClientOptions(
+        conn.endpoints, timeout=float(timeout), ca_cert=conn.ca_cert, cert=conn.cert, key=conn.key, user=conn.user,
+        password=conn.password, allow_insecure_auth=bool(getattr(ns, "allow_insecure_auth", False)),
+    )  # fmt: skip
+    return ConnectOptions(client, prefix.rstrip("/") if prefix != "/" else "")

@@ -166,12 +166,12 @@ def test_connect_options_from_environment() -> None:
     ns = build_parser().parse_args(["list"])
     opts = connect_options(ns, {"ETCDCTL_ENDPOINTS": "e1:2379,e2:2379", "ETCD_RDZV_USER": "u",
                                 "ETCD_RDZV_PASSWORD": "pw"})
-    assert (opts.endpoints, opts.user, opts.password, opts.key_prefix) == (
+    assert (opts.client.endpoints, opts.client.user, opts.client.password, opts.key_prefix) == (
         "e1:2379,e2:2379", "u", "pw", "/torch/elastic/rendezvous")
     assert "pw" not in repr(opts)
     ns = build_parser().parse_args(["--timeout", "3", "list", "--endpoints", "x:1", "--key-prefix", "/k/"])
     opts = connect_options(ns, {})
-    assert (opts.endpoints, opts.timeout, opts.key_prefix) == ("x:1", 3.0, "/k")
+    assert (opts.client.endpoints, opts.timeout, opts.key_prefix) == ("x:1", 3.0, "/k")
     with pytest.raises(CliError, match="ETCD_RDZV_PASSWORD"):
         connect_options(ns, {"ETCD_RDZV_USER": "u"})
     with pytest.raises(CliError, match="--cert and --key"):

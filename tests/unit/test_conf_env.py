@@ -56,8 +56,8 @@ def test_etcdctl_endpoints_apply_only_to_an_empty_endpoint(monkeypatch: pytest.M
     assert parse_rdzv_config(_params("")).client.endpoints == "https://e1:2379,https://e2:2379"
     assert parse_rdzv_config(_params("  ")).client.endpoints == "https://e1:2379,https://e2:2379"
     assert parse_rdzv_config(_params("h:1")).client.endpoints == "h:1"  # never merged
-    assert connect_options(_cli()).endpoints == "https://e1:2379,https://e2:2379"
-    assert connect_options(_cli("--endpoints", "x:1")).endpoints == "x:1"
+    assert connect_options(_cli()).client.endpoints == "https://e1:2379,https://e2:2379"
+    assert connect_options(_cli("--endpoints", "x:1")).client.endpoints == "x:1"
     monkeypatch.setenv("ETCDCTL_ENDPOINTS", " ")
     assert parse_rdzv_config(_params("")).client.endpoints == "localhost:2379"
     monkeypatch.setenv("ETCDCTL_ENDPOINTS", "ftp://e1:2379")
@@ -74,14 +74,14 @@ def test_tls_files_from_etcdctl_below_the_keys(monkeypatch: pytest.MonkeyPatch, 
     monkeypatch.setenv("ETCDCTL_KEY", pem["key"])
     client = parse_rdzv_config(_params("h:1")).client  # applies with an explicit endpoint too
     assert (client.ca_cert, client.cert, client.key) == (pem["ca"], pem["cert"], pem["key"])
-    opts = connect_options(_cli())
+    opts = connect_options(_cli()).client
     assert (opts.ca_cert, opts.cert, opts.key) == (pem["ca"], pem["cert"], pem["key"])
     # the keys win; the certificate and key are one pair: a key given alone never meets ETCDCTL_CERT
     client = parse_rdzv_config(_params(ca_cert=pem["ca2"], ssl_cert=pem["cert2"], ssl_cert_key=pem["key2"])).client
     assert (client.ca_cert, client.cert, client.key) == (pem["ca2"], pem["cert2"], pem["key2"])
     with pytest.raises(ValueError, match="'ssl_cert_key' was given without 'ssl_cert'"):
         parse_rdzv_config(_params(ssl_cert_key=pem["key2"]))
-    opts = connect_options(_cli("--cacert", pem["ca2"], "--cert", pem["cert2"], "--key", pem["key2"]))
+    opts = connect_options(_cli("--cacert", pem["ca2"], "--cert", pem["cert2"], "--key", pem["key2"])).client
     assert (opts.ca_cert, opts.cert, opts.key) == (pem["ca2"], pem["cert2"], pem["key2"])
 
 
@@ -107,7 +107,7 @@ def test_etcdctl_user_name_colon_password(monkeypatch: pytest.MonkeyPatch) -> No
     client = parse_rdzv_config(_params()).client
     assert (client.user, client.password) == ("alice", "pa:ss")
     assert "pa:ss" not in repr(client)
-    opts = connect_options(_cli())
+    opts = connect_options(_cli()).client
     assert (opts.user, opts.password) == ("alice", "pa:ss")
     monkeypatch.setenv("ETCDCTL_PASSWORD", "pw2")  # with ETCDCTL_PASSWORD the user is taken whole
     client = parse_rdzv_config(_params()).client
@@ -120,7 +120,7 @@ def test_our_credentials_win_and_are_never_mixed_with_etcdctl(
     monkeypatch.setenv("ETCDCTL_USER", "carol:c-pw")
     monkeypatch.setenv(USER_ENV, "bob")
     monkeypatch.setenv(PASSWORD_ENV, "b-pw")
-    assert (parse_rdzv_config(_params()).client.user, connect_options(_cli()).user) == ("bob", "bob")
+    assert (parse_rdzv_config(_params()).client.user, connect_options(_cli()).client.user) == ("bob", "bob")
     client = parse_rdzv_config(_params(user="dave", password="d-pw")).client
     assert (client.user, client.password) == ("dave", "d-pw")
     monkeypatch.delenv(PASSWORD_ENV)  # our user without our password: an error, not carol's password
@@ -131,7 +131,7 @@ def test_our_credentials_win_and_are_never_mixed_with_etcdctl(
     secret = tmp_path / "pw"
     secret.write_text("file-pw\n")
     monkeypatch.setenv(PASSWORD_FILE_ENV, str(secret))  # the CLI reads the password file too
-    opts = connect_options(_cli())
+    opts = connect_options(_cli()).client
     assert (opts.user, opts.password) == ("bob", "file-pw")
 
 
