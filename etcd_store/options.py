@@ -9,7 +9,6 @@ imports gRPC. Fields: as ``EtcdClient``'s arguments; the transport checks them (
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +23,10 @@ DEFAULT_CONNECT_TIMEOUT = 5.0
 
 @dataclass(frozen=True)
 class EtcdClientOptions:
-    """The endpoints, deadlines, TLS files and credentials of one client (``password`` out of ``repr``)."""
+    """The endpoints, deadlines, TLS files and credentials of one client (``password`` out of ``repr``).
+
+    Frozen and hashable: a list of endpoints or interceptors is kept as a tuple, the deadlines as floats.
+    """
 
     endpoints: str | Sequence[str]
     timeout: float = DEFAULT_TIMEOUT
@@ -38,6 +40,9 @@ class EtcdClientOptions:
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
     interceptors: Sequence[Any] = ()
 
-    def replace(self, **changes: Any) -> EtcdClientOptions:
-        """A copy with ``changes`` (e.g. another ``timeout`` or test ``interceptors``)."""
-        return dataclasses.replace(self, **changes)
+    def __post_init__(self) -> None:
+        if not isinstance(self.endpoints, str):
+            object.__setattr__(self, "endpoints", tuple(self.endpoints))
+        object.__setattr__(self, "interceptors", tuple(self.interceptors))
+        object.__setattr__(self, "timeout", float(self.timeout))
+        object.__setattr__(self, "connect_timeout", float(self.connect_timeout))

@@ -55,6 +55,7 @@ from ._waits import Waits
 from ._writes import PlainKeys, Queues, ReadModifyWrite
 from .client import EtcdClient
 from .errors import EtcdConnectionError, EtcdError
+from .options import DEFAULT_TIMEOUT as DEFAULT_CLIENT_TIMEOUT
 
 __all__ = ["DEFAULT_LEASE_TTL", "DEFAULT_TIMEOUT", "EtcdStore"]
 
@@ -185,7 +186,7 @@ class EtcdStore(dist.Store):
         protocol: str | None = None,
         lease_ttl: int = DEFAULT_LEASE_TTL,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        client_timeout: float = 30.0,
+        client_timeout: float = DEFAULT_CLIENT_TIMEOUT,
         lease: int | None = None,
     ) -> None:
         super().__init__()

@@ -103,10 +103,7 @@ class EtcdClient:
     @classmethod
     def from_options(cls, options: EtcdClientOptions, **changes: Any) -> EtcdClient:
         """A client of ``options`` (with ``changes``, e.g. test ``interceptors``); no RPC yet."""
-        client = cls.__new__(cls)
-        client._transport = Transport(options.replace(**changes) if changes else options)
-        client._leases = LeaseCalls(client._transport)
-        return client
+        return cls(**{**vars(options), **changes})
 
     @property
     def options(self) -> EtcdClientOptions:

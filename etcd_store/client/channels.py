@@ -29,6 +29,7 @@ from typing import Any
 import grpc
 
 from ..errors import EtcdTLSError
+from ..options import EtcdClientOptions
 from .endpoints import Endpoint
 from .reactor import started
 
@@ -161,25 +162,18 @@ def open_aio_channel(endpoint: Endpoint, credentials: Callable[[], grpc.ChannelC
     return grpc.aio.insecure_channel(endpoint.target, _OPTIONS)
 
 
-def check_options(
-    *, protocol: str | None, ca_cert: str | None, cert: str | None, key: str | None, user: str | None,
-    password: str | None, timeout: float, connect_timeout: float,
-) -> bool | None:
-    """Check a client's options; the scheme of endpoints written without one (True: ``https``,
-    None: plain unless a URL says ``https``). Raises ``ValueError`` naming the bad option."""
-    if protocol not in (None, "http", "https"):
-        raise ValueError(f"Invalid etcd protocol {protocol!r}: use 'http' or 'https'.")
-    if (cert is None) != (key is None):
+def check_options(o: EtcdClientOptions) -> None:
+    """Check a client's options; raises ``ValueError`` naming the bad option."""
+    if o.protocol not in (None, "http", "https"):
+        raise ValueError(f"Invalid etcd protocol {o.protocol!r}: use 'http' or 'https'.")
+    if (o.cert is None) != (o.key is None):
         raise ValueError("TLS client certificate and key must be given together (cert, key).")
-    if (user is None) != (password is None) and not (user and password == ""):
+    if (o.user is None) != (o.password is None) and not (o.user and o.password == ""):
         raise ValueError("etcd user and password must be given together.")
-    if timeout <= 0:
-        raise ValueError(f"etcd client timeout must be positive, got {timeout}.")
-    if connect_timeout <= 0:
-        raise ValueError(f"etcd client connect_timeout must be positive, got {connect_timeout}.")
-    if protocol is not None:
-        return protocol == "https"
-    return True if ca_cert or cert else None
+    if o.timeout <= 0:
+        raise ValueError(f"etcd client timeout must be positive, got {o.timeout}.")
+    if o.connect_timeout <= 0:
+        raise ValueError(f"etcd client connect_timeout must be positive, got {o.connect_timeout}.")
 
 
 # HTTP/2's client connection preface and an empty SETTINGS frame: a gRPC server answers with its

@@ -173,29 +173,21 @@ class Transport:
 
     def __init__(self, options: EtcdClientOptions) -> None:
         o = options
-        check_options(protocol=o.protocol, ca_cert=o.ca_cert, cert=o.cert, key=o.key, user=o.user,
-                      password=o.password, timeout=o.timeout, connect_timeout=o.connect_timeout)  # fmt: skip
+        check_options(o)
         self.options = options
         self.endpoints = client_endpoints(
             o.endpoints, protocol=o.protocol, tls=bool(o.ca_cert or o.cert), user=o.user, password=o.password,
             allow_insecure_auth=o.allow_insecure_auth,
         )
-        user, password = o.user, o.password
-        if password and not all(ep.secure for ep in self.endpoints):
+        if o.password and not all(ep.secure for ep in self.endpoints):
             log.warning(
                 "etcd user %r sends its password in plain text to %s (allow_insecure_auth is set): "
-                "anyone on the path can read it.", user, self.describe(),
+                "anyone on the path can read it.", o.user, self.describe(),
             )
         self._auth_off_warned = False
-        self.timeout = float(o.timeout)
-        self.connect_timeout = float(o.connect_timeout)
         # Set once any member answered: from then on calls ride out outages until their deadline.
         self._reached = False
-        self._tls_files = (o.ca_cert, o.cert, o.key)
         self._credentials: grpc.ChannelCredentials | None = None
-        self._user = user
-        self._password = password
-        self._interceptors = list(o.interceptors)
         self._members = [Member(ep, self._make_channel, self._make_aio_channel) for ep in self.endpoints]
         self._current = 0
         self._lock = threading.Lock()
@@ -205,6 +197,16 @@ class Transport:
         self.stats = CallStats()
         #: The numbers of the retry policy (:mod:`.retry`).
         self.retry_policy = RetryPolicy()
+
+    @property
+    def timeout(self) -> float:
+        """The default deadline in seconds of every call, retries included."""
+        return self.options.timeout
+
+    @property
+    def connect_timeout(self) -> float:
+        """Seconds a client that never reached etcd retries refused connections."""
+        return self.options.connect_timeout
 
     # ---------------------------------------------------------------- plumbing
 
@@ -216,18 +218,18 @@ class Transport:
         return f"Transport({self.describe()!r})"
 
     def _make_channel(self, endpoint: Endpoint) -> grpc.Channel:
-        return open_channel(endpoint, self._channel_credentials, self._interceptors)
+        return open_channel(endpoint, self._channel_credentials, self.options.interceptors)
 
     def _make_aio_channel(self, endpoint: Endpoint) -> grpc.aio.Channel:
         return open_aio_channel(endpoint, self._channel_credentials)
 
     def _channel_credentials(self) -> grpc.ChannelCredentials:
         if self._credentials is None:
-            self._credentials = channel_credentials(*self._tls_files)
+            self._credentials = channel_credentials(self.options.ca_cert, self.options.cert, self.options.key)
         return self._credentials
 
     def _metadata(self, member: Member, deadline: float) -> tuple[tuple[str, str], ...] | None:
-        if self._user is None:
+        if self.options.user is None:
             return None
         if member.token is None:
             self._authenticate(member, deadline)
@@ -236,7 +238,7 @@ class Transport:
     def stream_metadata_now(self, member: Member) -> tuple[tuple[str, str], ...] | None:
         """A stream's metadata on ``member`` if no login is needed, else None (then
         :meth:`stream_metadata` logs in, off the stream loop). Never blocks."""
-        if self._user is None:
+        if self.options.user is None:
             return (REQUIRE_LEADER,)
         token = member.token
         if token is None:
@@ -249,7 +251,7 @@ class Transport:
         return (*(self._metadata(member, deadline) or ()), REQUIRE_LEADER)
 
     def _authenticate(self, member: Member, deadline: float) -> None:
-        request = rpc_pb2.AuthenticateRequest(name=self._user, password=self._password)
+        request = rpc_pb2.AuthenticateRequest(name=self.options.user, password=self.options.password)
         stub = member.stub("Auth")
         try:
             resp = stub.Authenticate(request, timeout=max(deadline - time.monotonic(), 0.001))
@@ -258,7 +260,7 @@ class Transport:
             if status in _AUTH_FAILED:
                 refused = EtcdAuthError(
                     f"etcd at {member.endpoint} rejected the credentials of user "
-                    f"{self._user!r}: wrong user name or password."
+                    f"{self.options.user!r}: wrong user name or password."
                 )
                 self.stats.failed(refused)
                 raise refused from None
@@ -271,7 +273,7 @@ class Transport:
                         "etcd at %s has authentication disabled, but user %r and a password were "
                         "configured: the password was sent for nothing and every key is open to anyone "
                         "who can reach etcd. Enable auth in etcd, or remove the credentials.",
-                        member.endpoint, self._user,
+                        member.endpoint, self.options.user,
                     )
                 return
             raise
@@ -307,7 +309,7 @@ class Transport:
         if self._closed:
             raise EtcdError(f"The etcd client for {self.describe()} is closed.")
         budget = self.timeout if timeout is None else timeout
-        attempts = Attempts(self.retry_policy, len(self._members), self._user is not None)
+        attempts = Attempts(self.retry_policy, len(self._members), self.options.user is not None)
         call = Call(service, method, request, what, idempotent, budget, time.monotonic(), attempts)
         while True:
             answered, resp = self._round(call)
@@ -380,7 +382,7 @@ class Transport:
         status = _status(err)
         failure = failure_of(status)
         if failure is Failure.UNREACHED and member.endpoint.secure:
-            ca, cert, key = self._tls_files
+            ca, cert, key = self.options.ca_cert, self.options.cert, self.options.key
             budget = min(max(deadline - time.monotonic(), 0.05), _PROBE_TIMEOUT)
             found = tls_failure(member.endpoint.host, member.endpoint.port, ca=ca, cert=cert, key=key,
                                 timeout=budget)  # fmt: skip
@@ -485,11 +487,11 @@ class Transport:
         ``stream_opened(method)`` (:class:`~.testing.RpcCounter`) and/or ``stream_message(method,
         sent, message)``. Returns ``note(sent, message)`` for the owner to call per request sent
         (True) and answer read (False) if any interceptor wants messages; else None (no cost)."""
-        for interceptor in self._interceptors:
+        for interceptor in self.options.interceptors:
             opened = getattr(interceptor, "stream_opened", None)
             if opened is not None:
                 opened(method)
-        notes = [n for n in (getattr(i, "stream_message", None) for i in self._interceptors) if n is not None]
+        notes = [n for n in (getattr(i, "stream_message", None) for i in self.options.interceptors) if n is not None]
         if not notes:
             return None
 
@@ -527,7 +529,7 @@ class Transport:
         once; refused again with a fresh token, it is denied for good.
         """
         status = _CANCEL_REASONS.get(reason)
-        return self._user is not None and status in (_INVALID_TOKEN, _PERMISSION_DENIED)
+        return self.options.user is not None and status in (_INVALID_TOKEN, _PERMISSION_DENIED)
 
     def stream_error(self, member: Member, err: grpc.RpcError, what: str) -> EtcdError | None:
         """None if another stream can get past a broken stream's status, else its error.
@@ -538,7 +540,7 @@ class Transport:
         """
         failure = failure_of(_status(err))
         if failure is Failure.STALE_TOKEN:
-            if self._user is None:
+            if self.options.user is None:
                 return self._translate(err, what)
             member.token = None
         if stream_reconnects(failure) or err.code() in (_C.CANCELLED, _C.INTERNAL):
