@@ -125,7 +125,7 @@ class DynamicSettings:
     heartbeat_timeout: float = K.DEFAULT_HEARTBEAT_TIMEOUT
     keep_alive_interval: float = K.DEFAULT_KEEP_ALIVE_INTERVAL
     keep_alive_max_attempt: int = K.DEFAULT_KEEP_ALIVE_MAX_ATTEMPT
-    cas_backoff_max_seconds: float = 0.0
+    cas_backoff_max_seconds: float = K.DEFAULT_CAS_BACKOFF_MAX_SECONDS
     presence_ttl: int = K.DEFAULT_PRESENCE_TTL
     fast_recovery: bool = False
 

@@ -58,6 +58,7 @@ DEFAULT_KEEP_ALIVE_INTERVAL = 5
 DEFAULT_KEEP_ALIVE_MAX_ATTEMPT = 3
 DEFAULT_LEASE_TTL = DEFAULT_KEEP_ALIVE_INTERVAL * DEFAULT_KEEP_ALIVE_MAX_ATTEMPT
 DEFAULT_PRESENCE_TTL = 3
+DEFAULT_CAS_BACKOFF_MAX_SECONDS = 0.0  # torch 2.15's default: no delay after a lost compare-and-swap
 DEFAULT_MAX_REQUEST_BYTES = 1_572_864  # etcd's own --max-request-bytes (1.5 MiB)
 DEFAULT_RENEW_INTERVAL = 1.0
 DEFAULT_EVICT_MISSES = 2
@@ -78,14 +79,16 @@ def _blank(value: object) -> bool:
 
 
 def _number(key: str, value: object, *, integer: bool, zero: bool, unit: str = "") -> float:
-    """``value`` as a finite number (an integer with ``integer``), above 0 (or 0 too with ``zero``)."""
+    """``value`` as a finite number (an exact ``int`` with ``integer``, however large: the caller
+    bounds it), above 0 (or 0 too with ``zero``)."""
+    number: float
     try:
         if isinstance(value, bool):
             raise ValueError
-        number = float(int(str(value).strip())) if integer else float(value)  # type: ignore[arg-type]
+        number = int(str(value).strip()) if integer else float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         number = math.nan
-    if math.isfinite(number) and (number > 0 or (zero and number == 0)):
+    if (integer or math.isfinite(number)) and (number > 0 or (zero and number == 0)):
         return number
     if integer:
         wanted = "an integer of 0 or more" if zero else f"a positive integer{f' ({unit})' if unit else ''}"
@@ -208,15 +211,15 @@ KEYS: tuple[Key, ...] = (
         shown="none"),
     Key("ca_cert", text, None, ALL, _C, "CA bundle that signed etcd's server certificate", shown="none"),
     Key("user", text, None, ALL, _C, "etcd user (auth enabled); the conf key wins over the variable",
-        shown=f"`${USER_ENV}`", env=USER_ENV),
+        shown=f"`${USER_ENV}`"),
     Key("password_file", text, None, ALL, _C,
         "a file holding the password (one trailing newline is dropped, as in a Kubernetes Secret volume): "
-        "the safe way to pass it", shown=f"`${PASSWORD_FILE_ENV}`", env=PASSWORD_FILE_ENV),
+        "the safe way to pass it", shown=f"`${PASSWORD_FILE_ENV}`"),
     Key("password", text, None, ALL, _C,
         "the password itself; **avoid it in `--rdzv-conf`**: torchrun prints its rdzv-conf in its own INFO "
         "log and command lines are visible in `ps` (a warning says so once). Precedence: `password`, "
         "`password_file`, `$ETCD_RDZV_PASSWORD`, `$ETCD_RDZV_PASSWORD_FILE`",
-        shown=f"`${PASSWORD_ENV}`", env=PASSWORD_ENV),
+        shown=f"`${PASSWORD_ENV}`"),  # its variables: conf_env.resolve_connection's precedence
     Key("allow_insecure_auth", boolean, False, ALL, _C,
         "send the password over `http` anyway (a trusted network, or etcd on this host): without it a "
         "password with an `http` endpoint is refused when the configuration is read; with it a warning is "
@@ -249,7 +252,7 @@ KEYS: tuple[Key, ...] = (
         "seconds between a node's heartbeats"),
     Key("keep_alive_max_attempt", positive_int, DEFAULT_KEEP_ALIVE_MAX_ATTEMPT, DYNAMIC, _D,
         "missed heartbeats after which a node is dropped"),
-    Key("cas_backoff_max_seconds", seconds_or_zero, 0.0, DYNAMIC, _D,
+    Key("cas_backoff_max_seconds", seconds_or_zero, DEFAULT_CAS_BACKOFF_MAX_SECONDS, DYNAMIC, _D,
         "torch 2.15 and later: after a lost compare-and-swap of the state, wait a random 0 to this many "
         "seconds before retrying (spreads the retries of many nodes); finite, 0 or more; an older torch has "
         "no such setting and logs that it ignores a non-zero value"),

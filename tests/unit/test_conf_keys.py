@@ -138,3 +138,13 @@ def test_every_default_comes_from_the_key_table() -> None:
             checked += 1
     assert checked >= 20
     assert v3.lease_ttl == conf_keys.DEFAULT_LEASE_TTL == 15
+
+
+def test_a_huge_integer_is_read_exactly_and_bounded_by_its_reader() -> None:
+    """Integers are parsed as ints, never through a float: a 400-digit state_ttl gets the bound's
+    ValueError naming the key (a float would raise OverflowError), a count above 2**53 keeps every digit."""
+    with pytest.raises(ValueError, match="'state_ttl' must be at most"):
+        parse_v3_settings(_params("etcd-v3", state_ttl="9" * 400))
+    assert conf_keys.count("evict_misses", str(2**60 + 1)) == 2**60 + 1
+    with pytest.raises(ValueError, match="'evict_misses' must be an integer of 0 or more"):
+        conf_keys.count("evict_misses", "1e3")
