@@ -307,8 +307,9 @@ def put_of(txn: TxnResult) -> PutResult:
     return put
 
 
-class PlainKeys:
-    """Reads and writes of a namespace's plain keys (costs: the :class:`~etcd_store.EtcdStore` methods)."""
+class _NamespacePart:
+    """What :class:`PlainKeys` and :class:`Queues` are given: the client, the namespace's layout and
+    values, the writes, the waits and the store timeout (only ``EtcdStore`` builds them)."""
 
     def __init__(
         self, client: EtcdClient, layout: Layout, values: ChunkedValues, writes: ReadModifyWrite,
@@ -320,6 +321,10 @@ class PlainKeys:
         self._writes = writes
         self._waits = waits
         self._timeout = timeout
+
+
+class PlainKeys(_NamespacePart):
+    """Reads and writes of a namespace's plain keys (costs: the :class:`~etcd_store.EtcdStore` methods)."""
 
     def set(self, k: bytes, v: bytes) -> None:
         """Write ``v`` at ``k``; one fenced Txn."""
@@ -430,19 +435,14 @@ class PlainKeys:
                 self._values.drop_replaced(r.prev_kv, gens[k])
 
 
-class Queues:
+class Queues(_NamespacePart):
     """The queues of one namespace, and this store's guess of each queue's oldest item."""
 
     def __init__(
         self, client: EtcdClient, layout: Layout, values: ChunkedValues, writes: ReadModifyWrite,
         waits: Waits, timeout: StoreTimeout,
     ) -> None:
-        self._client = client
-        self._layout = layout
-        self._values = values
-        self._writes = writes
-        self._waits = waits
-        self._timeout = timeout
+        super().__init__(client, layout, values, writes, waits, timeout)
         self._lock = threading.Lock()
         self._heads: dict[bytes, KeyValue] = {}  # queue prefix -> the item guessed oldest, value included
 
