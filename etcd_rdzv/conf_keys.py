@@ -170,7 +170,8 @@ class Key:
     ``parse(key, value)`` turns a non-blank value into the setting; ``default`` stands for a blank
     or absent one (``None``: unset, or worked out by the reader); ``env``: a variable read when the
     key is absent. For docs/configuration.md: ``section`` (its table; ``""``: the page's prose),
-    ``shown`` (the default as written there), ``doc`` (the meaning).
+    ``shown`` (the default as written there), ``doc`` (the meaning), ``also`` (``(section, doc)`` of
+    another table that lists the key, after its own rows, with the plain default and a meaning of its own).
     """
 
     name: str
@@ -181,11 +182,14 @@ class Key:
     doc: str
     shown: str = ""
     env: str | None = None
+    also: tuple[tuple[str, str], ...] = ()
 
     @property
     def shown_default(self) -> str:
-        if self.shown:
-            return self.shown
+        return self.shown or self.plain_default
+
+    @property
+    def plain_default(self) -> str:
         value = self.default
         if isinstance(value, bool):
             return f"`{str(value).lower()}`"
@@ -227,10 +231,13 @@ KEYS: tuple[Key, ...] = (
     Key("key_prefix", text, DEFAULT_KEY_PREFIX, ALL, _C,
         "where keys live (layout per backend: "
         "[operations.md](operations.md#what-is-stored-in-etcd-and-when-it-expires))",
-        shown=f"`{DEFAULT_KEY_PREFIX}` (`{LEGACY_KEY_PREFIX}` for `etcd`)"),
+        shown=f"`{DEFAULT_KEY_PREFIX}` (`{LEGACY_KEY_PREFIX}` for `etcd`)",
+        also=((_V, "as for `etcd-v2`; keys live under `<key_prefix>/<run_id>/v3/`"),)),
     Key("state_ttl", whole_seconds, DEFAULT_STATE_TTL, ALL, _C,
         "seconds the rendezvous state outlives its last write (`etcd-v2`/`etcd`) or its last live node "
-        "(`etcd-v3`'s run lease)"),
+        "(`etcd-v3`'s run lease)",
+        also=((_V, "TTL (s) of the run lease holding the round records, counted from the last live node; at "
+                   "least `heartbeat`"),)),
     Key("metrics_port", port, None, ALL, _C,
         "serve the [metrics](operations.md#events-and-metrics) for Prometheus on this port (1-65535); needs "
         "`pip install 'etcd-rdzv[prometheus]'` (a clear error says so otherwise). One endpoint per process.",
@@ -288,11 +295,6 @@ KEYS: tuple[Key, ...] = (
         "member's own `renew_interval`, named in its join value) and at least its client's failover plus "
         "1 s (4 s of silence with the defaults) while the survivor's own were answered, instead of waiting "
         "out `heartbeat`; `0`: no eviction ([design](etcd-v3-design.md#eviction-a-dead-member-leaves-in-seconds))"),
-    Key("state_ttl", whole_seconds, DEFAULT_STATE_TTL, V3, _V,
-        "TTL (s) of the run lease holding the round records, counted from the last live node; at least "
-        "`heartbeat`"),
-    Key("key_prefix", text, DEFAULT_KEY_PREFIX, V3, _V,
-        "as for `etcd-v2`; keys live under `<key_prefix>/<run_id>/v3/`"),
     Key("max_request_bytes", byte_count, DEFAULT_MAX_REQUEST_BYTES, V3, _V,
         "etcd's `--max-request-bytes` (1.5 MiB by default). Sealing a round is one etcd request naming every "
         "member, about 64 bytes a node (a node id is its address plus about 19 bytes), so a `max_nodes` whose "
@@ -314,11 +316,11 @@ LEGACY_ALIASES: Mapping[str, str] = {
 
 def lookup(name: str, backend: str = "") -> Key:
     """The row of ``name`` as ``backend`` (``etcd-v2``, ``etcd`` or ``etcd-v3``; empty: the connection
-    keys) reads it; ``KeyError`` for a key it does not read. A backend's own row wins over a connection key's."""
-    rows = [k for k in KEYS if k.name == name and (backend in k.backends if backend else k.section == _C)]
-    if not rows:
-        raise KeyError(f"{backend or 'no backend'} reads no rdzv-conf key {name!r}")
-    return next((k for k in rows if k.section != _C), rows[0])
+    keys) reads it; ``KeyError`` for a key it does not read."""
+    for k in KEYS:
+        if k.name == name and (backend in k.backends if backend else k.section == _C):
+            return k
+    raise KeyError(f"{backend or 'no backend'} reads no rdzv-conf key {name!r}")
 
 
 def reads(name: str, backend: str) -> bool:
@@ -368,6 +370,7 @@ def doc_table(section: str) -> str:
     """The markdown table of docs/configuration.md for ``section`` (``connection``, ``dynamic``, ``v3``)."""
     rows = ["| key | default | meaning |", "|---|---|---|"]
     rows += [f"| `{k.name}` | {k.shown_default} | {k.doc} |" for k in KEYS if k.section == section]
+    rows += [f"| `{k.name}` | {k.plain_default} | {doc} |" for k in KEYS for s, doc in k.also if s == section]
     return "\n".join(rows)
 
 

@@ -133,6 +133,9 @@ def test_every_default_comes_from_the_key_table() -> None:
             holder = dynamic
         else:
             holder = client if hasattr(client, key.name) else dynamic.config
+            if hasattr(v3, key.name):  # a connection key etcd-v3's settings hold (state_ttl, key_prefix)
+                assert getattr(v3, key.name) == key.default, key
+                checked += 1
         if hasattr(holder, key.name):
             assert getattr(holder, key.name) == key.default, key
             checked += 1
@@ -148,3 +151,9 @@ def test_a_huge_integer_is_read_exactly_and_bounded_by_its_reader() -> None:
     assert conf_keys.count("evict_misses", str(2**60 + 1)) == 2**60 + 1
     with pytest.raises(ValueError, match="'evict_misses' must be an integer of 0 or more"):
         conf_keys.count("evict_misses", "1e3")
+
+
+def test_a_backend_reads_each_key_through_one_row() -> None:
+    """One row per key and backend: a second would be a second default or parser for the same setting."""
+    rows = [(k.name, backend) for k in conf_keys.KEYS for backend in k.backends]
+    assert len(rows) == len(set(rows))
