@@ -25,7 +25,8 @@ DEFAULT_CONNECT_TIMEOUT = 5.0
 class EtcdClientOptions:
     """The endpoints, deadlines, TLS files and credentials of one client (``password`` out of ``repr``).
 
-    Frozen and hashable: a list of endpoints or interceptors is kept as a tuple, the deadlines as floats.
+    Frozen and hashable: a list of endpoints or interceptors is kept as a tuple, a deadline given as a
+    number as a float.
     """
 
     endpoints: str | Sequence[str]
@@ -44,5 +45,7 @@ class EtcdClientOptions:
         if not isinstance(self.endpoints, str):
             object.__setattr__(self, "endpoints", tuple(self.endpoints))
         object.__setattr__(self, "interceptors", tuple(self.interceptors))
-        object.__setattr__(self, "timeout", float(self.timeout))
-        object.__setattr__(self, "connect_timeout", float(self.connect_timeout))
+        for name in ("timeout", "connect_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):  # others: the transport refuses
+                object.__setattr__(self, name, float(value))

@@ -170,10 +170,9 @@ def check_options(o: EtcdClientOptions) -> None:
         raise ValueError("TLS client certificate and key must be given together (cert, key).")
     if (o.user is None) != (o.password is None) and not (o.user and o.password == ""):
         raise ValueError("etcd user and password must be given together.")
-    if o.timeout <= 0:
-        raise ValueError(f"etcd client timeout must be positive, got {o.timeout}.")
-    if o.connect_timeout <= 0:
-        raise ValueError(f"etcd client connect_timeout must be positive, got {o.connect_timeout}.")
+    for name, value in (("timeout", o.timeout), ("connect_timeout", o.connect_timeout)):
+        if not isinstance(value, float) or not value > 0:  # a number is a float by now (EtcdClientOptions)
+            raise ValueError(f"etcd client {name} must be a positive number of seconds, got {value!r}.")
 
 
 # HTTP/2's client connection preface and an empty SETTINGS frame: a gRPC server answers with its

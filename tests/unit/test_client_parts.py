@@ -134,3 +134,14 @@ def test_a_client_closed_during_a_call_raises_its_own_error_not_grpcs(
             transport.call("Maintenance", "Status", rpc_pb2.StatusRequest())
     finally:
         transport.close()
+
+
+@pytest.mark.parametrize(("name", "value", "shown"), [
+    ("timeout", 0, "0.0"), ("timeout", None, "None"), ("timeout", "5", "'5'"), ("timeout", float("nan"), "nan"),
+    ("timeout", True, "True"), ("connect_timeout", "x", "'x'"), ("connect_timeout", -1, "-1.0"),
+])  # fmt: skip
+def test_a_bad_deadline_is_refused_naming_the_option(name: str, value: Any, shown: str) -> None:
+    """Not a bare TypeError from float() or a comparison: the option and the value, before any channel."""
+    with pytest.raises(ValueError, match=rf"^etcd client {name} must be a positive number of seconds, got {shown}\.$"):
+        EtcdClient("127.0.0.1:1", **{name: value})
+    assert EtcdClientOptions("h:1", timeout=2).timeout == 2.0  # a number is kept as a float
