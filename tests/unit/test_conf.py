@@ -10,8 +10,14 @@ from helpers.ports import closed_port
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as torch_registry
 
-from etcd_rdzv import plugin
-from etcd_rdzv.conf import DynamicSettings, parse_dynamic_settings, parse_rdzv_config, translate_legacy_params
+from etcd_rdzv import conf_keys, plugin
+from etcd_rdzv.conf import (
+    DynamicSettings,
+    parse_dynamic_settings,
+    parse_rdzv_config,
+    parse_v3_settings,
+    translate_legacy_params,
+)
 from etcd_rdzv.conf_keys import (
     DEFAULT_KEY_PREFIX,
     DEFAULT_READ_TIMEOUT,
@@ -176,14 +182,42 @@ def test_presence_ttl_is_whole_seconds_of_two_or_more_or_zero() -> None:
 
 
 def test_fast_recovery_is_off_by_default_and_needs_presence() -> None:
-    """etcd-v2's fast_recovery (a deviation from torch's last call) is opt-in, read as torch reads a
-    boolean, and refused with presence off (it waits for the nodes whose presence key is alive)."""
+    """etcd-v2's fast_recovery (a deviation from torch's last call) is opt-in, read as every boolean key
+    is (below), and refused with presence off (it waits for the nodes whose presence key is alive)."""
     assert parse_dynamic_settings(_params()).fast_recovery is False
     assert parse_dynamic_settings(_params(fast_recovery="true")).fast_recovery is True
     with pytest.raises(ValueError, match=r"'fast_recovery' needs presence .* presence_ttl=0"):
         parse_dynamic_settings(_params(fast_recovery="1", presence_ttl="0"))
     with pytest.raises(ValueError, match="fast_recovery"):
         parse_dynamic_settings(_params(fast_recovery="maybe"))
+
+
+@pytest.mark.parametrize("key", ["fast_recovery", "allow_insecure_auth"])
+def test_every_boolean_key_reads_torchs_spellings_and_on_off(key: str) -> None:
+    """One boolean parser for every key: each spelling torch's ``get_as_bool`` takes means the same here
+    (side by side), ``on``/``off`` too; anything else is refused naming the key; blank is the default."""
+    for text in ("1", "true", "T", "Yes", "y", "0", "false", "F", "NO", "n"):
+        torch_reads = _params(**{key: text}).get_as_bool(key)
+        assert conf_keys.boolean(key, text) is torch_reads, text
+    assert (conf_keys.boolean(key, "on"), conf_keys.boolean(key, " OFF ")) == (True, False)
+    with pytest.raises(ValueError, match=rf"^The rendezvous configuration option '{key}' must be a boolean, got 'maybe'"):
+        conf_keys.boolean(key, "maybe")
+    assert parse_v3_settings(_params("etcd-v3", fast_recovery=""))[0].fast_recovery is True  # etcd-v3's default
+    assert parse_dynamic_settings(_params(fast_recovery=" ")).fast_recovery is False  # etcd-v2's
+
+
+def test_etcd_v3_lease_ttl_is_heartbeat_else_torchs_keep_alive_product() -> None:
+    """Without ``heartbeat`` (absent or blank) the lease TTL is ``keep_alive_interval ×
+    keep_alive_max_attempt`` (whole seconds), so a switch from ``etcd-v2`` keeps the time a silent node
+    counts as dead; ``heartbeat`` wins and is rounded up to whole seconds."""
+    def ttl(**conf: str) -> int:
+        return parse_v3_settings(_params("etcd-v3", **conf))[0].lease_ttl
+
+    assert ttl() == 15
+    assert ttl(keep_alive_interval="2", keep_alive_max_attempt="4") == 8
+    assert ttl(heartbeat="", keep_alive_interval="2", keep_alive_max_attempt="4") == 8
+    assert ttl(heartbeat="7", keep_alive_interval="2") == 7
+    assert ttl(heartbeat="2.5") == 3
 
 
 # ------------------------------------------------------------------ secrets from files
