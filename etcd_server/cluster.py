@@ -26,12 +26,12 @@ import time
 import uuid
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 from . import process
 from .binary import check_v2_support, etcd_version, find_etcd_binary
 from .gateway import AuthConfig, auth_enabled, setup_auth
-from .member import EtcdMember, EtcdStartError, EtcdStartTimeoutError, TLSConfig
+from .member import EtcdMember, EtcdStartError, TLSConfig
 
 __all__ = ["EtcdCluster", "make_client"]
 
@@ -67,15 +67,23 @@ def make_client(
     return EtcdClient(urls[0] if len(urls) == 1 else urls, **kwargs)
 
 
+_Face = TypeVar("_Face", bound="_LocalEtcd")
+
+
 class _LocalEtcd:
     """What :class:`EtcdCluster` and ``EtcdServer`` share: settings, start, auth set-up, stop.
 
-    A face supplies the members of each start attempt (:meth:`_members_for_attempt`),
-    what a retry on new ports wipes and logs, how a failed attempt is stopped, and
-    its ready log line. Thread-safe: every lifecycle call holds ``_lock``.
+    A face names its members (:meth:`_layout`) and words its ready and retry log lines
+    (``_READY_LOG``, ``_RETRY_LOG``: ``%``-mappings of :meth:`_log`'s facts). Ports chosen at the
+    first start are kept until a failed first start or a retry: a later ``start()`` (after
+    ``stop()``) reuses them, so connected clients can reconnect. Thread-safe: every lifecycle
+    call holds ``_lock``.
     """
 
-    _KIND = ""  # "server" or "cluster": in messages and the temporary directory's name
+    _KIND = ""  # "server" or "cluster": in messages, the temporary directory's and the cluster token's names
+    _READY_LOG = ""
+    _RETRY_LOG = ""
+    _logger = logger
 
     def __init__(
         self,
@@ -105,6 +113,7 @@ class _LocalEtcd:
         self._given_data_dir = os.path.abspath(data_dir) if data_dir else None
         self._work_dir: str | None = None
         self._members: list[EtcdMember] = []
+        self._ports: list[tuple[int, int]] | None = None  # (client, peer) per member, kept across stop()
         self._auth_done = False
         self._lock = threading.RLock()
 
@@ -113,39 +122,36 @@ class _LocalEtcd:
         """etcd version of the binary, e.g. ``"3.5.1"`` (from ``etcd --version``, cached)."""
         return etcd_version(self.binary)
 
-    # -- what a face supplies ----------------------------------------------
-
-    def _members_for_attempt(self) -> tuple[list[EtcdMember], bool]:
-        """The members to launch, and whether their ports are new (then a collision is retried)."""
+    def _layout(self) -> list[tuple[str, str, int | None, int | None]]:
+        """Per member: its name, data dir, and the client and peer ports the caller fixed (None: free)."""
         raise NotImplementedError
 
-    def _retry_on_new_ports(self, members: list[EtcdMember], fresh: list[bool], attempt: int, attempts: int) -> None:
-        """Log the retry and wipe what the failed attempt left in data dirs that had none."""
-        raise NotImplementedError
+    # -- start -------------------------------------------------------------
 
-    def _abort(self, members: list[EtcdMember]) -> None:
-        """Stop the members of a failed attempt."""
-        raise NotImplementedError
+    def start(self, timeout: float = 60, num_retries: int = 3, stderr: int | TextIO | None = None) -> None:
+        """Start etcd and block until every member serves v3 (a leader and a read through raft).
 
-    def _log_ready(self) -> None:
-        raise NotImplementedError
+        The first start picks free ports for those the caller did not fix; a collision there
+        (etcd's "address already in use", or with ``stderr`` given any exit) stops the members,
+        wipes what they wrote in data dirs that had no data and retries on new ports,
+        ``num_retries`` attempts in all. A later start (after ``stop()``) reuses the ports: a
+        kept port that is taken fails. With ``auth``, the first start sets it up first
+        (:meth:`_set_up_auth_privately`).
 
-    # -- the shared lifecycle ----------------------------------------------
+        Args:
+            timeout: seconds to wait for readiness, per attempt (and once more for the
+                private auth set-up start).
+            num_retries: attempts in all when a port collision happens.
+            stderr: where etcd's stdout/stderr go; default a log file per member (whose tail goes
+                into errors).
 
-    def _new_member(self, name: str, data_dir: str, client_port: int, peer_port: int) -> EtcdMember:
-        assert self._work_dir is not None
-        return EtcdMember(
-            binary=self.binary, name=name, data_dir=data_dir, work_dir=self._work_dir,
-            client_port=client_port, peer_port=peer_port, tls=self.tls, enable_v2=self.enable_v2,
-            extra_args=self.extra_args, die_with_parent=self.die_with_parent,
-            heartbeat_ms=self.heartbeat_ms, election_timeout_ms=self.election_timeout_ms,
-        )  # fmt: skip
+        Raises:
+            RuntimeError: already running.
+            EtcdStartError: a member exited during start-up (``returncode``, ``log_tail``).
+            EtcdStartTimeoutError: not ready within ``timeout`` (also a ``TimeoutError``).
+            EtcdGatewayError: the auth set-up was refused.
 
-    def _start_members(self, timeout: float, num_retries: int, stderr: int | TextIO | None = None) -> None:
-        """Launch the members and block until each serves v3 (see the faces' ``start``).
-
-        A collision (etcd's "address already in use", or with ``stderr`` given any exit) on
-        new ports is retried on other new ports, ``num_retries`` attempts in all.
+        On any error the attempt's members are stopped (:meth:`_abort`).
         """
         with self._lock:
             if any(m.running() for m in self._members):
@@ -154,33 +160,75 @@ class _LocalEtcd:
                 self._work_dir = process.make_temp_dir(f"etcd-{self._KIND}-")
             attempts = max(1, num_retries)
             for attempt in range(1, attempts + 1):
-                members, new_ports = self._members_for_attempt()
+                new_ports = self._ports is None
+                members = self._members_for_attempt()
                 fresh = [not os.path.isdir(os.path.join(m.data_dir, "member")) for m in members]
                 try:
                     if self.auth is not None and not self._auth_done:
                         self._set_up_auth_privately(members, timeout, stderr)
-                    for m in members:
-                        m.launch(stderr)
-                    deadline = time.monotonic() + timeout
-                    for m in members:
-                        m.wait_ready(deadline)
-                except EtcdStartError as e:
+                    self._launch(members, timeout, stderr)
+                except BaseException as e:
                     self._abort(members)
-                    collision = e.address_in_use or (stderr is not None and e.returncode is not None)
+                    collision = isinstance(e, EtcdStartError) and (
+                        e.address_in_use or (stderr is not None and e.returncode is not None)
+                    )
+                    if new_ports:
+                        self._ports = None
                     if new_ports and collision and attempt < attempts:
-                        self._retry_on_new_ports(members, fresh, attempt, attempts)
+                        self._log(logging.WARNING, self._RETRY_LOG, members, attempt=attempt, attempts=attempts)
+                        for m, was_fresh in zip(members, fresh, strict=True):
+                            if was_fresh:
+                                shutil.rmtree(os.path.join(m.data_dir, "member"), ignore_errors=True)
                         continue
-                    self._fail_cleanup(new_ports)
-                    raise
-                except BaseException:
-                    self._abort(members)
-                    self._fail_cleanup(new_ports)
+                    if not self._members:
+                        self._drop_work_dir()
                     raise
                 self._members = members
-                self._log_ready()
-                if self.auth is not None:
-                    self._auth_done = True
+                self._log(logging.INFO, self._READY_LOG, members, version=self.version, pid=members[0].pid or -1)
+                self._auth_done = self.auth is not None
                 return
+
+    def _members_for_attempt(self) -> list[EtcdMember]:
+        """The members on the kept ports (and cluster token), or on new ones when none are kept."""
+        assert self._work_dir is not None
+        layout = self._layout()
+        if self._ports is None:
+            free = iter(process.free_ports(sum((c, p).count(None) for _, _, c, p in layout)))
+            self._ports = [(c if c is not None else next(free), p if p is not None else next(free))
+                           for _, _, c, p in layout]  # fmt: skip
+        members = [
+            EtcdMember(
+                binary=self.binary, name=name, data_dir=data_dir, work_dir=self._work_dir,
+                client_port=client, peer_port=peer, tls=self.tls, enable_v2=self.enable_v2,
+                extra_args=self.extra_args, die_with_parent=self.die_with_parent,
+                heartbeat_ms=self.heartbeat_ms, election_timeout_ms=self.election_timeout_ms,
+            )
+            for (name, data_dir, _, _), (client, peer) in zip(layout, self._ports, strict=True)
+        ]  # fmt: skip
+        initial = ",".join(f"{m.name}={m.peer_url}" for m in members)
+        token = self._members[0].cluster_token if self._members else f"etcd-{self._KIND}-{uuid.uuid4().hex[:12]}"
+        for m in members:
+            m.initial_cluster, m.cluster_token = initial, token
+        return members
+
+    @staticmethod
+    def _launch(members: list[EtcdMember], timeout: float, stderr: int | TextIO | None = None) -> float:
+        """Launch every member, then block until each is ready; returns the (monotonic) deadline.
+
+        Raises what :meth:`EtcdMember.wait_ready` raises; the members are left as they are.
+        """
+        for m in members:
+            m.launch(stderr)
+        deadline = time.monotonic() + timeout
+        for m in members:
+            m.wait_ready(deadline)
+        return deadline
+
+    @staticmethod
+    def _abort(members: list[EtcdMember]) -> None:
+        """Stop the members of a failed start: SIGTERM, SIGKILL after 2 s; blocks until each exited."""
+        for m in members:
+            m.terminate(grace=2.0)
 
     def _set_up_auth_privately(self, members: list[EtcdMember], timeout: float, stderr: int | TextIO | None) -> None:
         """Set up auth before any client port opens; blocks for one start and one stop.
@@ -198,18 +246,12 @@ class _LocalEtcd:
         try:
             for m in members:
                 m.private_dir = private
-                m.launch(stderr)
-            deadline = time.monotonic() + timeout
-            for m in members:
-                m.wait_ready(deadline)
+            deadline = self._launch(members, timeout, stderr)
             setup_auth(members[0].gateway, self.auth)
             for m in members[1:]:  # a member restarts with what it applied: auth on in each
                 while not auth_enabled(m.gateway, self.auth, timeout=max(0.1, deadline - time.monotonic())):
                     if time.monotonic() >= deadline:
-                        raise EtcdStartTimeoutError(
-                            f"etcd {m.name} did not apply 'auth enable' before the start-up deadline",
-                            returncode=None, log_tail=m.log_tail(), cmd=m.cmd,
-                        )  # fmt: skip
+                        raise m.start_error(f"etcd {m.name} did not apply 'auth enable' before the start-up deadline")
                     time.sleep(0.02)
         finally:
             self._terminate_all(members, graceful=True)
@@ -217,10 +259,31 @@ class _LocalEtcd:
                 m.private_dir = None
             process.remove_temp_dir(private)
 
-    def _fail_cleanup(self, new_ports: bool) -> None:
-        """After a failed start: drop the temporary directory unless earlier members use it."""
-        if not self._members and self._work_dir:
-            self._drop_work_dir()
+    def _log(self, level: int, message: str, members: list[EtcdMember], **facts: Any) -> None:
+        """Log the face's ``message`` with the facts of ``members`` (and ``facts``) as its mapping."""
+        first = members[0]
+        self._logger.log(level, message, {
+            "endpoints": ",".join(m.endpoint for m in members), "url": first.client_url,
+            "ports": (first.client_port, first.peer_port), "data_dir": first.data_dir, **facts,
+        })  # fmt: skip
+
+    # -- stop --------------------------------------------------------------
+
+    def stop(self, *, keep_data: bool = False, graceful: bool = True) -> None:
+        """Stop every member and block until all exited (SIGTERM, SIGKILL after ``stop_grace``;
+        ``graceful=False``: SIGKILL at once).
+
+        Removes the temporary data dir and logs unless ``keep_data`` (a caller-given ``data_dir``
+        is never removed). Idempotent; a later ``start()`` reuses the ports (and kept data).
+        """
+        with self._lock:
+            self._terminate_all(self._members, graceful=graceful)
+            if not keep_data and self._work_dir:
+                self._logger.info("removing etcd work dir %s", self._work_dir)
+                self._drop_work_dir()
+                self._members = []
+                if not self._given_data_dir:
+                    self._auth_done = False
 
     def _drop_work_dir(self) -> None:
         if self._work_dir:
@@ -260,8 +323,9 @@ class _LocalEtcd:
                 continue
         return None
 
-    def stop(self, *, keep_data: bool = False, graceful: bool = True) -> None:
-        raise NotImplementedError
+    def __enter__(self: _Face) -> _Face:
+        self.start()
+        return self
 
     def __exit__(
         self,
@@ -290,6 +354,8 @@ class EtcdCluster(_LocalEtcd):
     """
 
     _KIND = "cluster"
+    _READY_LOG = "etcd %(version)s cluster ready at %(endpoints)s"
+    _RETRY_LOG = "etcd cluster ports taken (attempt %(attempt)d/%(attempts)d); retrying on new ports"
 
     def __init__(
         self,
@@ -314,6 +380,11 @@ class EtcdCluster(_LocalEtcd):
             auth=auth, die_with_parent=die_with_parent, stop_grace=stop_grace,
             heartbeat_ms=heartbeat_ms, election_timeout_ms=election_timeout_ms,
         )  # fmt: skip
+
+    def _layout(self) -> list[tuple[str, str, int | None, int | None]]:
+        assert self._work_dir is not None
+        base = self._given_data_dir or os.path.join(self._work_dir, "data")
+        return [(f"member-{i}", os.path.join(base, f"member-{i}"), None, None) for i in range(self.size)]
 
     # -- accessors ---------------------------------------------------------
 
@@ -351,69 +422,7 @@ class EtcdCluster(_LocalEtcd):
         """True while member ``i``'s process is alive."""
         return self._members[i].running()
 
-    # -- lifecycle ---------------------------------------------------------
-
-    def start(self, timeout: float = 60, num_retries: int = 3) -> None:
-        """Start all members; block until every one serves v3 (a leader and a read through raft).
-
-        On the first start, a port taken between probing and binding stops all members, wipes
-        their fresh data and retries on new ports (``num_retries`` attempts in all).
-
-        Raises:
-            RuntimeError: already started.
-            EtcdStartError: a member exited during start-up (exit code, log tail); all are stopped.
-            EtcdStartTimeoutError: not ready within ``timeout``.
-        """
-        self._start_members(timeout, num_retries)
-
-    def _members_for_attempt(self) -> tuple[list[EtcdMember], bool]:
-        assert self._work_dir is not None
-        new_ports = not self._members
-        members = self._new_members() if new_ports else self._members
-        for m in members:  # the log dir is new after a stop()
-            m.work_dir = self._work_dir
-        return members, new_ports
-
-    def _new_members(self) -> list[EtcdMember]:
-        assert self._work_dir is not None
-        base = self._given_data_dir or os.path.join(self._work_dir, "data")
-        ports = process.free_ports(2 * self.size)
-        members = [
-            self._new_member(f"member-{i}", os.path.join(base, f"member-{i}"), ports[2 * i], ports[2 * i + 1])
-            for i in range(self.size)
-        ]
-        initial = ",".join(f"{m.name}={m.peer_url}" for m in members)
-        token = "etcd-cluster-" + uuid.uuid4().hex[:12]
-        for m in members:
-            m.initial_cluster = initial
-            m.cluster_token = token
-        return members
-
-    def _retry_on_new_ports(self, members: list[EtcdMember], fresh: list[bool], attempt: int, attempts: int) -> None:
-        logger.warning("etcd cluster ports taken (attempt %d/%d); retrying on new ports", attempt, attempts)
-        for m, was_fresh in zip(members, fresh, strict=True):
-            if was_fresh:
-                shutil.rmtree(m.data_dir, ignore_errors=True)
-
-    def _abort(self, members: list[EtcdMember]) -> None:
-        self._terminate_all(members, graceful=False)
-
-    def _log_ready(self) -> None:
-        logger.info("etcd %s cluster ready at %s", self.version, self.endpoint_string)
-
-    def stop(self, *, keep_data: bool = False, graceful: bool = True) -> None:
-        """Stop every member (SIGTERM, SIGKILL after ``stop_grace``; blocks).
-
-        Removes the temporary data unless ``keep_data``. Idempotent; a later
-        ``start()`` reuses the ports (and data, when kept or caller-given).
-        """
-        with self._lock:
-            self._terminate_all(self._members, graceful=graceful)
-            if not keep_data and self._work_dir:
-                self._drop_work_dir()
-                if not self._given_data_dir:
-                    self._members = []
-                    self._auth_done = False
+    # -- one member --------------------------------------------------------
 
     def stop_member(self, i: int, *, graceful: bool = False) -> None:
         """Stop member ``i``; block until it exited (SIGKILL by default: a crash; SIGTERM if ``graceful``).
@@ -432,11 +441,10 @@ class EtcdCluster(_LocalEtcd):
         """
         with self._lock:
             m = self._members[i]
-            m.launch()
             try:
-                m.wait_ready(time.monotonic() + timeout)
+                self._launch([m], timeout)
             except BaseException:
-                m.terminate(grace=2.0)
+                self._abort([m])
                 raise
 
     def leader(self, timeout: float = 10.0) -> int:
@@ -460,10 +468,6 @@ class EtcdCluster(_LocalEtcd):
     def get_client(self, **overrides: Any) -> Any:
         """An ``EtcdClient`` over all members' endpoints, TLS and credentials set (:func:`make_client`)."""
         return make_client(self.client_urls, self.tls, self.auth, overrides)
-
-    def __enter__(self) -> EtcdCluster:
-        self.start()
-        return self
 
     def __repr__(self) -> str:
         return f"EtcdCluster({self.endpoint_string or self.size}, pids={self.pids})"

@@ -22,6 +22,7 @@ import socket
 import ssl
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from typing import Any
 
 __all__ = [
@@ -352,14 +353,16 @@ def setup_auth(gateway: Gateway, auth: AuthConfig, *, timeout: float = 10.0) -> 
     )
 
 
+def _users_and_roles(call: Callable[[str, dict[str, Any]], dict[str, Any]]) -> tuple[set[str], set[str]]:
+    """The names of the users and of the roles etcd holds (two gateway calls)."""
+    return (set(call("/v3/auth/user/list", {}).get("users") or ()),
+            set(call("/v3/auth/role/list", {}).get("roles") or ()))  # fmt: skip
+
+
 def _add_users_and_roles(gateway: Gateway, auth: AuthConfig, timeout: float) -> None:
     """Create (or set the password of) root and the limited user, their roles and grants."""
-
-    def call(path: str, body: dict[str, Any]) -> dict[str, Any]:
-        return gateway.call(path, body, timeout=timeout)
-
-    users = set(call("/v3/auth/user/list", {}).get("users") or ())
-    roles = set(call("/v3/auth/role/list", {}).get("roles") or ())
+    call = functools.partial(gateway.call, timeout=timeout)
+    users, roles = _users_and_roles(call)
     wanted = [("root", auth.root_password)] + ([(auth.user, auth.password)] if auth.user else [])
     for name, password in wanted:
         verb = "changepw" if name in users else "add"
@@ -398,12 +401,8 @@ def _perm(prefix: bytes) -> dict[str, str]:
 def _verify_auth(gateway: Gateway, auth: AuthConfig, timeout: float, token: str | None) -> None:
     """Read back (as root with ``token`` once auth is on) that etcd has exactly the users, roles
     and grants of ``auth``. Raises ``EtcdGatewayError`` (status 0) naming what else it found."""
-
-    def call(path: str, body: dict[str, Any]) -> dict[str, Any]:
-        return gateway.call(path, body, timeout=timeout, token=token)
-
-    users = set(call("/v3/auth/user/list", {}).get("users") or ())
-    roles = set(call("/v3/auth/role/list", {}).get("roles") or ())
+    call = functools.partial(gateway.call, timeout=timeout, token=token)
+    users, roles = _users_and_roles(call)
     want_users = {"root"} | ({auth.user} if auth.user else set())
     want_roles = {"root"} | ({auth.role_name} if auth.role_name else set())
     problems = [f"users {sorted(users - want_users)}" if users - want_users else "",

@@ -408,6 +408,12 @@ class EtcdMember:
         except (OSError, http.client.HTTPException) as e:
             return f"{type(e).__name__}: {e}"
 
+    def start_error(self, message: str, returncode: int | None = None) -> EtcdStartError:
+        """The error of a start that failed with ``message``, carrying the log tail and command line:
+        an :class:`EtcdStartError` for an exit (``returncode``), else an :class:`EtcdStartTimeoutError`."""
+        cls = EtcdStartTimeoutError if returncode is None else EtcdStartError
+        return cls(message, returncode=returncode, log_tail=self.log_tail(), cmd=self.cmd)
+
     def wait_ready(self, deadline: float) -> None:
         """Poll until the member serves v3 requests or ``deadline`` (monotonic).
 
@@ -426,22 +432,14 @@ class EtcdMember:
             rc = proc.poll()
             if rc is not None:
                 process.unregister_live(self)
-                raise EtcdStartError(
-                    f"etcd {self.name} exited during start-up with code {rc} "
-                    f"(command: {' '.join(self.cmd)})",
-                    returncode=rc,
-                    log_tail=self.log_tail(),
-                    cmd=self.cmd,
+                raise self.start_error(
+                    f"etcd {self.name} exited during start-up with code {rc} (command: {' '.join(self.cmd)})", rc
                 )
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                tail = self.log_tail()
-                raise EtcdStartTimeoutError(
+                raise self.start_error(
                     f"etcd {self.name} (pid {proc.pid}) not ready at {self.client_url} "
-                    f"before the start-up deadline (last probe: {why_not})",
-                    returncode=None,
-                    log_tail=tail,
-                    cmd=self.cmd,
+                    f"before the start-up deadline (last probe: {why_not})"
                 )
             why_not = self._probe(min(remaining, 1.0))
             if why_not is None:

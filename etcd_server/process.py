@@ -161,20 +161,20 @@ _temp_dirs: set[str] = set()
 _atexit_registered = False
 
 
-def _ensure_atexit() -> None:
+def _track(items: set[_T], item: _T) -> _T:
+    """Add ``item`` to what the atexit hook cleans up (``_live`` or ``_temp_dirs``); returns it."""
     global _atexit_registered
-    if not _atexit_registered:
-        atexit.register(_stop_all_at_exit)
-        _atexit_registered = True
+    with _live_lock:
+        items.add(item)
+        if not _atexit_registered:
+            atexit.register(_stop_all_at_exit)
+            _atexit_registered = True
+    return item
 
 
 def make_temp_dir(prefix: str) -> str:
     """``mkdtemp`` that the atexit hook removes if the owner never does."""
-    path = tempfile.mkdtemp(prefix=prefix)
-    with _live_lock:
-        _temp_dirs.add(path)
-        _ensure_atexit()
-    return path
+    return _track(_temp_dirs, tempfile.mkdtemp(prefix=prefix))
 
 
 #: Longest directory path for a private set-up socket (``<dir>/localhost:<port>``): AF_UNIX
@@ -195,10 +195,7 @@ def make_private_dir(parent: str | None) -> str:
         if len(base) + len("/etcd-auth-xxxxxxxx") > _MAX_SOCKET_DIR and os.path.isdir("/tmp"):
             base = "/tmp"
         path = tempfile.mkdtemp(prefix="etcd-auth-", dir=base)
-    with _live_lock:
-        _temp_dirs.add(path)
-        _ensure_atexit()
-    return path
+    return _track(_temp_dirs, path)
 
 
 def remove_temp_dir(path: str) -> None:
@@ -209,9 +206,7 @@ def remove_temp_dir(path: str) -> None:
 
 
 def register_live(member: Stoppable) -> None:
-    with _live_lock:
-        _live.add(member)
-        _ensure_atexit()
+    _track(_live, member)
 
 
 def unregister_live(member: Stoppable) -> None:

@@ -27,14 +27,12 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from collections.abc import Sequence
-from typing import Any, TextIO
+from typing import Any
 
-from . import process
 from .cluster import _LocalEtcd, make_client
 from .gateway import AuthConfig
-from .member import EtcdMember, TLSConfig
+from .member import TLSConfig
 from .process import HOST
 
 __all__ = ["EtcdServer"]
@@ -64,6 +62,8 @@ class EtcdServer(_LocalEtcd):
             election, and make a start ~0.2 s instead of ~1 s. None keeps etcd's; the same
             flags in ``extra_args`` win.
 
+    ``start``, ``stop`` and ``with`` are the shared lifecycle's (:mod:`etcd_server.cluster`).
+
     Raises:
         EtcdBinaryNotFoundError: (at construction) no etcd binary was found.
         ValueError: (at construction) ``enable_v2=True`` with etcd 3.6+ (no v2 API); the
@@ -71,6 +71,9 @@ class EtcdServer(_LocalEtcd):
     """
 
     _KIND = "server"
+    _READY_LOG = "etcd %(version)s ready at %(url)s (pid %(pid)d, data dir %(data_dir)s)"
+    _RETRY_LOG = "etcd could not bind its ports %(ports)s (attempt %(attempt)d/%(attempts)d); retrying on new ports"
+    _logger = logger
 
     def __init__(
         self,
@@ -95,9 +98,12 @@ class EtcdServer(_LocalEtcd):
             heartbeat_ms=heartbeat_ms, election_timeout_ms=election_timeout_ms,
         )  # fmt: skip
         self.name = name
-        self._given_port = port
-        self._given_peer_port = peer_port
-        self._ports: tuple[int, int] | None = None
+        self._given_ports = (port, peer_port)
+
+    def _layout(self) -> list[tuple[str, str, int | None, int | None]]:
+        data_dir = self.data_dir
+        assert data_dir is not None
+        return [(self.name, data_dir, *self._given_ports)]
 
     # -- torch-compatible accessors ----------------------------------------
 
@@ -130,15 +136,14 @@ class EtcdServer(_LocalEtcd):
 
     def get_port(self) -> int:
         """Client port; -1 before the first ``start()`` (as in torch)."""
-        if self._ports:
-            return self._ports[0]
-        return self._given_port if self._given_port else -1
+        return self._port(0)
 
     def get_peer_port(self) -> int:
         """Peer port; -1 before the first ``start()``."""
-        if self._ports:
-            return self._ports[1]
-        return self._given_peer_port if self._given_peer_port else -1
+        return self._port(1)
+
+    def _port(self, which: int) -> int:
+        return (self._ports[0][which] if self._ports else self._given_ports[which]) or -1
 
     def get_endpoint(self) -> str:
         """``"127.0.0.1:PORT"`` (no scheme, also with TLS)."""
@@ -148,104 +153,10 @@ class EtcdServer(_LocalEtcd):
         """``"http://127.0.0.1:PORT"`` or ``"https://..."`` with TLS."""
         return f"{'https' if self.tls else 'http'}://{HOST}:{self.get_port()}"
 
-    def start(
-        self,
-        timeout: float = 60,
-        num_retries: int = 3,
-        stderr: int | TextIO | None = None,
-    ) -> None:
-        """Start etcd and block until it serves v3 requests.
-
-        On the first start, ports the caller did not fix are chosen free, and "address already
-        in use" is retried on new ports. Later starts (after ``stop()``) reuse the ports: a
-        kept port that is taken fails with :class:`EtcdStartError`. With ``auth``, the first
-        start sets it up first (:mod:`etcd_server.cluster`).
-
-        Args:
-            timeout: seconds to wait for readiness, per attempt (and once more for the
-                private auth set-up start).
-            num_retries: attempts in all when a port collision happens.
-            stderr: where etcd's stdout/stderr go; default a log file (whose tail goes into
-                errors). When given, any exit during the first start counts as a possible
-                port collision.
-
-        Raises:
-            RuntimeError: already running.
-            EtcdStartError: etcd exited during start-up (``returncode``, ``log_tail``).
-            EtcdStartTimeoutError: not ready within ``timeout`` (also a ``TimeoutError``); the
-                process is killed.
-            EtcdGatewayError: the auth setup was refused.
-        """
-        self._start_members(timeout, num_retries, stderr)
-
-    def _members_for_attempt(self) -> tuple[list[EtcdMember], bool]:
-        """A new member on the kept ports, or on new ones when none are kept yet."""
-        new_ports = self._ports is None
-        if self._ports is None:
-            self._ports = self._pick_ports()
-        data_dir = self.data_dir
-        assert data_dir is not None
-        member = self._new_member(self.name, data_dir, *self._ports)
-        if self._members:  # keep the cluster token across restarts
-            member.cluster_token = self._members[0].cluster_token
-        return [member], new_ports
-
-    def _pick_ports(self) -> tuple[int, int]:
-        need = [p is None for p in (self._given_port, self._given_peer_port)]
-        free = iter(process.free_ports(sum(need)))
-        client = self._given_port if self._given_port is not None else next(free)
-        peer = self._given_peer_port if self._given_peer_port is not None else next(free)
-        return client, peer
-
-    def _retry_on_new_ports(self, members: list[EtcdMember], fresh: list[bool], attempt: int, attempts: int) -> None:
-        logger.warning(
-            "etcd could not bind its ports %s (attempt %d/%d); retrying on new ports",
-            self._ports, attempt, attempts,
-        )  # fmt: skip
-        self._ports = None
-        if fresh[0]:
-            shutil.rmtree(os.path.join(members[0].data_dir, "member"), ignore_errors=True)
-
-    def _abort(self, members: list[EtcdMember]) -> None:
-        members[0].terminate(grace=2.0)
-
-    def _fail_cleanup(self, new_ports: bool) -> None:
-        """After a failed first start, forget the ports; drop the temp dir as the base does."""
-        if new_ports:
-            self._ports = None
-        super()._fail_cleanup(new_ports)
-
-    def _log_ready(self) -> None:
-        member = self._members[0]
-        logger.info(
-            "etcd %s ready at %s (pid %d, data dir %s)",
-            self.version, member.client_url, member.proc.pid if member.proc else -1, member.data_dir,
-        )  # fmt: skip
-
-    def stop(self, *, keep_data: bool = False, graceful: bool = True) -> None:
-        """Stop etcd and block until it has exited (SIGTERM, SIGKILL after ``stop_grace``;
-        ``graceful=False``: SIGKILL at once).
-
-        Removes the temporary data dir and log unless ``keep_data`` (a caller-given ``data_dir``
-        is never removed). Idempotent; a later ``start()`` reuses the ports (and kept data).
-        """
-        with self._lock:
-            self._terminate_all(self._members, graceful=graceful)
-            if not keep_data and self._work_dir:
-                logger.info("removing etcd work dir %s", self._work_dir)
-                self._drop_work_dir()
-                self._members = []
-                if not self._given_data_dir:
-                    self._auth_done = False
-
     def restart(self, timeout: float = 60, *, graceful: bool = True) -> None:
         """Stop etcd keeping its data and start it again on the same ports; blocks as :meth:`start`."""
         self.stop(keep_data=True, graceful=graceful)
         self.start(timeout=timeout, num_retries=1)
-
-    def __enter__(self) -> EtcdServer:
-        self.start()
-        return self
 
     def __repr__(self) -> str:
         state = f"pid={self.pid}" if self.is_running() else "stopped"
