@@ -47,9 +47,11 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from torch.distributed.elastic import metrics as torch_metrics
+from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 
 from etcd_store.client.stats import ERROR, RETRY
 
@@ -80,6 +82,8 @@ __all__ = [
     "maybe_start",
     "put",
     "put_rdzv",
+    "rdzv_completed",
+    "rdzv_failed",
     "serving",
     "watch_client",
 ]
@@ -116,6 +120,18 @@ def put(name: str, value: int) -> None:
 def put_rdzv(backend: str, name: str, value: int = 1) -> None:
     """``<backend>.<name>`` (one of the rendezvous names above)."""
     put(f"{backend}.{name}", value)
+
+
+def rdzv_completed(backend: str, started: float, world_size: int) -> None:
+    """A ``next_rendezvous`` begun at ``started`` (monotonic) returned a round of ``world_size``."""
+    put_rdzv(backend, COMPLETED)
+    put_rdzv(backend, DURATION_MS, int((time.monotonic() - started) * 1000))
+    put_rdzv(backend, WORLD_SIZE, world_size)
+
+
+def rdzv_failed(backend: str, error: BaseException) -> None:
+    """A ``next_rendezvous`` raised ``error``: a timeout (torch's ``RendezvousTimeoutError``) or a failure."""
+    put_rdzv(backend, TIMEOUTS if isinstance(error, RendezvousTimeoutError) else FAILURES)
 
 
 def _on_client_event(kind: str, detail: str) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 from etcd_store.client import EtcdClient, KeyValue, RangeResult, op_get, prefix_range_end
 
-from ..native.records import ProtocolStateError, RunKeys, Sealed, decode_members, load_json
+from ..native.records import ProtocolStateError, RunKeys, Sealed, decode_members, join_doc
 from ..v2state import StateDecodeError, V2State, decode_state
 from .connect import Deadline
 
@@ -221,14 +221,7 @@ def v2_info(run_id: str, state: V2State, now: datetime) -> RunInfo:
 
 def _join_value(kv: KeyValue | None) -> tuple[str | None, int | None, int | None]:
     """``(addr, pid, port)`` of a join key's JSON value; Nones where absent or malformed."""
-    if kv is None:
-        return None, None, None
-    try:
-        doc = load_json(kv.value)
-    except ValueError:
-        return None, None, None
-    if not isinstance(doc, dict):
-        return None, None, None
+    doc = {} if kv is None else join_doc(kv.value)
 
     def num(v: Any) -> int | None:
         return v if isinstance(v, int) and not isinstance(v, bool) else None

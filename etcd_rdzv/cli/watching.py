@@ -19,7 +19,7 @@ from typing import Any
 
 from etcd_store.client import EtcdClient, Event
 
-from ..native.records import ProtocolStateError, RunKeys, decode_sealed, load_json
+from ..native.records import ProtocolStateError, RunKeys, decode_sealed, join_doc
 from ..v2state import StateDecodeError, V2State, decode_state
 from .connect import CliError, Deadline
 from .render import esc
@@ -33,11 +33,8 @@ Change = dict[str, Any]
 
 
 def _join_host(value: bytes) -> str | None:
-    try:
-        doc = load_json(value)
-    except ValueError:
-        return None
-    return doc.get("addr") if isinstance(doc, dict) and isinstance(doc.get("addr"), str) else None
+    addr = join_doc(value).get("addr")
+    return addr if isinstance(addr, str) else None
 
 
 def describe_v3(keys: RunKeys, events: list[Event]) -> list[Change]:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.distributed.elastic.events import NodeState
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as _dr
-from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous.api import RendezvousInfo
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousBackend,
@@ -115,12 +115,9 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         try:
             info = super().next_rendezvous()
         except Exception as e:
-            timed_out = isinstance(e, RendezvousTimeoutError)
-            metrics.put_rdzv(backend, metrics.TIMEOUTS if timed_out else metrics.FAILURES)
+            metrics.rdzv_failed(backend, e)
             raise
-        metrics.put_rdzv(backend, metrics.COMPLETED)
-        metrics.put_rdzv(backend, metrics.DURATION_MS, int((time.monotonic() - started) * 1000))
-        metrics.put_rdzv(backend, metrics.WORLD_SIZE, info.world_size)
+        metrics.rdzv_completed(backend, started, info.world_size)
         return info
 
     def num_nodes_waiting(self) -> int:

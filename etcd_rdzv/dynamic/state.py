@@ -82,18 +82,11 @@ _EXECUTOR_INIT = ["node", "state_holder", "settings"]
 
 def _problems() -> list[str]:
     """What differs from the torch internals this module relies on (empty when nothing)."""
-    found: list[str] = []
     holder = getattr(_dr, "_BackendRendezvousStateHolder", None)
-    if holder is None:
-        found.append("no _BackendRendezvousStateHolder")
-    else:
-        if _params(holder.__init__) != _HOLDER_INIT:
-            found.append(f"_BackendRendezvousStateHolder.__init__ takes {_params(holder.__init__)}")
-        sync = getattr(holder, "sync", None)
-        if not callable(getattr(holder, "_sanitize", None)) or "_sanitize" not in getattr(
-            getattr(sync, "__code__", None), "co_names", ()
-        ):
-            found.append("_BackendRendezvousStateHolder.sync no longer calls _sanitize")
+    found = _init_differs("_BackendRendezvousStateHolder", holder, _HOLDER_INIT)
+    sync_names = getattr(getattr(getattr(holder, "sync", None), "__code__", None), "co_names", ())
+    if holder is not None and ("_sanitize" not in sync_names or not callable(getattr(holder, "_sanitize", None))):
+        found.append("_BackendRendezvousStateHolder.sync no longer calls _sanitize")
     state = getattr(_dr, "_RendezvousState", None)
     fields = set(getattr(state(), "__dict__", ())) if state is not None else set()
     missing, extra = sorted(STATE_FIELDS - fields), sorted(fields - STATE_FIELDS)
@@ -105,8 +98,7 @@ def _problems() -> list[str]:
     if not dataclasses.is_dataclass(node) or [f.name for f in dataclasses.fields(node)] != _NODE_FIELDS:
         found.append("_NodeDesc is no longer a dataclass of addr, pid, local_id")
     handler = _dr.DynamicRendezvousHandler
-    if _params(handler.__init__) != _HANDLER_INIT:
-        found.append(f"DynamicRendezvousHandler.__init__ takes {_params(handler.__init__)}")
+    found += _init_differs("DynamicRendezvousHandler", handler, _HANDLER_INIT)
     missing = [a for a in _HANDLER_ATTRS if not callable(getattr(handler, a, None))]
     if missing:
         found.append(f"DynamicRendezvousHandler lacks {', '.join(missing)}")
@@ -115,21 +107,22 @@ def _problems() -> list[str]:
     if missing:
         found.append(f"_Action lacks {', '.join(missing)}")
     executor = getattr(_dr, "_DistributedRendezvousOpExecutor", None)
-    if executor is None:
-        found.append("no _DistributedRendezvousOpExecutor")
-    else:
-        if _params(executor.__init__) != _EXECUTOR_INIT:
-            found.append(f"_DistributedRendezvousOpExecutor.__init__ takes {_params(executor.__init__)}")
-        if not callable(getattr(executor, "_remove_from_participants", None)):
-            found.append("_DistributedRendezvousOpExecutor lacks _remove_from_participants")
+    found += _init_differs("_DistributedRendezvousOpExecutor", executor, _EXECUTOR_INIT)
+    if executor is not None and not callable(getattr(executor, "_remove_from_participants", None)):
+        found.append("_DistributedRendezvousOpExecutor lacks _remove_from_participants")
     return found
 
 
-def _params(function: Any) -> list[str]:
+def _init_differs(name: str, cls: Any, expected: list[str]) -> list[str]:
+    """What differs in torch's class ``name`` (``cls``, None if absent): its absence, or the parameters of
+    its ``__init__`` (one signature read); ``[]`` when nothing."""
+    if cls is None:
+        return [f"no {name}"]
     try:
-        return [p for p in inspect.signature(function).parameters if p != "self"]
+        params = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
     except (TypeError, ValueError):
-        return ["(unreadable)"]
+        params = ["(unreadable)"]
+    return [] if params == expected else [f"{name}.__init__ takes {params}"]
 
 
 def record_event(
@@ -311,9 +304,13 @@ class SealedRoundStateHolder(_Holder):
         now = datetime.now(timezone.utc)
         if not state.complete or not self._may_judge(now):
             return []
+        return sorted(n for n in self._silent(state, now) if n != self._node)
+
+    def _silent(self, state: Any, now: datetime) -> list[_NodeDesc]:
+        """The members of ``state``'s round whose heartbeat is older than :attr:`member_expiry` at ``now``
+        (or missing): the one rule by which a member looks dead."""
         limit = now - self.member_expiry
-        beats = state.last_heartbeats
-        return sorted(n for n in state.participants if n != self._node and beats.get(n, limit) <= limit)
+        return [n for n in state.participants if state.last_heartbeats.get(n, limit) <= limit]
 
     def _sanitize(self) -> None:
         """Prune dead nodes from the local copy (torch's hook): torch's rule for a forming round or a
@@ -357,9 +354,7 @@ class SealedRoundStateHolder(_Holder):
         now = datetime.now(timezone.utc)
         if self._node in state.participants or now - self._reachable_since < self.member_expiry:
             return False
-        limit = now - self.member_expiry
-        beats = state.last_heartbeats
-        dead = all(beats.get(n, limit) <= limit for n in state.participants)
+        dead = len(self._silent(state, now)) == len(state.participants)
         if dead and state.participants:
             log.debug("round %s: every member looks dead, pruning it", state.round)
         return dead

@@ -113,7 +113,7 @@ class Barrier:
     (:data:`SEAL_BACKUP_DELAY`); ``last_call_at``: when the last call ends (while ``min_nodes`` joined
     and the previous round is vacated); ``ready_since``: since when the round is due;
     ``tried_at_change``: ``JoinCounts.changes`` at our last check or seal (never twice on one view);
-    ``sealed_by_me``; ``settled``: sealed (or the run closed) by someone, its event on the way;
+    ``settled``: sealed (or the run closed) by us or someone else, its event on the way;
     ``timing_out``: ``join_timeout`` passed but the round was sealed before we could withdraw.
     """
 
@@ -124,7 +124,6 @@ class Barrier:
     last_call_at: float | None = None
     ready_since: float | None = None
     tried_at_change: int = -1
-    sealed_by_me: bool = False
     settled: bool = False
     timing_out: bool = False
 
@@ -142,7 +141,7 @@ class Barrier:
 
     def sealed(self, ok: bool) -> Barrier:
         """After a seal attempt: ``ok`` when our transaction sealed the round."""
-        return replace(self, sealed_by_me=ok, settled=self.settled or ok)
+        return replace(self, settled=self.settled or ok)
 
     def settle(self) -> Barrier:
         """A read showed the round sealed (or the run closed) by someone else."""

@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeGuard
 
 from etcd_store.client import (
     EtcdClient,
@@ -52,7 +52,7 @@ from etcd_store.client.synced import confirmed
 from etcd_store.errors import EtcdError, EtcdTimeoutError
 
 from . import protocol
-from .records import NodeShutDown, RunKeys, load_json
+from .records import NodeShutDown, RunKeys, join_doc
 from .settings import V3Settings
 from .telemetry import RoundObserver
 
@@ -298,20 +298,14 @@ def own_pace(settings: V3Settings, first_attempt: float) -> Pace:
 
 def pace_in(value: bytes, default: Pace) -> Pace:
     """The :class:`Pace` a join value names; ``default`` (the observer's) if it names none or is malformed."""
-    try:
-        doc = load_json(value)
-    except ValueError:
-        return default
-    if not isinstance(doc, dict):
-        return default
+    doc = join_doc(value)
     renew, failover = doc.get("renew"), doc.get("failover")
-    if not (_seconds(renew) and _seconds(failover)):
-        return default
-    assert isinstance(renew, (int, float)) and isinstance(failover, (int, float))
-    return Pace(float(renew), float(failover))
+    if _seconds(renew) and _seconds(failover):
+        return Pace(float(renew), float(failover))
+    return default
 
 
-def _seconds(value: object) -> bool:
+def _seconds(value: object) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1e6
 
 

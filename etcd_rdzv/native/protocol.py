@@ -59,17 +59,16 @@ __all__ = ["AbortOutcome", "CatchUp", "JoinOutcome", "Occupancy", "RoundRead", "
 
 # --------------------------------------------------------------------------- reads
 
-def read_meta(client: EtcdClient, keys: RunKeys, *, timeout: float | None = None) -> Meta:
+def read_meta(client: EtcdClient, keys: RunKeys) -> Meta:
     """``closed``, ``run`` and ``sealed`` at one revision. One read-only Txn."""
-    res = client.txn([], [op_get(keys.closed), op_get(keys.run), op_get(keys.sealed)], timeout=timeout,
-                     idempotent=True)
+    res = client.txn([], [op_get(keys.closed), op_get(keys.run), op_get(keys.sealed)], idempotent=True)
     closed_kv, run_kv, sealed_kv = (first_kv(r) for r in res.responses)
     return Meta(closed_kv is not None, Sealed.from_kv(sealed_kv), lease_of(run_kv), res.revision)
 
 
-def is_closed(client: EtcdClient, keys: RunKeys, *, timeout: float | None = None) -> bool:
+def is_closed(client: EtcdClient, keys: RunKeys) -> bool:
     """Whether ``ctl/closed`` exists. One Range."""
-    return client.range(keys.closed, count_only=True, timeout=timeout).count > 0
+    return client.range(keys.closed, count_only=True).count > 0
 
 
 @dataclass(frozen=True)
@@ -84,12 +83,7 @@ class Occupancy:
 
 
 def count_waiting(
-    client: EtcdClient,
-    keys: RunKeys,
-    round_: int,
-    *,
-    node_key: bytes | None = None,
-    timeout: float | None = None,
+    client: EtcdClient, keys: RunKeys, round_: int, *, node_key: bytes | None = None
 ) -> Occupancy:
     """Join keys of ``round_ + 1`` and ``round_``, ``closed``, ``abort`` and, if given, whether
     ``node_key`` exists. One read-only Txn of count-only ranges (O(1) bytes)."""
@@ -101,17 +95,15 @@ def count_waiting(
     ]
     if node_key is not None:
         ops.append(op_get(node_key, count_only=True))
-    res = client.txn([], ops, timeout=timeout, idempotent=True)
+    res = client.txn([], ops, idempotent=True)
     counts = [count_of(r) for r in res.responses]
     return Occupancy(counts[0], counts[1], counts[2] > 0, None if node_key is None else counts[4] > 0,
                      aborted=counts[3] > 0)
 
 
-def read_members(
-    client: EtcdClient, keys: RunKeys, round_: int, *, timeout: float | None = None
-) -> tuple[list[str] | None, int]:
+def read_members(client: EtcdClient, keys: RunKeys, round_: int) -> tuple[list[str] | None, int]:
     """The members record of ``round_`` (None if absent) and the read revision. One Range."""
-    res = client.range(keys.members(round_), timeout=timeout)
+    res = client.range(keys.members(round_))
     return (decode_members(res.kvs[0].value, res.kvs[0].key) if res.kvs else None), res.revision
 
 
@@ -163,11 +155,10 @@ def parse_round(keys: RunKeys, res: TxnResult, *, skip: int = 0) -> RoundRead:
     )
 
 
-def read_round(client: EtcdClient, keys: RunKeys, round_: int, *, timeout: float | None = None) -> RoundRead:
+def read_round(client: EtcdClient, keys: RunKeys, round_: int) -> RoundRead:
     """Everything a seal of ``round_`` depends on, at one revision. One read-only Txn (O(joiners)
     bytes: only seal candidates call it)."""
-    res = client.txn([], round_ops(keys, round_), timeout=timeout, idempotent=True)
-    return parse_round(keys, res)
+    return parse_round(keys, client.txn([], round_ops(keys, round_), idempotent=True))
 
 
 @dataclass(frozen=True)
@@ -180,14 +171,10 @@ class CatchUp:
     prev_count: int
 
 
-def catch_up(client: EtcdClient, keys: RunKeys, round_: int, *, timeout: float | None = None) -> CatchUp:
+def catch_up(client: EtcdClient, keys: RunKeys, round_: int) -> CatchUp:
     """``ctl/`` and the count of round ``T - 1``'s join keys. One read-only Txn, O(1) bytes."""
-    res = client.txn(
-        [],
-        [op_get(keys.ctl, keys.ctl_end), op_get(keys.join_prefix(round_ - 1), prefix=True, count_only=True)],
-        timeout=timeout,
-        idempotent=True,
-    )
+    previous = op_get(keys.join_prefix(round_ - 1), prefix=True, count_only=True)
+    res = client.txn([], [op_get(keys.ctl, keys.ctl_end), previous], idempotent=True)
     control = res.responses[0]
     assert isinstance(control, RangeResult)
     return CatchUp(res.revision, list(control.kvs), count_of(res.responses[1]))
@@ -263,7 +250,6 @@ def join(
     sealed: Sealed,
     *,
     previous_key: bytes | None = None,
-    timeout: float | None = None,
 ) -> JoinOutcome:
     """Join round ``T = sealed.round + 1`` if it is still open. One Txn::
 
@@ -291,7 +277,6 @@ def join(
         [compare_mod(keys.sealed, "==", sealed.revision), compare_version(keys.closed, "==", 0)],
         success,
         [op_get(keys.sealed), op_get(keys.closed, count_only=True), op_get(key, count_only=True)],
-        timeout=timeout,
         idempotent=True,
     )
     if not res.succeeded:
@@ -336,7 +321,6 @@ def seal(
     max_nodes: int,
     *,
     master: tuple[str, int] | None = None,
-    timeout: float | None = None,
 ) -> SealOutcome:
     """Seal ``round_`` (= ``previous.round + 1``) with the members ``read`` found. One Txn::
 
@@ -372,7 +356,6 @@ def seal(
             op_delete(seq_start, seq_end),
         ],
         round_ops(keys, round_),
-        timeout=timeout,
         idempotent=True,
     )
     if res.succeeded:
@@ -381,13 +364,7 @@ def seal(
 
 
 def evict_joiners(
-    client: EtcdClient,
-    keys: RunKeys,
-    round_: int,
-    previous: Sealed,
-    victims: list[tuple[bytes, int, int]],
-    *,
-    timeout: float | None = None,
+    client: EtcdClient, keys: RunKeys, round_: int, previous: Sealed, victims: list[tuple[bytes, int, int]]
 ) -> SealOutcome:
     """Delete the dead joiners ``victims`` (``(key, mod_revision, lease)`` as read) of the unsealed
     ``round_`` (:mod:`~etcd_rdzv.native.leases`). One Txn::
@@ -409,13 +386,8 @@ def evict_joiners(
     for key, mod_revision, lease in victims:
         compares += [compare_mod(key, "==", mod_revision), compare_lease(key, "==", lease)]
         deletes.append(op_delete(key))
-    res = client.txn(
-        compares,
-        [*deletes, op_put(keys.seq(round_), b""), *round_ops(keys, round_)],
-        round_ops(keys, round_),
-        timeout=timeout,
-        idempotent=True,
-    )
+    reads = round_ops(keys, round_)
+    res = client.txn(compares, [*deletes, op_put(keys.seq(round_), b""), *reads], reads, idempotent=True)
     if not res.succeeded:
         return SealOutcome(False, res.revision, parse_round(keys, res))
     return SealOutcome(True, res.revision, parse_round(keys, res, skip=len(deletes) + 1))
@@ -429,8 +401,6 @@ def reattach(
     value: bytes,
     lease: int,
     seal_revision: int,
-    *,
-    timeout: float | None = None,
 ) -> Occupancy | None:
     """Put a member's join key of ``round_`` back on a new ``lease`` if ``round_`` is still the last
     sealed round and the run is open. One Txn::
@@ -451,7 +421,6 @@ def reattach(
             op_get(keys.join_prefix(round_ + 1), prefix=True, count_only=True),
             op_get(prefix, prefix=True, count_only=True),
         ],
-        timeout=timeout,
         idempotent=True,
     )
     if not res.succeeded:
@@ -489,12 +458,14 @@ def close(client: EtcdClient, keys: RunKeys, run_lease: int, *, timeout: float |
     No round forms after it (every join compares ``closed``); running members keep running
     (:func:`abort` stops them too). Whether this call closed it.
     """
-    res = client.txn(
-        [compare_version(keys.closed, "==", 0)],
-        [op_put(keys.closed, b"1", lease=run_lease)],
-        timeout=timeout,
-        idempotent=True,
-    )
+    return _put_once(client, keys.closed, run_lease, timeout)
+
+
+def _put_once(client: EtcdClient, key: bytes, lease: int, timeout: float | None) -> bool:
+    """``[version(key) == 0] -> put key = 1`` on ``lease``; whether this call put it (a replay fails its
+    compare). One Txn."""
+    res = client.txn([compare_version(key, "==", 0)], [op_put(key, b"1", lease=lease)], timeout=timeout,
+                     idempotent=True)
     return res.succeeded
 
 
@@ -530,13 +501,7 @@ def abort(client: EtcdClient, keys: RunKeys, run_lease: int, *, timeout: float |
         return AbortOutcome(True, True)
     if count_of(res.responses[0]) > 0:
         return AbortOutcome(False, False)
-    res = client.txn(
-        [compare_version(keys.abort, "==", 0)],
-        [op_put(keys.abort, b"1", lease=run_lease)],
-        timeout=timeout,
-        idempotent=True,
-    )
-    return AbortOutcome(False, res.succeeded)
+    return AbortOutcome(False, _put_once(client, keys.abort, run_lease, timeout))
 
 
 def remove_round_records_if_idle(

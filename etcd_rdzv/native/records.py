@@ -26,28 +26,34 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from functools import cached_property
+from itertools import accumulate
+from typing import Any, TypeGuard
 
 from etcd_store.client import KeyValue, RangeResult, prefix_range_end
 
+from .settings import run_root
+
 __all__ = ["ClosedWhileKeptOut", "Joiner", "Membership", "Meta", "NodeError", "NodeShutDown",
-           "ProtocolStateError", "RoundTimeout", "RunClosed", "RunKeys", "Sealed", "count_of",
-           "decode_members", "decode_sealed", "encode_sealed", "first_kv", "lease_of", "load_json"]
+           "ProtocolStateError", "RoundTimeout", "RunClosed", "RunKeys", "Sealed", "address_in", "count_of",
+           "decode_members", "decode_membership", "decode_sealed", "encode_sealed", "first_kv", "join_doc",
+           "lease_of", "load_json"]
 
 # --------------------------------------------------------------------------- keys
 
 _ROUND_DIGITS = 10
 
 
-def _round(number: int) -> str:
+def _round(number: int) -> bytes:
     if not 0 <= number < 10**_ROUND_DIGITS:
         raise ValueError(f"round number out of range: {number}")
-    return f"{number:0{_ROUND_DIGITS}d}"
+    return b"%0*d" % (_ROUND_DIGITS, number)
 
 
 @dataclass(frozen=True)
 class RunKeys:
-    """Key names (bytes) of one run; ``root`` is ``<key_prefix>/<run_id>/v3``."""
+    """Key names (bytes) of one run; ``root`` is ``<key_prefix>/<run_id>/v3``. The fixed names are
+    built once per instance (first use); a round's names cost one format of the round number."""
 
     root: str
 
@@ -55,44 +61,43 @@ class RunKeys:
     def for_run(cls, key_prefix: str, run_id: str) -> RunKeys:
         if "/" in run_id:
             raise ValueError(f"The rendezvous run id must not contain '/', got {run_id!r}.")
-        base = f"{key_prefix.rstrip('/')}/{run_id}" if key_prefix else run_id
-        return cls(f"{base}/v3")
+        return cls(run_root(key_prefix, run_id))
 
     # ------------------------------------------------------------------ ctl/
 
-    @property
+    @cached_property
     def ctl(self) -> bytes:
         """Prefix of everything a waiting node watches."""
         return f"{self.root}/ctl/".encode()
 
-    @property
+    @cached_property
     def ctl_end(self) -> bytes:
         return prefix_range_end(self.ctl)
 
-    @property
+    @cached_property
     def closed(self) -> bytes:
         return f"{self.root}/ctl/closed".encode()
 
-    @property
+    @cached_property
     def abort(self) -> bytes:
         """Written with (or after) ``closed`` by ``etcd-rdzv close``: running members stop too."""
         return f"{self.root}/ctl/abort".encode()
 
-    @property
+    @cached_property
     def run(self) -> bytes:
         """The run lease's id (outside ``ctl/``: waiting nodes need not hear it created)."""
         return f"{self.root}/run".encode()
 
-    @property
+    @cached_property
     def sealed(self) -> bytes:
         return f"{self.root}/ctl/sealed".encode()
 
-    @property
+    @cached_property
     def join_root(self) -> bytes:
         return f"{self.root}/join/".encode()
 
     def join_prefix(self, round_: int) -> bytes:
-        return f"{self.root}/join/{_round(round_)}/".encode()
+        return self.join_root + _round(round_) + b"/"
 
     def join_key(self, round_: int, node_id: str) -> bytes:
         return self.join_prefix(round_) + node_id.encode()
@@ -115,13 +120,13 @@ class RunKeys:
 
     # ------------------------------------------------------------------ seq/
 
-    @property
+    @cached_property
     def seq_root(self) -> bytes:
         return f"{self.root}/seq/".encode()
 
     def seq(self, round_: int) -> bytes:
         """The join counter of ``round_``: every join and every withdrawal bumps its version."""
-        return f"{self.root}/seq/{_round(round_)}".encode()
+        return self.seq_root + _round(round_)
 
     def seqs_through(self, round_: int) -> tuple[bytes, bytes]:
         """``[start, end)`` of the join counters of rounds up to ``round_`` included."""
@@ -129,12 +134,12 @@ class RunKeys:
 
     # ------------------------------------------------------------------ rounds/
 
-    @property
+    @cached_property
     def rounds(self) -> bytes:
         return f"{self.root}/rounds/".encode()
 
     def round_prefix(self, round_: int) -> bytes:
-        return f"{self.root}/rounds/{_round(round_)}/".encode()
+        return self.rounds + _round(round_) + b"/"
 
     def members(self, round_: int) -> bytes:
         return self.round_prefix(round_) + b"members"
@@ -152,7 +157,7 @@ class RunKeys:
 
     def store_prefix(self, round_: int) -> str:
         """The ``EtcdStore`` prefix of a round (a str, as the store takes it)."""
-        return f"{self.root}/rounds/{_round(round_)}/store"
+        return (self.round_prefix(round_) + b"store").decode()
 
     def rounds_before(self, round_: int) -> tuple[bytes, bytes]:
         """``[start, end)`` of every ``rounds/`` key of rounds older than ``round_``."""
@@ -195,8 +200,8 @@ class Sealed:
     def from_kv(cls, kv: KeyValue | None) -> Sealed:
         if kv is None:
             return cls()
-        round_, run_lease, master = decode_sealed(kv.value, kv.key)
-        return cls(round_, kv.mod_revision, run_lease, master, decode_membership(kv.value, kv.key))
+        round_, run_lease, master, record = _parse_sealed(kv.value, kv.key)
+        return cls(round_, kv.mod_revision, run_lease, master, _membership_in(record, kv.value, kv.key))
 
 
 @dataclass(frozen=True)
@@ -248,47 +253,50 @@ class Membership:
 
 def decode_membership(value: bytes, key: bytes = b"ctl/sealed") -> Membership | None:
     """The :class:`Membership` of a ``ctl/sealed`` value; None if it names none."""
-    where = key.decode("utf-8", "replace")
     try:
         record = load_json(value)
     except ValueError:
         return None
+    return _membership_in(record, value, key)
+
+
+def _membership_in(record: object, value: bytes, key: bytes) -> Membership | None:
+    """The membership of ``record``, the parsed ``value`` (see :func:`decode_membership`)."""
     if not isinstance(record, dict) or "world" not in record:
         return None
     world, joins, deltas = record.get("world"), record.get("joins"), record.get("created")
-    if not _count(world) or (joins is not None and not _count(joins)):
-        raise ProtocolStateError(f"{where} holds a malformed membership: {value[:80]!r}")
-    assert isinstance(world, int)
-    if isinstance(joins, int):
+    if _count(world) and joins is not None and _count(joins):
         return Membership(world, joins=joins)
-    if not isinstance(deltas, list) or len(deltas) != world or not all(_count(d) for d in deltas):
-        raise ProtocolStateError(f"{where} holds a malformed membership: {value[:80]!r}")
-    created, revision = [], 0
-    for delta in deltas:
-        revision += delta
-        created.append(revision)
-    return Membership(world, created=tuple(created))
+    if (_count(world) and joins is None and isinstance(deltas, list) and len(deltas) == world
+            and all(_count(d) for d in deltas)):
+        return Membership(world, created=tuple(accumulate(deltas)))
+    raise ProtocolStateError(f"{key.decode('utf-8', 'replace')} holds a malformed membership: {value[:80]!r}")
 
 
-def _count(value: object) -> bool:
+def _count(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def decode_sealed(value: bytes, key: bytes = b"ctl/sealed") -> tuple[int, int | None, tuple[str, int] | None]:
     """``(round, run lease, rank 0's (addr, port) or None)`` of a ``ctl/sealed`` value; errors name
     ``key``. A malformed ``master`` is ignored (members then read rank 0's join key)."""
+    return _parse_sealed(value, key)[:3]
+
+
+def _parse_sealed(value: bytes, key: bytes) -> tuple[int, int | None, tuple[str, int] | None, dict[str, Any]]:
+    """:func:`decode_sealed`'s answer and the parsed record (one JSON parse for the whole :class:`Sealed`)."""
     where = key.decode("utf-8", "replace")
     try:
         record = load_json(value)
         number, lease = record["round"], record.get("run_lease")
         run_lease = _lease_id(lease) if lease is not None else None
     except (ValueError, KeyError, TypeError, AttributeError):
-        raise ProtocolStateError(
-            f"{where} holds {value[:80]!r}, not {{'round': N, 'run_lease': HEX}}"
-        ) from None
+        raise ProtocolStateError(f"{where} holds {value[:80]!r}, not {{'round': N, 'run_lease': HEX}}") from None
     if not isinstance(number, int) or isinstance(number, bool) or number < 1:
         raise ProtocolStateError(f"{where} holds round {number!r}, not a positive integer")
-    return number, run_lease, _master_in(record.get("master"))
+    master = record.get("master")
+    addr, port = address_in(*master) if isinstance(master, list) and len(master) == 2 else (None, None)
+    return number, run_lease, (None if addr is None or port is None else (addr, port)), record
 
 
 _HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
@@ -307,14 +315,21 @@ def _lease_id(text: object) -> int:
     return lease
 
 
-def _master_in(value: object) -> tuple[str, int] | None:
-    """``(addr, port)`` of a sealed record's ``master`` field; None if absent or malformed."""
-    if not isinstance(value, list) or len(value) != 2:
-        return None
-    addr, port = value
-    if not isinstance(addr, str) or not addr or isinstance(port, bool) or not isinstance(port, int):
-        return None
-    return (addr, port) if 0 < port < 65536 else None
+def address_in(addr: object, port: object) -> tuple[str | None, int | None]:
+    """A recorded address and port (a join value's, the sealed record's ``master``), each None unless
+    well formed: a non-empty str; an int (not a bool) in 1..65535."""
+    return (addr if isinstance(addr, str) and addr else None,
+            port if isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536 else None)
+
+
+def join_doc(value: bytes) -> dict[str, Any]:
+    """A join value's JSON object, bounded in size and depth (:func:`load_json`); {} when malformed.
+    Written by :func:`~etcd_rdzv.native.start.join_value`; every field is optional to its readers."""
+    try:
+        doc = load_json(value)
+    except ValueError:
+        return {}
+    return doc if isinstance(doc, dict) else {}
 
 
 def encode_sealed(

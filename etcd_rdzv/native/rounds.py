@@ -323,10 +323,8 @@ class Participant:
         is raised.
         """
         s = self._settings
-        view = RoundView(
-            self._keys, round_, self._node_id, outcome.seq, outcome.create_revision, outcome.count,
-            outcome.prev_count, outcome.revision,
-        )
+        view = RoundView(self._keys, round_, outcome.seq, outcome.create_revision, outcome.count,
+                         outcome.prev_count, outcome.revision)
         state = Barrier.start(clock, join_counts(view), s, recover_size)
         wide = watches_previous(state, view, s)
         watch = open_watch(self._client, self._keys, round_, wide, opened)
@@ -338,7 +336,7 @@ class Participant:
                       watch, wide, session, evictor=evictor, give_up=self._withdraw_if_unsealed)
         try:
             signal = w.run()
-            return self._on_signal(signal, view, previous, w.state)
+            return self._on_signal(signal, view, w.state)
         except SealedMeanwhile:
             return self._timed_out_late(round_)
         except EtcdCompactedError:
@@ -384,7 +382,7 @@ class Participant:
         self.leases.drop()
         return _Retry(previous, clock)
 
-    def _on_signal(self, signal: Signal, view: RoundView, previous: Sealed, state: Barrier) -> RoundResult | _Retry:
+    def _on_signal(self, signal: Signal, view: RoundView, state: Barrier) -> RoundResult | _Retry:
         s = self._settings
         if signal.kind is SignalKind.CLOSED:
             self._withdraw()

@@ -22,13 +22,20 @@ from ..conf_keys import (
     DEFAULT_STATE_TTL,
 )
 
-__all__ = ["SEAL_DELTA_BYTES", "V3Settings", "node_id_bytes", "seal_request_bytes"]
+__all__ = ["SEAL_DELTA_BYTES", "V3Settings", "node_id_bytes", "run_root", "seal_request_bytes"]
 
 _WORST_ADDR_BYTES = 253  # the longest host name
 
 SEAL_DELTA_BYTES = 12
 """Bytes per member in a ``"created"`` membership: a delta of up to 11 digits and a comma (the
 first revision, absolute, is in the fixed part)."""
+
+
+def run_root(key_prefix: str, run_id: str) -> str:
+    """``<key_prefix>/<run_id>/v3`` (``<run_id>/v3`` without a prefix): the root of every key of a run
+    (:class:`~etcd_rdzv.native.records.RunKeys`)."""
+    base = f"{key_prefix.rstrip('/')}/{run_id}" if key_prefix else run_id
+    return f"{base}/v3"
 
 
 def node_id_bytes(node_addr: str) -> int:
@@ -102,8 +109,7 @@ class V3Settings:
     def _check_seal_fits(self) -> None:
         """``ValueError`` when a round of ``max_nodes`` could not be sealed within etcd's request limit
         (node ids estimated from this node's address, resolved only if a long address would not fit)."""
-        # RunKeys.root's length (keys.py imports the client; settings stay import-light)
-        root = f"{self.key_prefix.rstrip('/')}/{self.run_id}/v3" if self.key_prefix else f"{self.run_id}/v3"
+        root = run_root(self.key_prefix, self.run_id)
         worst = node_id_bytes("x" * _WORST_ADDR_BYTES)
         if seal_request_bytes(root, self.max_nodes, worst) <= self.max_request_bytes:
             return

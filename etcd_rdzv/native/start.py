@@ -42,7 +42,7 @@ from torch.distributed.elastic.utils.distributed import get_free_port
 from etcd_store.client import EtcdClient, Event, TxnResult, compare_version, op_get, op_put
 
 from .leases import confirm
-from .records import RunKeys, count_of, load_json
+from .records import RunKeys, address_in, count_of, first_kv, join_doc
 
 if TYPE_CHECKING:
     from etcd_store import EtcdStore
@@ -92,36 +92,36 @@ def decide(read: StartRead, world: int) -> Fate:
     return Fate.WAIT
 
 
-def _ranges(keys: RunKeys, round_: int) -> list[object]:
+def _reads(keys: RunKeys, round_: int, mine: bytes) -> list[object]:
+    """The ranges of a :class:`StartRead`: acks, join keys, start value, our own join key."""
     return [op_get(keys.acks_prefix(round_), prefix=True, count_only=True),
             op_get(keys.join_prefix(round_), prefix=True, count_only=True),
-            op_get(keys.start(round_))]
+            op_get(keys.start(round_)), op_get(mine, count_only=True)]
 
 
-def _read(res: TxnResult, mine: bool, skip: int = 0) -> StartRead:
-    acks, present, start = res.responses[skip:skip + 3]
-    kvs = getattr(start, "kvs", [])
-    return StartRead(res.revision, count_of(acks), count_of(present), kvs[0].value if kvs else None, mine)
+def _read(res: TxnResult, skip: int = 0) -> StartRead:
+    acks, present, start, mine = res.responses[skip:skip + 4]
+    kv = first_kv(start)
+    value = kv.value if kv else None
+    return StartRead(res.revision, count_of(acks), count_of(present), value, count_of(mine) > 0)
 
 
 def acknowledge(client: EtcdClient, keys: RunKeys, round_: int, node_id: str, run_lease: int) -> StartRead:
     """The ack Txn (module docstring); its read. One Txn."""
     mine = keys.join_key(round_, node_id)
+    reads = _reads(keys, round_, mine)
     res = client.txn(
         [compare_version(mine, ">", 0), compare_version(keys.start(round_), "==", 0)],
-        [op_put(keys.ack(round_, node_id), b"", lease=run_lease), *_ranges(keys, round_), op_get(mine, count_only=True)],
-        [*_ranges(keys, round_), op_get(mine, count_only=True)],
+        [op_put(keys.ack(round_, node_id), b"", lease=run_lease), *reads],
+        reads,
         idempotent=True,
     )
-    skip = 1 if res.succeeded else 0
-    return _read(res, count_of(res.responses[skip + 3]) > 0, skip)
+    return _read(res, 1 if res.succeeded else 0)
 
 
 def look(client: EtcdClient, keys: RunKeys, round_: int, node_id: str) -> StartRead:
     """The start of ``round_`` as it is now. One read-only Txn."""
-    mine = keys.join_key(round_, node_id)
-    res = client.txn([], [*_ranges(keys, round_), op_get(mine, count_only=True)], idempotent=True)
-    return _read(res, count_of(res.responses[3]) > 0)
+    return _read(client.txn([], _reads(keys, round_, keys.join_key(round_, node_id)), idempotent=True))
 
 
 def settle(client: EtcdClient, keys: RunKeys, round_: int, fate: bytes, run_lease: int) -> bytes:
@@ -129,10 +129,8 @@ def settle(client: EtcdClient, keys: RunKeys, round_: int, fate: bytes, run_leas
     key = keys.start(round_)
     res = client.txn([compare_version(key, "==", 0)], [op_put(key, fate, lease=run_lease)], [op_get(key)],
                      idempotent=True)
-    if res.succeeded:
-        return fate
-    kvs = getattr(res.responses[0], "kvs", [])
-    return kvs[0].value if kvs else fate  # (a replayed put that had applied: ours)
+    kv = None if res.succeeded else first_kv(res.responses[0])
+    return kv.value if kv else fate  # (none: a replayed put that had applied: ours)
 
 
 def start_round(client: EtcdClient, keys: RunKeys, round_: int, world: int, node_id: str, run_lease: int,
@@ -195,10 +193,7 @@ def join_value(node_addr: str, pace: Mapping[str, float] | None = None) -> bytes
 
 def address_of(value: bytes) -> tuple[str | None, int | None]:
     """``(addr, port)`` of a join value; None for what it lacks or what is malformed."""
-    doc = _doc(value)
-    addr, port = doc.get("addr"), doc.get("port")
-    return (addr if isinstance(addr, str) and addr else None,
-            port if isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536 else None)
+    return _fields(value)[:2]
 
 
 def master_of(value: bytes, now: float, max_age: float | None = None) -> tuple[str, int] | None:
@@ -206,8 +201,7 @@ def master_of(value: bytes, now: float, max_age: float | None = None) -> tuple[s
     (default :data:`MASTER_PORT_MAX_AGE`) from ``now`` (wall clock); else None (members then read rank
     0's fresh port from the store)."""
     limit = MASTER_PORT_MAX_AGE if max_age is None else max_age
-    addr, port = address_of(value)
-    probed = _doc(value).get("probed")
+    addr, port, probed = _fields(value)
     if addr is None or port is None or isinstance(probed, bool) or not isinstance(probed, (int, float)):
         return None
     if not math.isfinite(probed) or abs(now - probed) > limit:
@@ -215,13 +209,11 @@ def master_of(value: bytes, now: float, max_age: float | None = None) -> tuple[s
     return addr, port
 
 
-def _doc(value: bytes) -> dict[str, object]:
-    """A join value's JSON object, bounded in size and depth (``load_json``); {} when malformed."""
-    try:
-        doc = load_json(value)
-    except ValueError:
-        return {}
-    return doc if isinstance(doc, dict) else {}
+def _fields(value: bytes) -> tuple[str | None, int | None, object]:
+    """``(addr, port, probed)`` of a join value, parsed once
+    (:func:`~etcd_rdzv.native.records.join_doc`)."""
+    doc = join_doc(value)
+    return (*address_in(doc.get("addr"), doc.get("port")), doc.get("probed"))
 
 
 def bootstrap_info(

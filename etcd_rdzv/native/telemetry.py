@@ -18,7 +18,6 @@ import time
 from typing import Protocol
 
 from torch.distributed.elastic.events import NodeState, construct_and_record_rdzv_event
-from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 
 from .. import metrics
 from .settings import V3Settings
@@ -108,16 +107,13 @@ class Telemetry:
             f"'{self._run_id}' as rank {rank} in a world of size {world_size}.",
             rank=rank, master="" if master is None else f"{master[0]}:{master[1]}",
         )
-        metrics.put_rdzv(BACKEND, metrics.COMPLETED)
-        metrics.put_rdzv(BACKEND, metrics.DURATION_MS, int((time.monotonic() - started) * 1000))
-        metrics.put_rdzv(BACKEND, metrics.WORLD_SIZE, world_size)
+        metrics.rdzv_completed(BACKEND, started, world_size)
 
     def failed(self, method: str, error: BaseException) -> None:
         """``method`` raised ``error``; call from its ``except`` block (the event carries the trace)."""
         self.record(method, f"{type(error).__name__}: {error} (node '{self._node_id}')", NodeState.FAILED)
         if method == "next_rendezvous":
-            timed_out = isinstance(error, RendezvousTimeoutError)
-            metrics.put_rdzv(BACKEND, metrics.TIMEOUTS if timed_out else metrics.FAILURES)
+            metrics.rdzv_failed(BACKEND, error)
 
     def member_lost(self, round_: int, active: int, world_size: int) -> None:
         """A member of round ``round_`` went (``active`` of ``world_size`` left); once per round."""

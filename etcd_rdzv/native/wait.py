@@ -39,7 +39,7 @@ from . import protocol, start
 from .barrier import Barrier, Check, JoinCounts, Seal, TimeOut, WaitUntil, decide
 from .leases import SEAL_LOOKED, Evictor, NodeLeases, confirm, describe, own_pace, suspects
 from .protocol import CatchUp, RoundRead
-from .records import Membership, RoundTimeout, RunKeys, Sealed
+from .records import RoundTimeout, RunKeys, Sealed
 from .settings import V3Settings
 
 log = logging.getLogger(__name__)
@@ -64,10 +64,6 @@ class Signal:
     def round(self) -> int:
         return self.sealed.round
 
-    @property
-    def membership(self) -> Membership | None:
-        return self.sealed.membership
-
 
 class RoundView:
     """What a node waiting in round ``T`` knows (see the module docstring).
@@ -82,7 +78,6 @@ class RoundView:
         self,
         keys: RunKeys,
         round_: int,
-        node_id: str,
         seq: int,
         create_revision: int,
         count: int,
@@ -91,7 +86,6 @@ class RoundView:
     ) -> None:
         self.keys = keys
         self.round = round_
-        self.node_id = node_id
         self.seq = seq
         self.create_revision = create_revision
         self.count = count
@@ -264,10 +258,7 @@ class RoundWait:
         :class:`~etcd_rdzv.native.records.RoundTimeout` after withdrawing, or :class:`SealedMeanwhile`),
         or wait on the watch until ``action.at``; the signal that ends the wait, if one came."""
         if isinstance(action, Check):
-            read = protocol.read_round(self._client, self._keys, self.round)
-            self.view.update(read)
-            if read.sealed.revision != self.previous.revision or read.closed:
-                self.state = self.state.settle()  # its event is on the way
+            self.state = self._fold(protocol.read_round(self._client, self._keys, self.round))
             return None
         if isinstance(action, Seal):
             self.state = self.try_seal()
@@ -350,10 +341,7 @@ class RoundWait:
                         "evicted" if out.ok else "could not evict", member.key.decode(errors="replace"),
                         describe(member, own, s.evict_misses, renewed, now))
         assert out.read is not None
-        self.view.update(out.read)
-        if out.read.sealed.revision != self.previous.revision or out.read.closed:
-            return self.state.settle()
-        return self.state
+        return self._fold(out.read)
 
     def try_seal(self) -> Barrier:
         """One seal attempt with the view's fresh read (and the run lease, the first time).
@@ -383,7 +371,12 @@ class RoundWait:
             log.debug("node %s sealed round %d at revision %d", self._node_id, round_, res.revision)
             return state.sealed(True)
         assert res.read is not None
-        view.update(res.read)
-        if res.read.sealed.revision != previous.revision or res.read.closed:
-            return state.settle()
-        return state
+        return self._fold(res.read)
+
+    def _fold(self, read: RoundRead) -> Barrier:
+        """Take ``read`` into the view; the state settled if it shows the round sealed by someone or the
+        run closed (the record's event is on the way)."""
+        self.view.update(read)
+        if read.sealed.revision != self.previous.revision or read.closed:
+            return self.state.settle()
+        return self.state

@@ -17,7 +17,7 @@ SEALED_1 = Sealed(round=1, revision=5)  # round 1, sealed at revision 5; we wait
 
 
 def view(prev_count: int = 0, revision: int = 10) -> RoundView:
-    return RoundView(KEYS, 2, "me", seq=1, create_revision=revision, count=1, prev_count=prev_count,
+    return RoundView(KEYS, 2, seq=1, create_revision=revision, count=1, prev_count=prev_count,
                      revision=revision)
 
 

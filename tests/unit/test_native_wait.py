@@ -61,7 +61,7 @@ def departure(revision: int) -> Event:
 
 
 def wait(client: Client, watch: Watch, prev_count: int) -> RoundWait:
-    view = RoundView(KEYS, 2, "me", seq=1, create_revision=JOIN, count=1, prev_count=prev_count, revision=JOIN)
+    view = RoundView(KEYS, 2, seq=1, create_revision=JOIN, count=1, prev_count=prev_count, revision=JOIN)
     return RoundWait(V3Settings("r", 1, 4), client, KEYS, "me", None, 2, Sealed(round=1, revision=5),  # type: ignore[arg-type]
                      view, None, watch, True, None, evictor=None, give_up=lambda: True)  # type: ignore[arg-type]
 
