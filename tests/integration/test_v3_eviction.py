@@ -332,12 +332,12 @@ def test_only_observers_of_the_failed_group_evict(run: Run) -> None:
     assert run.client.lease_time_to_live(dead_lease) > 0  # evicted, not expired
 
 
-def test_a_dead_member_is_evicted_4_to_4_5_s_after_its_last_renewal(run: Run) -> None:
+def test_a_dead_member_is_evicted_after_4_s_of_silence_at_looks_every_half_interval(run: Run) -> None:
     """Claim (design "Detection time"): with the defaults a SIGKILLed member is evicted once etcd counts
     4 s of silence, at the next look (every half renewal interval, 0.5 s, while the previous round holds
     keys): 4-4.5 s after its last renewal, 3-4.5 s after the kill. The bound itself (4 s) is pinned without
-    etcd in tests/unit/test_native_eviction.py; here the look's pace and the sum, on a real etcd (an
-    upper bound with 0.5 s of slack for a loaded machine)."""
+    etcd in tests/unit/test_native_eviction.py; here, on a real etcd, that no eviction comes before it and
+    the look's pace (a median, robust to a loaded machine; the time itself is B3's, not a timed assert)."""
     lost = LostReplies()
     looks: list[float] = []
     a = run.intercepted(3, 3, lost)
@@ -358,7 +358,6 @@ def test_a_dead_member_is_evicted_4_to_4_5_s_after_its_last_renewal(run: Run) ->
     gaps = [t2 - t1 for t1, t2 in itertools.pairwise(t for t in looks if t < gone)]
     print(f"[eviction] evicted {after_renewal:.2f} s after the last renewal, {after_kill:.2f} s after the kill; "
           f"looks every {statistics.median(gaps):.2f} s (median of {len(gaps)})")
-    assert after_renewal > 3.9
-    assert after_kill < 5.0
+    assert after_renewal > 3.9  # never before the bound; how late under load is the benchmarks' (B3) figure
     assert statistics.median(gaps) < 0.7, f"looks {gaps} s apart, not every half renewal interval"
     assert len(gaps) >= 6
