@@ -110,6 +110,21 @@ class Nodes:
         self.handlers.append(handler)
         return handler, tap
 
+    def intercepted(self, min_nodes: int, max_nodes: int, *interceptors: Any, **conf: str) -> Any:
+        """A new etcd-v3 handler with a client of its own, made from its rdzv-conf as the creator would,
+        whose unary RPCs pass through ``interceptors`` (an ``RpcCounter``, a ``LostReplies``): the test
+        counts what that node asks etcd, or acts just before one of its requests. Closed by :meth:`close`."""
+        from etcd_rdzv.conf import parse_v3_settings
+        from etcd_rdzv.plugin import create_etcd_v3_rdzv_handler
+
+        assert self.backend == ETCD_V3, "only etcd-v3 handlers take a client"
+        params = self.params(min_nodes, max_nodes, **conf)
+        client = EtcdClient.from_options(parse_v3_settings(params)[1], interceptors=interceptors)
+        self.own_clients.append(client)
+        handler = create_etcd_v3_rdzv_handler(params, client=client)
+        self.handlers.append(handler)
+        return handler
+
     def _new_c10d(self, params: RendezvousParameters) -> RendezvousHandler:
         import torch.distributed as dist
         from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend

@@ -7,19 +7,26 @@ eviction (each test also checks that the dead node's lease was still alive when 
 
 * Before the seal: the sealer judges the joiners it is about to name by eviction's rule and
   evicts the dead ones, fenced so that a seal prepared from an older read fails.
+* Which joiners it judges, and when again (the last section: one test per rule, each failing when the
+  line it names is changed).
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
+from helpers.lost_replies import LostReplies, txn_puts_key
 from helpers.nodes import ETCD_V3, Nodes, lease_of
 
 from etcd_rdzv.native import protocol
 from etcd_rdzv.native.handler import EtcdV3RendezvousHandler
-from etcd_rdzv.native.leases import SEAL_LOOKED
+from etcd_rdzv.native.leases import SEAL_LOOKED, Pace
+from etcd_rdzv.native.start import join_value
+from etcd_store.client.testing import RpcCounter
 from etcd_store.errors import EtcdError
 
 pytestmark = pytest.mark.timeout(120)
@@ -150,3 +157,110 @@ def test_a_member_named_dead_is_not_handed_to_the_live_ones(run: Run) -> None:
     voided, started = run.client.get(run.keys.start(1)), run.client.get(run.keys.start(2))
     assert voided is not None and voided.value == b"void"
     assert started is not None and started.value == b"go"
+
+
+# --------------------------------------------------------------------------- design claims, one test each
+
+#: A sealer renewing every 0.1 s judges a joiner of this pace dead after 3 s of silence as etcd counts it:
+#: max(2 x 0.1, 0.1 + 1 + MARGIN, (0.1 + MARGIN) + 0.1 + MARGIN) = 2.2 s, in etcd's whole seconds 3.
+FAST = {"renew_interval": "0.1", "last_call_timeout": "0.2"}
+DEAD_PACE = Pace(0.1, 1.0)
+CONDEMNED = 3
+
+
+def dead_join(run: Run, name: str, lease: int) -> bytes:
+    """A node of pace :data:`DEAD_PACE` joins the open round with ``lease`` (which nobody renews) and dies:
+    its join Txn is all it ever sends. Its join key."""
+    sealed = protocol.read_meta(run.client, run.keys).sealed
+    value = join_value("127.0.0.1", DEAD_PACE.fields())
+    assert protocol.join(run.client, run.keys, name, value, lease, sealed).ok
+    return bytes(run.keys.join_key(sealed.round + 1, name))
+
+
+def until_condemned(run: Run, lease: int) -> None:
+    """Return once etcd reports ``lease`` unrenewed for :data:`CONDEMNED` s (polls etcd's own count)."""
+    deadline = time.monotonic() + 15.0
+    while True:
+        remaining, granted = run.client.lease_ttls(lease)
+        assert remaining >= 0
+        if granted - remaining - 1 >= CONDEMNED:
+            return
+        assert time.monotonic() < deadline, f"lease {lease:x} never {CONDEMNED} s silent"
+        time.sleep(0.05)
+
+
+def sealer(run: Run, max_nodes: int, *interceptors: Any) -> EtcdV3RendezvousHandler:
+    """A node that forms round 1 alone (so that its own renewals are steady for longer than any joiner
+    of round 2 is silent) and then seals round 2 (``min_nodes`` 1)."""
+    a: EtcdV3RendezvousHandler = run.intercepted(1, max_nodes, *interceptors, **FAST)
+    res = run.start(a)[0].result(timeout=20)
+    assert (res.round, res.world_size) == (1, 1)
+    return a
+
+
+def test_the_sealer_evicts_at_most_63_joiners_in_one_txn(run: Run) -> None:
+    """Claim (``min(max_nodes, 63)``, SEAL_LOOKED, native/wait.py; design "Dead joiners before the seal"):
+    a sealer judges at most 63 joiners per read, so its eviction Txn (one compare on the sealed record and
+    two per victim) stays within etcd's default --max-txn-ops (128). 64 dead joiners ahead of a live one
+    (max_nodes 65, so a's join makes the round due at once): the first eviction deletes 63 of them in one
+    revision, the 64th goes with the next read's, and the round is sealed with the live node alone (with
+    64 judged at once, etcd refuses the Txn and the seal names them all)."""
+    assert SEAL_LOOKED == 63
+    a = sealer(run, SEAL_LOOKED + 2)
+    dead = run.client.lease_grant(TTL)
+    for i in range(SEAL_LOOKED + 1):
+        dead_join(run, f"dead{i:03d}", dead)
+    until_condemned(run, dead)
+    prefix = run.keys.join_prefix(2)
+    with run.client.watch(prefix, prefix=True) as watch:
+        res = run.start(a)[0].result(timeout=30)
+        deletes: list[Any] = []
+        deadline = time.monotonic() + 10.0
+        while len(deletes) < SEAL_LOOKED + 1 and time.monotonic() < deadline:
+            deletes += [ev for ev in watch.get(timeout=deadline - time.monotonic()) if ev.type == "DELETE"]
+    assert (res.round, res.world_size, res.rank) == (2, 1, 0)
+    per_txn = Counter(ev.kv.mod_revision for ev in deletes)
+    assert [n for _, n in sorted(per_txn.items())] == [SEAL_LOOKED, 1]
+    assert run.joined(2) == 1
+
+
+def test_the_sealer_judges_no_joiner_beyond_max_nodes(run: Run) -> None:
+    """Claim (``min(max_nodes, 63)``, native/wait.py): the sealer judges only the joiners it is about to
+    name, the first ``max_nodes``. a (max_nodes 1) is about to seal round 2 when a dead node joins behind
+    it: a's seal fails on the join, and the read in its answer, which holds the dead joiner beyond
+    max_nodes, is sealed naming a alone without a LeaseTimeToLive: the dead key stays (kept out)."""
+    counter, lost = RpcCounter(), LostReplies()
+    a = sealer(run, 1, counter, lost)
+    dead = run.client.lease_grant(TTL)
+    until_condemned(run, dead)
+    late: list[bytes] = []
+    rule = lost.meddle("KV/Txn", txn_puts_key(lambda k: k == run.keys.sealed),
+                       lambda: late.append(dead_join(run, "late", dead)))
+    counter.reset()
+    res = run.start(a)[0].result(timeout=20)
+    assert (res.round, res.world_size) == (2, 1)
+    assert rule.fired == 1 and late
+    assert counter.snapshot().get("Lease/LeaseTimeToLive", 0) == 0
+    assert run.client.get(late[0]) is not None  # not evicted, although dead past its bound
+    remaining, granted = run.client.lease_ttls(dead)
+    assert granted - remaining - 1 >= CONDEMNED
+
+
+def test_the_sealer_judges_again_the_joiners_of_an_evictions_fresh_read(run: Run) -> None:
+    """Claim (native/wait.py, ``RoundWait.try_seal``: a read not judged yet is judged; design "Dead joiners
+    before the seal": "a seal from that read judges its joiners again (one that moved into the first 63,
+    or arrived since, is judged too)"). A dead joiner is ahead of a (max_nodes 2); another dead node joins
+    just before a's eviction Txn. The Txn's answer is a read naming the newcomer: a judges it before
+    sealing, evicts it too, and seals round 2 alone (without the second look it would seal it in)."""
+    lost = LostReplies()
+    a = sealer(run, 2, lost)
+    dead = run.client.lease_grant(TTL)
+    early = dead_join(run, "early", dead)
+    until_condemned(run, dead)
+    late: list[bytes] = []
+    rule = lost.meddle("KV/Txn", txn_puts_key(lambda k: k == early), lambda: late.append(dead_join(run, "late", dead)))
+    res = run.start(a)[0].result(timeout=20)
+    assert rule.fired == 1 and late
+    assert (res.round, res.world_size) == (2, 1)
+    assert run.client.get(early) is None and run.client.get(late[0]) is None
+    assert run.client.lease_time_to_live(dead) > 0  # evicted, not expired

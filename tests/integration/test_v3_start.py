@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -15,6 +16,7 @@ from etcd_rdzv.native import start
 from etcd_rdzv.native.records import RunKeys
 from etcd_server import EtcdServer
 from etcd_store.client import EtcdClient
+from etcd_store.client.testing import WatchTap
 
 pytestmark = [pytest.mark.timeout(60)]
 
@@ -71,3 +73,43 @@ def test_the_fate_is_put_once(run: tuple[EtcdClient, RunKeys, int]) -> None:
     assert start.settle(client, keys, 1, start.GO, lease) == start.VOID
     kv = client.get(keys.start(1))
     assert kv is not None and (kv.value, kv.version) == (start.VOID, 1)
+
+
+def _until_acked(client: EtcdClient, keys: RunKeys, round_: int, node: str, timeout: float = 10.0) -> None:
+    """Return once ``node``'s ack of ``round_`` is stored (a watch on it, opened before the first look)."""
+    with client.watch(keys.ack(round_, node)) as watch:
+        deadline = time.monotonic() + timeout
+        while client.get(keys.ack(round_, node)) is None:
+            assert time.monotonic() < deadline, f"{node} never acked round {round_}"
+            watch.get(timeout=deadline - time.monotonic())
+
+
+def test_a_member_hears_the_fate_and_the_departures_of_its_round_not_the_acks(
+        run: tuple[EtcdClient, RunKeys, int]) -> None:
+    """Claim (design "Start"; ``start_round``): a member waiting for the fate of round T watches exactly
+    ``[join/T/, rounds/T/start\\0)``: the fate and the join keys of T (a departure), not the acks, which
+    sort after ``start``. (tests/unit/test_native_start.py checks that order of the keys, not what
+    ``start_round`` watches.) Round 1: a waits, b's join key goes; a hears it and voids the round. Round 2:
+    a waits, b acks and puts go; a's watch delivered the fate, not the acks, and a starts."""
+    client, keys, lease = run
+    for round_, go in ((1, False), (2, True)):
+        for node in ("a", "b"):
+            client.put(keys.join_key(round_, node), b"{}", lease=lease)
+        tap = WatchTap(client)
+        with ThreadPoolExecutor(1) as pool:
+            fate = pool.submit(start.start_round, tap, keys, round_, 2, "a", lease,  # type: ignore[arg-type]
+                               time.monotonic() + 10.0)
+            _until_acked(client, keys, round_, "a")
+            if go:
+                assert start.decide(start.acknowledge(client, keys, round_, "b", lease), 2) is start.Fate.PUT_GO
+                assert start.settle(client, keys, round_, start.GO, lease) == start.GO
+            else:
+                client.delete(keys.join_key(round_, "b"))
+            assert fate.result(timeout=15) is go
+        heard = [(ev.type, ev.kv.key) for ev in tap.events()]
+        if go:
+            assert heard == [("PUT", keys.start(round_))], heard  # neither ack (a's own, b's) reached a
+        else:
+            assert heard == [("DELETE", keys.join_key(round_, "b"))], heard
+        [watch] = tap.watches
+        assert (watch.key, watch.range_end) == (keys.join_prefix(round_), keys.start(round_) + b"\0")
