@@ -6,15 +6,21 @@ keeps ``<state key>/alive/<node>`` on a lease of ``presence_ttl`` (default 3 s),
 of it on the client's keep-alive stream. etcd's leader deletes the key after a TTL without renewal:
 etcd's clock decides, and a new leader extends every lease, so an election or a quorum loss drops
 nobody. An observer (rank below :data:`OBSERVERS` of a completed round) reads the keys at most every
-:attr:`Presence.period`; a member whose key it once read and no longer finds is dead
-(:meth:`Presence.departed`); one it never read (an older etcd-rdzv, torch's own handler) is judged
-by its heartbeat only.
+:attr:`Presence.period`; a member whose key it once read and then finds in no read for
+:attr:`Presence.grace` (half a TTL) is dead (:meth:`Presence.departed`); one it never read (an older
+etcd-rdzv, torch's own handler) is judged by its heartbeat only.
 
 False drops: a live node's renewals reach etcd at most ``interval + answer bound + reconnect``
 apart (0.5 + 1 s + reconnect by default), under the 3 s TTL; a node dropped all the same sees its
 round end and joins the next one (never stranded). An observer judges only from a read holding its
 own key: without it (etcd unreachable for a TTL, so others' keys may have expired for the same
-reason) it judges nobody until it reads them again with its key back. docs/operations.md
+reason) it judges nobody until it reads them again with its key back. etcd may also end a live
+node's lease: a leader paused for about a TTL revokes, when it resumes, the leases it finds expired on
+its own stale clock, and that revoke can commit before it steps down (etcd-io/etcd#15247); some nodes
+lose their key, others keep theirs. Such a stall shows in the observer's own renewals too, so it
+judges only after a TTL of steady ones (:meth:`Presence._steady`); and the node learns of its lost
+lease at its next answered keep-alive and puts its key again at its next poll, so an absence must last
+the grace to count. docs/operations.md
 ("etcd-v2's sealed rounds") has the measurements.
 
 Costs: per node one LeaseGrant and one Put at its first join (again only after a lost lease) and a
@@ -66,10 +72,15 @@ class Presence:
         self._dir = f"{state_key}/{V2_PRESENCE_DIR}/"
         self.ttl = ttl
         self.period = presence_period(ttl)
+        #: Seconds a member's key must be missing from every read before it counts as departed.
+        self.grace = ttl / 2.0
+        #: A gap between our own renewals longer than this: etcd (or our way to it) stalled.
+        self.stall = 3.0 * self.period
         self._lock = threading.Lock()
         self._session: Session | None = None
         self._own: str | None = None  # this node's name, once ensure() put its key
         self._seen: set[str] = set()
+        self._missing_since: dict[str, float] = {}  # seen members the reads lack: the first such read's start
         self._present: frozenset[str] = frozenset()
         self._read_at = -math.inf
         self._trusted_from = -math.inf  # monotonic time from which a read may judge (own key held)
@@ -124,18 +135,19 @@ class Presence:
             session.close(timeout=self.ttl)
 
     def departed(self, names: Iterable[str]) -> list[str]:
-        """Of ``names``, those whose key this view once read and its latest read lacks, sorted; nobody
-        without a read younger than a TTL (see :meth:`present`)."""
-        present = self.present()
-        if present is None:
+        """Of ``names``, those whose key this view once read and every read of the last :attr:`grace`
+        lacks, sorted; nobody without a read younger than a TTL (see :meth:`present`)."""
+        if self.present() is None:
             return []
         with self._lock:
-            return sorted(n for n in names if n in self._seen and n not in present)
+            since = self._missing_since
+            return sorted(n for n in names if n in since and self._read_at - since[n] >= self.grace)
 
     def _forget_seen(self) -> None:
         """Our own key was lost: judge nobody from reads before it is back, nor anybody not read since
         (lock held)."""
         self._seen.clear()
+        self._missing_since.clear()
         self._present = frozenset()
         self._read_at = -math.inf
         self._trusted_from = math.inf
@@ -154,9 +166,23 @@ class Presence:
             self._read(now)
         with self._lock:
             now = time.monotonic()
-            if now - self._read_at > self.ttl or now - self._trusted_from < self.ttl:
+            if now - self._read_at > self.ttl or now - self._trusted_from < self.ttl or not self._steady(now):
                 return None
             return self._present
+
+    def _steady(self, now: float) -> bool:
+        """Whether our own lease was renewed at most :attr:`stall` apart through the last TTL (lock held).
+
+        After a stall of etcd (a paused leader, an election) others' leases may have ended for the same
+        reason, and their owners learn it only when their own streams recover: judge nobody until a TTL
+        of steady renewals has passed. No RPC."""
+        session = self._session
+        if session is None:
+            return False
+        times = session.renewed_at()  # oldest first
+        first = next((i for i, t in enumerate(times) if t >= now - self.ttl), len(times))
+        points = [*times[max(first - 1, 0):], now]  # the renewals of the last TTL and the one before
+        return all(b - a <= self.stall for a, b in zip(points, points[1:], strict=False))
 
     def _read(self, started: float) -> None:
         try:
@@ -174,6 +200,10 @@ class Presence:
                 return
             if self._trusted_from == math.inf:
                 self._trusted_from = started  # the first read with its key back
+            for name in self._seen - present:
+                self._missing_since.setdefault(name, started)
+            for name in present:
+                self._missing_since.pop(name, None)
             self._present = present
             self._seen |= present
             self._read_at = started
