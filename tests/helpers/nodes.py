@@ -189,6 +189,20 @@ def lease_of(handler: Any) -> int:
     return int(session.id)
 
 
+def until_silent(client: EtcdClient, lease: int, seconds: int, timeout: float = 15.0) -> None:
+    """Return once etcd's leader reports ``lease`` unrenewed for at least ``seconds`` (``silent_for``: granted
+    TTL - remaining - 1, whole seconds): a look from then on condemns a member of that lease. Polls etcd's
+    own count (a deadline, no guessed sleep)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        remaining, granted = client.lease_ttls(lease)
+        assert remaining >= 0, f"lease {lease:x} expired"
+        if granted - remaining - 1 >= seconds:
+            return
+        assert time.monotonic() < deadline, f"lease {lease:x} never {seconds} s silent"
+        time.sleep(0.05)
+
+
 def results(futures: Sequence[Future[Any]], timeout: float = WAIT) -> list[Any]:
     return [f.result(timeout=timeout) for f in futures]
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from helpers.lost_replies import LostReplies, txn_puts_key
-from helpers.nodes import ETCD_V3, Nodes, lease_of
+from helpers.nodes import ETCD_V3, Nodes, lease_of, until_silent
 
 from etcd_rdzv.native import protocol
 from etcd_rdzv.native.handler import EtcdV3RendezvousHandler
@@ -177,18 +177,6 @@ def dead_join(run: Run, name: str, lease: int) -> bytes:
     return bytes(run.keys.join_key(sealed.round + 1, name))
 
 
-def until_condemned(run: Run, lease: int) -> None:
-    """Return once etcd reports ``lease`` unrenewed for :data:`CONDEMNED` s (polls etcd's own count)."""
-    deadline = time.monotonic() + 15.0
-    while True:
-        remaining, granted = run.client.lease_ttls(lease)
-        assert remaining >= 0
-        if granted - remaining - 1 >= CONDEMNED:
-            return
-        assert time.monotonic() < deadline, f"lease {lease:x} never {CONDEMNED} s silent"
-        time.sleep(0.05)
-
-
 def sealer(run: Run, max_nodes: int, *interceptors: Any) -> EtcdV3RendezvousHandler:
     """A node that forms round 1 alone (so that its own renewals are steady for longer than any joiner
     of round 2 is silent) and then seals round 2 (``min_nodes`` 1)."""
@@ -210,7 +198,7 @@ def test_the_sealer_evicts_at_most_63_joiners_in_one_txn(run: Run) -> None:
     dead = run.client.lease_grant(TTL)
     for i in range(SEAL_LOOKED + 1):
         dead_join(run, f"dead{i:03d}", dead)
-    until_condemned(run, dead)
+    until_silent(run.client, dead, CONDEMNED)
     prefix = run.keys.join_prefix(2)
     with run.client.watch(prefix, prefix=True) as watch:
         res = run.start(a)[0].result(timeout=30)
@@ -232,7 +220,7 @@ def test_the_sealer_judges_no_joiner_beyond_max_nodes(run: Run) -> None:
     counter, lost = RpcCounter(), LostReplies()
     a = sealer(run, 1, counter, lost)
     dead = run.client.lease_grant(TTL)
-    until_condemned(run, dead)
+    until_silent(run.client, dead, CONDEMNED)
     late: list[bytes] = []
     rule = lost.meddle("KV/Txn", txn_puts_key(lambda k: k == run.keys.sealed),
                        lambda: late.append(dead_join(run, "late", dead)))
@@ -256,7 +244,7 @@ def test_the_sealer_judges_again_the_joiners_of_an_evictions_fresh_read(run: Run
     a = sealer(run, 2, lost)
     dead = run.client.lease_grant(TTL)
     early = dead_join(run, "early", dead)
-    until_condemned(run, dead)
+    until_silent(run.client, dead, CONDEMNED)
     late: list[bytes] = []
     rule = lost.meddle("KV/Txn", txn_puts_key(lambda k: k == early), lambda: late.append(dead_join(run, "late", dead)))
     res = run.start(a)[0].result(timeout=20)

@@ -23,12 +23,12 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from helpers.lost_replies import LostReplies, txn_puts_key
-from helpers.nodes import ETCD_V3, Nodes, lease_of
+from helpers.nodes import ETCD_V3, Nodes, lease_of, until_silent
 
 from etcd_rdzv.native.handler import EtcdV3RendezvousHandler, RoundResult
 from etcd_rdzv.native.leases import MAX_LOOKED, OBSERVERS
 from etcd_server import EtcdCluster
-from etcd_store.client import EtcdClient, Event, Watch
+from etcd_store.client import Event, Watch
 from etcd_store.client.testing import RpcCounter
 
 pytestmark = pytest.mark.timeout(120)
@@ -158,20 +158,6 @@ def test_a_member_whose_stream_sits_on_a_frozen_follower_is_not_evicted(etcd_bin
 
 
 # --------------------------------------------------------------------------- design claims, one test each
-
-
-def until_silent(client: EtcdClient, lease: int, seconds: int, timeout: float = 15.0) -> None:
-    """Return once etcd's leader reports ``lease`` unrenewed for at least ``seconds`` (``silent_for``: granted
-    TTL - remaining - 1, whole seconds): a look from then on condemns a member of that lease. Polls etcd's
-    own count (a deadline, no guessed sleep)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        remaining, granted = client.lease_ttls(lease)
-        assert remaining >= 0, f"lease {lease:x} expired"
-        if granted - remaining - 1 >= seconds:
-            return
-        assert time.monotonic() < deadline, f"lease {lease:x} never {seconds} s silent"
-        time.sleep(0.05)
 
 
 def deletes_of(watch: Watch, key: bytes, within: float) -> list[Event]:
