@@ -4,7 +4,6 @@ and its own lease's renewals, without etcd: when it may judge, and how long an a
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import pytest
 
@@ -19,12 +18,6 @@ class _Session:
 
     def renewed_at(self) -> tuple[float, ...]:
         return tuple(self.times)
-
-    def done(self) -> Any:
-        class _Never:
-            def is_set(self) -> bool:
-                return False
-        return _Never()
 
 
 def _view(renewals: list[float], present: set[str], seen: set[str], missing: dict[str, float]) -> Presence:
