@@ -8,7 +8,7 @@ does, overflows the C stack of any unpickler: a 1 MB pickle crashes the process)
 objects than a state of :data:`MAX_NODES` nodes holds. Pure: no I/O, cost linear in the pickle's size.
 
 The walk is one loop (:func:`_walk`) with the common actions inline and the rare ones in :func:`_rare`:
-a call per opcode (a table of bound methods) made it 12-18% slower on large states.
+a Python call per opcode would cost 12-18% on large states.
 """
 
 from __future__ import annotations
