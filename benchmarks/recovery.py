@@ -1,9 +1,10 @@
 """``python -m benchmarks.recovery [PYTEST_ARGS ...]``: the recovery figures of the e2e scenarios.
 
-Runs the timed e2e scenarios (the fault scenarios, the partitions, the etcd-v3 node-ends job, the chaos
-soak; or the pytest arguments given) with ``ETCD_RDZV_TIMINGS_DIR`` set, so that every scenario writes its
-figure into a file of its own (tests/helpers/elastic.py ``record_timing``), then merges those figures into
-``benchmarks/results/recovery.json`` (``--out`` to change), keeping the figures of scenarios that did not run.
+Runs the timed e2e scenarios (the fault scenarios, the partitions, the etcd-v3 node-ends and dead-joiner
+jobs, the chaos soak; or the pytest arguments given) with ``ETCD_RDZV_TIMINGS_DIR`` set, so that every
+scenario writes its figure into a file of its own (tests/helpers/elastic.py ``record_timing``), then merges
+those figures into ``benchmarks/results/recovery.json`` (``--out`` to change), keeping the figures of
+scenarios that did not run.
 A plain ``pytest`` run only prints the figures (``[timing]`` lines): tests write nothing tracked.
 
 Exit status: pytest's.
@@ -26,6 +27,7 @@ DEFAULT_TESTS = [
     "tests/e2e/test_elastic_faults.py",
     "tests/e2e/test_partitions.py",
     "tests/e2e/test_v3_torchrun.py::test_a_node_that_ends_leaves_and_the_others_train_again",
+    "tests/e2e/test_v3_torchrun.py::test_a_dead_joiner_named_in_a_seal_does_not_end_the_job",
     "tests/e2e/test_docker_suite.py",
     "tests/e2e/test_chaos_soak.py",
 ]
