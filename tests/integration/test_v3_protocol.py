@@ -803,14 +803,28 @@ def test_shutdown_interrupts_a_blocked_join(nodes: Nodes) -> None:
 
 
 def test_idle_job_writes_nothing(nodes: Nodes) -> None:
+    """Once the group runs, its nodes write nothing under the run's prefix while keep-alives go on. The
+    run's own writes are what counts: the module's etcd is shared, and another test's lease that expires
+    meanwhile moves the store's revision (the whole store's revision moved by one here once, under load)."""
     hs = nodes.many(3, 3, 3, heartbeat="2")
     assert_group(results(nodes.start(*hs)), 3)
-    before = nodes.client.range(b"/", count_only=True).revision
+    prefix = nodes.prefix.encode()
+    before = nodes.client.range(prefix, prefix=True, count_only=True).revision
     sessions = [h._node.session for h in hs]
     assert all(k is not None for k in sessions)
     threading.Event().wait(3.0)  # several keep-alives (every ~0.7 s) must happen meanwhile
     assert all(nodes.client.lease_time_to_live(k.id) > 0 for k in sessions if k is not None)
-    assert nodes.client.range(b"/", count_only=True).revision == before
+    # Every write under the prefix since ``before``, up to a sentinel put now (a watch from the past
+    # replays them in order, so the sentinel's event ends the list).
+    sentinel = prefix + b"/~idle-check"
+    nodes.client.put(sentinel, b"")
+    writes: list[bytes] = []
+    with nodes.client.watch(prefix, prefix=True, start_revision=before + 1) as watch:
+        while sentinel not in writes:
+            batch = watch.get(timeout=10.0)
+            assert batch, f"the watch replayed no sentinel within 10 s; writes so far: {writes}"
+            writes += [e.kv.key for e in batch]
+    assert writes == [sentinel]
 
 
 def test_each_handler_may_own_its_client(etcd_endpoint: str) -> None:
