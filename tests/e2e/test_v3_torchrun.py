@@ -355,7 +355,11 @@ def test_a_normal_end_leaves_a_slow_node_running_and_the_operators_close_stops_i
     agents.script.write_text(SLOW_END)
     runner = agents.tmp_path / "torchrun_short_exit_barrier.py"
     runner.write_text(SHORT_EXIT_BARRIER)
-    conf = CONF.replace("last_call_timeout=60", "last_call_timeout=2")
+    # No node dies here, so the default lease: with CONF's 3 s one, starved keep-alives (four heavy e2e
+    # files side by side on two cores) once let the fast node's lease lapse during its exit barrier, the
+    # slow node saw a member gone, restarted and met the closed run: a death, not this scenario.
+    conf = CONF.replace("last_call_timeout=60", "last_call_timeout=2").replace(
+        "heartbeat=3", f"heartbeat={DEFAULT_LEASE_TTL}")
     agents.launch(2, [
         "--nnodes=2", "--nproc-per-node=1",
         "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
