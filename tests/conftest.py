@@ -21,7 +21,9 @@ No torch import here.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import tempfile
 import time
 import warnings
 from collections.abc import Iterator
@@ -155,15 +157,29 @@ def etcd_binary(request: pytest.FixtureRequest) -> str:
     return ETCD_BINARIES[request.param]
 
 
+#: tmpfs, where the machine has one: the shared servers' data lives in memory.
+RAM_DIR = "/dev/shm"
+
+
 @pytest.fixture(scope="module", params=_VERSION_PARAMS)
 def etcd_server(request: pytest.FixtureRequest) -> Iterator[EtcdServer]:
-    """A started :class:`EtcdServer` shared by a module, once per etcd version."""
-    server = EtcdServer(binary=ETCD_BINARIES[request.param])
-    server.start(timeout=30)
+    """A started :class:`EtcdServer` shared by a module, once per etcd version.
+
+    Its data lives in :data:`RAM_DIR` where that is writable: the module's tests check the protocol,
+    not the disk, and some hold etcd to a 1 s deadline (a 200 ms store's floor), which a disk stall
+    beside cold torch imports could break (the store conformance tests once answered "no answer from
+    etcd within 1 s" twice in one CI phase; not reproduced). Per-test servers (:func:`fresh_etcd`) keep
+    the server's own temporary directory: their tests stop and restart it."""
+    ram = os.path.isdir(RAM_DIR) and os.access(RAM_DIR, os.W_OK)
+    data_dir = tempfile.mkdtemp(prefix="etcd-rdzv-test-", dir=RAM_DIR) if ram else None
+    server = EtcdServer(data_dir, binary=ETCD_BINARIES[request.param])
     try:
+        server.start(timeout=30)
         yield server
     finally:
         server.stop()
+        if data_dir is not None:
+            shutil.rmtree(data_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
