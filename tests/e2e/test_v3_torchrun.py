@@ -119,6 +119,12 @@ def agents(tmp_path: Path) -> Iterator[Agents]:
         a.kill()
 
 
+def _completed_after(log: str, after: float, default: float) -> float:
+    """When the agent whose log is ``log`` first logged torchrun's "Rendezvous complete" line after
+    ``after`` (epoch seconds); ``default`` if it did not."""
+    return min((t for t in log_line_times(log, "Rendezvous complete for workers") if t > after), default=default)
+
+
 def _check_group(results: list[dict[str, Any]], nodes: int, log: str) -> None:
     world = nodes * NPROC
     assert len(results) == world, log
@@ -264,9 +270,8 @@ def test_a_node_that_ends_leaves_and_the_others_train_again(
         recovery = max(r["t"] for r in again) - ended_at
         # The survivors' agents log "Rendezvous complete" (torchrun's INFO log) when their
         # new round is sealed: what is left of the figure is worker start-up.
-        completes = [min((t for t in log_line_times(log.read_text(errors="replace"),
-                                                    "Rendezvous complete for workers") if t > ended_at),
-                         default=float("nan")) for log in agents.logs[:2]]
+        completes = [_completed_after(log.read_text(errors="replace"), ended_at, float("nan"))
+                     for log in agents.logs[:2]]
         rendezvous = max(completes) - ended_at
         # The first survivor's agent decides to restart (its workers failed, or num_nodes_waiting() > 0):
         # what comes before is worker failure detection (gloo, the worker's exit, the monitor interval).
@@ -459,8 +464,7 @@ def test_a_dead_joiner_named_in_a_seal_does_not_end_the_job(etcd_server: EtcdSer
     # 2 is sealed and started) within the dead joiner's lease TTL and a few seconds of its death. What
     # follows is worker start-up (seconds of CPU per worker, which parallel test lanes stretch: 29 s once
     # in CI), a figure for the benchmark (python -m benchmarks.recovery), not for an assertion.
-    rendezvous = max(min((t for t in log_line_times(log, "Rendezvous complete for workers") if t > died_at),
-                         default=float("inf")) for log in logs) - died_at
+    rendezvous = max(_completed_after(log, died_at, float("inf")) for log in logs) - died_at
     assert rendezvous < ttl + 10, agents.log_tails()
     record_timing("dead-joiner/etcd-v3", {
         "death_to_rendezvous_complete_s": round(rendezvous, 2), "death_to_group_of_2_result_s": round(took, 2),
