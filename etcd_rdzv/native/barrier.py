@@ -316,6 +316,7 @@ class Joined:
     key: bytes
     under: Sealed  # the sealed record the join was fenced on (round - 1 sealed at its revision)
     member: bool | None = None
+    created: int = 0  # the key's create revision (0: not known, e.g. a join whose answer was lost)
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ from .records import (
     Sealed,
     count_of,
     decode_members,
+    encode_evicted,
     encode_sealed,
     first_kv,
     lease_of,
@@ -364,7 +365,7 @@ def seal(
 
 
 def evict_joiners(
-    client: EtcdClient, keys: RunKeys, round_: int, previous: Sealed, victims: list[tuple[bytes, int, int]]
+    client: EtcdClient, keys: RunKeys, round_: int, previous: Sealed, victims: list[tuple[bytes, int, int, int]]
 ) -> SealOutcome:
     """Delete the dead joiners ``victims`` (``(key, mod_revision, lease)`` as read) of the unsealed
     ``round_`` (:mod:`~etcd_rdzv.native.leases`). One Txn::
@@ -372,25 +373,30 @@ def evict_joiners(
         if   mod(sealed) == previous.revision          (round_ still unsealed)
              and, for each victim, mod(key) == m and lease(key) == l   (unchanged since the read)
         then delete each key; put seq/T                 (a withdrawal: fences older reads)
+             put ctl/evicted = {T, victims' create revisions}   (no lease; tells a live victim)
              + the ranges of a RoundRead                (after the deletes: a fresh read)
         else the ranges of a RoundRead
 
     The ``seq/T`` bump fails any seal prepared from an older read, so no seal names an evicted
-    joiner. ``ok``: the keys were deleted; ``read``: the round after the Txn either way. A replay
-    fails its compares and returns a read.
+    joiner. ``ctl/evicted`` reaches every node waiting in ``T`` on its ``ctl/`` watch (one event per
+    eviction): a victim that was alive after all (stalled on its path to etcd, its lease fine) learns
+    it lost its place and joins again at once, instead of waiting without a key. ``victims`` are
+    ``(key, mod_revision, lease, create_revision)``. ``ok``: the keys were deleted; ``read``: the round
+    after the Txn either way. A replay fails its compares and returns a read.
     """
     if round_ != previous.round + 1:
         raise ValueError(f"cannot evict from round {round_} after round {previous.round}")
     compares = [compare_mod(keys.sealed, "==", previous.revision)]
     deletes = []
-    for key, mod_revision, lease in victims:
+    for key, mod_revision, lease, _ in victims:
         compares += [compare_mod(key, "==", mod_revision), compare_lease(key, "==", lease)]
         deletes.append(op_delete(key))
+    told = op_put(keys.evicted, encode_evicted(round_, [created for *_, created in victims]))
     reads = round_ops(keys, round_)
-    res = client.txn(compares, [*deletes, op_put(keys.seq(round_), b""), *reads], reads, idempotent=True)
+    res = client.txn(compares, [*deletes, op_put(keys.seq(round_), b""), told, *reads], reads, idempotent=True)
     if not res.succeeded:
         return SealOutcome(False, res.revision, parse_round(keys, res))
-    return SealOutcome(True, res.revision, parse_round(keys, res, skip=len(deletes) + 1))
+    return SealOutcome(True, res.revision, parse_round(keys, res, skip=len(deletes) + 2))
 
 
 def reattach(
@@ -507,16 +513,23 @@ def abort(client: EtcdClient, keys: RunKeys, run_lease: int, *, timeout: float |
 def remove_round_records_if_idle(
     client: EtcdClient, keys: RunKeys, *, timeout: float | None = None
 ) -> bool:
-    """Delete every ``rounds/`` and ``seq/`` key if no node holds a join key. One Txn.
+    """Delete the ``rounds/`` keys of rounds before the last sealed one, every ``seq/`` key and
+    ``ctl/evicted`` if no node holds a join key. One Range and one Txn, fenced on the sealed record.
 
-    The last node to leave removes what the run-lease TTL does not cover (the last rounds' stores,
-    the open round's counter).
+    The last node out removes what the run-lease TTL does not cover (the open round's counter, older
+    rounds' stores kept on a lease of their own). The last sealed round's records stay: its members may
+    still run after an outage expired their join keys (they re-attach), and its records ride on the
+    run lease, which ends a TTL after the last node stops renewing it. A ``seq/`` counter deleted here
+    restarts at 1 for the next joiner; no node confuses an old number with a new one, as a rank is
+    handed only for a create revision the seal names (:class:`~etcd_rdzv.native.records.Membership`).
     """
+    sealed = read_meta(client, keys).sealed
     root = keys.join_root
-    start, end = keys.rounds, prefix_range_end(keys.rounds)
+    start, end = keys.rounds_before(sealed.round)
     res = client.txn(
-        [compare_version(root, "==", 0, range_end=prefix_range_end(root))],
-        [op_delete(start, end), op_delete(keys.seq_root, prefix=True)],
+        [compare_version(root, "==", 0, range_end=prefix_range_end(root)),
+         compare_mod(keys.sealed, "==", sealed.revision)],
+        [op_delete(start, end), op_delete(keys.seq_root, prefix=True), op_delete(keys.evicted)],
         timeout=timeout,
         idempotent=True,
     )

@@ -10,10 +10,18 @@ start acks and fate, and the round's store. ``<round>`` is zero-padded to 10 dig
 is round order; as ``ctl/`` sorts just before ``join/``, one watch on ``[ctl/, join/<T>/)``
 (:meth:`RunKeys.watch_range`) also covers the join keys of ``T - 1``.
 
-**Membership** (every waiting node receives it, so it is compact): ``{"joins": V, "world": W}``
-when the seal's read found exactly ``V`` joiners and ``V`` joins counted (nobody left: a member's
-rank is its sequence number - 1); else ``{"world": W, "created": [r0, d1, ...]}``, the members'
-create revisions in rank order, delta-encoded (each member knows its own from its join).
+**Membership** (every waiting node receives it, so it is compact): ``{"joins": V, "world": W,
+"first": C0, "last": C1}`` when the seal's read found exactly ``V`` joiners and ``V`` joins counted
+(nobody left: a member's rank is its sequence number - 1, and ``C0``/``C1`` are the create revisions
+of ranks 0 and ``W - 1``); else ``{"world": W, "created": [r0, d1, ...]}``, the members' create
+revisions in rank order, delta-encoded (each member knows its own from its join).
+
+**Identity by etcd.** A node takes a rank only for its own join key as etcd created it: its create
+revision must be named (``created``) or lie in ``[first, last]`` with its sequence number. A sequence
+number alone can restart (the last node out deletes ``seq/``; an evicted joiner keeps the number of its
+gone key), a create revision never repeats. The ``ctl/evicted`` record names the create revisions a
+sealer evicted from a round (:func:`~etcd_rdzv.native.protocol.evict_joiners`), so a live joiner
+evicted before a seal hears it on its ``ctl/`` watch and joins again at once.
 
 Every JSON value goes through :func:`load_json` (size and nesting bounded); a value this protocol
 never writes raises :class:`ProtocolStateError` naming the key. The node raises its own
@@ -36,7 +44,7 @@ from .settings import run_root
 
 __all__ = ["ClosedWhileKeptOut", "Joiner", "Membership", "Meta", "NodeError", "NodeShutDown",
            "ProtocolStateError", "RoundTimeout", "RunClosed", "RunKeys", "Sealed", "address_in", "count_of",
-           "decode_members", "decode_membership", "decode_sealed", "encode_sealed", "first_kv", "join_doc",
+           "decode_evicted", "decode_members", "decode_membership", "decode_sealed", "encode_evicted", "encode_sealed", "first_kv", "join_doc",
            "lease_of", "load_json"]
 
 # --------------------------------------------------------------------------- keys
@@ -93,6 +101,17 @@ class RunKeys:
         return f"{self.root}/ctl/sealed".encode()
 
     @cached_property
+    def evicted(self) -> bytes:
+        """The last eviction of joiners before a seal: ``{"round": T, "created": [create revisions]}``."""
+        return f"{self.root}/ctl/evicted".encode()
+
+    @cached_property
+    def fate(self) -> bytes:
+        """The fate of the last round whose start was decided, ``b"<T> go"`` or ``b"<T> void"``: the copy
+        in ``ctl/`` that the start barrier's watch hears (``rounds/<T>/start`` is the record)."""
+        return f"{self.root}/ctl/fate".encode()
+
+    @cached_property
     def join_root(self) -> bytes:
         return f"{self.root}/join/".encode()
 
@@ -112,6 +131,12 @@ class RunKeys:
         if not sep or not number.isdigit() or not node_id:
             return None
         return int(number), node_id
+
+    def start_watch_range(self, round_: int) -> tuple[bytes, bytes]:
+        """``[start, end)`` a member in the start barrier of ``round_`` watches: ``ctl/`` (fate, abort,
+        close) and the join keys of rounds up to ``round_`` (after the seal only ``round_``'s exist), not
+        the newcomers of ``round_ + 1``."""
+        return self.ctl, self.join_prefix(round_ + 1)
 
     def watch_range(self, round_: int, previous: bool) -> tuple[bytes, bytes]:
         """``[start, end)`` a node waiting in ``round_`` watches: ``ctl/``, plus with ``previous`` the join
@@ -219,11 +244,15 @@ class Joiner:
 
 @dataclass(frozen=True)
 class Membership:
-    """Who the members of a sealed round are (see the module docstring): ``joins``, or ``created``."""
+    """Who the members of a sealed round are (see the module docstring): ``joins`` (with ``first`` and
+    ``last``, the create revisions of the first and last member; 0 in a record of an older version), or
+    ``created``."""
 
     world: int
     joins: int | None = None
     created: tuple[int, ...] = ()
+    first: int = 0
+    last: int = 0
 
     @classmethod
     def of(cls, joiners: list[Joiner], joins: int, max_nodes: int) -> Membership:
@@ -231,22 +260,34 @@ class Membership:
         of ``seq/<T>``), read together."""
         world = min(len(joiners), max_nodes)
         if len(joiners) == joins:
-            return cls(world, joins=joins)
+            edges = (joiners[0].create_revision, joiners[world - 1].create_revision) if world else (0, 0)
+            return cls(world, joins=joins, first=edges[0], last=edges[1])
         return cls(world, created=tuple(j.create_revision for j in joiners[:world]))
 
     def rank_of(self, seq: int, create_revision: int) -> int | None:
         """The rank of the joiner ``(seq, create_revision)``; None when not a member (after ``max_nodes``
-        others, or gone at the sealer's read)."""
+        others, gone at the sealer's read, or a key of an earlier ``seq/`` count: identity by etcd, see
+        the module docstring)."""
         if self.joins is not None:
-            return seq - 1 if 1 <= seq <= self.world else None
+            if not 1 <= seq <= self.world:
+                return None
+            if self.first and not self.first <= create_revision <= self.last:
+                return None
+            return seq - 1
         try:
             return self.created.index(create_revision)
         except ValueError:
             return None
 
+    @property
+    def last_created(self) -> int:
+        """The create revision of the last member (0: not recorded): a join key of the round created
+        after it is no member's."""
+        return self.created[-1] if self.created else self.last
+
     def encode(self) -> dict[str, object]:
         if self.joins is not None:
-            return {"world": self.world, "joins": self.joins}
+            return {"world": self.world, "joins": self.joins, "first": self.first, "last": self.last}
         deltas = [b - a for a, b in zip((0, *self.created), self.created, strict=False)]
         return {"world": self.world, "created": deltas}
 
@@ -265,8 +306,9 @@ def _membership_in(record: object, value: bytes, key: bytes) -> Membership | Non
     if not isinstance(record, dict) or "world" not in record:
         return None
     world, joins, deltas = record.get("world"), record.get("joins"), record.get("created")
-    if _count(world) and joins is not None and _count(joins):
-        return Membership(world, joins=joins)
+    first, last = record.get("first", 0), record.get("last", 0)
+    if _count(world) and joins is not None and _count(joins) and _count(first) and _count(last):
+        return Membership(world, joins=joins, first=first, last=last)
     if (_count(world) and joins is None and isinstance(deltas, list) and len(deltas) == world
             and all(_count(d) for d in deltas)):
         return Membership(world, created=tuple(accumulate(deltas)))
@@ -340,6 +382,25 @@ def encode_sealed(
         record["master"] = list(master)
     record.update(membership.encode())
     return json.dumps(record, separators=(",", ":")).encode()
+
+
+def decode_evicted(value: bytes) -> tuple[int, frozenset[int]]:
+    """``(round, create revisions)`` of a ``ctl/evicted`` value; ``(0, {})`` when malformed (it only
+    ever hastens a re-join, so a bad one is ignored)."""
+    try:
+        record = load_json(value)
+    except ValueError:
+        return 0, frozenset()
+    if not isinstance(record, dict):
+        return 0, frozenset()
+    number, created = record.get("round"), record.get("created")
+    if not _count(number) or not isinstance(created, list) or not all(_count(c) for c in created):
+        return 0, frozenset()
+    return number, frozenset(created)
+
+
+def encode_evicted(round_: int, created: list[int]) -> bytes:
+    return json.dumps({"round": round_, "created": created}, separators=(",", ":")).encode()
 
 
 def decode_members(value: bytes, key: bytes = b"a members record") -> list[str]:

@@ -220,8 +220,10 @@ class Participant:
         :meth:`rendezvous` re-joins). Waits at most ``max(join_timeout, 2 * lease_ttl)`` (a dead member's
         key goes within one TTL); then raises ``RoundTimeout`` after withdrawing."""
         wait = max(self._settings.join_timeout, 2.0 * self._settings.lease_ttl)
+        joined = self.standing.joined
+        created = joined.created if joined is not None and joined.round == admitted.round else 0
         fate = start_round(self._client, self._keys, admitted.round, admitted.world_size, self._node_id,
-                           self.run_lease or 0, time.monotonic() + wait)
+                           self.run_lease or 0, time.monotonic() + wait, created=created)
         if fate is None:
             self._withdraw()
             raise RoundTimeout(
@@ -261,7 +263,8 @@ class Participant:
             if not outcome.ok:
                 return self._join_failed(outcome, sealed, clock)
             key = keys.join_key(target, self._node_id)
-            self.standing.joined, self.standing.joining = Joined(target, key, sealed), None
+            created = outcome.create_revision
+            self.standing.joined, self.standing.joining = Joined(target, key, sealed, created=created), None
             log.debug("node %s joined round %d at revision %d (join %d of the round, %d present)",
                       self._node_id, target, outcome.revision, outcome.seq, outcome.count)
             self.observer.joined(target, outcome.count)
@@ -270,7 +273,7 @@ class Participant:
             waited = self._wait(target, outcome, sealed, clock, prior.world if recovering else None,
                                 opened=ctl_watch, evicts=prior.evicts and follows)
         if isinstance(waited, RoundResult):
-            self.standing.joined = Joined(target, key, sealed, member=True)
+            self.standing.joined = Joined(target, key, sealed, member=True, created=created)
         return waited
 
     def _join_failed(self, outcome: protocol.JoinOutcome, sealed: Sealed, clock: JoinDeadline) -> _Retry:
@@ -392,6 +395,13 @@ class Participant:
                     "for room in a full group"
                 )
             raise RunClosed(f"the rendezvous {s.run_id!r} was closed")
+        if signal.kind is SignalKind.EVICTED:
+            # Our key was deleted before the seal while we lived (a stall longer than our eviction bound):
+            # we hold no place in this round; join again now rather than wait without a key.
+            log.warning("node %s: its join key of round %d was evicted before the seal (etcd heard no renewal "
+                        "of its lease in time); joining again", self._node_id, view.round)
+            self.standing.joined = None
+            return _Retry(self._sealed, state.clock)
         if signal.kind is SignalKind.RESET or signal.round != view.round:
             return _Retry(None, state.clock)
         sealed = signal.sealed

@@ -5,16 +5,21 @@ A seal may name a joiner that is dead already (killed less than its eviction bou
 or dies right after. Once ``next_rendezvous`` returns, torch's agent waits in a store barrier over
 every rank and polls nothing, so a dead member named makes it wait the store's timeout and fail.
 Hence no member returns ``T`` until every member confirmed it (docs/etcd-v3-design.md, Transitions, "Start"):
-each member **acks** (``if version(join/T/<me>) > 0 and version(rounds/T/start) == 0 then put
-rounds/T/start-acks/<me>``, reading acks, join keys and fate); the fate ``rounds/T/start`` is put
-once: ``go`` by a member that counted every ack, ``void`` by one that saw a join key of ``T`` (or
-its own) gone first; otherwise a member watches the join keys of ``T`` and the start key and looks
-again on a departure. ``void`` makes every member re-join ``T + 1`` as a member of ``T``.
+each member **acks** (``if create(join/T/<me>) == mine and version(rounds/T/start) == 0 and
+version(ctl/abort) == 0 then put rounds/T/start-acks/<me>``, reading acks, join keys, fate, its own
+key and ack); the fate ``rounds/T/start`` is put once, with its copy ``ctl/fate``: ``go`` by a member
+that counted every ack, ``void`` by one that saw a join key of ``T`` (or its own) gone first; otherwise
+a member watches ``[ctl/, join/T+1/)`` (the fate's copy, an abort, the join keys of ``T``; not the
+newcomers of ``T + 1``) and looks again on a departure or the fate. ``void`` makes every member re-join
+``T + 1`` as a member of ``T``.
 
-Why it is safe: an ack is fenced on the member's own key and on no fate decided, and a gone key
-never comes back, so once a key is gone the acks cannot reach the world size: ``go`` and ``void``
-are exclusive, decided once by etcd, seen alike by all. Cost per member and round: one watch, one
-ack Txn, at most one more Txn; a dead member is found within its lease TTL.
+Why it is safe: an ack is fenced on the member's own key (by create revision: the key the seal named,
+not one put again since) and on no fate decided, and a gone key never comes back, so once a key is
+gone the acks cannot reach the world size: ``go`` and ``void`` are exclusive, decided once by etcd,
+seen alike by all. A member returns ``T`` only with its own ack counted (identity by etcd: a node whose
+key etcd no longer backs never takes a rank). An abort (``etcd-rdzv close``) ends every wait at its
+event. Cost per member and round: one watch, one ack Txn, at most one more Txn, one event (the fate)
+unless a member departs; a dead member is found within its lease TTL.
 
 **MASTER_ADDR/MASTER_PORT.** Every join value holds the node's address and a free port with its
 probe time (:func:`join_value`). While rank 0's probe is recent (:data:`MASTER_PORT_MAX_AGE`) the
@@ -39,10 +44,10 @@ from typing import TYPE_CHECKING
 from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 from torch.distributed.elastic.utils.distributed import get_free_port
 
-from etcd_store.client import EtcdClient, Event, TxnResult, compare_version, op_get, op_put
+from etcd_store.client import EtcdClient, Event, TxnResult, compare_create, compare_version, op_get, op_put
 
 from .leases import confirm
-from .records import RunKeys, address_in, count_of, first_kv, join_doc
+from .records import RunClosed, RunKeys, address_in, count_of, first_kv, join_doc
 
 if TYPE_CHECKING:
     from etcd_store import EtcdStore
@@ -59,8 +64,10 @@ VOID = b"void"
 class Fate(enum.Enum):
     """What a member does next with what it read (:func:`decide`)."""
 
-    STARTED = "started"  # rounds/T/start is go: return the round
+    STARTED = "started"  # rounds/T/start is go and counted our ack: return the round
     VOIDED = "voided"  # rounds/T/start is void: re-join the next round
+    OUT = "out"  # go without our ack (our key was not the one named): we are no member, re-join
+    ABORTED = "aborted"  # the operator aborted the run
     PUT_GO = "put go"  # every member acked: decide go
     PUT_VOID = "put void"  # a member's key is gone before every ack: decide void
     WAIT = "wait"
@@ -68,86 +75,107 @@ class Fate(enum.Enum):
 
 @dataclass(frozen=True)
 class StartRead:
-    """One look at the start of round ``T`` at ``revision``: acks, join keys present, the start
-    value (None: undecided) and whether this member's own join key is there."""
+    """One look at the start of round ``T`` at ``revision``: acks, join keys present, the start value
+    (None: undecided), whether this member's own join key is there (with its create revision, when
+    known), whether its ack is, and whether the run was aborted."""
 
     revision: int
     acks: int
     present: int
     start: bytes | None
     mine: bool
+    acked: bool = False
+    aborted: bool = False
 
 
 def decide(read: StartRead, world: int) -> Fate:
-    """The member's next step (pure): a decided fate wins; every ack counted means go; a gone key (ours,
-    or fewer join keys than members) means void; else wait."""
+    """The member's next step (pure): an abort ends it; a decided fate wins (go only with our own ack
+    counted); every ack counted means go; a gone key (ours, or fewer join keys than members) means void;
+    else wait."""
+    if read.aborted:
+        return Fate.ABORTED
     if read.start == GO:
-        return Fate.STARTED
+        return Fate.STARTED if read.acked else Fate.OUT
     if read.start is not None:
         return Fate.VOIDED
-    if read.acks >= world:
-        return Fate.PUT_GO
+    if read.acks >= world:  # acks come from keys the seal named: without ours, we are none of them
+        return Fate.PUT_GO if read.acked else Fate.OUT
     if not read.mine or read.present < world:
         return Fate.PUT_VOID
     return Fate.WAIT
 
 
-def _reads(keys: RunKeys, round_: int, mine: bytes) -> list[object]:
-    """The ranges of a :class:`StartRead`: acks, join keys, start value, our own join key."""
+def _reads(keys: RunKeys, round_: int, node_id: str) -> list[object]:
+    """The ranges of a :class:`StartRead`: acks, join keys, start value, our own join key and ack, abort."""
     return [op_get(keys.acks_prefix(round_), prefix=True, count_only=True),
             op_get(keys.join_prefix(round_), prefix=True, count_only=True),
-            op_get(keys.start(round_)), op_get(mine, count_only=True)]
+            op_get(keys.start(round_)), op_get(keys.join_key(round_, node_id), keys_only=True),
+            op_get(keys.ack(round_, node_id), count_only=True), op_get(keys.abort, count_only=True)]
 
 
-def _read(res: TxnResult, skip: int = 0) -> StartRead:
-    acks, present, start, mine = res.responses[skip:skip + 4]
-    kv = first_kv(start)
+def _read(res: TxnResult, created: int, skip: int = 0) -> StartRead:
+    acks, present, start, mine, acked, aborted = res.responses[skip:skip + 6]
+    kv, own = first_kv(start), first_kv(mine)
     value = kv.value if kv else None
-    return StartRead(res.revision, count_of(acks), count_of(present), value, count_of(mine) > 0)
+    ours = own is not None and (not created or own.create_revision == created)
+    return StartRead(res.revision, count_of(acks), count_of(present), value, ours, count_of(acked) > 0,
+                     count_of(aborted) > 0)
 
 
-def acknowledge(client: EtcdClient, keys: RunKeys, round_: int, node_id: str, run_lease: int) -> StartRead:
-    """The ack Txn (module docstring); its read. One Txn."""
+def acknowledge(client: EtcdClient, keys: RunKeys, round_: int, node_id: str, run_lease: int,
+                created: int = 0) -> StartRead:
+    """The ack Txn (module docstring); its read. ``created``: our join key's create revision (0: not
+    known, then any key of ours). One Txn."""
     mine = keys.join_key(round_, node_id)
-    reads = _reads(keys, round_, mine)
+    reads = _reads(keys, round_, node_id)
+    own = compare_create(mine, "==", created) if created else compare_version(mine, ">", 0)
     res = client.txn(
-        [compare_version(mine, ">", 0), compare_version(keys.start(round_), "==", 0)],
+        [own, compare_version(keys.start(round_), "==", 0), compare_version(keys.abort, "==", 0)],
         [op_put(keys.ack(round_, node_id), b"", lease=run_lease), *reads],
         reads,
         idempotent=True,
     )
-    return _read(res, 1 if res.succeeded else 0)
+    return _read(res, created, 1 if res.succeeded else 0)
 
 
-def look(client: EtcdClient, keys: RunKeys, round_: int, node_id: str) -> StartRead:
+def look(client: EtcdClient, keys: RunKeys, round_: int, node_id: str, created: int = 0) -> StartRead:
     """The start of ``round_`` as it is now. One read-only Txn."""
-    return _read(client.txn([], _reads(keys, round_, keys.join_key(round_, node_id)), idempotent=True))
+    return _read(client.txn([], _reads(keys, round_, node_id), idempotent=True), created)
 
 
 def settle(client: EtcdClient, keys: RunKeys, round_: int, fate: bytes, run_lease: int) -> bytes:
-    """Put ``fate`` as the start of ``round_`` unless one is there; the stored fate. One Txn."""
+    """Put ``fate`` as the start of ``round_`` unless one is there, with its copy ``ctl/fate``; the
+    stored fate. One Txn."""
     key = keys.start(round_)
-    res = client.txn([compare_version(key, "==", 0)], [op_put(key, fate, lease=run_lease)], [op_get(key)],
-                     idempotent=True)
+    res = client.txn([compare_version(key, "==", 0)],
+                     [op_put(key, fate, lease=run_lease), op_put(keys.fate, b"%d %s" % (round_, fate), lease=run_lease)],
+                     [op_get(key)], idempotent=True)
     kv = None if res.succeeded else first_kv(res.responses[0])
     return kv.value if kv else fate  # (none: a replayed put that had applied: ours)
 
 
 def start_round(client: EtcdClient, keys: RunKeys, round_: int, world: int, node_id: str, run_lease: int,
-                deadline: float) -> bool | None:
-    """Ack round ``round_`` of ``world`` members and wait for its fate: True (go), False (void: re-join),
-    None (``deadline``, monotonic, passed undecided). Raises ``EtcdError`` from a failed call."""
-    lo = keys.join_prefix(round_)
-    hi = keys.start(round_) + b"\0"
+                deadline: float, *, created: int = 0) -> bool | None:
+    """Ack round ``round_`` of ``world`` members and wait for its fate: True (go), False (void, or go
+    without us: re-join), None (``deadline``, monotonic, passed undecided). ``created``: our join key's
+    create revision (0: not known). Raises ``RunClosed`` when the run was aborted, ``EtcdError`` from a
+    failed call."""
+    lo, hi = keys.start_watch_range(round_)
     with client.watch(lo, hi) as watch:
         confirm(client, watch, node_id)
-        read = acknowledge(client, keys, round_, node_id, run_lease)
+        read = acknowledge(client, keys, round_, node_id, run_lease, created)
         while True:
             fate = decide(read, world)
             if fate is Fate.STARTED:
                 return True
             if fate is Fate.VOIDED:
                 return False
+            if fate is Fate.OUT:
+                log.warning("node %s: round %d started without it (its join key is not the one the seal "
+                            "named): re-joining", node_id, round_)
+                return False
+            if fate is Fate.ABORTED:
+                raise RunClosed(f"the rendezvous {keys.root!r} was aborted while round {round_} started")
             if fate is not Fate.WAIT:
                 chosen = GO if fate is Fate.PUT_GO else VOID
                 stored = settle(client, keys, round_, chosen, run_lease)
@@ -158,16 +186,21 @@ def start_round(client: EtcdClient, keys: RunKeys, round_: int, world: int, node
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
-            if _departure_or_fate(watch.get(timeout=left), lo, keys.start(round_), read.revision):
-                read = look(client, keys, round_, node_id)
+            if _departure_or_fate(watch.get(timeout=left), keys, round_, read.revision):
+                read = look(client, keys, round_, node_id, created)
 
 
-def _departure_or_fate(events: list[Event], join_prefix: bytes, start_key: bytes, since: int) -> bool:
-    """Whether ``events`` (newer than the read at ``since``) hold a departure from the round or its fate."""
+def _departure_or_fate(events: list[Event], keys: RunKeys, round_: int, since: int) -> bool:
+    """Whether ``events`` (newer than the read at ``since``) hold a departure from the round, its fate or
+    an abort (other ``ctl/`` events, such as a close, change nothing here)."""
+    join_prefix = keys.join_prefix(round_)
     for ev in events:
         if ev.kv.mod_revision <= since:
             continue
-        if ev.key == start_key or (ev.type == "DELETE" and ev.key.startswith(join_prefix)):
+        if ev.type == "DELETE":
+            if ev.key.startswith(join_prefix):
+                return True
+        elif ev.key == keys.abort or (ev.key == keys.fate and ev.kv.value.startswith(b"%d " % round_)):
             return True
     return False
 

@@ -39,7 +39,7 @@ from . import protocol, start
 from .barrier import Barrier, Check, JoinCounts, Seal, TimeOut, WaitUntil, decide
 from .leases import SEAL_LOOKED, Evictor, NodeLeases, confirm, describe, own_pace, suspects
 from .protocol import CatchUp, RoundRead
-from .records import RoundTimeout, RunKeys, Sealed
+from .records import RoundTimeout, RunKeys, Sealed, decode_evicted
 from .settings import V3Settings
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,7 @@ class SignalKind(enum.Enum):
     SEALED = "sealed"  # ctl/sealed changed: see Signal.sealed
     CLOSED = "closed"  # ctl/closed (or ctl/abort, written with or after it) appeared
     RESET = "reset"  # ctl/sealed vanished (the run lease expired)
+    EVICTED = "evicted"  # ctl/evicted names this node's join key: it was deleted before the seal
 
 
 @dataclass(frozen=True)
@@ -129,10 +130,12 @@ class RoundView:
 
     def _caught(self, read: CatchUp, since: int, *, expect_sealed: bool) -> Signal | None:
         control = {kv.key: kv for kv in read.control}
-        for key in (self.keys.closed, self.keys.abort):
+        for key in (self.keys.closed, self.keys.abort, self.keys.evicted):
             closed = control.get(key)
             if closed is not None and closed.mod_revision > since:
-                return self._control(Event("PUT", closed))
+                signal = self._control(Event("PUT", closed))
+                if signal is not None:
+                    return signal
         sealed = control.get(self.keys.sealed)
         if sealed is None:
             return Signal(SignalKind.RESET) if expect_sealed else None
@@ -145,7 +148,7 @@ class RoundView:
         key = kv.key
         parsed = self.keys.parse_join_key(key)
         self.revision = max(self.revision, kv.mod_revision)
-        if key in (self.keys.sealed, self.keys.closed, self.keys.abort):
+        if key in (self.keys.sealed, self.keys.closed, self.keys.abort, self.keys.evicted):
             return self._control(event)
         if parsed is None or parsed[0] != self.round - 1:
             return None
@@ -165,7 +168,19 @@ class RoundView:
             if event.type == "DELETE":
                 return Signal(SignalKind.RESET)
             return Signal(SignalKind.SEALED, Sealed.from_kv(kv))
+        if kv.key == self.keys.evicted:
+            return self._evicted(event)
         return Signal(SignalKind.CLOSED) if event.type == "PUT" else None
+
+    def _evicted(self, event: Event) -> Signal | None:
+        """EVICTED when the eviction names our join key of this round (by create revision: identity by
+        etcd); a later join of ours has another create revision, so an older eviction never names it."""
+        if event.type != "PUT":
+            return None
+        round_, created = decode_evicted(event.kv.value)
+        if round_ == self.round and self.create_revision in created:
+            return Signal(SignalKind.EVICTED)
+        return None
 
 
 # --------------------------------------------------------------------------- the wait
@@ -331,8 +346,9 @@ class RoundWait:
             renewed, now, condemned = suspects(self._client, named, self.session, own, s.evict_misses)
             if not condemned:
                 return None
+            created = {j.key: j.create_revision for j in named}
             out = protocol.evict_joiners(self._client, self._keys, self.round, self.previous,
-                                         [(m.key, m.mod_revision, m.lease) for m in condemned])
+                                         [(m.key, m.mod_revision, m.lease, created[m.key]) for m in condemned])
         except EtcdError as e:
             log.info("node %s: could not look at the leases of round %d's joiners: %s", self._node_id, self.round, e)
             return None

@@ -97,7 +97,8 @@ def test_a_live_joiner_is_not_evicted_before_the_seal(run: Run) -> None:
 def test_an_eviction_fences_a_seal_prepared_from_an_older_read(run: Run) -> None:
     """The eviction Txn bumps the join counter, as a withdrawal does: a seal from the read taken
     before it fails its compare, so no seal names an evicted joiner; the Txn answers with a fresh
-    read that a seal may use."""
+    read. The victim here is alive: it hears ``ctl/evicted`` name its key and joins again at once, so
+    the round is sealed with all three (before: c waited without a key and was left out)."""
     a, b, c = (run.new(2, 4) for _ in range(3))
     waiting = run.start(a, b, c)
     run.until_joined(1, 3)
@@ -105,16 +106,19 @@ def test_an_eviction_fences_a_seal_prepared_from_an_older_read(run: Run) -> None
     meta = protocol.read_meta(client, keys)
     old = protocol.read_round(client, keys, 1)
     victim = next(j for j in old.joiners if j.node_id == c.node_id)
-    out = protocol.evict_joiners(client, keys, 1, meta.sealed, [(victim.key, victim.mod_revision, victim.lease)])
+    doomed = [(victim.key, victim.mod_revision, victim.lease, victim.create_revision)]
+    out = protocol.evict_joiners(client, keys, 1, meta.sealed, doomed)
     assert out.ok and out.read is not None
     assert [j.node_id for j in out.read.joiners] == [j.node_id for j in old.joiners if j.node_id != c.node_id]
     run_lease = protocol.ensure_run_lease(client, keys, 60)
     assert not protocol.seal(client, keys, 1, meta.sealed, old, run_lease, 4).ok  # fenced
-    again = protocol.evict_joiners(client, keys, 1, meta.sealed, [(victim.key, victim.mod_revision, victim.lease)])
+    again = protocol.evict_joiners(client, keys, 1, meta.sealed, doomed)
     assert not again.ok  # a replay fails its compares
-    assert protocol.seal(client, keys, 1, meta.sealed, out.read, run_lease, 4).ok
-    res = [f.result(timeout=20) for f in waiting[:2]]
-    assert {(r.round, r.world_size) for r in res} == {(1, 2)}
+    res = [f.result(timeout=20) for f in waiting]
+    assert {(r.round, r.world_size) for r in res} == {(1, 3)}
+    assert sorted(r.rank for r in res) == [0, 1, 2]
+    rejoined = client.get(victim.key)
+    assert rejoined is not None and rejoined.create_revision > victim.create_revision
 
 
 def test_the_sealer_evicts_as_many_joiners_as_it_looks_at_in_one_txn(run: Run) -> None:
@@ -128,7 +132,7 @@ def test_the_sealer_evicts_as_many_joiners_as_it_looks_at_in_one_txn(run: Run) -
     for i in range(SEAL_LOOKED + 1):
         client.put(keys.join_prefix(1) + b"dead%03d" % i, b"{}", lease=lease)
     joiners = protocol.read_round(client, keys, 1).joiners
-    victims = [(j.key, j.mod_revision, j.lease) for j in joiners]
+    victims = [(j.key, j.mod_revision, j.lease, j.create_revision) for j in joiners]
     assert len(victims) == SEAL_LOOKED + 1
     with pytest.raises(EtcdError, match="too many operations"):
         protocol.evict_joiners(client, keys, 1, meta.sealed, victims)

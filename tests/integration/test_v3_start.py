@@ -87,10 +87,11 @@ def _until_acked(client: EtcdClient, keys: RunKeys, round_: int, node: str, time
 def test_a_member_hears_the_fate_and_the_departures_of_its_round_not_the_acks(
         run: tuple[EtcdClient, RunKeys, int]) -> None:
     """Claim (design "Start"; ``start_round``): a member waiting for the fate of round T watches exactly
-    ``[join/T/, rounds/T/start\\0)``: the fate and the join keys of T (a departure), not the acks, which
-    sort after ``start``. (tests/unit/test_native_start.py checks that order of the keys, not what
-    ``start_round`` watches.) Round 1: a waits, b's join key goes; a hears it and voids the round. Round 2:
-    a waits, b acks and puts go; a's watch delivered the fate, not the acks, and a starts."""
+    ``[ctl/, join/T+1/)``: the fate's copy ``ctl/fate`` and the join keys of T (a departure), not the
+    acks nor the newcomers of T + 1. (tests/unit/test_native_start.py checks that order of the keys, not
+    what ``start_round`` watches.) Round 1: a waits, b's join key goes; a hears it and voids the round.
+    Round 2: a waits, four newcomers join round 3, b acks and puts go; a's watch delivered the fate
+    alone, and a starts (before: a heard every newcomer's join, and looked again at each)."""
     client, keys, lease = run
     for round_, go in ((1, False), (2, True)):
         for node in ("a", "b"):
@@ -101,6 +102,8 @@ def test_a_member_hears_the_fate_and_the_departures_of_its_round_not_the_acks(
                                time.monotonic() + 10.0)
             _until_acked(client, keys, round_, "a")
             if go:
+                for newcomer in range(4):
+                    client.put(keys.join_key(round_ + 1, f"new{newcomer}"), b"{}", lease=lease)
                 assert start.decide(start.acknowledge(client, keys, round_, "b", lease), 2) is start.Fate.PUT_GO
                 assert start.settle(client, keys, round_, start.GO, lease) == start.GO
             else:
@@ -108,8 +111,48 @@ def test_a_member_hears_the_fate_and_the_departures_of_its_round_not_the_acks(
             assert fate.result(timeout=15) is go
         heard = [(ev.type, ev.kv.key) for ev in tap.events()]
         if go:
-            assert heard == [("PUT", keys.start(round_))], heard  # neither ack (a's own, b's) reached a
+            assert heard == [("PUT", keys.fate)], heard  # no ack (a's own, b's), no newcomer reached a
         else:
             assert heard == [("DELETE", keys.join_key(round_, "b"))], heard
         [watch] = tap.watches
-        assert (watch.key, watch.range_end) == (keys.join_prefix(round_), keys.start(round_) + b"\0")
+        assert (watch.key, watch.range_end) == keys.start_watch_range(round_)
+
+
+def test_an_abort_ends_the_start_wait(run: tuple[EtcdClient, RunKeys, int]) -> None:
+    """``etcd-rdzv close`` while a member waits for a confirmation that will not come (a member named
+    but silent): the wait ends at the abort's event with RunClosed, not after the dead member's TTL
+    (before: the start watch did not cover ``ctl/``; a member waited 14.3 s with read_timeout 5)."""
+    from etcd_rdzv.native import protocol
+    from etcd_rdzv.native.records import RunClosed
+
+    client, keys, lease = run
+    for node in ("a", "b"):
+        _join(client, keys, node, lease)
+    with ThreadPoolExecutor(1) as pool:
+        fate = pool.submit(start.start_round, client, keys, 1, 2, "a", lease, time.monotonic() + 30.0)
+        _until_acked(client, keys, 1, "a")
+        aborted = time.monotonic()
+        assert protocol.abort(client, keys, lease).aborted
+        with pytest.raises(RunClosed, match="aborted"):
+            fate.result(timeout=10)
+        assert time.monotonic() - aborted < 2.0
+
+
+def test_a_node_whose_key_the_seal_did_not_name_never_starts(run: tuple[EtcdClient, RunKeys, int]) -> None:
+    """Identity by etcd in the start barrier: a node that believes it is a member but whose key is not
+    the one named (it was evicted, and its key put again since: another create revision) cannot ack,
+    and a go decided by the members is not its round (Fate.OUT). Before, start.decide returned STARTED
+    on a go without looking at the node's own key or ack."""
+    client, keys, lease = run
+    for node in ("a", "b"):
+        _join(client, keys, node, lease)
+    named = client.get(keys.join_key(1, "a"))
+    assert named is not None
+    client.delete(keys.join_key(1, "a"))
+    _join(client, keys, "a", lease)  # a's key again: a new create revision
+    read = start.acknowledge(client, keys, 1, "a", lease, named.create_revision)
+    assert client.get(keys.ack(1, "a")) is None and not read.mine
+    client.put(keys.ack(1, "x"), b"")
+    client.put(keys.ack(1, "y"), b"")
+    assert start.settle(client, keys, 1, start.GO, lease) == start.GO  # the named members' go
+    assert start.decide(start.look(client, keys, 1, "a", named.create_revision), 2) is start.Fate.OUT

@@ -215,10 +215,24 @@ def test_verdict_of_the_sealed_round() -> None:
     assert verdict(Membership(1, joins=1), seq=1, create_revision=1, rules=s) == Undersized(1)
 
 
+def test_a_sequence_number_of_an_earlier_count_is_no_rank() -> None:
+    """Identity by etcd. Joiner A (seq 1, created at 12) is evicted alive; the last node out deletes
+    ``seq/1``; C and D join (seq 1 and 2 again, created at 40 and 41) and the compact record is sealed.
+    A's number is 1, but its key is not one the record names: before, A took rank 0 beside C."""
+    s = rules(min_nodes=2, max_nodes=4)
+    record = Membership.of([Joiner("c", 40, b"{}"), Joiner("d", 41, b"{}")], joins=2, max_nodes=4)
+    assert verdict(record, seq=1, create_revision=40, rules=s) == Admitted(0, 2)
+    assert verdict(record, seq=2, create_revision=41, rules=s) == Admitted(1, 2)
+    assert verdict(record, seq=1, create_revision=12, rules=s) == Overflow()
+    assert verdict(record, seq=2, create_revision=45, rules=s) == Overflow()  # created after the last
+    # a record of an older version (no first/last) keeps its meaning
+    assert decode_membership(b'{"round":1,"world":2,"joins":2}') == Membership(2, joins=2)
+
+
 def test_membership_encoding_round_trips() -> None:
     joiners = [Joiner(f"n{i}", rev, b"{}") for i, rev in enumerate((7, 9, 30, 31))]
     compact = Membership.of(joiners, joins=4, max_nodes=3)
-    assert compact == Membership(3, joins=4)
+    assert compact == Membership(3, joins=4, first=7, last=30)
     listed = Membership.of(joiners, joins=6, max_nodes=3)  # two left before the read
     assert listed == Membership(3, created=(7, 9, 30))
     for m in (compact, listed):
