@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from etcd_rdzv.cli.actions import close_v3
 from etcd_rdzv.cli.connect import CliError, Deadline
+from etcd_rdzv.native import protocol
 from etcd_rdzv.native.records import RunKeys, Sealed
 from etcd_store.client import EtcdClient
 from etcd_store.errors import EtcdCompactedError, EtcdError
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 
 WEIGHTS = {"join": 20, "pause": 16, "query": 10, "monitor": 8, "leave": 4, "kill_revoke": 4, "kill_expire": 3,
            "lease_loss": 2, "stall": 4, "compact": 2, "outage": 1, "close": 1.5, "abort": 1,
-           "member_kill": 2, "member_freeze": 2, "heal": 3, "restart": 0.4}
+           "member_kill": 2, "member_freeze": 2, "heal": 3, "restart": 0.4, "evict_joiner": 1.5}
 CLUSTER_ONLY = {"member_kill", "member_freeze", "heal"}
 SINGLE_ONLY = {"restart"}
 FAULTS = {"outage", "member_kill", "member_freeze", "restart"}
@@ -448,6 +449,32 @@ class Checker(FaultSteps):
             self.model.stall_ends(index, time.monotonic())
             self.history.note("node resumed", node=node.name)
             self._stalled.discard(node.name)
+
+    def _step_evict_joiner(self) -> None:
+        """A sealer evicts a live joiner of the open round (as after a stall of it past its bound that
+        just ended; its lease is fine), and half the time the last node out then removes the records
+        (``seq/`` restarts). The node must be told and join again, and never take a rank in a round
+        whose record does not name its key (identity by etcd; the model's unique-ranks check)."""
+        node = self._pick_node(lambda n: n.alive and n.status == "waiting" and n.name not in self._stalled)
+        if node is None:
+            return
+        try:
+            sealed = protocol.read_meta(self.client, self.keys).sealed
+            read = protocol.read_round(self.client, self.keys, sealed.round + 1)
+            mine = [j for j in read.joiners if j.node_id == node.handler.node_id]
+            if not mine:
+                return
+            now = time.monotonic()  # excused as a stall past the bound: it may lose its place, nothing else
+            self.model.stall_ends(self.model.node_stall(node, now, now, long=True), now)
+            out = protocol.evict_joiners(self.client, self.keys, sealed.round + 1, sealed,
+                                         [(j.key, j.mod_revision, j.lease, j.create_revision) for j in mine])
+            self.history.note("joiner evicted alive", node=node.name, round=sealed.round + 1, ok=out.ok)
+            if out.ok and self.rng.random() < 0.5:
+                removed = protocol.remove_round_records_if_idle(self.client, self.keys)
+                self.history.note("last node out", removed=removed)
+        except EtcdError as e:
+            self.history.note("eviction not sent", node=node.name, error=str(e)[:80])
+        self.model.bump()
 
     def _step_kill_revoke(self) -> None:
         node = self._pick_node(lambda n: n.alive)
