@@ -167,6 +167,13 @@ class Nodes:
         """How many join keys etcd-v3's round ``round_`` has (one count-only Range)."""
         return self.client.range(self.join_prefix(round_), prefix=True, count_only=True).count
 
+    def until_joined(self, round_: int, count: int, timeout: float = 20.0) -> None:
+        """Return once round ``round_`` holds at least ``count`` join keys (polls :meth:`joined`)."""
+        deadline = time.monotonic() + timeout
+        while self.joined(round_) < count:
+            assert time.monotonic() < deadline, f"round {round_} never had {count} joiners"
+            time.sleep(0.05)
+
     def members(self, round_: int) -> list[str]:
         kv = self.client.get(self.keys.members(round_))
         assert kv is not None, f"round {round_} has no members record"

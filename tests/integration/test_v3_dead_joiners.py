@@ -42,12 +42,6 @@ class Run(Nodes):
     def __init__(self, endpoint: str) -> None:
         super().__init__(endpoint, ETCD_V3, conf=CONF, name="v3d")
 
-    def until_joined(self, round_: int, count: int, timeout: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout
-        while self.joined(round_) < count:
-            assert time.monotonic() < deadline, f"round {round_} never had {count} joiners"
-            time.sleep(0.05)
-
 
 @pytest.fixture
 def run(etcd_endpoint: str) -> Iterator[Run]:

@@ -37,12 +37,6 @@ class Run(Nodes):
     def __init__(self, endpoint: str) -> None:
         super().__init__(endpoint, ETCD_V3, conf=CONF, name="v3id")
 
-    def until_joined(self, round_: int, count: int, timeout: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout
-        while self.joined(round_) < count:
-            assert time.monotonic() < deadline, f"round {round_} never had {count} joiners"
-            time.sleep(0.05)
-
     def evict(self, handler: Any, round_: int = 1) -> None:
         """The sealer's eviction Txn on ``handler``'s join key of ``round_`` (the node is alive)."""
         meta = protocol.read_meta(self.client, self.keys)
