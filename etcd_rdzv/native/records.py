@@ -279,12 +279,6 @@ class Membership:
         except ValueError:
             return None
 
-    @property
-    def last_created(self) -> int:
-        """The create revision of the last member (0: not recorded): a join key of the round created
-        after it is no member's."""
-        return self.created[-1] if self.created else self.last
-
     def encode(self) -> dict[str, object]:
         if self.joins is not None:
             return {"world": self.world, "joins": self.joins, "first": self.first, "last": self.last}
